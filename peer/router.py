@@ -1,0 +1,391 @@
+"""Routing policies: rank every peer that could serve a request, best first, with the reason.
+
+The router decides; it never sends anything (STYLE 3). ``Router.rank`` turns the prompt's
+block-hash chain, this peer's exact local match and load, and the peer table into
+``PeerEstimate`` records, and ``rank_estimates`` orders them under a ``Policy``. The
+simulator feeds ``rank_estimates`` directly with exact matches, so both measure one code.
+
+The cost model (policy COST), in seconds, for a peer with match ``m`` of ``p`` prompt
+tokens and ``n`` new tokens::
+
+    network  = ROUND_TRIPS_PER_FORWARD * rtt                (0 for the entry peer itself)
+    queue    = queued_prompt_tokens / prefill_speed         (prefill work ahead of ours)
+             + running_requests * n / decode_speed          (decode shared with running streams)
+    prefill  = max(p - m, 1) / prefill_speed                (only the uncached suffix)
+    decode   = n / decode_speed
+
+The entry peer adds its own forwards since a peer's last summary to that peer's load, so a
+burst does not all land on one stale favourite. A remote match comes from its Bloom
+summary (walk until the first miss); the local match is exact. Unknown round-trip times
+and speeds take priors. A peer that failed recently is ranked after the entry peer.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from peer.config import Policy
+
+# Priors and bounds, each with its reason.
+DEFAULT_RTT_PRIOR_S = 0.050  # unmeasured peer: a same-continent WAN round trip; on loopback
+#   (~4 ms measured, notes/libp2p.md) it is pessimistic, so a measured peer beats an unknown one
+DEFAULT_PREFILL_TOKENS_PER_S = 500.0  # SmolLM2-135M on 2 CPU cores: ~1 s for 512 tokens
+DEFAULT_DECODE_TOKENS_PER_S = 15.0  # SmolLM2-135M on 2 CPU cores: 60-80 ms a token
+ROUND_TRIPS_PER_FORWARD = 2  # one to negotiate the stream (multistream-select), one request
+MIN_TOKENS_PER_S = 1e-3  # floor on any speed, so a zero or garbage figure cannot divide by 0
+FAILURE_BACKOFF_S = 10.0  # a peer that failed is tried only after the entry peer this long
+MAX_TRACKED_FAILURES = 4096  # bounds the failure memory; far above any peer table's size
+
+
+class PeerEstimate(NamedTuple):
+    """What the router believes about one candidate, everything the policies need.
+
+    NamedTuples, not frozen dataclasses: rank() builds several per peer per request and a
+    frozen dataclass costs ~2 us to build, a NamedTuple ~0.4 us.
+    """
+
+    peer_id: str
+    is_local: bool
+    match_blocks: int  # estimated (remote, Bloom) or exact (local)
+    match_tokens: int
+    queued_prompt_tokens: int  # including the entry peer's forwards since the last summary
+    running_requests: int  # likewise
+    prefill_tokens_per_s: float  # priors already applied where unknown
+    decode_tokens_per_s: float
+    rtt_s: float  # 0 for the entry peer
+    rtt_known: bool = True
+    speeds_known: bool = True
+    forwards_since_summary: int = 0
+    failed_s_ago: float | None = None  # seconds since a recent failure, None if none
+
+
+class Cost(NamedTuple):
+    """Estimated completion time of a request on one peer, by part (see module docstring)."""
+
+    network_s: float
+    queue_s: float
+    prefill_s: float
+    decode_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.network_s + self.queue_s + self.prefill_s + self.decode_s
+
+
+class Candidate(NamedTuple):
+    """One ranked choice. ``reason`` is formatted on demand (rank() stays fast)."""
+
+    peer_id: str
+    is_local: bool
+    match_blocks: int
+    match_tokens: int
+    cost_s: float
+    policy: Policy
+    estimate: PeerEstimate
+    cost: Cost
+    matches_estimated: bool
+
+    @property
+    def reason(self) -> str:
+        """A human-readable account of how this candidate was judged."""
+        return _reason(self)
+
+
+class LocalState(NamedTuple):
+    """The entry peer itself: its exact radix match for the prompt and its live load."""
+
+    peer_id: str
+    match_tokens: int
+    queued_prompt_tokens: int
+    running_requests: int
+    prefill_tokens_per_s: float  # measured; <= 0 when not measured yet
+    decode_tokens_per_s: float
+
+
+def estimate_cost(
+    match_tokens: int,
+    prompt_tokens: int,
+    max_new_tokens: int,
+    queued_prompt_tokens: int,
+    running_requests: int,
+    prefill_tokens_per_s: float,
+    decode_tokens_per_s: float,
+    rtt_s: float,
+) -> Cost:
+    """Estimated completion time of a request on a peer (the model in the module docstring).
+
+    Pure and cheap: the simulator calls it with exact matches.
+    """
+    prefill = max(prefill_tokens_per_s, MIN_TOKENS_PER_S)
+    decode = max(decode_tokens_per_s, MIN_TOKENS_PER_S)
+    decode_s = max_new_tokens / decode
+    return Cost(
+        ROUND_TRIPS_PER_FORWARD * rtt_s,
+        queued_prompt_tokens / prefill + running_requests * decode_s,
+        max(prompt_tokens - match_tokens, 1) / prefill,
+        decode_s,
+    )
+
+
+def _cost_of(estimate: PeerEstimate, prompt_tokens: int, max_new_tokens: int) -> Cost:
+    return estimate_cost(
+        estimate.match_tokens,
+        prompt_tokens,
+        max_new_tokens,
+        estimate.queued_prompt_tokens,
+        estimate.running_requests,
+        estimate.prefill_tokens_per_s,
+        estimate.decode_tokens_per_s,
+        estimate.rtt_s,
+    )
+
+
+def _check_estimates(estimates: Sequence[PeerEstimate]) -> None:
+    seen: set[str] = set()
+    locals_ = 0
+    for estimate in estimates:
+        if estimate.peer_id in seen:
+            raise ValueError(f"peer {estimate.peer_id} appears twice among the estimates")
+        seen.add(estimate.peer_id)
+        locals_ += estimate.is_local
+    if locals_ != 1:
+        raise ValueError(f"exactly one estimate must be the local peer, got {locals_}")
+
+
+def rank_estimates(
+    policy: Policy,
+    estimates: Sequence[PeerEstimate],
+    prompt_tokens: int,
+    max_new_tokens: int,
+    rng: random.Random,
+    last_choice: str | None = None,
+) -> list[Candidate]:
+    """All candidates under ``policy``, best first; exactly one estimate must be local.
+
+    Sorting policies (COST, LEAST_LOADED, LONGEST_PREFIX) place the local peer where it
+    ranks; RANDOM and ROUND_ROBIN pick the first among all peers and put the local peer last
+    otherwise. LOCAL returns the local peer alone. Peers that failed recently come after the
+    local peer. ``last_choice`` is ROUND_ROBIN's state: the peer it picked last time.
+    """
+    if prompt_tokens < 1 or max_new_tokens < 1:
+        raise ValueError(
+            f"prompt_tokens and max_new_tokens must be >= 1, got {prompt_tokens}, {max_new_tokens}"
+        )
+    _check_estimates(estimates)
+    uses_matches = policy in (Policy.COST, Policy.LONGEST_PREFIX)
+    candidates = [
+        _candidate(e, _cost_of(e, prompt_tokens, max_new_tokens), policy, uses_matches)
+        for e in estimates
+        if policy is not Policy.LOCAL or e.is_local
+    ]
+    if policy is Policy.COST:
+        candidates.sort(key=_cost_key)
+    elif policy is Policy.LONGEST_PREFIX:
+        candidates.sort(key=_prefix_key)
+    elif policy is Policy.LEAST_LOADED:
+        candidates.sort(key=_load_key)
+    elif policy is Policy.RANDOM or policy is Policy.ROUND_ROBIN:
+        candidates = _pick_first(policy, candidates, rng, last_choice)
+    return candidates
+
+
+def _candidate(e: PeerEstimate, cost: Cost, policy: Policy, uses_matches: bool) -> Candidate:
+    return Candidate(
+        e.peer_id,
+        e.is_local,
+        e.match_blocks,
+        e.match_tokens,
+        cost.network_s + cost.queue_s + cost.prefill_s + cost.decode_s,
+        policy,
+        e,
+        cost,
+        uses_matches or e.is_local,
+    )
+
+
+def _suspect(c: Candidate) -> bool:
+    return c.estimate.failed_s_ago is not None
+
+
+def _cost_key(c: Candidate) -> tuple[bool, float, bool, str]:
+    return (_suspect(c), c.cost_s, not c.is_local, c.peer_id)
+
+
+def _prefix_key(c: Candidate) -> tuple[bool, int, float, bool, str]:
+    return (_suspect(c), -c.match_blocks, c.cost.queue_s, not c.is_local, c.peer_id)
+
+
+def _load_key(c: Candidate) -> tuple[bool, float, bool, str]:
+    return (_suspect(c), c.cost.queue_s, not c.is_local, c.peer_id)
+
+
+def _pick_first(
+    policy: Policy, candidates: list[Candidate], rng: random.Random, last_choice: str | None
+) -> list[Candidate]:
+    healthy = sorted((c for c in candidates if not _suspect(c)), key=lambda c: c.peer_id)
+    suspects = sorted((c for c in candidates if _suspect(c)), key=lambda c: c.peer_id)
+    if policy is Policy.RANDOM:
+        rng.shuffle(healthy)
+    elif last_choice is not None:
+        # The cycle continues after the last pick, even if that peer has since left.
+        start = next((i for i, c in enumerate(healthy) if c.peer_id > last_choice), 0)
+        healthy = healthy[start:] + healthy[:start]
+    first, rest = healthy[0], healthy[1:]
+    if first.is_local:
+        return [first, *rest, *suspects]
+    local = [c for c in rest if c.is_local]
+    return [first, *(c for c in rest if not c.is_local), *local, *suspects]
+
+
+def _reason(c: Candidate) -> str:
+    e, cost = c.estimate, c.cost
+    who = "self" if e.is_local else "peer"
+    if not c.matches_estimated:
+        match = "match not estimated"
+    elif e.is_local:
+        match = f"exact match {e.match_blocks} blocks"
+    else:
+        match = f"~{e.match_blocks} blocks matched (Bloom)"
+    parts = [
+        f"{who} {e.peer_id} [{c.policy.value}]: {match}",
+        f"cost {c.cost_s:.3f} s = net {cost.network_s:.3f} + queue {cost.queue_s:.3f}"
+        f" + prefill {cost.prefill_s:.3f} + decode {cost.decode_s:.3f}",
+        f"load {e.running_requests} running, {e.queued_prompt_tokens} queued tokens",
+    ]
+    if e.forwards_since_summary:
+        parts.append(f"incl. {e.forwards_since_summary} forward(s) since its summary")
+    if not e.is_local:
+        rtt = f"rtt {e.rtt_s * 1000:.1f} ms"
+        parts.append(rtt if e.rtt_known else rtt + " (prior)")
+    if not e.speeds_known:
+        parts.append("speeds from prior")
+    if e.failed_s_ago is not None:
+        parts.append(f"failed {e.failed_s_ago:.1f} s ago, tried after self")
+    return "; ".join(parts)
+
+
+class RouterStatistics(NamedTuple):
+    ranks: int
+    first_local: int
+    first_remote: int
+    failures_recorded: int
+    successes_recorded: int
+
+
+class Router:
+    """Ranks candidates for each request under one policy; remembers failures and RR state."""
+
+    def __init__(
+        self,
+        policy: Policy,
+        rng: random.Random,
+        *,
+        rtt_prior_s: float = DEFAULT_RTT_PRIOR_S,
+        default_prefill_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_S,
+        default_decode_tokens_per_s: float = DEFAULT_DECODE_TOKENS_PER_S,
+        failure_backoff_s: float = FAILURE_BACKOFF_S,
+    ) -> None:
+        if not isinstance(policy, Policy):
+            raise ValueError(f"policy must be a Policy, got {policy!r}")
+        if rtt_prior_s < 0 or failure_backoff_s < 0:
+            raise ValueError("rtt_prior_s and failure_backoff_s must be >= 0")
+        if default_prefill_tokens_per_s <= 0 or default_decode_tokens_per_s <= 0:
+            raise ValueError("default speeds must be > 0")
+        self.policy = policy
+        self._rng = rng
+        self._rtt_prior_s = rtt_prior_s
+        self._default_prefill = default_prefill_tokens_per_s
+        self._default_decode = default_decode_tokens_per_s
+        self._failure_backoff_s = failure_backoff_s
+        self._failed_at: dict[str, float] = {}
+        self._last_choice: str | None = None
+        self._ranks = 0
+        self._first_local = 0
+        self._failures = 0
+        self._successes = 0
+
+    def rank_estimates(
+        self, estimates: Sequence[PeerEstimate], prompt_tokens: int, max_new_tokens: int
+    ) -> list[Candidate]:
+        """rank_estimates() under this router's policy, rng and round-robin state."""
+        ranked = rank_estimates(
+            self.policy, estimates, prompt_tokens, max_new_tokens, self._rng, self._last_choice
+        )
+        self._ranks += 1
+        self._first_local += ranked[0].is_local
+        if self.policy is Policy.ROUND_ROBIN:
+            self._last_choice = ranked[0].peer_id
+        return ranked
+
+    def record_outcome(self, peer_id: str, ok: bool, now: float) -> None:
+        """What came of trying ``peer_id``: a failure ranks it after self for a while."""
+        if ok:
+            self._successes += 1
+            self._failed_at.pop(peer_id, None)
+            return
+        self._failures += 1
+        self._failed_at.pop(peer_id, None)  # re-insert: the dict stays ordered by time
+        self._failed_at[peer_id] = now
+        self._forget_failures(now)
+
+    def failed_s_ago(self, peer_id: str, now: float) -> float | None:
+        """Seconds since ``peer_id`` last failed, if within the backoff; else None."""
+        at = self._failed_at.get(peer_id)
+        if at is None or now - at >= self._failure_backoff_s:
+            return None
+        return now - at
+
+    def _forget_failures(self, now: float) -> None:
+        while self._failed_at:
+            peer_id, at = next(iter(self._failed_at.items()))
+            if now - at < self._failure_backoff_s and len(self._failed_at) <= MAX_TRACKED_FAILURES:
+                break
+            del self._failed_at[peer_id]
+
+    def local_estimate(self, local: LocalState, block_size: int) -> PeerEstimate:
+        """The entry peer as a candidate: exact match, live load, no network."""
+        prefill, decode, known = self._speeds(
+            local.prefill_tokens_per_s, local.decode_tokens_per_s, local
+        )
+        return PeerEstimate(
+            local.peer_id,
+            True,
+            local.match_tokens // block_size,
+            local.match_tokens,
+            local.queued_prompt_tokens,
+            local.running_requests,
+            prefill,
+            decode,
+            0.0,
+            True,
+            known,
+        )
+
+    def _speeds(
+        self, prefill: float, decode: float, local: LocalState
+    ) -> tuple[float, float, bool]:
+        """Speeds with priors for unknown ones: the local measurement, else the defaults."""
+        known = prefill > 0 and decode > 0
+        if prefill <= 0:
+            prefill = (
+                local.prefill_tokens_per_s
+                if local.prefill_tokens_per_s > 0
+                else self._default_prefill
+            )
+        if decode <= 0:
+            decode = (
+                local.decode_tokens_per_s if local.decode_tokens_per_s > 0 else self._default_decode
+            )
+        return prefill, decode, known
+
+    def statistics(self) -> RouterStatistics:
+        return RouterStatistics(
+            self._ranks,
+            self._first_local,
+            self._ranks - self._first_local,
+            self._failures,
+            self._successes,
+        )
+
