@@ -10,7 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from protocols.errors import RemoteProtocolError
+from protocols.framing import FRAME_HEADER_BYTES, MAX_FRAME_BYTES, decode_cbor, encode_frame
 from protocols.infer import (
+    MAX_CHUNK_TEXT_LEN,
     MAX_CHUNK_TOKENS,
     MAX_ERROR_MESSAGE_LEN,
     MAX_HOPS,
@@ -279,11 +281,32 @@ def test_arbitrary_objects_parse_or_raise_remote_protocol_error(obj: object) -> 
 @given(st.binary(max_size=200))
 def test_arbitrary_cbor_bytes(data: bytes) -> None:
     try:
-        obj = cbor2.loads(data)
-    except (cbor2.CBORDecodeError, ValueError, TypeError, RecursionError):
-        return  # framing.py owns byte-level decoding; here we only see decoded objects
-    try:
+        obj = decode_cbor(data)
         frame = parse_frame(obj, VOCAB)
     except RemoteProtocolError:
         return
     assert isinstance(frame, InferRequest | TokenChunk | InferResult | InferError)
+
+
+@settings(max_examples=50)
+@given(requests)
+def test_truncated_or_corrupted_request_bytes(request: InferRequest) -> None:
+    data = bytearray(encode_frame(request.to_wire()))[FRAME_HEADER_BYTES:]
+    for corrupt in (data[: len(data) // 2], data[:-1], bytes(b ^ 0x5A for b in data)):
+        try:
+            frame = parse_frame(decode_cbor(corrupt), VOCAB)
+        except RemoteProtocolError:
+            continue
+        assert isinstance(frame, InferRequest)  # a flip that still decodes is still bounded
+
+
+def test_largest_frames_fit_the_frame_bound() -> None:
+    request = make_request(
+        request_id="r" * MAX_REQUEST_ID_LEN,
+        prompt_token_ids=(2**32 - 1,) * MAX_PROMPT_TOKENS,
+        stop=("\U0010ffff" * MAX_STOP_LEN,) * MAX_STOP_STRINGS,
+        seed=2**63 - 1,
+    )
+    chunk = TokenChunk((2**32 - 1,) * MAX_CHUNK_TOKENS, "\U0010ffff" * MAX_CHUNK_TEXT_LEN)
+    for frame in (request, chunk):
+        assert len(encode_frame(frame.to_wire())) <= MAX_FRAME_BYTES + FRAME_HEADER_BYTES
