@@ -1,0 +1,146 @@
+"""CacheSummary: what a peer gossips about its cache, load and speed; CBOR codec.
+
+Wire format (version 1): one CBOR map with exactly the keys ``"v"`` (= 1) and the field
+names of `CacheSummary`; no other key is accepted. `decode_summary` raises only
+`RemoteProtocolError`, for any input. Constructing a `CacheSummary` with out-of-bounds
+values raises ValueError, so a summary object is valid wherever it came from.
+
+Contract with the producer: `bloom` holds exactly the block hashes that are cached now
+(`cached_blocks` distinct keys); receivers check that the fill ratio agrees
+(peer/peer_table.py). Whether `seq` increases is for the receiver's table to judge.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+from protocols.bloom import BLOCK_BITS, MAX_BLOOM_BITS, MAX_BLOOM_HASHES, BloomFilter
+from protocols.errors import RemoteProtocolError
+from protocols.framing import decode_cbor, encode_cbor
+from protocols.ids import validate_model_id
+
+__all__ = [
+    "MAX_BLOCK_SIZE",
+    "MAX_COUNT",
+    "MAX_PEER_ID_CHARS",
+    "MAX_SEQ",
+    "MAX_SUMMARY_BYTES",
+    "MAX_TOKENS_PER_S",
+    "SUMMARY_VERSION",
+    "CacheSummary",
+    "decode_summary",
+    "encode_summary",
+]
+
+SUMMARY_VERSION = 1
+# Fields other than the filter take < 600 bytes; 4 KiB leaves room without allowing junk.
+MAX_SUMMARY_BYTES = MAX_BLOOM_BITS // 8 + 4096
+# Base58 ids of ed25519 keys have 52 characters, of RSA keys ~46; 128 is generous.
+MAX_PEER_ID_CHARS = 128
+MAX_BLOCK_SIZE = 1024  # the same bound as PeerConfig.block_size
+MAX_SEQ = (1 << 63) - 1  # a signed 64-bit counter: fits every CBOR and SQL integer type
+# Block and token counts: 2^40 is ~10^12, far beyond any cache or queue, and keeps
+# sums of counts over all peers exact in a float.
+MAX_COUNT = 1 << 40
+MAX_TOKENS_PER_S = 1e9  # no device comes near; rejects absurd claims that would win routing
+
+_FLOAT_FIELDS = ("prefill_tokens_per_s", "decode_tokens_per_s")
+
+
+def _check_int(name: str, value: object, low: int, high: int) -> None:
+    if type(value) is not int:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
+
+
+@dataclass(frozen=True)
+class CacheSummary:
+    """One peer's cache summary. Construction validates every bound (ValueError/TypeError)."""
+
+    peer_id: str
+    model_id: str
+    block_size: int
+    seq: int
+    bloom_bits: int
+    bloom_hashes: int
+    bloom: bytes
+    cached_blocks: int
+    capacity_blocks: int
+    queued_prompt_tokens: int
+    running_requests: int
+    prefill_tokens_per_s: float
+    decode_tokens_per_s: float
+
+    def __post_init__(self) -> None:
+        if type(self.peer_id) is not str or not 1 <= len(self.peer_id) <= MAX_PEER_ID_CHARS:
+            raise ValueError(f"peer_id must be a str of 1..{MAX_PEER_ID_CHARS} characters")
+        if not self.peer_id.isascii() or not self.peer_id.isalnum():
+            raise ValueError("peer_id must be ASCII letters and digits (base58 or base32)")
+        validate_model_id(self.model_id)
+        _check_int("block_size", self.block_size, 1, MAX_BLOCK_SIZE)
+        _check_int("seq", self.seq, 0, MAX_SEQ)
+        _check_int("bloom_bits", self.bloom_bits, BLOCK_BITS, MAX_BLOOM_BITS)
+        if self.bloom_bits % BLOCK_BITS:
+            raise ValueError(f"bloom_bits must be a multiple of {BLOCK_BITS}")
+        _check_int("bloom_hashes", self.bloom_hashes, 1, MAX_BLOOM_HASHES)
+        if type(self.bloom) is not bytes:
+            raise TypeError(f"bloom must be bytes, got {type(self.bloom).__name__}")
+        if len(self.bloom) != self.bloom_bits // 8:
+            raise ValueError(
+                f"bloom has {len(self.bloom)} bytes, {self.bloom_bits} bits need "
+                f"{self.bloom_bits // 8}"
+            )
+        for name in ("cached_blocks", "capacity_blocks", "queued_prompt_tokens"):
+            _check_int(name, getattr(self, name), 0, MAX_COUNT)
+        _check_int("running_requests", self.running_requests, 0, MAX_COUNT)
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            if type(value) not in (int, float):
+                raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+            if not (math.isfinite(value) and 0.0 <= value <= MAX_TOKENS_PER_S):
+                raise ValueError(f"{name} must be finite, in [0, {MAX_TOKENS_PER_S:g}]: {value}")
+
+    def bloom_filter(self) -> BloomFilter:
+        """A new BloomFilter decoded from `bloom` (the caller may keep and reuse it)."""
+        return BloomFilter.from_bytes(self.bloom_bits, self.bloom_hashes, self.bloom)
+
+
+_KEYS = frozenset({"v", *(f.name for f in fields(CacheSummary))})
+
+
+def encode_summary(summary: CacheSummary) -> bytes:
+    """The CBOR wire form of `summary`."""
+    wire: dict[str, object] = {"v": SUMMARY_VERSION}
+    for f in fields(CacheSummary):
+        value = getattr(summary, f.name)
+        wire[f.name] = float(value) if f.name in _FLOAT_FIELDS else value
+    data = encode_cbor(wire)
+    if len(data) > MAX_SUMMARY_BYTES:  # cannot happen for a valid summary; guards edits
+        raise ValueError(f"summary of {len(data)} bytes exceeds {MAX_SUMMARY_BYTES}")
+    return data
+
+
+def decode_summary(data: bytes | bytearray | memoryview) -> CacheSummary:
+    """A CacheSummary from wire bytes; RemoteProtocolError for anything invalid."""
+    if len(data) > MAX_SUMMARY_BYTES:
+        raise RemoteProtocolError(f"summary of {len(data)} bytes exceeds {MAX_SUMMARY_BYTES}")
+    wire = decode_cbor(data)
+    if not isinstance(wire, dict):
+        raise RemoteProtocolError(f"summary must be a CBOR map, got {type(wire).__name__}")
+    version = wire.get("v")
+    if version != SUMMARY_VERSION or type(version) is not int:
+        raise RemoteProtocolError(f"unsupported summary version {version!r}")
+    if wire.keys() != _KEYS:
+        missing = sorted(_KEYS - wire.keys())
+        extra = sorted(map(repr, wire.keys() - _KEYS))
+        raise RemoteProtocolError(f"summary keys wrong: missing {missing}, unexpected {extra}")
+    values = {name: value for name, value in wire.items() if name != "v"}
+    for name in _FLOAT_FIELDS:  # CBOR may carry an integral rate as an int
+        if type(values[name]) is int:
+            values[name] = float(values[name])
+    try:
+        return CacheSummary(**values)
+    except (TypeError, ValueError) as exc:
+        raise RemoteProtocolError(f"invalid summary: {exc}") from exc
