@@ -1,0 +1,335 @@
+"""PeerTable: what this peer believes about every other peer, with ages and expiry (pure).
+
+Fed by method calls with `now` (seconds on any monotonic clock; the shell passes
+`trio.current_time()`), it decides and reports; it never does I/O:
+
+- `apply(summary, source_peer_id, now)` validates a gossiped CacheSummary and keeps the
+  newest per peer, answering `ApplyResult(accepted, reason, detail)` where `reason` is a
+  stable code (a `Verdict`, usable as a metrics label) and `detail` a sentence.
+- A peer is live until `expiry_s` passes without an accepted summary; `expire(now)`
+  drops the silent ones and returns their ids. A stale entry counts as gone everywhere
+  (views, seq ordering) even before `expire` runs, so a peer that restarts with the same
+  identity and `seq` from 0 is accepted once its old entry has expired.
+- `estimate_match(peer_id, chain)` walks the chain until the first Bloom miss, using
+  the peer's decoded filter (decoded once per summary) and a shared `ProbeCache`.
+- `record_rtt` keeps an EWMA of round-trip times; `record_forward` counts the requests
+  this peer forwarded to another since that peer's last summary (reset by each accepted
+  summary), so the router can add them to the load the summary reported.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from protocols.bloom import BloomFilter, ProbeCache, Probes
+from protocols.summary import CacheSummary
+
+__all__ = [
+    "FILL_TOLERANCE",
+    "MAX_ADDRS_PER_PEER",
+    "MAX_ADDR_CHARS",
+    "MAX_PEERS",
+    "MAX_PLAUSIBLE_FILL",
+    "RTT_EWMA_ALPHA",
+    "ApplyResult",
+    "PeerTable",
+    "PeerView",
+    "Verdict",
+]
+
+# A routing decision scans every peer, and a decoded filter of MAX_BLOOM_BITS takes
+# ~0.75 MB: 256 peers bound both (~0.2 GB worst case) and far exceed one model's swarm.
+MAX_PEERS = 256
+# A filter this full answers "yes" to most probes (at k=6, 0.9^6 = 53%): it would only
+# attract requests it cannot serve from cache.
+MAX_PLAUSIBLE_FILL = 0.9
+# Allowed gap between the measured fill and the fill that `cached_blocks` distinct keys
+# give; 0.05 is >10 standard deviations for filters of a few thousand bits or more.
+FILL_TOLERANCE = 0.05
+FILL_SIGMAS = 8.0  # plus this many binomial deviations, which matters for tiny filters
+RTT_EWMA_ALPHA = 0.25  # follows a changed path within ~4 samples, smooths ping jitter
+MAX_ADDRS_PER_PEER = 16  # libp2p peers announce a handful; the rest is noise
+MAX_ADDR_CHARS = 256  # a multiaddr with DNS name, port, /p2p/ id fits easily
+
+
+class Verdict(enum.StrEnum):
+    """Why a summary was accepted or rejected (stable strings, for logs and metrics)."""
+
+    NEW_PEER = "new_peer"
+    UPDATED = "updated"
+    IDENTITY = "identity"  # summary.peer_id is not the gossip source
+    SELF = "self"  # our own summary came back
+    MODEL = "model"  # another model
+    BLOCK_SIZE = "block_size"  # another block size: hashes would never match
+    STALE_SEQ = "stale_seq"  # seq not above the live entry's (duplicate or reordered)
+    BLOOM_TOO_FULL = "bloom_too_full"
+    BLOOM_INCONSISTENT = "bloom_inconsistent"  # fill disagrees with cached_blocks
+    TABLE_FULL = "table_full"
+
+
+class ApplyResult(NamedTuple):
+    """The outcome of `PeerTable.apply`."""
+
+    accepted: bool
+    reason: Verdict
+    detail: str = ""
+
+
+class PeerView(NamedTuple):
+    """A snapshot of one live peer (immutable; taken by `views` / `get`)."""
+
+    peer_id: str
+    summary: CacheSummary
+    received_at: float  # when the summary was accepted
+    age_s: float  # now - received_at
+    rtt_s: float | None  # EWMA of measured round trips, None until measured
+    forwards_since_summary: int  # requests this peer forwarded there since the summary
+    forwarded_prompt_tokens: int  # their prompt tokens
+    addrs: tuple[str, ...]  # listen addresses the shell noted, if any
+
+
+@dataclass
+class _Entry:
+    summary: CacheSummary
+    bloom: BloomFilter
+    received_at: float
+    rtt_s: float | None = None
+    forwards: int = 0
+    forwarded_tokens: int = 0
+    addrs: tuple[str, ...] = field(default=())
+
+
+def _check_time(now: float) -> None:
+    if not math.isfinite(now):
+        raise ValueError(f"now must be finite, got {now}")
+
+
+class PeerTable:
+    """The newest accepted summary of every live peer, plus RTTs, forwards and addresses."""
+
+    def __init__(
+        self,
+        self_id: str,
+        model_id: str,
+        block_size: int,
+        expiry_s: float,
+        probe_cache: ProbeCache | None = None,
+    ) -> None:
+        if not self_id:
+            raise ValueError("self_id must be this peer's id")
+        if not (math.isfinite(expiry_s) and expiry_s > 0):
+            raise ValueError(f"expiry_s must be finite and > 0, got {expiry_s}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self._self_id = self_id
+        self._model_id = model_id
+        self._block_size = block_size
+        self._expiry_s = float(expiry_s)
+        self._entries: dict[str, _Entry] = {}
+        self._reaped: dict[str, None] = {}  # dropped by apply() when full, for expire()
+        self._probe_cache = probe_cache if probe_cache is not None else ProbeCache()
+        self._counts: dict[str, int] = {}
+
+    @property
+    def expiry_s(self) -> float:
+        return self._expiry_s
+
+    @property
+    def self_id(self) -> str:
+        return self._self_id
+
+    def __len__(self) -> int:
+        """Entries held, including silent ones that `expire` has not dropped yet."""
+        return len(self._entries)
+
+    def _live(self, entry: _Entry, now: float) -> bool:
+        return now - entry.received_at < self._expiry_s
+
+    def _result(self, accepted: bool, reason: Verdict, detail: str = "") -> ApplyResult:
+        self._counts[reason.value] = self._counts.get(reason.value, 0) + 1
+        return ApplyResult(accepted, reason, detail)
+
+    # -- summaries ---------------------------------------------------------------------
+
+    def apply(self, summary: CacheSummary, source_peer_id: str, now: float) -> ApplyResult:
+        """Validate `summary`, received from `source_peer_id`, and keep it if acceptable."""
+        _check_time(now)
+        peer_id = summary.peer_id
+        if peer_id != source_peer_id:
+            return self._result(
+                False, Verdict.IDENTITY, f"from {source_peer_id}, claims to be {peer_id}"
+            )
+        if peer_id == self._self_id:
+            return self._result(False, Verdict.SELF, "our own summary")
+        if summary.model_id != self._model_id:
+            return self._result(
+                False, Verdict.MODEL, f"model {summary.model_id!r}, we serve {self._model_id!r}"
+            )
+        if summary.block_size != self._block_size:
+            return self._result(
+                False,
+                Verdict.BLOCK_SIZE,
+                f"block size {summary.block_size}, ours is {self._block_size}",
+            )
+        old = self._entries.get(peer_id)
+        live_old = old is not None and self._live(old, now)
+        if old is not None and live_old and summary.seq <= old.summary.seq:
+            return self._result(
+                False, Verdict.STALE_SEQ, f"seq {summary.seq} <= current {old.summary.seq}"
+            )
+        bloom = summary.bloom_filter()
+        verdict = self._check_bloom(summary, bloom)
+        if verdict is not None:
+            return verdict
+        if old is None and len(self._entries) >= MAX_PEERS:
+            self._reap(now)
+            if len(self._entries) >= MAX_PEERS:
+                return self._result(False, Verdict.TABLE_FULL, f"{MAX_PEERS} live peers")
+        entry = _Entry(summary=summary, bloom=bloom, received_at=now)
+        if old is not None:  # keep what we measured; forwards start again from zero
+            entry.rtt_s = old.rtt_s
+            entry.addrs = old.addrs
+        self._entries[peer_id] = entry
+        self._reaped.pop(peer_id, None)
+        if live_old:
+            return self._result(True, Verdict.UPDATED, f"seq {summary.seq}")
+        return self._result(True, Verdict.NEW_PEER, f"seq {summary.seq}")
+
+    def _check_bloom(self, summary: CacheSummary, bloom: BloomFilter) -> ApplyResult | None:
+        fill = bloom.fill_ratio()
+        if fill > MAX_PLAUSIBLE_FILL:
+            return self._result(
+                False, Verdict.BLOOM_TOO_FULL, f"fill {fill:.3f} > {MAX_PLAUSIBLE_FILL}"
+            )
+        expected = bloom.expected_fill(summary.cached_blocks)
+        sigma = math.sqrt(expected * (1.0 - expected) / bloom.num_bits)
+        if abs(fill - expected) > FILL_TOLERANCE + FILL_SIGMAS * sigma:
+            return self._result(
+                False,
+                Verdict.BLOOM_INCONSISTENT,
+                f"fill {fill:.3f}, but {summary.cached_blocks} cached blocks give "
+                f"{expected:.3f} (~{bloom.estimated_count():.0f} keys in the filter)",
+            )
+        return None
+
+    def _reap(self, now: float) -> None:
+        for peer_id in [p for p, e in self._entries.items() if not self._live(e, now)]:
+            del self._entries[peer_id]
+            self._reaped[peer_id] = None
+        while len(self._reaped) > MAX_PEERS:  # only if expire() is never called
+            del self._reaped[next(iter(self._reaped))]
+
+    def expire(self, now: float) -> list[str]:
+        """Drop peers silent for `expiry_s` or longer; return their ids (sorted)."""
+        _check_time(now)
+        self._reap(now)
+        expired = sorted(self._reaped)
+        self._reaped.clear()
+        return expired
+
+    def remove(self, peer_id: str) -> None:
+        """Forget a peer now (e.g. the shell saw it disconnect for good)."""
+        self._entries.pop(peer_id, None)
+
+    # -- observations from the shell ----------------------------------------------------
+
+    def record_rtt(self, peer_id: str, rtt_s: float, now: float) -> None:
+        """Fold a measured round trip into the peer's EWMA (ignored for unknown peers)."""
+        _check_time(now)
+        if not (math.isfinite(rtt_s) and rtt_s >= 0.0):
+            raise ValueError(f"rtt_s must be finite and >= 0, got {rtt_s}")
+        entry = self._entries.get(peer_id)
+        if entry is None:
+            return
+        if entry.rtt_s is None:
+            entry.rtt_s = rtt_s
+        else:
+            entry.rtt_s += RTT_EWMA_ALPHA * (rtt_s - entry.rtt_s)
+
+    def record_forward(self, peer_id: str, prompt_tokens: int, now: float) -> None:
+        """Count a request forwarded to the peer (ignored for unknown peers)."""
+        _check_time(now)
+        if prompt_tokens < 0:
+            raise ValueError(f"prompt_tokens must be >= 0, got {prompt_tokens}")
+        entry = self._entries.get(peer_id)
+        if entry is not None:
+            entry.forwards += 1
+            entry.forwarded_tokens += prompt_tokens
+
+    def note_addrs(self, peer_id: str, addrs: Iterable[str]) -> None:
+        """Remember the peer's listen addresses (the first MAX_ADDRS_PER_PEER sane ones)."""
+        entry = self._entries.get(peer_id)
+        if entry is None:
+            return
+        kept: list[str] = []
+        for addr in addrs:
+            if len(kept) == MAX_ADDRS_PER_PEER:
+                break
+            if addr.startswith("/") and len(addr) <= MAX_ADDR_CHARS and addr not in kept:
+                kept.append(addr)
+        entry.addrs = tuple(kept)
+
+    # -- queries ---------------------------------------------------------------------------
+
+    def _view(self, peer_id: str, entry: _Entry, now: float) -> PeerView:
+        return PeerView(
+            peer_id,
+            entry.summary,
+            entry.received_at,
+            now - entry.received_at,
+            entry.rtt_s,
+            entry.forwards,
+            entry.forwarded_tokens,
+            entry.addrs,
+        )
+
+    def get(self, peer_id: str, now: float) -> PeerView | None:
+        """The live peer's view, or None if unknown or silent for `expiry_s`."""
+        entry = self._entries.get(peer_id)
+        if entry is None or not self._live(entry, now):
+            return None
+        return self._view(peer_id, entry, now)
+
+    def views(self, now: float) -> list[PeerView]:
+        """Every live peer, ordered by peer id (deterministic for the simulator)."""
+        return [
+            self._view(peer_id, entry, now)
+            for peer_id, entry in sorted(self._entries.items())
+            if self._live(entry, now)
+        ]
+
+    def probes(self, chain: Sequence[int]) -> Probes:
+        """The chain prepared once for `estimate_match` against many peers."""
+        return self._probe_cache.probes(chain)
+
+    def estimate_match(self, peer_id: str, chain: Sequence[int] | Probes) -> int:
+        """Leading blocks of `chain` the peer's filter holds (0 for an unknown peer).
+
+        Pass `probes(chain)` when asking about several peers. A stale entry still
+        answers; `views(now)` says which peers are live.
+        """
+        entry = self._entries.get(peer_id)
+        if entry is None:
+            return 0
+        probes = chain if isinstance(chain, Probes) else self._probe_cache.probes(chain)
+        return entry.bloom.count_prefix(probes)
+
+    def estimate_matches(self, chain: Sequence[int] | Probes, now: float) -> dict[str, int]:
+        """`estimate_match` for every live peer, mixing the chain once."""
+        probes = chain if isinstance(chain, Probes) else self._probe_cache.probes(chain)
+        return {
+            peer_id: entry.bloom.count_prefix(probes)
+            for peer_id, entry in sorted(self._entries.items())
+            if self._live(entry, now)
+        }
+
+    def statistics(self) -> dict[str, int]:
+        """Entries held, outcomes of `apply` by verdict, probe cache counters."""
+        stats = {"peers": len(self._entries)}
+        stats.update({f"apply_{reason}": count for reason, count in sorted(self._counts.items())})
+        stats.update({f"probe_cache_{k}": v for k, v in self._probe_cache.statistics().items()})
+        return stats
