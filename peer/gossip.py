@@ -1,0 +1,289 @@
+"""Anti-entropy: publish this peer's cache summary, validate and apply everyone else's.
+
+Publishes a CacheSummary on the model's GossipSub topic every `interval_s`, and early
+(at most once per `interval_s / 4`) when at least 5% of the cached blocks changed since
+the last summary (counted from the radix cache's stored/removed events). The Bloom
+filter is rebuilt from `cache.cached_hashes()` at each publish.
+
+Received summaries are checked inside pubsub's topic validator, so a rejected message
+is neither applied nor forwarded: size and schema (protocols.summary.decode_summary),
+sender identity against the signed gossip source, then PeerTable.apply (model id, block
+size, increasing seq, Bloom sanity). Each rejection is logged and counted by reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
+
+import trio
+from libp2p.peer.id import ID
+from libp2p.pubsub.pb import rpc_pb2
+from libp2p.pubsub.pubsub import Pubsub
+
+from peer.engine.radix import EventKind
+from peer.peer_table import PeerTable
+from protocols.bloom import BloomFilter
+from protocols.errors import RemoteProtocolError
+from protocols.ids import gossip_topic
+from protocols.summary import MAX_SUMMARY_BYTES, CacheSummary, decode_summary, encode_summary
+
+logger = logging.getLogger(__name__)
+
+CHANGE_FRACTION = 0.05  # publish early once 5% of the cached blocks changed (issue 3)
+EARLY_GAP_FRACTION = 0.25  # ...but at most once per quarter interval (pubsub allows 10/s)
+PUBLISH_TIMEOUT_S = 5.0  # publishing queues to mesh peers; a stall must not stop the loop
+MAX_LOGGED_REJECTIONS = 256  # (sender, reason) pairs logged at WARNING; later ones at DEBUG
+
+
+class LoadLike(Protocol):
+    @property
+    def queued_prompt_tokens(self) -> int: ...
+    @property
+    def running_requests(self) -> int: ...
+    @property
+    def prefill_tokens_per_s(self) -> float: ...
+    @property
+    def decode_tokens_per_s(self) -> float: ...
+
+
+class CacheLike(Protocol):
+    @property
+    def num_blocks(self) -> int: ...
+    @property
+    def capacity_blocks(self) -> int: ...
+    def cached_hashes(self) -> Iterable[int]: ...
+    def drain_events(self) -> list[Any]: ...
+
+
+class EngineLike(Protocol):
+    """What gossip needs from the engine (peer.engine.Engine has it)."""
+
+    @property
+    def model_id(self) -> str: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def cache(self) -> CacheLike: ...
+    def load(self) -> LoadLike: ...
+
+
+def build_summary(engine: EngineLike, *, peer_id: str, seq: int, fp_rate: float) -> CacheSummary:
+    """This peer's summary now: a Bloom filter of every cached block hash, plus load."""
+    cache = engine.cache
+    bloom = BloomFilter.for_capacity(max(1, cache.capacity_blocks), fp_rate)
+    bloom.update(cache.cached_hashes())
+    load = engine.load()
+    return CacheSummary(
+        peer_id=peer_id,
+        model_id=engine.model_id,
+        block_size=engine.block_size,
+        seq=seq,
+        bloom_bits=bloom.num_bits,
+        bloom_hashes=bloom.num_hashes,
+        bloom=bloom.to_bytes(),
+        cached_blocks=cache.num_blocks,
+        capacity_blocks=cache.capacity_blocks,
+        queued_prompt_tokens=load.queued_prompt_tokens,
+        running_requests=load.running_requests,
+        prefill_tokens_per_s=load.prefill_tokens_per_s,
+        decode_tokens_per_s=load.decode_tokens_per_s,
+    )
+
+
+class Gossip:
+    """Publishes our summary and feeds received ones into the PeerTable."""
+
+    def __init__(
+        self,
+        pubsub: Pubsub,
+        table: PeerTable,
+        engine: EngineLike,
+        *,
+        peer_id: ID,
+        interval_s: float,
+        fp_rate: float,
+        on_expired: Callable[[list[str]], None] = lambda peers: None,
+    ) -> None:
+        self._pubsub = pubsub
+        self._table = table
+        self._engine = engine
+        self._peer_id = peer_id
+        self._peer_id_str = peer_id.to_base58()
+        self._topic = gossip_topic(engine.model_id)
+        self._interval_s = interval_s
+        self._early_gap_s = interval_s * EARLY_GAP_FRACTION
+        self._fp_rate = fp_rate
+        self._on_expired = on_expired
+        self._on_published: Callable[[CacheSummary, float], None] | None = None
+        self._on_accepted: Callable[[CacheSummary, float], None] | None = None
+        # Start seq at wall-clock milliseconds: a peer restarted with the same identity
+        # continues above its old seq, which receivers may still hold (an id, not a
+        # decision: nothing is timed by it).
+        self._seq = int(time.time() * 1000)
+        self._changed_blocks = 0
+        self._logged: set[tuple[str, str]] = set()
+        self._rejected: dict[str, int] = {}
+        self._cpu_s = 0.0
+        self._stats = {
+            "published": 0,
+            "published_early": 0,
+            "publish_failures": 0,
+            "bytes_out": 0,
+            "received": 0,
+            "bytes_in": 0,
+            "accepted": 0,
+            "delivered": 0,
+            "expired": 0,
+        }
+
+    @property
+    def topic(self) -> str:
+        return self._topic
+
+    def set_hooks(
+        self,
+        *,
+        on_published: Callable[[CacheSummary, float], None] | None = None,
+        on_accepted: Callable[[CacheSummary, float], None] | None = None,
+    ) -> None:
+        """Observe each summary published / accepted, with the wall-clock time (bench)."""
+        self._on_published = on_published
+        self._on_accepted = on_accepted
+
+    def statistics(self) -> dict[str, Any]:
+        """Counters; `cpu_s` is the thread CPU time spent building, publishing and
+        validating summaries (not pubsub's own signing, relaying and transport)."""
+        return {
+            **self._stats,
+            "rejected": dict(self._rejected),
+            "rejected_total": sum(self._rejected.values()),
+            "seq": self._seq,
+            "cpu_s": self._cpu_s,
+        }
+
+    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """Subscribe, then publish and expire until cancelled."""
+        self._pubsub.set_topic_validator(self._topic, self._validate, False)
+        subscription = await self._pubsub.subscribe(self._topic)
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._drain, subscription)
+                nursery.start_soon(self._publish_loop)
+                task_status.started()
+        finally:
+            self._pubsub.remove_topic_validator(self._topic)
+
+    async def publish_now(self) -> None:
+        """Publish a fresh summary at once (tests, and after big local changes)."""
+        self._changed_blocks += self._count_changes()
+        await self._publish(early=True)
+
+    # -- publishing -------------------------------------------------------------------
+
+    async def _drain(self, subscription: Any) -> None:
+        # Summaries are applied in the validator; the subscription only has to be read
+        # promptly: its queue holds 32 messages and drops silently when full.
+        async for _msg in subscription:
+            self._stats["delivered"] += 1
+
+    def _count_changes(self) -> int:
+        return sum(
+            1
+            for ev in self._engine.cache.drain_events()
+            if ev.kind in (EventKind.STORED, EventKind.REMOVED)
+        )
+
+    async def _publish_loop(self) -> None:
+        last = -math.inf
+        while True:
+            now = trio.current_time()
+            self._changed_blocks += self._count_changes()
+            threshold = max(1, math.ceil(CHANGE_FRACTION * self._engine.cache.num_blocks))
+            if now - last >= self._interval_s:
+                await self._publish(early=False)
+                last = now
+            elif self._changed_blocks >= threshold and now - last >= self._early_gap_s:
+                await self._publish(early=True)
+                last = now
+            expired = self._table.expire(now)
+            if expired:
+                self._stats["expired"] += len(expired)
+                logger.info(
+                    "peers expired (no summary for %.1f s): %s", self._table.expiry_s, expired
+                )
+                self._on_expired(expired)
+            await trio.sleep_until(min(last + self._interval_s, now + self._early_gap_s))
+
+    async def _publish(self, *, early: bool) -> None:
+        start = time.thread_time()
+        self._seq += 1
+        summary = build_summary(
+            self._engine, peer_id=self._peer_id_str, seq=self._seq, fp_rate=self._fp_rate
+        )
+        data = encode_summary(summary)
+        self._changed_blocks = 0
+        try:
+            with trio.fail_after(PUBLISH_TIMEOUT_S):
+                await self._pubsub.publish(self._topic, data)
+        except trio.TooSlowError:
+            self._stats["publish_failures"] += 1
+            logger.warning("publishing summary seq %d timed out", summary.seq)
+            return
+        finally:
+            self._cpu_s += time.thread_time() - start
+        self._stats["published"] += 1
+        self._stats["published_early"] += int(early)
+        self._stats["bytes_out"] += len(data)
+        if self._on_published is not None:
+            self._on_published(summary, time.time())
+
+    # -- receiving --------------------------------------------------------------------
+
+    def _validate(self, forwarder: ID, msg: rpc_pb2.Message) -> bool:
+        """pubsub topic validator: True applies and forwards, False drops."""
+        start = time.thread_time()
+        try:
+            return self._check(msg)
+        except Exception:  # a bug here must not kill pubsub's task: reject and say so
+            logger.exception("summary validator failed")
+            self._rejected["internal_error"] = self._rejected.get("internal_error", 0) + 1
+            return False
+        finally:
+            self._cpu_s += time.thread_time() - start
+
+    def _check(self, msg: rpc_pb2.Message) -> bool:
+        source = ID(msg.from_id)
+        if source == self._peer_id:
+            return True  # our own summary coming back
+        source_str = source.to_base58()
+        self._stats["received"] += 1
+        self._stats["bytes_in"] += len(msg.data)
+        if len(msg.data) > MAX_SUMMARY_BYTES:
+            return self._reject(source_str, "oversize", f"{len(msg.data)} bytes")
+        try:
+            summary = decode_summary(msg.data)
+        except RemoteProtocolError as exc:
+            return self._reject(source_str, "malformed", str(exc))
+        # The table checks identity (summary.peer_id == the signed gossip source),
+        # model, block size, increasing seq and Bloom plausibility.
+        result = self._table.apply(summary, source_str, trio.current_time())
+        if not result.accepted:
+            return self._reject(source_str, str(result.reason), result.detail)
+        self._stats["accepted"] += 1
+        if self._on_accepted is not None:
+            self._on_accepted(summary, time.time())
+        return True
+
+    def _reject(self, source: str, reason: str, detail: str) -> bool:
+        self._rejected[reason] = self._rejected.get(reason, 0) + 1
+        key = (source, reason)
+        if key not in self._logged and len(self._logged) < MAX_LOGGED_REJECTIONS:
+            self._logged.add(key)
+            logger.warning("rejected summary from %s: %s (%s)", source, reason, detail)
+        else:
+            logger.debug("rejected summary from %s: %s (%s)", source, reason, detail)
+        return False

@@ -1,0 +1,174 @@
+"""Run one peer in this process and report it as JSON lines on stdout (tests, benchmarks).
+
+    python -m peer.node_runner --listen /ip4/127.0.0.1/tcp/0 [--bootstrap ADDR]
+        [--identity PATH] [--interval 0.5] [--insert-tokens N] [--probe-tokens N]
+
+Lines: {"event": "up", "peer_id", "multiaddrs"}; every --report-interval a
+{"event": "table", "peers": {peer_id: {"seq", "age_s", "match_blocks"}}, "stats"};
+with --log-gossip one line per summary published and accepted (wall-clock times, for
+propagation delays). SIGTERM, SIGINT or stdin closing end the peer cleanly.
+
+By default the peer runs a cache-only engine (a radix cache without a model: membership
+and gossip need nothing else); --model loads a real one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from peer.config import PeerConfig
+from peer.engine.radix import RadixCache
+from peer.node import Peer, open_peer
+from protocols.blocks import BlockHasher
+from protocols.summary import CacheSummary
+
+CACHE_ONLY_MODEL_ID = "prefixswarm/cache-only"  # never a real model: no peer mixes them up
+CACHE_ONLY_CAPACITY_BLOCKS = 1456  # what 1 GiB holds for SmolLM2 (46 KB/token, 16/block)
+
+
+@dataclass(frozen=True)
+class CacheOnlyLoad:
+    queued_prompt_tokens: int = 0
+    running_requests: int = 0
+    prefill_tokens_per_s: float = 0.0
+    decode_tokens_per_s: float = 0.0
+
+
+class CacheOnlyEngine:
+    """An engine with a radix cache and no model: for membership tests and the gossip
+    benchmark. It never generates; fill its cache with `insert(tokens)`."""
+
+    def __init__(
+        self,
+        model_id: str = CACHE_ONLY_MODEL_ID,
+        block_size: int = 16,
+        capacity_blocks: int = CACHE_ONLY_CAPACITY_BLOCKS,
+    ) -> None:
+        self.model_id = model_id
+        self.block_size = block_size
+        self.hasher = BlockHasher(model_id, block_size)
+        self.cache: RadixCache[None] = RadixCache(block_size, capacity_blocks, self.hasher)
+
+    def insert(self, tokens: list[int]) -> None:
+        self.cache.insert(tokens, lambda _block: None, trio.current_time())
+
+    def load(self) -> CacheOnlyLoad:
+        return CacheOnlyLoad()
+
+
+def probe_tokens(n: int) -> list[int]:
+    """The deterministic prefix --insert-tokens caches and --probe-tokens looks for."""
+    return [(7919 * i + 13) % 49152 for i in range(n)]
+
+
+def table_report(peer: Peer, probe: list[int]) -> dict[str, Any]:
+    """{peer_id: {"seq", "age_s", "match_blocks"}} for every peer in the table."""
+    now = trio.current_time()
+    chain = peer.engine.hasher.chain(probe) if probe else []  # type: ignore[attr-defined]
+    out: dict[str, Any] = {}
+    for view in peer.table.views(now):
+        out[view.peer_id] = {
+            "seq": view.summary.seq,
+            "age_s": round(view.age_s, 3),
+            "match_blocks": peer.table.estimate_match(view.peer_id, chain),
+        }
+    return out
+
+
+def _emit(obj: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(obj, separators=(",", ":")) + "\n")
+    sys.stdout.flush()
+
+
+async def _until_stdin_closes() -> None:
+    while await trio.to_thread.run_sync(  # type: ignore[call-arg]
+        sys.stdin.readline, abandon_on_cancel=True
+    ):
+        pass
+
+
+async def _until_signal() -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for _ in signals:
+            return
+
+
+async def run(args: argparse.Namespace) -> None:
+    config = PeerConfig(
+        model=CACHE_ONLY_MODEL_ID if args.model is None else args.model,
+        listen_addrs=tuple(args.listen),
+        bootstrap=tuple(args.bootstrap),
+        identity_file=Path(args.identity) if args.identity else None,
+        summary_interval_s=args.interval,
+    )
+    engine = CacheOnlyEngine() if args.model is None else None
+    if engine is not None and args.insert_tokens:
+        engine.insert(probe_tokens(args.insert_tokens))
+    probe = probe_tokens(args.probe_tokens)
+
+    def published(summary: CacheSummary, wall: float) -> None:
+        _emit({"event": "published", "seq": summary.seq, "t": wall})
+
+    def accepted(summary: CacheSummary, wall: float) -> None:
+        _emit({"event": "accepted", "sender": summary.peer_id, "seq": summary.seq, "t": wall})
+
+    async with open_peer(config, engine=engine) as peer:
+        if args.log_gossip:
+            peer.gossip.set_hooks(on_published=published, on_accepted=accepted)
+        _emit({"event": "up", "peer_id": peer.peer_id, "multiaddrs": peer.multiaddrs})
+        async with trio.open_nursery() as nursery:
+
+            async def stop_when(waiter: Any) -> None:
+                await waiter()
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(stop_when, _until_signal)
+            if not args.ignore_stdin:
+                nursery.start_soon(stop_when, _until_stdin_closes)
+            if args.duration:
+                nursery.start_soon(stop_when, lambda: trio.sleep(args.duration))
+            while True:
+                _emit(
+                    {
+                        "event": "table",
+                        "t": time.time(),
+                        "peers": table_report(peer, probe),
+                        "stats": peer.statistics(),
+                    }
+                )
+                await trio.sleep(args.report_interval)
+    _emit({"event": "down", "t": time.time()})
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m peer.node_runner", description=__doc__)
+    parser.add_argument("--listen", action="append", default=None)
+    parser.add_argument("--bootstrap", action="append", default=[])
+    parser.add_argument("--identity", default=None, help="key file (default: ephemeral)")
+    parser.add_argument("--interval", type=float, default=2.0, help="summary interval, s")
+    parser.add_argument("--model", default=None, help="load a real model (default: none)")
+    parser.add_argument("--insert-tokens", type=int, default=0)
+    parser.add_argument("--probe-tokens", type=int, default=0)
+    parser.add_argument("--report-interval", type=float, default=0.25)
+    parser.add_argument("--duration", type=float, default=0.0, help="stop after, s (0: never)")
+    parser.add_argument("--log-gossip", action="store_true")
+    parser.add_argument("--ignore-stdin", action="store_true")
+    parser.add_argument("--log-level", default="WARNING")
+    args = parser.parse_args(argv)
+    args.listen = args.listen or ["/ip4/127.0.0.1/tcp/0"]
+    logging.basicConfig(level=args.log_level, stream=sys.stderr)
+    trio.run(run, args)
+
+
+if __name__ == "__main__":
+    main()
