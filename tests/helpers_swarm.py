@@ -88,3 +88,88 @@ def known_peers(peer: Peer) -> set[str]:
 def everyone_sees_everyone(peers: Sequence[Peer]) -> bool:
     ids = {p.peer_id for p in peers}
     return all(known_peers(p) == ids - {p.peer_id} for p in peers)
+
+
+# -- peers in their own OS processes (python -m peer.node_runner) ---------------------
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class PeerProcess:
+    """A `peer.node_runner` child process and what it last reported on stdout."""
+
+    process: trio.Process
+    up: trio.Event
+    peer_id: str = ""
+    multiaddrs: tuple[str, ...] = ()
+    table: dict[str, Any] | None = None
+    stats: dict[str, Any] | None = None
+    events: list[dict[str, Any]] | None = None  # published/accepted lines, if logged
+
+    def known(self) -> set[str]:
+        return set(self.table or {})
+
+    def kill(self) -> None:
+        """SIGKILL: no goodbye, no socket close."""
+        self.process.kill()
+
+
+async def spawn_peer_process(
+    nursery: trio.Nursery,
+    args: Sequence[str],
+    *,
+    stderr_path: Path,
+    keep_events: bool = False,
+    startup_timeout_s: float = 30.0,
+) -> PeerProcess:
+    """Start `python -m peer.node_runner ARGS`; returns once it printed its address.
+
+    The process belongs to `nursery`: it is killed when the nursery is cancelled."""
+    import json
+    import subprocess
+    import sys
+    from functools import partial
+
+    cmd = [sys.executable, "-m", "peer.node_runner", *args]
+    with open(stderr_path, "ab") as stderr:
+        process: trio.Process = await nursery.start(
+            partial(
+                trio.run_process,
+                cmd,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=stderr,
+                cwd=REPO_ROOT,
+                check=False,
+                deliver_cancel=_kill_process,
+            )
+        )
+    handle = PeerProcess(process=process, up=trio.Event(), events=[] if keep_events else None)
+
+    async def read_reports() -> None:
+        assert process.stdout is not None
+        buffer = b""
+        async for chunk in process.stdout:
+            buffer += chunk
+            *lines, buffer = buffer.split(b"\n")
+            for line in lines:
+                report = json.loads(line)
+                kind = report["event"]
+                if kind == "up":
+                    handle.peer_id = report["peer_id"]
+                    handle.multiaddrs = tuple(report["multiaddrs"])
+                    handle.up.set()
+                elif kind == "table":
+                    handle.table, handle.stats = report["peers"], report["stats"]
+                elif handle.events is not None:
+                    handle.events.append(report)
+
+    nursery.start_soon(read_reports)
+    with trio.fail_after(startup_timeout_s):
+        await handle.up.wait()
+    return handle
+
+
+async def _kill_process(process: trio.Process) -> None:
+    process.kill()
