@@ -23,6 +23,7 @@ DEFAULT_LISTEN = ("/ip4/0.0.0.0/tcp/4001",)  # the conventional libp2p port, all
 DEFAULT_IDENTITY_FILE = "~/.config/prefixswarm/identity.key"  # persisted ed25519 key, 0600
 
 MAX_SUMMARY_INTERVAL_S = 600.0  # beyond this a summary says nothing useful about a cache
+MIN_BLOOM_FP_RATE = 1e-4  # protocols/bloom.py's bound: rarer false hits cost more bits than gain
 MAX_QUEUE_LIMIT = 100_000  # a sanity bound on memory held by waiting requests
 
 
@@ -83,8 +84,10 @@ class PeerConfig:
                 f"summary_interval_s must be in (0, {MAX_SUMMARY_INTERVAL_S}], "
                 f"got {self.summary_interval_s}"
             )
-        if not 0 < self.bloom_fp_rate < 0.5:
-            raise ValueError(f"bloom_fp_rate must be in (0, 0.5), got {self.bloom_fp_rate}")
+        if not MIN_BLOOM_FP_RATE <= self.bloom_fp_rate < 0.5:
+            raise ValueError(
+                f"bloom_fp_rate must be in [{MIN_BLOOM_FP_RATE}, 0.5), got {self.bloom_fp_rate}"
+            )
         if not isinstance(self.policy, Policy):
             raise ValueError(f"policy must be a Policy, got {self.policy!r}")
         if not 1 <= self.max_queue <= MAX_QUEUE_LIMIT:

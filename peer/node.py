@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 from libp2p.kad_dht.kad_dht import KadDHT
@@ -26,6 +26,11 @@ from peer.gossip import EngineLike, Gossip
 from peer.host import SwarmHost, new_dht, new_pubsub, open_host, run_service
 from peer.peer_table import PeerTable
 from protocols.ids import provider_key_multihash
+
+if TYPE_CHECKING:  # serving imports torch: only peers with a model load it
+    from peer.engine.engine import SamplingParams
+    from peer.pipeline import GenerationChunk, GenerationResult
+    from peer.serving import Prompt, Serving
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +57,7 @@ class Peer:
         gossip: Gossip,
         discovery: Discovery,
         nursery: trio.Nursery,
+        serving: Serving | None = None,
     ) -> None:
         self.config = config
         self.host = host
@@ -61,6 +67,7 @@ class Peer:
         self.engine = engine
         self.gossip = gossip
         self.discovery = discovery
+        self.serving = serving
         self._nursery = nursery
 
     @property
@@ -80,6 +87,25 @@ class Peer:
         """Run `fn(*args)` in the peer's nursery; it is cancelled when the peer closes."""
         self._nursery.start_soon(fn, *args)
 
+    def _serving(self) -> Serving:
+        if self.serving is None:
+            raise RuntimeError("this peer runs a cache-only engine: it cannot generate")
+        return self.serving
+
+    async def generate(
+        self, prompt: Prompt, params: SamplingParams | None = None, **kwargs: Any
+    ) -> GenerationResult:
+        """Complete `prompt` (text, chat messages or token ids) on the best peer.
+
+        Raises InvalidRequest, Overloaded, DeadlineExceeded or RequestFailed."""
+        return await self._serving().generate(prompt, params, **kwargs)
+
+    def stream(
+        self, prompt: Prompt, params: SamplingParams | None = None, **kwargs: Any
+    ) -> AsyncGenerator[GenerationChunk | GenerationResult, None]:
+        """Like generate(), as chunks then the result; close it (aclosing) when done."""
+        return self._serving().stream(prompt, params, **kwargs)
+
     def statistics(self) -> dict[str, Any]:
         """Membership and gossip counters (a snapshot; plain JSON types)."""
         now = trio.current_time()
@@ -96,6 +122,10 @@ class Peer:
             "peers_expired": gossip["expired"],
             "gossip": gossip,
             "discovery": self.discovery.statistics(),
+            "serving": self.serving.statistics() if self.serving else None,
+            "engine": (
+                dict(self.engine.statistics()) if hasattr(self.engine, "statistics") else None
+            ),
         }
 
 
@@ -149,6 +179,14 @@ async def open_peer(config: PeerConfig, engine: EngineLike | None = None) -> Asy
         ):
             await nursery.start(gossip.run)
             await nursery.start(discovery.run)
+            serving = None
+            if callable(getattr(engine, "stream", None)):  # a cache-only engine cannot serve
+                from peer.serving import Serving
+
+                serving = Serving(
+                    config=config, engine=engine, table=table, host=host, self_id=self_id
+                )
+                await nursery.start(serving.serve, host.libp2p)
             peer = Peer(
                 config=config,
                 host=host,
@@ -159,6 +197,7 @@ async def open_peer(config: PeerConfig, engine: EngineLike | None = None) -> Asy
                 gossip=gossip,
                 discovery=discovery,
                 nursery=nursery,
+                serving=serving,
             )
             logger.info("peer %s up at %s", peer.peer_id, ", ".join(peer.multiaddrs))
             try:
