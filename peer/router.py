@@ -14,19 +14,22 @@ tokens and ``n`` new tokens::
     prefill  = max(p - m, 1) / prefill_speed                (only the uncached suffix)
     decode   = n / decode_speed
 
-The entry peer adds its own forwards since a peer's last summary to that peer's load, so a
-burst does not all land on one stale favourite. A remote match comes from its Bloom
+The entry peer adds its own forwards since a peer's last summary to that peer's load (their
+prompt tokens to its queue, one running stream each), so a burst does not all land on one
+stale favourite. A remote match comes from its Bloom
 summary (walk until the first miss); the local match is exact. Unknown round-trip times
 and speeds take priors. A peer that failed recently is ranked after the entry peer.
 """
 
 from __future__ import annotations
 
+import operator
 import random
 from collections.abc import Sequence
 from typing import NamedTuple
 
 from peer.config import Policy
+from peer.peer_table import PeerTable
 
 # Priors and bounds, each with its reason.
 DEFAULT_RTT_PRIOR_S = 0.050  # unmeasured peer: a same-continent WAN round trip; on loopback
@@ -37,6 +40,7 @@ ROUND_TRIPS_PER_FORWARD = 2  # one to negotiate the stream (multistream-select),
 MIN_TOKENS_PER_S = 1e-3  # floor on any speed, so a zero or garbage figure cannot divide by 0
 FAILURE_BACKOFF_S = 10.0  # a peer that failed is tried only after the entry peer this long
 MAX_TRACKED_FAILURES = 4096  # bounds the failure memory; far above any peer table's size
+MAX_BLOCK_SIZE = 1024  # the bound PeerConfig.block_size has
 
 
 class PeerEstimate(NamedTuple):
@@ -75,17 +79,28 @@ class Cost(NamedTuple):
 
 
 class Candidate(NamedTuple):
-    """One ranked choice. ``reason`` is formatted on demand (rank() stays fast)."""
+    """One ranked choice. ``cost`` and ``reason`` are computed on demand (rank() stays fast)."""
 
     peer_id: str
     is_local: bool
     match_blocks: int
     match_tokens: int
-    cost_s: float
+    cost_s: float  # estimated completion time, seconds (Cost.total_s)
+    queue_s: float  # its load part (Cost.queue_s): what LEAST_LOADED ranks by
     policy: Policy
     estimate: PeerEstimate
-    cost: Cost
-    matches_estimated: bool
+    prompt_tokens: int
+    max_new_tokens: int
+
+    @property
+    def cost(self) -> Cost:
+        """The cost by part."""
+        return _cost_of(self.estimate, self.prompt_tokens, self.max_new_tokens)
+
+    @property
+    def matches_estimated(self) -> bool:
+        """Whether remote matches were estimated (only COST and LONGEST_PREFIX need them)."""
+        return self.is_local or self.policy in _USES_MATCHES
 
     @property
     def reason(self) -> str:
@@ -97,7 +112,7 @@ class LocalState(NamedTuple):
     """The entry peer itself: its exact radix match for the prompt and its live load."""
 
     peer_id: str
-    match_tokens: int
+    match_tokens: int  # Engine.local_match_tokens(prompt): whole blocks, exact
     queued_prompt_tokens: int
     running_requests: int
     prefill_tokens_per_s: float  # measured; <= 0 when not measured yet
@@ -142,16 +157,15 @@ def _cost_of(estimate: PeerEstimate, prompt_tokens: int, max_new_tokens: int) ->
     )
 
 
-def _check_estimates(estimates: Sequence[PeerEstimate]) -> None:
-    seen: set[str] = set()
-    locals_ = 0
-    for estimate in estimates:
-        if estimate.peer_id in seen:
-            raise ValueError(f"peer {estimate.peer_id} appears twice among the estimates")
-        seen.add(estimate.peer_id)
-        locals_ += estimate.is_local
-    if locals_ != 1:
-        raise ValueError(f"exactly one estimate must be the local peer, got {locals_}")
+# NamedTuple's generated __new__ is a Python function (~0.4 us a call); tuple.__new__ with
+# the fields in order builds the same record in half that. Used only where every field is
+# written out next to the call.
+_new = tuple.__new__
+_USES_MATCHES = frozenset({Policy.COST, Policy.LONGEST_PREFIX})
+_BY_ID = operator.itemgetter(0)
+_BY_COST = operator.itemgetter(4)
+_BY_QUEUE = operator.itemgetter(5)
+_BY_MATCH = operator.itemgetter(2)
 
 
 def rank_estimates(
@@ -164,79 +178,107 @@ def rank_estimates(
 ) -> list[Candidate]:
     """All candidates under ``policy``, best first; exactly one estimate must be local.
 
-    Sorting policies (COST, LEAST_LOADED, LONGEST_PREFIX) place the local peer where it
-    ranks; RANDOM and ROUND_ROBIN pick the first among all peers and put the local peer last
-    otherwise. LOCAL returns the local peer alone. Peers that failed recently come after the
-    local peer. ``last_choice`` is ROUND_ROBIN's state: the peer it picked last time.
+    Sorting policies place the local peer where it ranks: COST by cost; LONGEST_PREFIX by
+    match, ties by load; LEAST_LOADED by load (remaining ties: local first, then peer id).
+    RANDOM and ROUND_ROBIN pick the first among all peers and put the local peer last
+    otherwise. LOCAL returns the local peer alone. Peers that failed recently come after
+    the local peer. ``last_choice`` is ROUND_ROBIN's state: the peer it picked last time.
     """
     if prompt_tokens < 1 or max_new_tokens < 1:
         raise ValueError(
             f"prompt_tokens and max_new_tokens must be >= 1, got {prompt_tokens}, {max_new_tokens}"
         )
-    _check_estimates(estimates)
-    uses_matches = policy in (Policy.COST, Policy.LONGEST_PREFIX)
-    candidates = [
-        _candidate(e, _cost_of(e, prompt_tokens, max_new_tokens), policy, uses_matches)
-        for e in estimates
-        if policy is not Policy.LOCAL or e.is_local
-    ]
-    if policy is Policy.COST:
-        candidates.sort(key=_cost_key)
-    elif policy is Policy.LONGEST_PREFIX:
-        candidates.sort(key=_prefix_key)
-    elif policy is Policy.LEAST_LOADED:
-        candidates.sort(key=_load_key)
-    elif policy is Policy.RANDOM or policy is Policy.ROUND_ROBIN:
-        candidates = _pick_first(policy, candidates, rng, last_choice)
-    return candidates
+    healthy, suspects = _candidates(policy, estimates, prompt_tokens, max_new_tokens)
+    if policy is Policy.RANDOM or policy is Policy.ROUND_ROBIN:
+        return _pick_first(policy, healthy, suspects, rng, last_choice)
+    for group in (healthy, suspects):
+        # Stable sorts from the last tie-break to the first key: C-level keys, no tuples.
+        if policy is Policy.COST:
+            group.sort(key=_BY_COST)
+        elif policy is Policy.LONGEST_PREFIX:
+            group.sort(key=_BY_QUEUE)
+            group.sort(key=_BY_MATCH, reverse=True)  # reverse keeps equal items in order
+        elif policy is Policy.LEAST_LOADED:
+            group.sort(key=_BY_QUEUE)
+    return healthy + suspects
 
 
-def _candidate(e: PeerEstimate, cost: Cost, policy: Policy, uses_matches: bool) -> Candidate:
-    return Candidate(
-        e.peer_id,
-        e.is_local,
-        e.match_blocks,
-        e.match_tokens,
-        cost.network_s + cost.queue_s + cost.prefill_s + cost.decode_s,
-        policy,
-        e,
-        cost,
-        uses_matches or e.is_local,
-    )
+def _candidates(
+    policy: Policy, estimates: Sequence[PeerEstimate], prompt_tokens: int, max_new_tokens: int
+) -> tuple[list[Candidate], list[Candidate]]:
+    """Candidates with costs, (healthy, failed recently), each ordered local first then by id.
 
-
-def _suspect(c: Candidate) -> bool:
-    return c.estimate.failed_s_ago is not None
-
-
-def _cost_key(c: Candidate) -> tuple[bool, float, bool, str]:
-    return (_suspect(c), c.cost_s, not c.is_local, c.peer_id)
-
-
-def _prefix_key(c: Candidate) -> tuple[bool, int, float, bool, str]:
-    return (_suspect(c), -c.match_blocks, c.cost.queue_s, not c.is_local, c.peer_id)
-
-
-def _load_key(c: Candidate) -> tuple[bool, float, bool, str]:
-    return (_suspect(c), c.cost.queue_s, not c.is_local, c.peer_id)
+    The arithmetic is estimate_cost's, inlined: this loop is most of a decision's time.
+    """
+    healthy: list[Candidate] = []
+    suspects: list[Candidate] = []
+    local: Candidate | None = None
+    floor = MIN_TOKENS_PER_S
+    trips = ROUND_TRIPS_PER_FORWARD
+    only_local = policy is Policy.LOCAL
+    for e in estimates:
+        (peer_id, is_local, match_blocks, match_tokens, queued, running, prefill, decode, rtt,
+         _, _, _, failed_s_ago) = e
+        if only_local and not is_local:
+            continue
+        prefill = prefill if prefill > floor else floor
+        decode = decode if decode > floor else floor
+        decode_s = max_new_tokens / decode
+        queue_s = queued / prefill + running * decode_s
+        unmatched = prompt_tokens - match_tokens
+        cost_s = trips * rtt + queue_s + (unmatched if unmatched > 1 else 1) / prefill + decode_s
+        candidate = _new(
+            Candidate,
+            (peer_id, is_local, match_blocks, match_tokens, cost_s, queue_s, policy, e,
+             prompt_tokens, max_new_tokens),
+        )
+        if is_local:
+            if local is not None:
+                raise ValueError("exactly one estimate must be the local peer, got several")
+            local = candidate
+        elif failed_s_ago is None:
+            healthy.append(candidate)
+        else:
+            suspects.append(candidate)
+    if local is None:
+        raise ValueError("exactly one estimate must be the local peer, got none")
+    if only_local:
+        return [local], []
+    healthy.sort(key=_BY_ID)
+    suspects.sort(key=_BY_ID)
+    ids = {c.peer_id for c in healthy}
+    ids.update(c.peer_id for c in suspects)
+    ids.add(local.peer_id)
+    if len(ids) != len(healthy) + len(suspects) + 1:
+        raise ValueError("a peer appears twice among the estimates")
+    healthy.insert(0, local)
+    return healthy, suspects
 
 
 def _pick_first(
-    policy: Policy, candidates: list[Candidate], rng: random.Random, last_choice: str | None
+    policy: Policy,
+    healthy: list[Candidate],
+    suspects: list[Candidate],
+    rng: random.Random,
+    last_choice: str | None,
 ) -> list[Candidate]:
-    healthy = sorted((c for c in candidates if not _suspect(c)), key=lambda c: c.peer_id)
-    suspects = sorted((c for c in candidates if _suspect(c)), key=lambda c: c.peer_id)
+    """RANDOM / ROUND_ROBIN: the first pick among all healthy peers, self last otherwise."""
+    ordered = sorted(healthy, key=_BY_ID)
     if policy is Policy.RANDOM:
-        rng.shuffle(healthy)
+        rng.shuffle(ordered)
     elif last_choice is not None:
         # The cycle continues after the last pick, even if that peer has since left.
-        start = next((i for i, c in enumerate(healthy) if c.peer_id > last_choice), 0)
-        healthy = healthy[start:] + healthy[:start]
-    first, rest = healthy[0], healthy[1:]
+        start = next((i for i, c in enumerate(ordered) if c.peer_id > last_choice), 0)
+        ordered = ordered[start:] + ordered[:start]
+    first, rest = ordered[0], ordered[1:]
     if first.is_local:
         return [first, *rest, *suspects]
-    local = [c for c in rest if c.is_local]
-    return [first, *(c for c in rest if not c.is_local), *local, *suspects]
+    return [
+        first,
+        *(c for c in rest if not c.is_local),
+        *(c for c in rest if c.is_local),
+        *suspects,
+    ]
 
 
 def _reason(c: Candidate) -> str:
@@ -282,6 +324,7 @@ class Router:
         policy: Policy,
         rng: random.Random,
         *,
+        block_size: int,
         rtt_prior_s: float = DEFAULT_RTT_PRIOR_S,
         default_prefill_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_S,
         default_decode_tokens_per_s: float = DEFAULT_DECODE_TOKENS_PER_S,
@@ -289,11 +332,14 @@ class Router:
     ) -> None:
         if not isinstance(policy, Policy):
             raise ValueError(f"policy must be a Policy, got {policy!r}")
+        if not 1 <= block_size <= MAX_BLOCK_SIZE:
+            raise ValueError(f"block_size must be in [1, {MAX_BLOCK_SIZE}], got {block_size}")
         if rtt_prior_s < 0 or failure_backoff_s < 0:
             raise ValueError("rtt_prior_s and failure_backoff_s must be >= 0")
         if default_prefill_tokens_per_s <= 0 or default_decode_tokens_per_s <= 0:
             raise ValueError("default speeds must be > 0")
         self.policy = policy
+        self.block_size = block_size
         self._rng = rng
         self._rtt_prior_s = rtt_prior_s
         self._default_prefill = default_prefill_tokens_per_s
@@ -318,6 +364,76 @@ class Router:
         if self.policy is Policy.ROUND_ROBIN:
             self._last_choice = ranked[0].peer_id
         return ranked
+
+    def rank(
+        self,
+        chain: Sequence[int],
+        prompt_tokens: int,
+        max_new_tokens: int,
+        local: LocalState,
+        table: PeerTable,
+        now: float,
+    ) -> list[Candidate]:
+        """Every live peer and this one as candidates, best first (see rank_estimates).
+
+        ``chain`` is the prompt's block-hash chain (BlockHasher.chain of its tokens).
+        Remote matches are Bloom estimates, taken only by the policies that use them.
+        """
+        if len(chain) * self.block_size > prompt_tokens:
+            raise ValueError(
+                f"a chain of {len(chain)} blocks of {self.block_size} is longer than the "
+                f"prompt's {prompt_tokens} tokens"
+            )
+        if not 0 <= local.match_tokens <= prompt_tokens:
+            raise ValueError(f"local match {local.match_tokens} outside [0, {prompt_tokens}]")
+        estimates = [self.local_estimate(local)]
+        if self.policy is not Policy.LOCAL:
+            estimates.extend(self._remote_estimates(chain, local, table, now))
+        return self.rank_estimates(estimates, prompt_tokens, max_new_tokens)
+
+    def _remote_estimates(
+        self, chain: Sequence[int], local: LocalState, table: PeerTable, now: float
+    ) -> list[PeerEstimate]:
+        matches = (
+            table.estimate_matches(table.probes(chain), now)
+            if chain and self.policy in _USES_MATCHES
+            else {}
+        )
+        block_size = self.block_size
+        rtt_prior = self._rtt_prior_s
+        failed = self._failed_at
+        # Speed priors for peers that have not measured theirs: ours, else the defaults.
+        prefill_prior = (
+            local.prefill_tokens_per_s if local.prefill_tokens_per_s > 0 else self._default_prefill
+        )
+        decode_prior = (
+            local.decode_tokens_per_s if local.decode_tokens_per_s > 0 else self._default_decode
+        )
+        out = []
+        for view in table.views(now):
+            peer_id, summary, _, _, rtt, forwards, forwarded_tokens, _ = view
+            if peer_id == local.peer_id:
+                continue  # the table never holds us; a shell mistake must not duplicate us
+            match_blocks = matches.get(peer_id, 0)
+            prefill = summary.prefill_tokens_per_s
+            decode = summary.decode_tokens_per_s
+            estimate = (
+                peer_id,
+                False,
+                match_blocks,
+                match_blocks * block_size,
+                summary.queued_prompt_tokens + forwarded_tokens,
+                summary.running_requests + forwards,
+                prefill if prefill > 0 else prefill_prior,
+                decode if decode > 0 else decode_prior,
+                rtt_prior if rtt is None else rtt,
+                rtt is not None,
+                prefill > 0 and decode > 0,
+                forwards,
+                self.failed_s_ago(peer_id, now) if peer_id in failed else None,
+            )
+            out.append(_new(PeerEstimate, estimate))
+        return out
 
     def record_outcome(self, peer_id: str, ok: bool, now: float) -> None:
         """What came of trying ``peer_id``: a failure ranks it after self for a while."""
@@ -344,41 +460,22 @@ class Router:
                 break
             del self._failed_at[peer_id]
 
-    def local_estimate(self, local: LocalState, block_size: int) -> PeerEstimate:
+    def local_estimate(self, local: LocalState) -> PeerEstimate:
         """The entry peer as a candidate: exact match, live load, no network."""
-        prefill, decode, known = self._speeds(
-            local.prefill_tokens_per_s, local.decode_tokens_per_s, local
-        )
+        prefill, decode = local.prefill_tokens_per_s, local.decode_tokens_per_s
         return PeerEstimate(
             local.peer_id,
             True,
-            local.match_tokens // block_size,
+            local.match_tokens // self.block_size,
             local.match_tokens,
             local.queued_prompt_tokens,
             local.running_requests,
-            prefill,
-            decode,
+            prefill if prefill > 0 else self._default_prefill,
+            decode if decode > 0 else self._default_decode,
             0.0,
             True,
-            known,
+            prefill > 0 and decode > 0,
         )
-
-    def _speeds(
-        self, prefill: float, decode: float, local: LocalState
-    ) -> tuple[float, float, bool]:
-        """Speeds with priors for unknown ones: the local measurement, else the defaults."""
-        known = prefill > 0 and decode > 0
-        if prefill <= 0:
-            prefill = (
-                local.prefill_tokens_per_s
-                if local.prefill_tokens_per_s > 0
-                else self._default_prefill
-            )
-        if decode <= 0:
-            decode = (
-                local.decode_tokens_per_s if local.decode_tokens_per_s > 0 else self._default_decode
-            )
-        return prefill, decode, known
 
     def statistics(self) -> RouterStatistics:
         return RouterStatistics(

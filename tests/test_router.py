@@ -5,18 +5,24 @@ from __future__ import annotations
 import random
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from peer.config import Policy
+from peer.peer_table import PeerTable
 from peer.router import (
+    DEFAULT_DECODE_TOKENS_PER_S,
+    DEFAULT_PREFILL_TOKENS_PER_S,
     DEFAULT_RTT_PRIOR_S,
     ROUND_TRIPS_PER_FORWARD,
+    LocalState,
     PeerEstimate,
     Router,
     estimate_cost,
     rank_estimates,
 )
+from protocols.bloom import BloomFilter
+from protocols.summary import CacheSummary
 
 PROMPT = 1024  # tokens: 64 blocks of 16
 NEW = 16
@@ -118,7 +124,7 @@ def test_least_loaded_ignores_matches() -> None:
 
 
 def test_round_robin_cycles_through_all_peers_and_survives_departures() -> None:
-    router = Router(Policy.ROUND_ROBIN, random.Random(0))
+    router = Router(Policy.ROUND_ROBIN, random.Random(0), block_size=16)
     peers = [est("me", local=True), est("a"), est("b"), est("c")]
     firsts = [router.rank_estimates(peers, PROMPT, NEW)[0].peer_id for _ in range(8)]
     assert firsts == ["a", "b", "c", "me", "a", "b", "c", "me"]
@@ -142,7 +148,7 @@ def test_random_is_deterministic_under_a_seeded_rng_and_covers_everyone() -> Non
 
 
 def test_failed_peer_ranks_after_self_until_backoff_passes() -> None:
-    router = Router(Policy.COST, random.Random(0), failure_backoff_s=10.0)
+    router = Router(Policy.COST, random.Random(0), block_size=16, failure_backoff_s=10.0)
     router.record_outcome("a", ok=False, now=100.0)
     assert router.failed_s_ago("a", 105.0) == 5.0
     assert router.failed_s_ago("a", 110.0) is None
@@ -215,3 +221,173 @@ def test_every_policy_ranks_each_peer_once_with_self_included(
     if policy is Policy.COST:
         healthy = [c.cost_s for c in ranked if c.peer_id not in suspects]
         assert healthy == sorted(healthy)
+
+
+# Ranking from a real PeerTable with real summaries and Bloom filters.
+
+BS = 16
+MODEL = "test-model"
+SELF = "12D3KooWself"
+
+
+def chain_of(n: int, salt: int = 0) -> list[int]:
+    rng = random.Random(salt)
+    return [rng.getrandbits(64) for _ in range(n)]
+
+
+def summary(
+    peer_id: str,
+    held: list[int],
+    *,
+    seq: int = 1,
+    queued: int = 0,
+    running: int = 0,
+    prefill: float = 1000.0,
+    decode: float = 20.0,
+) -> CacheSummary:
+    bloom = BloomFilter.for_capacity(2000, 0.01)
+    bloom.update(held)
+    return CacheSummary(
+        peer_id=peer_id, model_id=MODEL, block_size=BS, seq=seq, bloom_bits=bloom.num_bits,
+        bloom_hashes=bloom.num_hashes, bloom=bloom.to_bytes(), cached_blocks=len(set(held)),
+        capacity_blocks=2000, queued_prompt_tokens=queued, running_requests=running,
+        prefill_tokens_per_s=prefill, decode_tokens_per_s=decode,
+    )
+
+
+def table_with(*summaries: CacheSummary, now: float = 0.0, expiry: float = 6.0) -> PeerTable:
+    table = PeerTable(SELF, MODEL, BS, expiry)
+    for s in summaries:
+        assert table.apply(s, s.peer_id, now).accepted
+    return table
+
+
+def me(match: int = 0, *, queued: int = 0, running: int = 0) -> LocalState:
+    return LocalState(SELF, match, queued, running, 1000.0, 20.0)
+
+
+def test_table_matches_are_bloom_estimates_and_local_is_exact() -> None:
+    chain = chain_of(64)
+    table = table_with(summary("peerA", chain[:40]), summary("peerB", chain[:10]))
+    for peer_id in ("peerA", "peerB"):
+        table.record_rtt(peer_id, 0.002, 0.0)
+    router = Router(Policy.LONGEST_PREFIX, random.Random(0), block_size=BS)
+    ranked = router.rank(chain, 64 * BS, NEW, me(match=20 * BS), table, 1.0)
+    assert [(c.peer_id, c.match_blocks) for c in ranked] == [
+        ("peerA", 40), (SELF, 20), ("peerB", 10)
+    ]
+    assert ranked[0].match_tokens == 40 * BS
+    assert ranked[0].cost.total_s == ranked[0].cost_s
+
+
+def test_forwards_since_summary_shift_the_choice_until_the_next_summary() -> None:
+    chain = chain_of(64)
+    table = table_with(summary("peerA", chain), summary("peerB", chain))
+    router = Router(Policy.COST, random.Random(0), block_size=BS)
+    first = router.rank(chain, 64 * BS, NEW, me(), table, 1.0)[0]
+    assert first.peer_id == "peerA"  # equal in everything: the lower id
+    table.record_forward("peerA", 64 * BS, 1.0)
+    ranked = router.rank(chain, 64 * BS, NEW, me(), table, 1.1)
+    assert ranked[0].peer_id == "peerB"
+    by_id = {c.peer_id: c for c in ranked}
+    assert by_id["peerA"].estimate.queued_prompt_tokens == 64 * BS
+    assert by_id["peerA"].estimate.running_requests == 1
+    assert "1 forward(s) since its summary" in by_id["peerA"].reason
+    # A's next summary reports its load itself (here: idle again): forwards reset.
+    assert table.apply(summary("peerA", chain, seq=2), "peerA", 2.0).accepted
+    assert router.rank(chain, 64 * BS, NEW, me(), table, 2.0)[0].peer_id == "peerA"
+
+
+def test_unknown_rtt_takes_the_prior_and_measured_rtt_replaces_it() -> None:
+    chain = chain_of(8)
+    table = table_with(summary("peerA", chain))
+    router = Router(Policy.COST, random.Random(0), block_size=BS, rtt_prior_s=0.4)
+    prompt = 8 * BS  # small: 128 tokens of prefill saved (0.128 s) vs 2 * 0.4 s of network
+    assert router.rank(chain, prompt, 1, me(), table, 1.0)[0].peer_id == SELF
+    table.record_rtt("peerA", 0.001, 1.0)
+    ranked = router.rank(chain, prompt, 1, me(), table, 1.0)
+    assert ranked[0].peer_id == "peerA"
+    assert ranked[0].estimate.rtt_s == 0.001 and ranked[0].estimate.rtt_known
+
+
+def test_unknown_speeds_take_the_local_measurement_then_the_defaults() -> None:
+    table = table_with(summary("peerA", [], prefill=0.0, decode=0.0))
+    router = Router(Policy.COST, random.Random(0), block_size=BS)
+    ranked = router.rank([], 10, 1, LocalState(SELF, 0, 0, 0, 123.0, 4.5), table, 1.0)
+    peer = next(c for c in ranked if c.peer_id == "peerA").estimate
+    assert (peer.prefill_tokens_per_s, peer.decode_tokens_per_s) == (123.0, 4.5)
+    assert not peer.speeds_known
+    ranked = router.rank([], 10, 1, LocalState(SELF, 0, 0, 0, 0.0, 0.0), table, 1.0)
+    peer = next(c for c in ranked if c.peer_id == "peerA").estimate
+    assert peer.prefill_tokens_per_s == DEFAULT_PREFILL_TOKENS_PER_S
+    assert peer.decode_tokens_per_s == DEFAULT_DECODE_TOKENS_PER_S
+
+
+def test_local_policy_ignores_the_table() -> None:
+    chain = chain_of(8)
+    table = table_with(summary("peerA", chain))
+    router = Router(Policy.LOCAL, random.Random(0), block_size=BS)
+    assert [c.peer_id for c in router.rank(chain, 8 * BS, 1, me(), table, 1.0)] == [SELF]
+
+
+def test_expired_peers_are_never_candidates() -> None:
+    chain = chain_of(8)
+    table = table_with(summary("peerA", chain), now=0.0, expiry=6.0)
+    router = Router(Policy.COST, random.Random(0), block_size=BS)
+    assert "peerA" in [c.peer_id for c in router.rank(chain, 8 * BS, 1, me(), table, 5.9)]
+    assert [c.peer_id for c in router.rank(chain, 8 * BS, 1, me(), table, 6.0)] == [SELF]
+
+
+def test_rank_rejects_a_chain_longer_than_the_prompt() -> None:
+    router = Router(Policy.COST, random.Random(0), block_size=BS)
+    with pytest.raises(ValueError, match="longer than the prompt"):
+        router.rank(chain_of(2), BS, 1, me(), table_with(), 0.0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    peers=st.lists(
+        st.tuples(
+            st.integers(0, 16),  # blocks of the prompt it holds
+            st.floats(0.0, 10.0),  # when its summary arrived
+            st.integers(0, 3),  # forwards since
+            st.integers(0, 5000),  # queued tokens
+            st.none() | st.floats(0.0, 0.2),  # measured rtt
+        ),
+        max_size=8,
+    ),
+    local_blocks=st.integers(0, 16),
+    policy=st.sampled_from(Policy),
+    now=st.floats(6.0, 16.0),
+)
+def test_rank_from_table_properties(
+    peers: list[tuple[int, float, int, int, float | None]],
+    local_blocks: int,
+    policy: Policy,
+    now: float,
+) -> None:
+    chain = chain_of(16)
+    expiry = 6.0
+    table = PeerTable(SELF, MODEL, BS, expiry)
+    live = set()
+    for i, (depth, at, forwards, queued, rtt) in enumerate(peers):
+        peer_id = f"peer{i}"
+        assert table.apply(summary(peer_id, chain[:depth], queued=queued), peer_id, at).accepted
+        for _ in range(forwards):
+            table.record_forward(peer_id, 100, at)
+        if rtt is not None:
+            table.record_rtt(peer_id, rtt, at)
+        if now - at < expiry:
+            live.add(peer_id)
+    router = Router(policy, random.Random(0), block_size=BS)
+    ranked = router.rank(chain, 16 * BS + 5, NEW, me(local_blocks * BS), table, now)
+    ids = [c.peer_id for c in ranked]
+    assert ids.count(SELF) == 1
+    assert set(ids) == ({SELF} if policy is Policy.LOCAL else live | {SELF})
+    if policy is Policy.COST:
+        costs = [c.cost_s for c in ranked]
+        assert costs == sorted(costs)
+    if policy is Policy.LONGEST_PREFIX:
+        matches = [c.match_blocks for c in ranked]
+        assert matches == sorted(matches, reverse=True)
+        assert ranked[0].match_blocks >= local_blocks
