@@ -1,0 +1,513 @@
+"""Generation with prefix reuse: match the radix cache, compute only the uncached suffix.
+
+Torch runs off the Trio event loop, one step (a prefill chunk or one decode token) per
+`trio.to_thread.run_sync` call behind a CapacityLimiter(1): requests interleave token by
+token and a cancelled request stops at its next step. The radix tree is touched only on
+the event loop. Matched blocks stay locked for the whole request.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import time
+from collections.abc import AsyncGenerator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import trio
+
+from protocols.blocks import DEFAULT_BLOCK_SIZE, BlockHasher
+
+from .kv import DEFAULT_CACHE_BYTES, KVLayout, blocks_from_cache, cache_from_blocks
+from .model import LoadedModel, load_model
+from .radix import RadixCache
+
+MAX_NEW_TOKENS = 4096  # ~5 min of SmolLM2 decode on 2 cores: one request can't hold a peer longer
+MAX_STOP_STRINGS = 8  # OpenAI allows 4; bounds the per-token stop-string check
+MAX_STOP_CHARS = 256  # one stop string longer than this is a mistake, not a delimiter
+MAX_TEMPERATURE = 100.0  # beyond this sampling is uniform noise; also rejects inf
+MAX_SEED = (1 << 63) - 1  # torch.Generator takes a signed 64-bit seed
+MAX_PROMPT_CHARS_PER_TOKEN = 32  # longer text than this x max_context can't fit: don't tokenize
+MAX_CHAT_MESSAGES = 1024  # bounds the chat-template work for one request
+PREFILL_CHUNK_TOKENS = 512  # ~1 s of SmolLM2 prefill on 2 cores: the grain of interleaving/cancel
+SPEED_EWMA_ALPHA = 0.2  # weight of the newest speed sample: smooths ~2x noise over ~5 samples
+WARMUP_PROMPT_TOKENS = 64  # enough to measure prefill speed without delaying start-up
+WARMUP_DECODE_TOKENS = 4
+
+
+class EngineError(Exception):
+    """The engine could not serve a request."""
+
+
+class InvalidRequest(EngineError, ValueError):
+    """The request itself is invalid; the message names the limit it broke."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to generate. temperature 0 is greedy; `seed` makes sampling reproducible."""
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+    def validate(self) -> None:
+        """Raise InvalidRequest naming the broken limit."""
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int):
+            raise InvalidRequest(f"max_new_tokens must be an int, got {self.max_new_tokens!r}")
+        if not 1 <= self.max_new_tokens <= MAX_NEW_TOKENS:
+            raise InvalidRequest(
+                f"max_new_tokens must be in [1, {MAX_NEW_TOKENS}], got {self.max_new_tokens}"
+            )
+        if not (math.isfinite(self.temperature) and 0.0 <= self.temperature <= MAX_TEMPERATURE):
+            raise InvalidRequest(
+                f"temperature must be in [0, {MAX_TEMPERATURE}], got {self.temperature}"
+            )
+        if not (math.isfinite(self.top_p) and 0.0 < self.top_p <= 1.0):
+            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None and (
+            isinstance(self.seed, bool)
+            or not isinstance(self.seed, int)
+            or not 0 <= self.seed <= MAX_SEED
+        ):
+            raise InvalidRequest(f"seed must be an int in [0, {MAX_SEED}], got {self.seed!r}")
+        if not isinstance(self.stop, tuple) or len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidRequest(f"stop must be a tuple of at most {MAX_STOP_STRINGS} strings")
+        for s in self.stop:
+            if not isinstance(s, str) or not 1 <= len(s) <= MAX_STOP_CHARS:
+                raise InvalidRequest(
+                    f"each stop string must have 1 to {MAX_STOP_CHARS} characters, got {s!r}"
+                )
+
+
+@dataclass(frozen=True)
+class Usage:
+    """What a request cost. ttft_s counts from submission (queueing included)."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    ttft_s: float
+    decode_tokens_per_s: float
+    total_s: float
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One generated token and the text it adds (may be empty while a stop string is pending)."""
+
+    index: int
+    token_id: int
+    text: str
+
+
+@dataclass(frozen=True)
+class Completion:
+    """The finished request. finish_reason: "stop" (EOS or a stop string) or "length"."""
+
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: str
+    usage: Usage
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """What the router needs: queued work and measured speeds (0.0 = not measured yet)."""
+
+    queued_prompt_tokens: int
+    running_requests: int
+    prefill_tokens_per_s: float
+    decode_tokens_per_s: float
+
+
+class _Sequence:
+    """Per-request torch state, touched only inside worker-thread steps."""
+
+    __slots__ = ("cache", "generator")
+
+    def __init__(self, cache: Any, seed: int | None) -> None:
+        self.cache = cache
+        self.generator = torch.Generator()
+        if seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(seed)
+
+
+def _sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    if params.temperature == 0.0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+    if params.top_p >= 1.0:
+        return int(torch.multinomial(probs, 1, generator=generator))
+    sorted_p, order = torch.sort(probs, descending=True)
+    keep = (torch.cumsum(sorted_p, dim=0) - sorted_p) < params.top_p  # always keeps the first
+    choice = torch.multinomial(sorted_p * keep, 1, generator=generator)
+    return int(order[choice])
+
+
+class _StopTracker:
+    """Turns generated ids into text deltas, holding back text that may start a stop string."""
+
+    def __init__(self, tokenizer: Any, stops: tuple[str, ...]) -> None:
+        self._tokenizer = tokenizer
+        self._stops = stops
+        self._emitted = 0  # characters already handed out
+        self.text = ""  # the completion's text so far (final once finished)
+
+    def push(self, generated: Sequence[int], final: bool) -> tuple[str, bool]:
+        """(new text, whether a stop string ended the completion)."""
+        full = str(self._tokenizer.decode(list(generated), skip_special_tokens=True))
+        hits = [i for i in (full.find(s) for s in self._stops) if i >= 0]
+        if hits:
+            self.text = full[: min(hits)]
+            delta = self.text[self._emitted :]
+            self._emitted = len(self.text)
+            return delta, True
+        safe = len(full)
+        if not final:
+            safe = len(full.rstrip("\ufffd"))  # an incomplete UTF-8 sequence may still change
+            for s in self._stops:
+                for k in range(min(len(s) - 1, len(full)), 0, -1):
+                    if full.endswith(s[:k]):
+                        safe = min(safe, len(full) - k)
+                        break
+        delta = full[self._emitted : safe] if safe > self._emitted else ""
+        self._emitted = max(self._emitted, safe)
+        self.text = full if final else full[: self._emitted]
+        return delta, False
+
+
+def _ewma(old: float, sample: float) -> float:
+    return sample if old == 0.0 else (1 - SPEED_EWMA_ALPHA) * old + SPEED_EWMA_ALPHA * sample
+
+
+class Engine:
+    """One model with a prefix KV cache, serving requests from Trio tasks."""
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        cache_generated: bool = False,
+    ) -> None:
+        self._loaded = loaded
+        self._model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.model_id = loaded.model_id
+        self.vocab_size = loaded.vocab_size
+        self.max_context = loaded.max_context
+        self.block_size = block_size
+        self.hasher = BlockHasher(loaded.model_id, block_size)
+        itemsize = next(self._model.parameters()).element_size()
+        self.layout = KVLayout(
+            loaded.num_layers, loaded.num_kv_heads, loaded.head_dim, block_size, itemsize
+        )
+        self.cache_bytes = cache_bytes
+        self.cache: RadixCache[torch.Tensor] = RadixCache(
+            block_size, self.layout.capacity_blocks(cache_bytes), self.hasher
+        )
+        # Generated tokens' KV comes from one-token decode steps, which may differ from a
+        # prefill in the last bits; off by default so cached == uncached stays exact.
+        self.cache_generated = cache_generated
+        self._eos = frozenset(loaded.eos_token_ids)
+        self._limiter = trio.CapacityLimiter(1)
+        self._queued_prompt_tokens = 0
+        self._running = 0
+        self._prefill_tps = 0.0
+        self._decode_tps = 0.0
+        self._stats = {
+            "requests": 0,
+            "completed_requests": 0,
+            "cancelled_requests": 0,
+            "failed_requests": 0,
+            "prompt_tokens": 0,
+            "cached_tokens": 0,
+            "computed_prompt_tokens": 0,
+            "generated_tokens": 0,
+        }
+
+    @classmethod
+    def from_model(
+        cls,
+        loaded: LoadedModel,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        cache_generated: bool = False,
+    ) -> Engine:
+        """An engine with a fresh, empty cache around an already loaded model."""
+        return cls(loaded, cache_bytes, block_size, cache_generated)
+
+    @classmethod
+    async def open(
+        cls,
+        name: str,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+    ) -> Engine:
+        """Load `name` in a worker thread (seconds; minutes on first use) and warm it up."""
+        return await trio.to_thread.run_sync(load_engine, name, cache_bytes, block_size)
+
+    # -- tokens and text -----------------------------------------------------------------
+
+    def encode_prompt(self, prompt: str | Sequence[dict[str, str]]) -> list[int]:
+        """Token ids of a text prompt, or of chat messages through the chat template."""
+        max_chars = self.max_context * MAX_PROMPT_CHARS_PER_TOKEN
+        if isinstance(prompt, str):
+            if len(prompt) > max_chars:
+                raise InvalidRequest(f"prompt has {len(prompt)} characters, limit {max_chars}")
+            return list(self.tokenizer.encode(prompt, add_special_tokens=False))
+        if not isinstance(prompt, Sequence) or not 1 <= len(prompt) <= MAX_CHAT_MESSAGES:
+            raise InvalidRequest(f"chat needs 1 to {MAX_CHAT_MESSAGES} messages")
+        total = 0
+        for m in prompt:
+            if not (
+                isinstance(m, dict)
+                and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), str)
+            ):
+                raise InvalidRequest("each chat message needs string 'role' and 'content'")
+            total += len(m["content"])
+        if total > max_chars:
+            raise InvalidRequest(f"chat has {total} characters, limit {max_chars}")
+        try:
+            text = self.tokenizer.apply_chat_template(
+                list(prompt), tokenize=False, add_generation_prompt=True
+            )
+        except (ValueError, TypeError, KeyError) as exc:  # jinja errors subclass these or not
+            raise InvalidRequest(f"chat template rejected the messages: {exc}") from exc
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """Text of token ids, special tokens dropped."""
+        return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))
+
+    def validate(self, token_ids: Sequence[int], params: SamplingParams) -> list[int]:
+        """The prompt as a list of ints, or InvalidRequest naming the limit."""
+        params.validate()
+        try:
+            tokens = [operator.index(t) for t in token_ids]
+        except TypeError:
+            raise InvalidRequest("token ids must be integers") from None
+        if not tokens:
+            raise InvalidRequest("the prompt is empty: at least one token is needed")
+        if min(tokens) < 0 or max(tokens) >= self.vocab_size:
+            bad = next(t for t in tokens if not 0 <= t < self.vocab_size)
+            raise InvalidRequest(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        if len(tokens) + params.max_new_tokens > self.max_context:
+            raise InvalidRequest(
+                f"prompt ({len(tokens)} tokens) + max_new_tokens ({params.max_new_tokens}) "
+                f"exceeds the model's context of {self.max_context} tokens"
+            )
+        return tokens
+
+    # -- queries for the router ----------------------------------------------------------
+
+    def local_match_tokens(self, token_ids: Sequence[int]) -> int:
+        """Tokens of the longest cached prefix (block-aligned); no side effect."""
+        return self.cache.peek(token_ids)
+
+    def _reusable_tokens(self, tokens: Sequence[int]) -> int:
+        # At least one prompt token is always computed: its logits give the first token.
+        return min(self.cache.peek(tokens), (len(tokens) - 1) // self.block_size * self.block_size)
+
+    def load(self) -> EngineLoad:
+        """Queued (uncached) prompt tokens, running requests and measured speeds."""
+        return EngineLoad(
+            self._queued_prompt_tokens, self._running, self._prefill_tps, self._decode_tps
+        )
+
+    def statistics(self) -> dict[str, int | float]:
+        """Request and token counters, speeds, and the cache's statistics (prefixed cache_)."""
+        out: dict[str, int | float] = dict(self._stats)
+        out["running_requests"] = self._running
+        out["queued_prompt_tokens"] = self._queued_prompt_tokens
+        out["prefill_tokens_per_s"] = self._prefill_tps
+        out["decode_tokens_per_s"] = self._decode_tps
+        out["cache_bytes"] = self.cache_bytes
+        out["cache_block_bytes"] = self.layout.block_bytes
+        for key, value in self.cache.statistics().items():
+            out[f"cache_{key}"] = value
+        return out
+
+    def warmup(self) -> None:
+        """Run a short prefill and a few decode steps to seed the speed estimates (blocking)."""
+        ids = [i % self.vocab_size for i in range(1, WARMUP_PROMPT_TOKENS + 1)]
+        params = SamplingParams(max_new_tokens=WARMUP_DECODE_TOKENS)
+        for _ in range(2):  # the first forward pays one-time costs; the second is the sample
+            seq = _Sequence(cache_from_blocks([]), 0)
+            tok = self._prefill_step(seq, ids, params)
+            assert tok is not None
+            for _ in range(WARMUP_DECODE_TOKENS):
+                tok = self._decode_step(seq, tok, params)
+
+    # -- torch steps (worker thread) -----------------------------------------------------
+
+    def _forward(self, seq: _Sequence, ids: Sequence[int]) -> torch.Tensor:
+        with torch.inference_mode():
+            out = self._model(
+                input_ids=torch.tensor([list(ids)], dtype=torch.long),
+                cache=seq.cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+        logits: torch.Tensor = out.logits[0, -1]
+        return logits
+
+    def _prefill_step(
+        self, seq: _Sequence, ids: Sequence[int], params: SamplingParams | None
+    ) -> int | None:
+        """Feed a prompt chunk; on the last chunk (params given) sample the first token."""
+        start = time.perf_counter()
+        logits = self._forward(seq, ids)
+        token = None if params is None else _sample(logits, params, seq.generator)
+        self._prefill_tps = _ewma(self._prefill_tps, len(ids) / (time.perf_counter() - start))
+        return token
+
+    def _decode_step(self, seq: _Sequence, token: int, params: SamplingParams) -> int:
+        start = time.perf_counter()
+        nxt = _sample(self._forward(seq, (token,)), params, seq.generator)
+        self._decode_tps = _ewma(self._decode_tps, 1.0 / (time.perf_counter() - start))
+        return nxt
+
+    def _cache_blocks(self, tokens: Sequence[int], seq: _Sequence, first_block: int) -> int:
+        """Insert tokens' full blocks from `first_block` on, copying KV out of `seq` (loop)."""
+        end_block = len(tokens) // self.block_size
+        if end_block <= first_block:
+            return 0
+        blocks = blocks_from_cache(seq.cache, first_block, end_block, self.block_size)
+        result = self.cache.insert(
+            tokens[: end_block * self.block_size],
+            lambda b: blocks[b - first_block],
+            trio.current_time(),
+        )
+        return len(result.stored_hashes)
+
+    # -- requests --------------------------------------------------------------------------
+
+    def stream(
+        self, token_ids: Sequence[int], params: SamplingParams
+    ) -> AsyncGenerator[TokenEvent | Completion, None]:
+        """Generate: yields a TokenEvent per token, then one Completion, last.
+
+        Validates now (InvalidRequest). Close the iterator (or run it to the end) to
+        release the request: `async with contextlib.aclosing(engine.stream(...))`.
+        """
+        tokens = self.validate(token_ids, params)
+        return self._run(tokens, params)
+
+    async def generate(self, token_ids: Sequence[int], params: SamplingParams) -> Completion:
+        """Generate and return only the Completion."""
+        agen = self.stream(token_ids, params)
+        try:
+            async for item in agen:
+                if isinstance(item, Completion):
+                    return item
+        finally:
+            await agen.aclose()
+        raise EngineError("generation ended without a completion")  # unreachable by design
+
+    async def _run(
+        self, tokens: list[int], params: SamplingParams
+    ) -> AsyncGenerator[TokenEvent | Completion, None]:
+        start = time.perf_counter()
+        n = len(tokens)
+        queued = n - self._reusable_tokens(tokens)
+        self._stats["requests"] += 1
+        self._running += 1
+        self._queued_prompt_tokens += queued
+        match = None
+        outcome = "cancelled_requests"
+        try:
+            seq: _Sequence | None = None
+            first: int | None = None
+            pos = 0
+            while first is None:
+                async with self._limiter:
+                    if seq is None:  # match late: earlier requests may have added blocks
+                        max_blocks = (n - 1) // self.block_size
+                        match = self.cache.match(tokens, trio.current_time(), max_blocks)
+                        self.cache.lock(match)
+                        pos = match.num_tokens
+                        seq = await trio.to_thread.run_sync(
+                            lambda m=match: _Sequence(cache_from_blocks(m.values), params.seed)
+                        )
+                    end = min(n, pos + PREFILL_CHUNK_TOKENS)
+                    chunk = tokens[pos:end]
+                    first = await trio.to_thread.run_sync(
+                        self._prefill_step, seq, chunk, params if end == n else None
+                    )
+                    pos = end
+                    if first is not None:
+                        self._cache_blocks(tokens, seq, match.num_blocks if match else 0)
+            assert match is not None and seq is not None
+            self._queued_prompt_tokens -= queued
+            queued = 0
+            self._stats["prompt_tokens"] += n
+            self._stats["cached_tokens"] += match.num_tokens
+            self._stats["computed_prompt_tokens"] += n - match.num_tokens
+            ttft = time.perf_counter() - start
+            generated = [first]
+            tracker = _StopTracker(self.tokenizer, params.stop)
+            finish: str | None = None
+            while True:
+                tok = generated[-1]
+                if tok in self._eos:
+                    finish = "stop"
+                elif len(generated) >= params.max_new_tokens:
+                    finish = "length"
+                delta, stopped = tracker.push(generated, final=finish is not None)
+                if stopped:
+                    finish = "stop"
+                yield TokenEvent(len(generated) - 1, tok, delta)
+                if finish is not None:
+                    break
+                async with self._limiter:
+                    nxt = await trio.to_thread.run_sync(self._decode_step, seq, tok, params)
+                generated.append(nxt)
+            if self.cache_generated:
+                async with self._limiter:
+                    self._cache_blocks(tokens + generated[:-1], seq, n // self.block_size)
+            total = time.perf_counter() - start
+            self._stats["generated_tokens"] += len(generated)
+            decode_s = total - ttft
+            usage = Usage(
+                prompt_tokens=n,
+                cached_tokens=match.num_tokens,
+                completion_tokens=len(generated),
+                ttft_s=ttft,
+                decode_tokens_per_s=(len(generated) - 1) / decode_s if decode_s > 0 else 0.0,
+                total_s=total,
+            )
+            outcome = "completed_requests"
+            yield Completion(tuple(generated), tracker.text, finish, usage)
+        except (trio.Cancelled, GeneratorExit, KeyboardInterrupt):
+            raise
+        except BaseException:
+            outcome = "failed_requests"
+            raise
+        finally:
+            self._stats[outcome] += 1
+            self._running -= 1
+            self._queued_prompt_tokens -= queued
+            if match is not None:
+                self.cache.unlock(match)
+
+
+def load_engine(
+    name: str,
+    cache_bytes: int = DEFAULT_CACHE_BYTES,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    warmup: bool = True,
+) -> Engine:
+    """Load a model and build its engine. Heavy and blocking: call via trio.to_thread."""
+    engine = Engine(load_model(name), cache_bytes, block_size)
+    if warmup:
+        engine.warmup()
+    return engine

@@ -1,0 +1,42 @@
+"""Shared fixtures.
+
+tiny_model          (session) the `tiny-random` LoadedModel (2-layer random Llama with the
+                    SmolLM2 tokenizer), loaded once per test session.
+tiny_engine_factory (session) `make(cache_bytes=TINY_CACHE_BYTES, block_size=16,
+                    cache_generated=False) -> Engine`: a fresh Engine with its own empty
+                    cache, sharing the one tiny model. Engines are cheap: build one per test.
+tiny_engine         (function) `tiny_engine_factory()` with the defaults.
+"""
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
+
+TINY_CACHE_BYTES = 8 << 20  # 1024 tiny-random blocks of 16 tokens: room for every test prompt
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    from peer.engine.model import load_model
+
+    return load_model("tiny-random")
+
+
+@pytest.fixture(scope="session")
+def tiny_engine_factory(tiny_model):
+    from peer.engine.engine import Engine
+
+    def make(cache_bytes=TINY_CACHE_BYTES, block_size=16, cache_generated=False):
+        return Engine.from_model(
+            tiny_model, cache_bytes=cache_bytes, block_size=block_size,
+            cache_generated=cache_generated,
+        )
+
+    return make
+
+
+@pytest.fixture
+def tiny_engine(tiny_engine_factory):
+    return tiny_engine_factory()
