@@ -1,0 +1,571 @@
+"""The OpenAI-compatible HTTP API of one peer, served Trio-natively (hypercorn + Starlette).
+
+    await peer.start_service(serve_http, peer, "127.0.0.1", 0)   # -> "http://127.0.0.1:PORT"
+
+Endpoints: POST /v1/completions and /v1/chat/completions (JSON or server-sent events),
+GET /v1/models, /v1/swarm (this peer's view of the swarm), /health, /metrics (Prometheus).
+Errors are OpenAI error objects {"error": {"message", "type", "param", "code"}}.
+Every response that ran a request names the peer that served it: the
+`x-prefixswarm-served-by` header and an `x_prefixswarm` object (served_by, entry peer,
+route). A client that disconnects cancels its request everywhere along the route.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from contextlib import aclosing
+from dataclasses import dataclass, replace
+from typing import Any
+
+import trio
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.trio import serve as hypercorn_serve
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from peer.admission import Overloaded
+from peer.engine.engine import InvalidRequest, SamplingParams
+from peer.metrics import CONTENT_TYPE, Metrics
+from peer.pipeline import DeadlineExceeded, GenerationChunk, GenerationResult, RequestFailed
+
+MAX_BODY_BYTES = 4 << 20  # the longest prompt the engine accepts, JSON-escaped, fits easily
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
+DEFAULT_CHAT_MAX_TOKENS = 256  # OpenAI's is "until the context is full": too long on a CPU
+SERVED_BY_HEADER = "x-prefixswarm-served-by"
+ENTRY_HEADER = "x-prefixswarm-entry"
+CLIENT_CLOSED = 499  # status recorded (never sent) when the client went away mid-request
+# Options with no effect here: accepted so stock clients work, whatever their value.
+_IGNORED = frozenset(
+    {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature",
+     "top_p", "seed", "stop", "stream", "stream_options", "n", "user", "presence_penalty",
+     "frequency_penalty", "logit_bias", "metadata", "store", "service_tier", "parallel_tool_calls"}
+)
+# Options that would change the answer's meaning: refused unless at their default.
+_UNSUPPORTED_DEFAULTS: dict[str, tuple[Any, ...]] = {
+    "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False),
+    "best_of": (None, 1), "suffix": (None, ""), "tools": (None, []), "functions": (None, []),
+    "response_format": (None, {"type": "text"}),
+}
+
+
+class ApiError(Exception):
+    """An error answered as an OpenAI error object."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type = status, message, type
+        self.param, self.code, self.headers = param, code, headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message, "type": self.type, "param": self.param, "code": self.code
+            }
+        }
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def error_for(exc: BaseException) -> ApiError:
+    """The HTTP answer to a domain error raised by Peer.stream()."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, InvalidRequest):
+        return ApiError(400, str(exc), code="invalid_value")
+    if isinstance(exc, Overloaded):
+        retry = str(max(1, math.ceil(exc.retry_after_s)))
+        headers = {"Retry-After": retry}
+        return ApiError(429, str(exc), type="overloaded_error", code="overloaded", headers=headers)
+    if isinstance(exc, DeadlineExceeded):
+        return ApiError(504, str(exc), type="timeout_error", code="deadline_exceeded")
+    if isinstance(exc, RequestFailed):
+        return ApiError(503, str(exc), type="server_error", code="no_peer_available")
+    raise TypeError(f"not a request error: {exc!r}")
+
+
+_REQUEST_ERRORS = (ApiError, InvalidRequest, Overloaded, RequestFailed)
+
+
+# -- request parsing -------------------------------------------------------------------
+
+
+def _number(body: dict[str, Any], name: str, default: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ApiError(400, f"'{name}' must be a number, got {value!r}", param=name)
+    return float(value)
+
+
+def _integer(body: dict[str, Any], name: str) -> int | None:
+    value = body.get(name)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ApiError(400, f"'{name}' must be an integer, got {value!r}", param=name)
+    return value
+
+
+def parse_params(body: dict[str, Any], chat: bool) -> SamplingParams:
+    """SamplingParams from OpenAI fields; ApiError(400) naming the bad parameter."""
+    for name, defaults in _UNSUPPORTED_DEFAULTS.items():
+        if name in body and body[name] not in defaults:
+            raise ApiError(400, f"'{name}' is not supported by prefixswarm", param=name)
+    n = _integer(body, "n")
+    if n not in (None, 1):
+        raise ApiError(400, f"only n=1 is supported, got n={n}", param="n")
+    max_tokens = _integer(body, "max_completion_tokens") if chat else None
+    if max_tokens is None:
+        max_tokens = _integer(body, "max_tokens")
+    if max_tokens is None:
+        max_tokens = DEFAULT_CHAT_MAX_TOKENS if chat else DEFAULT_COMPLETION_MAX_TOKENS
+    stop = body.get("stop")
+    if stop is None:
+        stops: tuple[str, ...] = ()
+    elif isinstance(stop, str):
+        stops = (stop,)
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        stops = tuple(stop)
+    else:
+        raise ApiError(400, "'stop' must be a string or a list of strings", param="stop")
+    params = SamplingParams(
+        max_new_tokens=max_tokens,
+        temperature=_number(body, "temperature", 1.0),
+        top_p=_number(body, "top_p", 1.0),
+        seed=_integer(body, "seed"),
+        stop=stops,
+    )
+    try:
+        params.validate()
+    except InvalidRequest as exc:
+        param = next((p for p in ("temperature", "top_p", "seed", "stop") if p in str(exc)), None)
+        raise ApiError(400, str(exc), param=param or "max_tokens", code="invalid_value") from exc
+    return params
+
+
+def parse_prompt(body: dict[str, Any], chat: bool) -> str | list[dict[str, str]] | list[int]:
+    """The prompt: text, token ids, or chat messages with text content."""
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise ApiError(400, "'messages' must be a non-empty list", param="messages")
+        out = []
+        for m in messages:
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise ApiError(400, "each message needs a string 'role'", param="messages")
+            content = m.get("content")
+            if isinstance(content, list):  # content parts: only text is understood
+                if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+                    raise ApiError(400, "only text content parts are supported", param="messages")
+                content = "".join(str(p.get("text", "")) for p in content)
+            if not isinstance(content, str):
+                raise ApiError(400, "each message needs text 'content'", param="messages")
+            out.append({"role": m["role"], "content": content})
+        return out
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in prompt
+    ):
+        return list(prompt)
+    raise ApiError(
+        400, "'prompt' must be a string, a list of one string, or token ids", param="prompt"
+    )
+
+
+async def read_json(request: Request) -> dict[str, Any]:
+    """The body as a JSON object, at most MAX_BODY_BYTES; ApiError otherwise."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise ApiError(413, f"request body over {MAX_BODY_BYTES} bytes", code="body_too_large")
+    data = bytearray()
+    async for chunk in request.stream():
+        data += chunk
+        if len(data) > MAX_BODY_BYTES:
+            raise ApiError(413, f"request body over {MAX_BODY_BYTES} bytes", code="body_too_large")
+    try:
+        body = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ApiError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from exc
+    if not isinstance(body, dict):
+        raise ApiError(400, "the body must be a JSON object", code="invalid_json")
+    return body
+
+
+# -- the generation response -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Job:
+    """One parsed generation request."""
+
+    endpoint: str
+    chat: bool
+    stream: bool
+    include_usage: bool
+    model: str
+    token_ids: list[int]
+    params: SamplingParams
+    request_id: str
+
+
+def _sse(obj: Any) -> bytes:
+    data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+class GenerationResponse:
+    """An ASGI response that runs the request, JSON or server-sent events.
+
+    Nothing is sent before the first token (or the error), so errors before it get their
+    own status code; a client disconnect cancels the request (its engine step included).
+    """
+
+    def __init__(self, api: HttpApi, job: _Job) -> None:
+        self._api = api
+        self._job = job
+        self._created = int(time.time())  # the OpenAI "created" field: wall clock by contract
+        self.status = 200
+        self._complete = False  # the last body part is being sent or was sent
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        async with trio.open_nursery() as nursery:
+
+            async def watch_disconnect() -> None:
+                while (await receive())["type"] != "http.disconnect":
+                    pass
+                if not self._complete:  # (hypercorn also says so after a complete response)
+                    self.status = CLIENT_CLOSED
+                    nursery.cancel_scope.cancel()
+
+            nursery.start_soon(watch_disconnect)
+            try:
+                await self._respond(send)
+            finally:
+                nursery.cancel_scope.cancel()
+        self._api.metrics.record_request(self._job.endpoint, self.status)
+
+    async def _start(self, send: Any, status: int, headers: dict[str, str], body: bytes) -> None:
+        self.status = status
+        raw = [(k.lower().encode(), v.encode()) for k, v in headers.items()]
+        await send({"type": "http.response.start", "status": status, "headers": raw})
+        self._complete = not self._job.stream
+        await send({"type": "http.response.body", "body": body, "more_body": self._job.stream})
+
+    async def _send_error(self, send: Any, exc: BaseException) -> None:
+        error = error_for(exc)
+        if isinstance(exc, RequestFailed):
+            self._api.metrics.record_route(exc.attempts)
+        headers = {"content-type": "application/json", **error.headers}
+        await self._start(send, error.status, headers, json.dumps(error.body()).encode())
+
+    async def _respond(self, send: Any) -> None:
+        job, api = self._job, self._api
+        agen = api.peer.stream(job.token_ids, job.params, request_id=job.request_id)
+        async with aclosing(agen):
+            try:
+                first = await agen.__anext__()
+            except _REQUEST_ERRORS as exc:
+                if job.stream:
+                    job = self._job = replace(job, stream=False)  # one JSON error body
+                await self._send_error(send, exc)
+                return
+            served_by = getattr(first, "served_by", "")
+            headers = {ENTRY_HEADER: api.peer.peer_id, SERVED_BY_HEADER: served_by}
+            if not job.stream:
+                items = [first]
+                try:
+                    items += [item async for item in agen]
+                except _REQUEST_ERRORS as exc:
+                    await self._send_error(send, exc)
+                    return
+                result = items[-1]
+                assert isinstance(result, GenerationResult)
+                api.metrics.record_result(result, api.peer.peer_id)
+                headers[SERVED_BY_HEADER] = result.served_by
+                headers["content-type"] = "application/json"
+                await self._start(send, 200, headers, json.dumps(self._full(result)).encode())
+                return
+            headers.update({"content-type": "text/event-stream", "cache-control": "no-cache"})
+            opening = self._delta(None, role=True) if job.chat else b""
+            await self._start(send, 200, headers, opening)
+            item: GenerationChunk | GenerationResult = first
+            try:
+                while True:
+                    if isinstance(item, GenerationChunk):
+                        if item.text:
+                            await self._body(send, self._delta(item.text))
+                    else:
+                        api.metrics.record_result(item, api.peer.peer_id)
+                        await self._body(send, self._last(item))
+                        break
+                    item = await agen.__anext__()
+            except _REQUEST_ERRORS as exc:  # after the headers: an error event ends the stream
+                await self._body(send, _sse(error_for(exc).body()))
+            self._complete = True
+            await send({"type": "http.response.body", "body": _sse("[DONE]"), "more_body": False})
+
+    @staticmethod
+    async def _body(send: Any, data: bytes) -> None:
+        await send({"type": "http.response.body", "body": data, "more_body": True})
+
+    # -- OpenAI objects ------------------------------------------------------------------
+
+    def _head(self, chunk: bool) -> dict[str, Any]:
+        job = self._job
+        kind = "chat.completion" if job.chat else "text_completion"
+        return {
+            "id": ("chatcmpl-" if job.chat else "cmpl-") + job.request_id,
+            "object": kind + ".chunk" if chunk and job.chat else kind,
+            "created": self._created,
+            "model": job.model,
+        }
+
+    def _delta(self, text: str | None, role: bool = False) -> bytes:
+        if self._job.chat:
+            delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
+            if text is not None:
+                delta["content"] = text
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": None}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": None}
+        return _sse({**self._head(chunk=True), "choices": [choice]})
+
+    def _last(self, result: GenerationResult) -> bytes:
+        head = self._head(chunk=True)
+        finish = result.finish_reason
+        if self._job.chat:
+            choice: dict[str, Any] = {"index": 0, "delta": {}, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": "", "logprobs": None, "finish_reason": finish}
+        out = _sse({**head, "choices": [choice], "x_prefixswarm": self._extension(result)})
+        if self._job.include_usage:
+            out += _sse({**head, "choices": [], "usage": _usage(result)})
+        return out
+
+    def _full(self, result: GenerationResult) -> dict[str, Any]:
+        if self._job.chat:
+            message = {"role": "assistant", "content": result.text}
+            choice = {"index": 0, "message": message, "finish_reason": result.finish_reason}
+        else:
+            choice = {
+                "index": 0, "text": result.text, "logprobs": None,
+                "finish_reason": result.finish_reason,
+            }
+        return {
+            **self._head(chunk=False),
+            "choices": [choice],
+            "usage": _usage(result),
+            "x_prefixswarm": self._extension(result),
+        }
+
+    def _extension(self, result: GenerationResult) -> dict[str, Any]:
+        return {
+            "served_by": result.served_by,
+            "entry_peer": self._api.peer.peer_id,
+            "ttft_s": round(result.ttft_s, 6),
+            "total_s": round(result.total_s, 6),
+            "route": [
+                {
+                    "peer_id": a.peer_id, "local": a.is_local, "outcome": a.outcome.value,
+                    "detail": a.detail, "tokens": a.tokens,
+                }
+                for a in result.route
+            ],
+        }
+
+
+def _usage(result: GenerationResult) -> dict[str, Any]:
+    return {
+        "prompt_tokens": result.prompt_tokens,
+        "completion_tokens": result.completion_tokens,
+        "total_tokens": result.prompt_tokens + result.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": result.cached_tokens},
+    }
+
+
+# -- the application -----------------------------------------------------------------
+
+
+class HttpApi:
+    """The Starlette application of one peer (`.app`), with its metrics."""
+
+    def __init__(self, peer: Any, *, model_alias: str | None = None) -> None:
+        self.peer = peer
+        self.model_id: str = peer.engine.model_id
+        alias = model_alias if model_alias is not None else peer.config.model
+        self.model_names = tuple(dict.fromkeys([self.model_id, alias]))
+        self.metrics = Metrics(peer.statistics)
+        completions = self._endpoint("completions", chat=False)
+        chat = self._endpoint("chat", chat=True)
+        self.app = Starlette(
+            routes=[
+                Route("/v1/completions", completions, methods=["POST"]),
+                Route("/v1/chat/completions", chat, methods=["POST"]),
+                Route("/v1/models", self.models, methods=["GET"]),
+                Route("/v1/swarm", self.swarm, methods=["GET"]),
+                Route("/health", self.health, methods=["GET"]),
+                Route("/metrics", self.prometheus, methods=["GET"]),
+            ]
+        )
+
+    def _endpoint(self, name: str, *, chat: bool) -> Callable[[Request], Awaitable[Any]]:
+        async def endpoint(request: Request) -> Any:
+            try:
+                return GenerationResponse(self, await self._job(name, request, chat))
+            except _REQUEST_ERRORS as exc:
+                error = error_for(exc)
+                self.metrics.record_request(name, error.status)
+                return error.response()
+
+        return endpoint
+
+    async def _job(self, name: str, request: Request, chat: bool) -> _Job:
+        body = await read_json(request)
+        model = body.get("model") or self.model_id
+        if model not in self.model_names:
+            raise ApiError(
+                400,
+                f"model {model!r} is not served here; this swarm serves "
+                + " or ".join(repr(m) for m in self.model_names),
+                param="model",
+                code="model_not_found",
+            )
+        params = parse_params(body, chat)
+        prompt = parse_prompt(body, chat)
+        serving = self.peer.serving
+        if serving is None:
+            raise ApiError(503, "this peer has no model loaded", type="server_error")
+        token_ids = serving.encode(prompt)
+        context = self.peer.engine.max_context
+        if len(token_ids) + params.max_new_tokens > context:
+            raise ApiError(
+                400,
+                f"this model's context is {context} tokens; the prompt has {len(token_ids)} and "
+                f"max_tokens is {params.max_new_tokens}: shorten the prompt or lower max_tokens",
+                param="messages" if chat else "prompt",
+                code="context_length_exceeded",
+            )
+        options = body.get("stream_options") or {}
+        return _Job(
+            endpoint=name,
+            chat=chat,
+            stream=bool(body.get("stream")),
+            include_usage=isinstance(options, dict) and bool(options.get("include_usage")),
+            model=str(model),
+            token_ids=token_ids,
+            params=params,
+            request_id=uuid.uuid4().hex,
+        )
+
+    async def models(self, request: Request) -> JSONResponse:
+        self.metrics.record_request("models", 200)
+        data = [
+            {"id": name, "object": "model", "created": 0, "owned_by": "prefixswarm"}
+            for name in self.model_names
+        ]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def health(self, request: Request) -> JSONResponse:
+        stats = self.peer.statistics()
+        return JSONResponse(
+            {
+                "status": "ok",
+                "peer_id": self.peer.peer_id,
+                "model": self.model_id,
+                "peers_known": stats["peers_known"],
+                "can_generate": self.peer.serving is not None,
+            }
+        )
+
+    async def swarm(self, request: Request) -> JSONResponse:
+        self.metrics.record_request("swarm", 200)
+        return JSONResponse(swarm_view(self.peer))
+
+    async def prometheus(self, request: Request) -> Response:
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE)
+
+
+def swarm_view(peer: Any) -> dict[str, Any]:
+    """This peer's view of the swarm, as plain JSON: itself, then every peer in its table."""
+    now = trio.current_time()
+    engine = peer.engine
+    load = engine.load()
+    cache = engine.cache
+    peers = []
+    for view in peer.table.views(now):
+        s = view.summary
+        peers.append(
+            {
+                "peer_id": view.peer_id,
+                "addrs": list(view.addrs),
+                "rtt_s": view.rtt_s,
+                "summary_age_s": round(view.age_s, 3),
+                "summary_seq": s.seq,
+                "cached_blocks": s.cached_blocks,
+                "capacity_blocks": s.capacity_blocks,
+                "queued_prompt_tokens": s.queued_prompt_tokens,
+                "running_requests": s.running_requests,
+                "prefill_tokens_per_s": s.prefill_tokens_per_s,
+                "decode_tokens_per_s": s.decode_tokens_per_s,
+                "forwards_since_summary": view.forwards_since_summary,
+            }
+        )
+    return {
+        "self": {
+            "peer_id": peer.peer_id,
+            "addrs": list(peer.multiaddrs),
+            "model": engine.model_id,
+            "block_size": engine.block_size,
+            "cached_blocks": cache.num_blocks,
+            "capacity_blocks": cache.capacity_blocks,
+            "queued_prompt_tokens": load.queued_prompt_tokens,
+            "running_requests": load.running_requests,
+            "prefill_tokens_per_s": load.prefill_tokens_per_s,
+            "decode_tokens_per_s": load.decode_tokens_per_s,
+            "policy": peer.config.policy.value,
+        },
+        "peers": sorted(peers, key=lambda p: p["peer_id"]),
+    }
+
+
+async def serve_http(
+    peer: Any,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    *,
+    model_alias: str | None = None,
+    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve the peer's HTTP API until cancelled; reports the bound URL (port 0 works)."""
+    config = HypercornConfig()
+    config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
+    config.accesslog = None
+    config.errorlog = None
+    config.graceful_timeout = 1.0  # in-flight requests get this long when the peer stops
+    api = HttpApi(peer, model_alias=model_alias)
+
+    async def serve(*, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
+        await hypercorn_serve(api.app, config, task_status=task_status)  # type: ignore[arg-type]
+
+    async with trio.open_nursery() as nursery:
+        binds: list[str] = await nursery.start(serve)
+        task_status.started(binds[0])
