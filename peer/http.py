@@ -32,54 +32,19 @@ from starlette.routing import Route
 from peer.admission import Overloaded
 from peer.engine.engine import InvalidRequest, SamplingParams
 from peer.metrics import CONTENT_TYPE, Metrics
+from peer.openai_schema import (
+    MAX_BODY_BYTES,
+    ApiError,
+    parse_body,
+    parse_params,
+    parse_prompt,
+    usage,
+)
 from peer.pipeline import DeadlineExceeded, GenerationChunk, GenerationResult, RequestFailed
 
-MAX_BODY_BYTES = 4 << 20  # the longest prompt the engine accepts, JSON-escaped, fits easily
-DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
-DEFAULT_CHAT_MAX_TOKENS = 256  # OpenAI's is "until the context is full": too long on a CPU
 SERVED_BY_HEADER = "x-prefixswarm-served-by"
 ENTRY_HEADER = "x-prefixswarm-entry"
 CLIENT_CLOSED = 499  # status recorded (never sent) when the client went away mid-request
-# Options with no effect here: accepted so stock clients work, whatever their value.
-_IGNORED = frozenset(
-    {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature",
-     "top_p", "seed", "stop", "stream", "stream_options", "n", "user", "presence_penalty",
-     "frequency_penalty", "logit_bias", "metadata", "store", "service_tier", "parallel_tool_calls"}
-)
-# Options that would change the answer's meaning: refused unless at their default.
-_UNSUPPORTED_DEFAULTS: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False),
-    "best_of": (None, 1), "suffix": (None, ""), "tools": (None, []), "functions": (None, []),
-    "response_format": (None, {"type": "text"}),
-}
-
-
-class ApiError(Exception):
-    """An error answered as an OpenAI error object."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type = status, message, type
-        self.param, self.code, self.headers = param, code, headers or {}
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message, "type": self.type, "param": self.param, "code": self.code
-            }
-        }
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def error_for(exc: BaseException) -> ApiError:
@@ -102,95 +67,6 @@ def error_for(exc: BaseException) -> ApiError:
 _REQUEST_ERRORS = (ApiError, InvalidRequest, Overloaded, RequestFailed)
 
 
-# -- request parsing -------------------------------------------------------------------
-
-
-def _number(body: dict[str, Any], name: str, default: float) -> float:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ApiError(400, f"'{name}' must be a number, got {value!r}", param=name)
-    return float(value)
-
-
-def _integer(body: dict[str, Any], name: str) -> int | None:
-    value = body.get(name)
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-        raise ApiError(400, f"'{name}' must be an integer, got {value!r}", param=name)
-    return value
-
-
-def parse_params(body: dict[str, Any], chat: bool) -> SamplingParams:
-    """SamplingParams from OpenAI fields; ApiError(400) naming the bad parameter."""
-    for name, defaults in _UNSUPPORTED_DEFAULTS.items():
-        if name in body and body[name] not in defaults:
-            raise ApiError(400, f"'{name}' is not supported by prefixswarm", param=name)
-    n = _integer(body, "n")
-    if n not in (None, 1):
-        raise ApiError(400, f"only n=1 is supported, got n={n}", param="n")
-    max_tokens = _integer(body, "max_completion_tokens") if chat else None
-    if max_tokens is None:
-        max_tokens = _integer(body, "max_tokens")
-    if max_tokens is None:
-        max_tokens = DEFAULT_CHAT_MAX_TOKENS if chat else DEFAULT_COMPLETION_MAX_TOKENS
-    stop = body.get("stop")
-    if stop is None:
-        stops: tuple[str, ...] = ()
-    elif isinstance(stop, str):
-        stops = (stop,)
-    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        stops = tuple(stop)
-    else:
-        raise ApiError(400, "'stop' must be a string or a list of strings", param="stop")
-    params = SamplingParams(
-        max_new_tokens=max_tokens,
-        temperature=_number(body, "temperature", 1.0),
-        top_p=_number(body, "top_p", 1.0),
-        seed=_integer(body, "seed"),
-        stop=stops,
-    )
-    try:
-        params.validate()
-    except InvalidRequest as exc:
-        param = next((p for p in ("temperature", "top_p", "seed", "stop") if p in str(exc)), None)
-        raise ApiError(400, str(exc), param=param or "max_tokens", code="invalid_value") from exc
-    return params
-
-
-def parse_prompt(body: dict[str, Any], chat: bool) -> str | list[dict[str, str]] | list[int]:
-    """The prompt: text, token ids, or chat messages with text content."""
-    if chat:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise ApiError(400, "'messages' must be a non-empty list", param="messages")
-        out = []
-        for m in messages:
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                raise ApiError(400, "each message needs a string 'role'", param="messages")
-            content = m.get("content")
-            if isinstance(content, list):  # content parts: only text is understood
-                if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-                    raise ApiError(400, "only text content parts are supported", param="messages")
-                content = "".join(str(p.get("text", "")) for p in content)
-            if not isinstance(content, str):
-                raise ApiError(400, "each message needs text 'content'", param="messages")
-            out.append({"role": m["role"], "content": content})
-        return out
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, list) and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in prompt
-    ):
-        return list(prompt)
-    raise ApiError(
-        400, "'prompt' must be a string, a list of one string, or token ids", param="prompt"
-    )
-
-
 async def read_json(request: Request) -> dict[str, Any]:
     """The body as a JSON object, at most MAX_BODY_BYTES; ApiError otherwise."""
     declared = request.headers.get("content-length")
@@ -201,13 +77,7 @@ async def read_json(request: Request) -> dict[str, Any]:
         data += chunk
         if len(data) > MAX_BODY_BYTES:
             raise ApiError(413, f"request body over {MAX_BODY_BYTES} bytes", code="body_too_large")
-    try:
-        body = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ApiError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from exc
-    if not isinstance(body, dict):
-        raise ApiError(400, "the body must be a JSON object", code="invalid_json")
-    return body
+    return parse_body(bytes(data))
 
 
 # -- the generation response -------------------------------------------------------------
@@ -394,12 +264,7 @@ class GenerationResponse:
 
 
 def _usage(result: GenerationResult) -> dict[str, Any]:
-    return {
-        "prompt_tokens": result.prompt_tokens,
-        "completion_tokens": result.completion_tokens,
-        "total_tokens": result.prompt_tokens + result.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": result.cached_tokens},
-    }
+    return usage(result.prompt_tokens, result.cached_tokens, result.completion_tokens)
 
 
 # -- the application -----------------------------------------------------------------
@@ -434,7 +299,7 @@ class HttpApi:
             except _REQUEST_ERRORS as exc:
                 error = error_for(exc)
                 self.metrics.record_request(name, error.status)
-                return error.response()
+                return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
         return endpoint
 
@@ -553,7 +418,7 @@ async def serve_http(
     port: int = 8000,
     *,
     model_alias: str | None = None,
-    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+    task_status: Any = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the peer's HTTP API until cancelled; reports the bound URL (port 0 works)."""
     config = HypercornConfig()
@@ -563,7 +428,7 @@ async def serve_http(
     config.graceful_timeout = 1.0  # in-flight requests get this long when the peer stops
     api = HttpApi(peer, model_alias=model_alias)
 
-    async def serve(*, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
+    async def serve(*, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         await hypercorn_serve(api.app, config, task_status=task_status)  # type: ignore[arg-type]
 
     async with trio.open_nursery() as nursery:

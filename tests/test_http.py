@@ -186,11 +186,13 @@ async def test_client_disconnect_cancels_generation(nursery, tiny_engine_factory
     inner = tiny_engine_factory()
     peer, url = await start_api(nursery, SlowEngine(inner, delay_s=0.2))
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 200, "stream": True}
-    async with httpx.AsyncClient(base_url=url, timeout=30) as http:
-        async with http.stream("POST", "/v1/completions", json=body) as response:
-            async for line in response.aiter_lines():
-                if line.startswith("data: "):
-                    break  # one event received; now hang up
+    async with (
+        httpx.AsyncClient(base_url=url, timeout=30) as http,
+        http.stream("POST", "/v1/completions", json=body) as response,
+    ):
+        async for line in response.aiter_lines():
+            if line.startswith("data: "):
+                break  # one event received; now hang up
     await wait_until(
         lambda: inner.statistics()["cancelled_requests"] == 1,
         timeout_s=10,
