@@ -33,6 +33,11 @@ from protocols.summary import MAX_SUMMARY_BYTES, CacheSummary, decode_summary, e
 
 logger = logging.getLogger(__name__)
 
+# Summaries stay far below yamux's 256 KiB stream window: py-libp2p lets concurrent
+# writes on one stream interleave once a message outgrows the window, which corrupts
+# pubsub RPCs (seen with 160 KB summaries; host.py's WORKAROUND(pubsub-decode)).
+MAX_SUMMARY_BLOOM_BYTES = 48 * 1024  # 32k blocks at ~1%: 22x what 1 GiB holds for SmolLM2
+MIN_BLOOM_CAPACITY = 1024  # blocks; a small cache gets a ~1.2 KiB filter
 CHANGE_FRACTION = 0.05  # publish early once 5% of the cached blocks changed (issue 3)
 EARLY_GAP_FRACTION = 0.25  # ...but at most once per quarter interval (pubsub allows 10/s)
 PUBLISH_TIMEOUT_S = 5.0  # publishing queues to mesh peers; a stall must not stop the loop
@@ -71,10 +76,26 @@ class EngineLike(Protocol):
     def load(self) -> LoadLike: ...
 
 
+def bloom_capacity(cached_blocks: int, fp_rate: float) -> int:
+    """Entries to size this peer's filter for: what is cached now, not the capacity.
+
+    Rounded up to a power of two (at least MIN_BLOOM_CAPACITY) so the size changes
+    rarely, and cut so the filter stays within MAX_SUMMARY_BLOOM_BYTES: a cache larger
+    than that is summarised with a higher false-positive rate, never a larger message.
+    """
+    capacity = max(MIN_BLOOM_CAPACITY, 1 << max(0, cached_blocks - 1).bit_length())
+    while (
+        capacity > MIN_BLOOM_CAPACITY
+        and BloomFilter.for_capacity(capacity, fp_rate).num_bits > MAX_SUMMARY_BLOOM_BYTES * 8
+    ):
+        capacity //= 2
+    return capacity
+
+
 def build_summary(engine: EngineLike, *, peer_id: str, seq: int, fp_rate: float) -> CacheSummary:
     """This peer's summary now: a Bloom filter of every cached block hash, plus load."""
     cache = engine.cache
-    bloom = BloomFilter.for_capacity(max(1, cache.capacity_blocks), fp_rate)
+    bloom = BloomFilter.for_capacity(bloom_capacity(cache.num_blocks, fp_rate), fp_rate)
     bloom.update(cache.cached_hashes())
     load = engine.load()
     return CacheSummary(

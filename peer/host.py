@@ -13,17 +13,20 @@ import secrets
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import libp2p.network.connection.swarm_connection as _libp2p_swarm_connection
 import libp2p.network.swarm as _libp2p_swarm
 import multiaddr
 import trio
+from google.protobuf.message import DecodeError
 from libp2p import new_host
 from libp2p.abc import IHost, INetStream
 from libp2p.crypto.ed25519 import create_new_key_pair as create_ed25519_key_pair
 from libp2p.crypto.keys import KeyPair, KeyType
 from libp2p.crypto.x25519 import create_new_key_pair as create_x25519_key_pair
 from libp2p.custom_types import TProtocol
+from libp2p.exceptions import BaseLibp2pError
 from libp2p.host.ping import ID as PING_PROTOCOL_ID
 from libp2p.identity_utils import load_identity, save_identity
 from libp2p.io.utils import read_exactly
@@ -81,6 +84,35 @@ def _apply_global_workarounds() -> None:
     _libp2p_swarm_connection.logging = _NamedLogging(  # type: ignore[attr-defined,assignment]
         logging.getLogger(_libp2p_swarm_connection.__name__)
     )
+    # WORKAROUND(pubsub-decode): Pubsub.continuously_read_stream parses every inbound RPC
+    # with protobuf but does not catch DecodeError. One undecodable RPC from any remote
+    # peer escapes the stream handler, fails the connection's task group and tears down
+    # the whole host (seen: a peer's host dying mid-test). Reset that stream instead.
+    if not getattr(Pubsub.continuously_read_stream, "_prefixswarm_guarded", False):
+        Pubsub.continuously_read_stream = _guard_pubsub_reader(  # type: ignore[method-assign]
+            Pubsub.continuously_read_stream
+        )
+
+
+def _guard_pubsub_reader(read_stream: Any) -> Any:
+    async def guarded(self: Pubsub, stream: INetStream) -> None:
+        try:
+            await read_stream(self, stream)
+        except (DecodeError, ValueError) as exc:
+            peer = stream.muxed_conn.peer_id
+            logger.warning("pubsub: undecodable RPC from %s (%s); resetting its stream", peer, exc)
+            with trio.move_on_after(CLOSE_TIMEOUT_S):
+                await _reset_quietly(stream)
+
+    guarded._prefixswarm_guarded = True  # type: ignore[attr-defined]
+    return guarded
+
+
+async def _reset_quietly(stream: INetStream) -> None:
+    try:
+        await stream.reset()
+    except BaseLibp2pError as exc:  # already reset or closed by the other side
+        logger.debug("resetting stream: %s", exc)
 
 
 class _NamedLogging:
@@ -370,3 +402,5 @@ def new_pubsub(host: SwarmHost, *, degree: int, degree_low: int, degree_high: in
     )
     # strict_signing (the default) signs our messages and verifies everyone's (ed25519).
     return Pubsub(host.libp2p, router, strict_signing=True)
+
+
