@@ -340,7 +340,8 @@ class Engine:
         """Run a short prefill and a few decode steps to seed the speed estimates (blocking)."""
         ids = [i % self.vocab_size for i in range(1, WARMUP_PROMPT_TOKENS + 1)]
         params = SamplingParams(max_new_tokens=WARMUP_DECODE_TOKENS)
-        for _ in range(2):  # the first forward pays one-time costs; the second is the sample
+        for _ in range(2):  # the first pass pays one-time costs; the second is the sample
+            self._prefill_tps = self._decode_tps = 0.0
             seq = _Sequence(cache_from_blocks([]), 0)
             tok = self._prefill_step(seq, ids, params)
             assert tok is not None
@@ -376,18 +377,19 @@ class Engine:
         self._decode_tps = _ewma(self._decode_tps, 1.0 / (time.perf_counter() - start))
         return nxt
 
-    def _cache_blocks(self, tokens: Sequence[int], seq: _Sequence, first_block: int) -> int:
-        """Insert tokens' full blocks from `first_block` on, copying KV out of `seq` (loop)."""
+    async def _cache_blocks(self, tokens: Sequence[int], seq: _Sequence, first_block: int) -> None:
+        """Insert tokens' full blocks from `first_block` on, with KV copied out of `seq`."""
         end_block = len(tokens) // self.block_size
         if end_block <= first_block:
-            return 0
-        blocks = blocks_from_cache(seq.cache, first_block, end_block, self.block_size)
-        result = self.cache.insert(
+            return
+        blocks = await trio.to_thread.run_sync(
+            blocks_from_cache, seq.cache, first_block, end_block, self.block_size
+        )
+        self.cache.insert(
             tokens[: end_block * self.block_size],
-            lambda b: blocks[b - first_block],
+            lambda b: blocks[b - first_block],  # only called for blocks not cached meanwhile
             trio.current_time(),
         )
-        return len(result.stored_hashes)
 
     # -- requests --------------------------------------------------------------------------
 
@@ -445,7 +447,7 @@ class Engine:
                     )
                     pos = end
                     if first is not None:
-                        self._cache_blocks(tokens, seq, match.num_blocks if match else 0)
+                        await self._cache_blocks(tokens, seq, match.num_blocks if match else 0)
             assert match is not None and seq is not None
             self._queued_prompt_tokens -= queued
             queued = 0
@@ -473,7 +475,7 @@ class Engine:
                 generated.append(nxt)
             if self.cache_generated:
                 async with self._limiter:
-                    self._cache_blocks(tokens + generated[:-1], seq, n // self.block_size)
+                    await self._cache_blocks(tokens + generated[:-1], seq, n // self.block_size)
             total = time.perf_counter() - start
             self._stats["generated_tokens"] += len(generated)
             decode_s = total - ttft
