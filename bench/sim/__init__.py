@@ -1,0 +1,9 @@
+"""The discrete-event swarm simulator behind `python -m bench.simulate`.
+
+  calibration.py  prefill/decode service times of a peer, fitted to engine measurements
+  summaries.py    a peer's Bloom summary kept current block by block (bit-identical)
+  model.py        the simulated swarm: peers with the real radix cache, peer table and
+                  router; processor-sharing servers; network delay; anti-entropy
+  experiments.py  the evaluation's sweeps (a)-(g) as grids of runs, one row per run
+  plots.py        Markdown tables and PNG plots of result rows
+"""

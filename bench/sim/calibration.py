@@ -1,0 +1,140 @@
+"""Service-time calibration of a simulated peer: prefill and decode cost of the real engine.
+
+The default parameter set is fitted to the SmolLM2-135M measurements in the project notes
+(torch CPU, fp32, 2 vCPUs): cold prefill of 512 tokens ~1.0 s and of 1024 tokens ~2.2 s;
+400 cached + 112 new tokens 3.0-3.8x faster than 512 cold; 896 cached + 112 new 4.7-5.8x
+faster than 1008 cold; decode 60-80 ms per token. A least-squares fit of
+
+    prefill_s(new, cached) = fixed + per_token * new + per_token_ctx * new * (cached + new / 2)
+
+(the last term is attention: each new token attends to the cached context and to the new
+tokens before it) gives fixed = 0.099 s, per_token = 1.43 ms, per_token_ctx = 1.23 us,
+reproducing the four points within 10%. `Calibration.from_engine_json` refits the
+same form from a `python -m bench.engine --json` result when one is available.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+NOMINAL_PROMPT_TOKENS = 512  # the prompt length at which a nominal prefill speed is quoted
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Prefill and decode cost of one peer (all peers share it unless scaled)."""
+
+    name: str = "smollm2-135m-notes"
+    prefill_fixed_s: float = 0.099
+    prefill_s_per_token: float = 1.43e-3
+    prefill_s_per_token_ctx: float = 1.23e-6
+    decode_s_per_token: float = 0.070
+    source: str = "shared/notes/model.md (SmolLM2-135M, fp32, 2 vCPUs), least-squares fit"
+
+    def __post_init__(self) -> None:
+        for name in (
+            "prefill_fixed_s",
+            "prefill_s_per_token",
+            "prefill_s_per_token_ctx",
+            "decode_s_per_token",
+        ):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.prefill_s_per_token <= 0 or self.decode_s_per_token <= 0:
+            raise ValueError("per-token prefill and decode costs must be > 0")
+
+    def prefill_s(self, new_tokens: int, cached_tokens: int) -> float:
+        """Seconds to prefill `new_tokens` after `cached_tokens` reused ones."""
+        if new_tokens <= 0:
+            return 0.0
+        return (
+            self.prefill_fixed_s
+            + self.prefill_s_per_token * new_tokens
+            + self.prefill_s_per_token_ctx * new_tokens * (cached_tokens + new_tokens / 2)
+        )
+
+    def decode_s(self, tokens: int) -> float:
+        """Seconds to decode `tokens` tokens one after another (batch of one)."""
+        return self.decode_s_per_token * max(0, tokens)
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        """Nominal cold prefill speed at NOMINAL_PROMPT_TOKENS, as a peer would advertise it."""
+        return NOMINAL_PROMPT_TOKENS / self.prefill_s(NOMINAL_PROMPT_TOKENS, 0)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Nominal decode speed, as a peer would advertise it."""
+        return 1.0 / self.decode_s_per_token
+
+    def scaled(self, factor: float) -> Calibration:
+        """A peer `factor` times slower (factor > 1) or faster (factor < 1)."""
+        if factor <= 0:
+            raise ValueError(f"factor must be > 0, got {factor}")
+        return replace(
+            self,
+            name=f"{self.name}x{factor:g}",
+            prefill_fixed_s=self.prefill_fixed_s * factor,
+            prefill_s_per_token=self.prefill_s_per_token * factor,
+            prefill_s_per_token_ctx=self.prefill_s_per_token_ctx * factor,
+            decode_s_per_token=self.decode_s_per_token * factor,
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        """The parameter set, for result files."""
+        return {
+            "name": self.name,
+            "prefill_fixed_s": self.prefill_fixed_s,
+            "prefill_s_per_token": self.prefill_s_per_token,
+            "prefill_s_per_token_ctx": self.prefill_s_per_token_ctx,
+            "decode_s_per_token": self.decode_s_per_token,
+            "source": self.source,
+        }
+
+    @classmethod
+    def from_points(
+        cls,
+        points: list[tuple[int, int, float]],
+        decode_s_per_token: float,
+        name: str,
+        source: str,
+    ) -> Calibration:
+        """Fit the prefill form to (cached_tokens, new_tokens, seconds) points (>= 3)."""
+        if len(points) < 3:
+            raise ValueError(f"need >= 3 prefill points to fit 3 parameters, got {len(points)}")
+        import numpy as np  # only here: the simulator itself does not need numpy
+
+        rows = [[1.0, n, n * (k + n / 2)] for k, n, _ in points]
+        ys = [t for _, _, t in points]
+        coef, *_ = np.linalg.lstsq(np.array(rows), np.array(ys), rcond=None)
+        fixed, per_tok, per_ctx = (max(0.0, float(c)) for c in coef)
+        if per_tok <= 0:
+            raise ValueError(f"the fit gave a non-positive per-token prefill cost: {coef}")
+        return cls(name, fixed, per_tok, per_ctx, decode_s_per_token, source)
+
+    @classmethod
+    def from_engine_json(cls, path: str | Path) -> Calibration:
+        """Fit to a bench/engine result: rows with cached_tokens, new_tokens, prefill_s,
+        and a decode_s_per_token (median) at the top level or in rows."""
+        data = json.loads(Path(path).read_text())
+        rows = data.get("rows", [])
+        points = [
+            (int(r["cached_tokens"]), int(r["new_tokens"]), float(r["prefill_s"]))
+            for r in rows
+            if {"cached_tokens", "new_tokens", "prefill_s"} <= r.keys()
+        ]
+        decode = data.get("decode_s_per_token")
+        if decode is None:
+            decodes = sorted(
+                float(r["decode_s_per_token"]) for r in rows if "decode_s_per_token" in r
+            )
+            if not decodes:
+                raise ValueError(f"{path}: no decode_s_per_token anywhere")
+            decode = decodes[len(decodes) // 2]
+        return cls.from_points(points, float(decode), f"engine:{Path(path).name}", str(path))
+
+
+NOTES_CALIBRATION = Calibration()

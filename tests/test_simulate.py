@@ -1,0 +1,225 @@
+"""The simulator: determinism, conservation, the server model, summaries, the CLI's output."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import random
+
+import pytest
+from bench.workloads import TokenizedMMLU, TokenRequest, poisson_arrivals, zipf_weights
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from bench.sim import experiments
+from bench.sim.calibration import NOTES_CALIBRATION, Calibration
+from bench.sim.model import ORACLE, POLICY_NAMES, SimParams, simulate
+from bench.sim.summaries import IncrementalBloom
+from protocols.bloom import BloomFilter
+
+VOCAB = 49152
+
+
+def synthetic_mmlu(subjects: int = 8, questions: int = 30, seed: int = 0) -> TokenizedMMLU:
+    """Random token ids shaped like 5-shot MMLU: long shared prefixes, short questions."""
+    rng = random.Random(seed)
+
+    def ids(n: int) -> tuple[int, ...]:
+        return tuple(rng.randrange(VOCAB) for _ in range(n))
+
+    return TokenizedMMLU(
+        tokenizer="synthetic",
+        subjects=tuple(f"subject {i}" for i in range(subjects)),
+        prefixes=tuple(ids(rng.randint(300, 600)) for _ in range(subjects)),
+        questions=tuple(
+            tuple(ids(rng.randint(30, 90)) for _ in range(questions)) for _ in range(subjects)
+        ),
+        answers=tuple(tuple((rng.randrange(VOCAB),) for _ in range(questions))
+                      for _ in range(subjects)),
+        markers={k: ids(3) for k in ("system", "user", "assistant", "end")},
+    )
+
+
+def workload(n: int = 300, rate: float = 3.0, s: float = 1.0, subjects: int = 8,
+             seed: int = 0) -> list[TokenRequest]:
+    rng = random.Random(seed)
+    data = synthetic_mmlu(subjects, seed=seed)
+    weights = zipf_weights(subjects, s)
+    out = []
+    for t in poisson_arrivals(rng, n, rate):
+        k = rng.choices(range(subjects), weights)[0]
+        q = rng.randrange(len(data.questions[k]))
+        out.append(TokenRequest(t, k, data.prefixes[k], data.questions[k][q], 8, group=k))
+    return out
+
+
+SMALL = SimParams(peers=4, capacity_blocks=128, seed=3)
+
+
+def test_tiny_run_completes() -> None:
+    result = simulate(SMALL, workload(200))
+    m = result.metrics
+    assert m["requests"] == 180  # 10% warm-up left out
+    assert all(0 < t <= e for t, e in zip(result.ttft_s, result.e2e_s, strict=True))
+    assert 0 < m["hit_ratio"] < 1
+    assert m["summaries_published"] > 0
+    assert m["summaries_rejected"] == 0  # the real PeerTable accepts every summary
+
+
+def test_deterministic_under_seed() -> None:
+    wl = workload(250)
+    a = simulate(SMALL, wl)
+    b = simulate(SMALL, wl)
+    assert a.metrics == b.metrics
+    assert a.ttft_s == b.ttft_s and a.served_by == b.served_by
+    c = simulate(dataclasses.replace(SMALL, seed=4), wl)
+    assert c.served_by != a.served_by  # entries and routes depend on the seed
+
+
+@pytest.mark.parametrize("policy", POLICY_NAMES)
+def test_every_request_completes_exactly_once(policy: str) -> None:
+    wl = workload(150, rate=6.0)  # above the no-reuse capacity of 4 peers: queues build
+    result = simulate(dataclasses.replace(SMALL, policy=policy), wl)
+    assert result.completions == [1] * len(wl)
+    assert len(result.served_by) == len(wl)
+    assert all(0 <= p < SMALL.peers for p in result.served_by)
+
+
+def test_oracle_hits_at_least_as_often_on_a_simple_case() -> None:
+    # Nearly idle peers and no delay: the cheapest route is the longest exact match.
+    # Each cache holds about two of the eight subjects' prefixes.
+    wl = workload(300, rate=0.1, s=0.5, subjects=8)
+    params = SimParams(peers=4, delay_ms=0.0, capacity_blocks=80, seed=1)
+    hits = {p: simulate(dataclasses.replace(params, policy=p), wl).metrics["hit_ratio"]
+            for p in POLICY_NAMES}
+    for policy, hit in hits.items():
+        assert hits[ORACLE] >= hit - 1e-9, (policy, hits)
+    assert hits[ORACLE] > hits["random"] + 0.1
+
+
+def test_local_policy_never_forwards() -> None:
+    result = simulate(dataclasses.replace(SMALL, policy="local"), workload(100))
+    assert result.metrics["forwarded_fraction"] == 0.0
+
+
+def test_processor_sharing_by_hand() -> None:
+    # 0.1 s of prefill each, no decode: alone one ends at 0.1 s; two together at 0.2 s.
+    cal = Calibration("flat", 0.0, 1e-3, 0.0, 0.01, "test")
+    prefix = tuple(range(100))
+    reqs = [TokenRequest(0.0, 0, prefix, (), 1), TokenRequest(0.0, 1, prefix, (), 1)]
+    params = SimParams(policy="local", peers=1, calibration=cal, warmup_fraction=0.0)
+    result = simulate(params, reqs)
+    assert result.ttft_s == pytest.approx([0.2, 0.2])
+    # The second request arrives after the first has prefilled: it reuses 96 tokens
+    # (6 full blocks, the last token is always computed) and runs alone.
+    reqs = [TokenRequest(0.0, 0, prefix, (), 1), TokenRequest(1.0, 0, prefix, (), 1)]
+    result = simulate(params, reqs)
+    assert result.ttft_s == pytest.approx([0.1, 0.004])
+    assert result.metrics["hit_ratio"] == pytest.approx(96 / 200)
+
+
+def test_forwarding_pays_stream_setup_and_both_ways() -> None:
+    # Two peers, d = 100 ms without jitter: a forwarded request pays setup RTT + 2 one-ways.
+    cal = Calibration("flat", 0.0, 1e-3, 0.0, 0.01, "test")
+    reqs = [TokenRequest(float(i), i, tuple(range(i, i + 100)), (), 1) for i in range(40)]
+    params = SimParams(policy="round_robin", peers=2, delay_ms=100.0, jitter=0.0,
+                       calibration=cal, warmup_fraction=0.0)
+    ttfts = sorted(round(t, 6) for t in simulate(params, reqs).ttft_s)
+    assert set(ttfts) == {0.1, 0.5}  # prefill alone, or 4 x 100 ms more
+
+
+def test_summary_interval_and_early_publish() -> None:
+    wl = workload(300)
+    slow = simulate(dataclasses.replace(SMALL, summary_interval_s=30.0, early_publish=False), wl)
+    fast = simulate(dataclasses.replace(SMALL, summary_interval_s=0.5, early_publish=False), wl)
+    duration = slow.metrics["duration_s"]
+    # every peer publishes once per interval (first one at a random phase)
+    assert slow.metrics["summaries_published"] == pytest.approx(4 * duration / 30, abs=8)
+    assert fast.metrics["summaries_published"] == pytest.approx(4 * duration / 0.5, rel=0.05)
+    early = simulate(dataclasses.replace(SMALL, summary_interval_s=30.0), wl)
+    assert early.metrics["summaries_published"] > 2 * slow.metrics["summaries_published"]
+
+
+def test_bloom_bits_per_entry_shapes_the_filter() -> None:
+    for bits in (4.0, 8.0, 16.0):
+        f = dataclasses.replace(SMALL, capacity_blocks=512, bloom_bits_per_entry=bits
+                                ).bloom_template()
+        assert f.num_bits == 512 * bits
+        assert f.num_hashes == round(bits * math.log(2))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 60)), max_size=200))
+def test_incremental_bloom_equals_a_rebuild(ops: list[tuple[bool, int]]) -> None:
+    template = BloomFilter.for_capacity(64, 0.01)
+    inc = IncrementalBloom(template)
+    keys = [random.Random(i).getrandbits(64) for i in range(61)]
+    present: set[int] = set()
+    for add, i in ops:
+        if add:
+            inc.add(keys[i])
+            present.add(keys[i])
+        elif keys[i] in present:
+            inc.remove(keys[i])
+            present.discard(keys[i])
+    rebuilt = BloomFilter(template.num_bits, template.num_hashes)
+    rebuilt.update(present)
+    assert inc.to_bytes() == rebuilt.to_bytes()
+    assert len(inc) == len(present)
+
+
+def test_incremental_bloom_refuses_unknown_removal() -> None:
+    inc = IncrementalBloom(BloomFilter.for_capacity(16))
+    with pytest.raises(ValueError):
+        inc.remove(12345)
+
+
+def test_calibration_reproduces_the_notes() -> None:
+    cal = NOTES_CALIBRATION
+    assert cal.prefill_s(512, 0) == pytest.approx(1.0, rel=0.1)
+    assert cal.prefill_s(1024, 0) == pytest.approx(2.2, rel=0.1)
+    assert cal.prefill_s(512, 0) / cal.prefill_s(112, 400) == pytest.approx(3.4, rel=0.15)
+    assert cal.prefill_s(1008, 0) / cal.prefill_s(112, 896) == pytest.approx(5.25, rel=0.15)
+    assert cal.decode_s(10) == pytest.approx(0.7)
+    fitted = Calibration.from_points(
+        [(0, 512, 1.0), (0, 1024, 2.2), (400, 112, 1.0 / 3.4), (896, 112, 2.16 / 5.25)],
+        0.07, "refit", "test")
+    assert fitted.prefill_s_per_token == pytest.approx(cal.prefill_s_per_token, rel=0.02)
+
+
+def test_params_are_validated() -> None:
+    with pytest.raises(ValueError):
+        SimParams(policy="nearest")
+    with pytest.raises(ValueError):
+        SimParams(peers=0)
+    with pytest.raises(ValueError):
+        simulate(SMALL, [])
+
+
+def tiny_grid() -> experiments.Grid:
+    base = experiments.Base(peers=4, requests=120, subjects=None, seed=2,
+                            sim=SimParams(capacity_blocks=128))
+    return experiments.Grid(base=base, delays_ms=(0, 50), zipf_s=(1.0,), loads=(0.5, 1.5),
+                            policies=("random", "cost", ORACLE),
+                            experiments=("delay", "skew", "load"))
+
+
+def test_grid_rows_and_cli_json(tmp_path, monkeypatch) -> None:
+    import bench.simulate as cli
+
+    data = synthetic_mmlu()
+    monkeypatch.setattr(cli, "load_tokenized_mmlu", lambda: data)
+    monkeypatch.setattr(cli, "quick_grid", lambda seed: tiny_grid())
+    out = tmp_path / "quick.json"
+    assert cli.main(["--quick", "--json", str(out), "--plots", str(tmp_path / "plots")]) == 0
+    doc = json.loads(out.read_text())
+    assert set(doc) >= {"params", "rows"}
+    rows = doc["rows"]
+    assert len(rows) == 3 * (2 + 1 + 2)
+    for row in rows:
+        assert set(experiments.REQUIRED_ROW_KEYS) <= row.keys()
+        assert row["peers"] == 4
+    assert {r["experiment"] for r in rows} == {"delay", "skew", "load"}
+    assert (tmp_path / "plots" / "a_delay.png").stat().st_size > 0
+    assert (tmp_path / "plots" / "cost_vs_best.md").exists()
