@@ -1,0 +1,301 @@
+"""`prefixswarm local`: a swarm of N peer processes on loopback, for trying things out.
+
+Peer 1 starts first (its address bootstraps the rest; on first use it also converts the
+model), then peers 2..N together. Each child is `python -m peer.cli serve --report json
+--exit-with-stdin` with its own identity file and HTTP port in a temporary folder; the
+swarm is ready when every peer has every other peer in its table. Stopping (Ctrl-C,
+SIGTERM, the end of --demo) sends SIGTERM to every child, waits, then SIGKILLs any
+straggler. Children also stop by themselves when this process dies (their stdin closes),
+and they run in their own session, so a terminal's Ctrl-C reaches only this process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import trio
+
+STOP_GRACE_S = 10.0  # a peer closes its host and sockets in well under a second
+POLL_S = 0.1  # readiness checks: children report every 0.5 s
+LOG_TAIL_LINES = 25  # of a failed child's stderr, shown to the user
+MAX_REPORT_LINE = 1 << 20  # a child's JSON line; longer means something is broken
+FIRST_USE_NOTE = " (the first use converts the model: ~20 s)"
+DEMO_SUBJECTS = ("world religions", "global facts")  # short 5-shot prompts (~250 tokens)
+DEMO_QUESTIONS_PER_SUBJECT = 3
+DEMO_MAX_TOKENS = 4  # an answer letter and a little more
+DEMO_REQUEST_TIMEOUT_S = 300.0
+
+
+class LocalSwarmError(RuntimeError):
+    """A child peer failed to start; the message carries the end of its log."""
+
+
+@dataclass
+class LocalPeer:
+    """One child process and what it last reported."""
+
+    index: int  # 1-based, as shown to the user
+    process: trio.Process
+    log_path: Path
+    peer_id: str = ""
+    multiaddrs: tuple[str, ...] = ()
+    http: str | None = None
+    known: frozenset[str] = field(default_factory=frozenset)
+
+    @property
+    def pid(self) -> int:
+        return int(self.process.pid)
+
+    def log_tail(self) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(lines[-LOG_TAIL_LINES:])
+
+    def check_alive(self) -> None:
+        code = self.process.poll()
+        if code is not None:
+            raise LocalSwarmError(
+                f"peer {self.index} exited with status {code}; its log ends with:\n"
+                + self.log_tail()
+            )
+
+
+def child_command(
+    args: argparse.Namespace, workdir: Path, index: int, http: str, bootstrap: Sequence[str]
+) -> list[str]:
+    cmd = [
+        sys.executable, "-m", "peer.cli", "serve",
+        "--listen", "/ip4/127.0.0.1/tcp/0",
+        "--http", http,
+        "--identity", str(workdir / f"peer-{index}.key"),
+        "--model", args.model,
+        "--cache-bytes", str(args.cache_bytes),
+        "--policy", args.policy,
+        "--summary-interval", str(args.summary_interval),
+        "--log-level", args.log_level,
+        "--report", "json",
+        "--exit-with-stdin",
+    ]
+    if bootstrap:
+        cmd += ["--bootstrap", *bootstrap]
+    return cmd
+
+
+async def _follow(peer: LocalPeer) -> None:
+    """Apply the child's JSON reports until its stdout closes."""
+    assert peer.process.stdout is not None
+    buffer = b""
+    async for chunk in peer.process.stdout:
+        buffer += chunk
+        if len(buffer) > MAX_REPORT_LINE:
+            raise LocalSwarmError(f"peer {peer.index} wrote a line over {MAX_REPORT_LINE} bytes")
+        *lines, buffer = buffer.split(b"\n")
+        for line in lines:
+            report = json.loads(line)
+            if report["event"] == "up":
+                peer.peer_id = report["peer_id"]
+                peer.multiaddrs = tuple(report["multiaddrs"])
+                peer.http = report["http"]
+            elif report["event"] == "peers":
+                peer.known = frozenset(report["peer_ids"])
+
+
+async def _wait(peers: Sequence[LocalPeer], ready: Callable[[LocalPeer], bool], what: str,
+                timeout_s: float) -> None:
+    """Poll until `ready` holds for every peer; LocalSwarmError if one dies or time runs out."""
+    with trio.move_on_after(timeout_s):
+        while True:
+            for p in peers:
+                p.check_alive()
+            if all(ready(p) for p in peers):
+                return
+            await trio.sleep(POLL_S)
+    raise LocalSwarmError(f"not within {timeout_s:.0f} s: {what}")
+
+
+async def stop_all(peers: Sequence[LocalPeer], grace_s: float = STOP_GRACE_S) -> None:
+    """SIGTERM every child, wait up to `grace_s`, SIGKILL the rest; every one is reaped."""
+    for p in peers:
+        if p.process.poll() is None:
+            p.process.send_signal(signal.SIGTERM)
+    with trio.move_on_after(grace_s):
+        for p in peers:
+            await p.process.wait()
+    for p in peers:
+        if p.process.poll() is None:
+            p.process.kill()
+            await p.process.wait()
+
+
+@asynccontextmanager
+async def open_local_swarm(
+    args: argparse.Namespace, workdir: Path, say: Callable[[str], None]
+) -> AsyncIterator[list[LocalPeer]]:
+    """Start args.peers children and wait until they know each other; stop them all on exit."""
+    n = args.peers
+    peers: list[LocalPeer] = []
+    async with trio.open_nursery() as nursery:
+
+        async def spawn(index: int, http: str, bootstrap: Sequence[str]) -> LocalPeer:
+            log_path = workdir / f"peer-{index}.log"
+            with open(log_path, "wb") as log:
+                process = await trio.lowlevel.open_process(
+                    child_command(args, workdir, index, http, bootstrap),
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=log,
+                    start_new_session=True,  # Ctrl-C reaches the parent only: it stops them
+                )
+            peer = LocalPeer(index, process, log_path)
+            peers.append(peer)
+            nursery.start_soon(_follow, peer)
+            return peer
+
+        try:
+            note = FIRST_USE_NOTE if args.model == "smollm2-135m" else ""
+            say(f"loading model {args.model} on peer 1/{n}{note}...")
+            first = await spawn(1, args.http, ())
+            await _wait([first], lambda p: bool(p.peer_id), "peer 1 up", args.ready_timeout)
+            say(f"peer 1/{n} up: {first.multiaddrs[0]}")
+            if n > 1:
+                say(f"loading model on peers 2-{n}/{n}...")
+                for i in range(2, n + 1):
+                    await spawn(i, "127.0.0.1:0", first.multiaddrs[:1])
+                await _wait(peers, lambda p: bool(p.peer_id), "every peer up", args.ready_timeout)
+                say(f"{n} peers up; waiting for them to find each other...")
+            ids = {p.peer_id for p in peers}
+            await _wait(
+                peers, lambda p: p.known >= ids - {p.peer_id},
+                "every peer knows every other", args.ready_timeout,
+            )
+            yield peers
+        finally:
+            with trio.CancelScope(shield=True):
+                if peers:
+                    say(f"stopping {len(peers)} peers...")
+                await stop_all(peers)
+            nursery.cancel_scope.cancel()
+
+
+# -- the demo ----------------------------------------------------------------------------
+
+
+def demo_prompts() -> list[tuple[str, str, str]]:
+    """(subject, 5-shot prompt, correct letter), subjects interleaved so prefixes repeat."""
+    try:
+        from bench import workloads
+    except ImportError:  # a console-script run: the source checkout is not on sys.path
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+        from bench import workloads
+    groups = workloads.by_subject(workloads.load_mmlu())
+    per_subject = []
+    for subject in DEMO_SUBJECTS:
+        questions = groups[subject]
+        prompts = workloads.subject_prompts(questions)[:DEMO_QUESTIONS_PER_SUBJECT]
+        answers = [q.answer for q in questions[workloads.NUM_SHOTS:]]
+        per_subject.append([(subject, p, a) for p, a in zip(prompts, answers, strict=False)])
+    return [item for row in zip(*per_subject, strict=True) for item in row]
+
+
+async def run_demo(peers: Sequence[LocalPeer], model: str) -> dict[str, Any]:
+    """Send the MMLU questions, entering at each peer in turn; print a line per answer."""
+    import httpx
+
+    names = {p.peer_id: f"peer {p.index}" for p in peers}
+    prompts = demo_prompts()
+    print(f"{len(prompts)} MMLU questions (5-shot), {len(DEMO_SUBJECTS)} subjects, greedy:")
+    print(f"{'#':>2}  {'subject':<16} {'entry':<7} {'served by':<9} {'cached/prompt':>13}"
+          f"  {'answer':<6} {'correct':<7} {'time':>6}")
+    totals = {"requests": 0, "prompt": 0, "cached": 0, "correct": 0, "hits": 0}
+    async with httpx.AsyncClient(timeout=DEMO_REQUEST_TIMEOUT_S) as client:
+        for i, (subject, prompt, correct) in enumerate(prompts):
+            entry = peers[i % len(peers)]
+            response = await client.post(
+                f"{entry.http}/v1/completions",
+                json={"model": model, "prompt": prompt, "max_tokens": DEMO_MAX_TOKENS,
+                      "temperature": 0, "stop": ["\n"]},
+            )
+            body = response.json()
+            if response.status_code != 200:
+                raise LocalSwarmError(f"request {i + 1} failed: {body['error']['message']}")
+            usage, ext = body["usage"], body["x_prefixswarm"]
+            cached = usage["prompt_tokens_details"]["cached_tokens"]
+            text = body["choices"][0]["text"].strip()
+            answer = next((c for c in text if c in "ABCD"), text[:6] or "-")
+            totals["requests"] += 1
+            totals["prompt"] += usage["prompt_tokens"]
+            totals["cached"] += cached
+            totals["hits"] += cached > 0
+            totals["correct"] += answer == correct
+            served = names.get(ext["served_by"], ext["served_by"][:9])
+            share = f"{cached}/{usage['prompt_tokens']}"
+            print(f"{i + 1:>2}  {subject:<16} {names[entry.peer_id]:<7} {served:<9} "
+                  f"{share:>13}  {answer:<6} {correct:<7} {ext['total_s']:>5.2f}s", flush=True)
+    ratio = totals["cached"] / totals["prompt"] if totals["prompt"] else 0.0
+    print(f"{totals['hits']}/{totals['requests']} requests reused a cached prefix; "
+          f"{totals['cached']} of {totals['prompt']} prompt tokens cached ({ratio:.0%}); "
+          f"{totals['correct']}/{totals['requests']} answers correct")
+    return totals
+
+
+# -- the command -------------------------------------------------------------------------
+
+
+async def run_local(args: argparse.Namespace) -> int:
+    """`prefixswarm local`: start, report, serve until Ctrl-C (or run the demo), stop."""
+    if args.peers < 1:
+        raise ValueError(f"--peers must be >= 1, got {args.peers}")
+
+    def say(message: str) -> None:
+        print(f"prefixswarm: {message}", file=sys.stderr, flush=True)
+
+    status = 0
+    with (
+        tempfile.TemporaryDirectory(prefix="prefixswarm-local-") as tmp,
+        trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals,
+    ):
+        async with trio.open_nursery() as nursery:
+
+            async def stop_on_signal() -> None:
+                async for _ in signals:
+                    say("interrupted")
+                    nursery.cancel_scope.cancel()
+                    return
+
+            nursery.start_soon(stop_on_signal)
+            try:
+                async with open_local_swarm(args, Path(tmp), say) as peers:
+                    first = peers[0]
+                    say(f"swarm ready: {len(peers)} peers, HTTP on {first.http}")
+                    if args.json:
+                        print(json.dumps({
+                            "event": "ready", "pid": os.getpid(), "http": first.http,
+                            "peers": [{"index": p.index, "pid": p.pid, "peer_id": p.peer_id,
+                                       "multiaddrs": list(p.multiaddrs), "http": p.http}
+                                      for p in peers],
+                        }), flush=True)
+                    if args.demo:
+                        await run_demo(peers, args.model)
+                    else:
+                        say(f"try: prefixswarm generate 'Hello' --url {first.http}   "
+                            f"prefixswarm status --url {first.http}   (Ctrl-C stops)")
+                        await trio.sleep_forever()
+            except LocalSwarmError as exc:
+                say(str(exc))
+                status = 1
+            nursery.cancel_scope.cancel()
+    say("all peers stopped")
+    return status
