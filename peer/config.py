@@ -24,6 +24,7 @@ DEFAULT_IDENTITY_FILE = "~/.config/prefixswarm/identity.key"  # persisted ed2551
 
 MAX_SUMMARY_INTERVAL_S = 600.0  # beyond this a summary says nothing useful about a cache
 MIN_BLOOM_FP_RATE = 1e-4  # protocols/bloom.py's bound: rarer false hits cost more bits than gain
+MAX_REQUEST_TIMEOUT_S = 3600.0  # the inference protocol's deadline bound (MAX_DEADLINE_S)
 MAX_QUEUE_LIMIT = 100_000  # a sanity bound on memory held by waiting requests
 
 
@@ -97,6 +98,11 @@ class PeerConfig:
         for name in ("forward_first_token_s", "forward_token_gap_s", "request_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.request_timeout_s > MAX_REQUEST_TIMEOUT_S:
+            raise ValueError(
+                f"request_timeout_s must be <= {MAX_REQUEST_TIMEOUT_S}, "
+                f"got {self.request_timeout_s}"
+            )
         if self.forward_delay_s < 0:
             raise ValueError(f"forward_delay_s must be >= 0, got {self.forward_delay_s}")
 

@@ -92,10 +92,23 @@ def bloom_capacity(cached_blocks: int, fp_rate: float) -> int:
     return capacity
 
 
+def summary_bloom(cached_blocks: int, fp_rate: float) -> BloomFilter:
+    """An empty filter for `cached_blocks` entries within the size bound.
+
+    When the bound cuts the size, fewer hash functions keep the filter about half full:
+    its false-positive rate rises, but receivers never reject it as too full."""
+    capacity = bloom_capacity(cached_blocks, fp_rate)
+    bloom = BloomFilter.for_capacity(capacity, fp_rate)
+    if cached_blocks <= capacity:
+        return bloom
+    best = round(bloom.num_bits / cached_blocks * math.log(2))
+    return BloomFilter(bloom.num_bits, max(1, min(bloom.num_hashes, best)))
+
+
 def build_summary(engine: EngineLike, *, peer_id: str, seq: int, fp_rate: float) -> CacheSummary:
     """This peer's summary now: a Bloom filter of every cached block hash, plus load."""
     cache = engine.cache
-    bloom = BloomFilter.for_capacity(bloom_capacity(cache.num_blocks, fp_rate), fp_rate)
+    bloom = summary_bloom(cache.num_blocks, fp_rate)
     bloom.update(cache.cached_hashes())
     load = engine.load()
     return CacheSummary(

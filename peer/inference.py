@@ -11,6 +11,7 @@ away (a reader watches the stream while the engine runs).
 from __future__ import annotations
 
 import contextlib
+import enum
 import logging
 from collections import Counter
 from typing import Any, Protocol
@@ -19,7 +20,13 @@ import trio
 from libp2p.exceptions import BaseLibp2pError
 
 from peer.admission import Admission, Overloaded
-from peer.engine.engine import Completion, InvalidRequest, SamplingParams, TokenEvent
+from peer.engine.engine import (
+    Completion,
+    EngineError,
+    InvalidRequest,
+    SamplingParams,
+    TokenEvent,
+)
 from protocols.errors import RemoteProtocolError
 from protocols.framing import MAX_FRAME_BYTES, FrameDecoder, encode_frame
 from protocols.ids import INFER_PROTOCOL
@@ -102,6 +109,15 @@ class FrameStream:
             scope.shield = True
             with contextlib.suppress(BaseLibp2pError):
                 await self.stream.reset()
+
+
+class Served(enum.Enum):
+    """How an inbound request ended (a statistics key)."""
+
+    SERVED = "served"
+    ENTRY_LEFT = "cancelled_by_entry"
+    INVALID = "rejected_invalid"
+    FAILED = "failed_internal"
 
 
 def finish_reason(text: str) -> FinishReason:
@@ -197,52 +213,58 @@ class InferenceService:
             await self._reply_error(frames, ErrorCode.OVERLOADED, str(exc))
             return
         with slot, trio.move_on_after(request.deadline_s) as deadline:
-            try:
-                finished = await self._stream_tokens(frames, request, params)
-            except InvalidRequest as exc:
-                self.stats["rejected_invalid"] += 1
-                await self._reply_error(frames, ErrorCode.INVALID_REQUEST, str(exc))
-                return
-            except StreamBroken:
-                finished = False
-            if finished:
-                self.stats["served"] += 1
-            else:
-                self.stats["cancelled_by_entry"] += 1
+            status = await self._stream_tokens(frames, request, params)
+            self.stats[status.value] += 1
         if deadline.cancelled_caught:
             self.stats["deadline"] += 1
             await self._reply_error(frames, ErrorCode.DEADLINE, "deadline passed while serving")
 
     async def _stream_tokens(
         self, frames: FrameStream, request: InferRequest, params: SamplingParams
-    ) -> bool:
-        """Stream the generation; False if the entry peer went away first."""
-        finished = False
+    ) -> Served:
+        """Stream the generation back; every failure becomes a status and, where the entry
+        peer can still hear it, an error frame. Nothing escapes to the service."""
+        status = Served.ENTRY_LEFT  # unless the stream finishes or fails first
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._watch_entry, frames, nursery.cancel_scope)
-            agen = self._engine.stream(request.prompt_token_ids, params)
-            async with contextlib.aclosing(agen):
-                async for item in agen:
-                    if isinstance(item, TokenEvent):
-                        with trio.fail_after(REPLY_WRITE_TIMEOUT_S):
-                            await frames.send(TokenChunk((item.token_id,), item.text))
-                    elif isinstance(item, Completion):
-                        usage = item.usage
-                        result = InferResult(
-                            prompt_tokens=usage.prompt_tokens,
-                            cached_tokens=usage.cached_tokens,
-                            completion_tokens=usage.completion_tokens,
-                            ttft_s=usage.ttft_s,
-                            decode_tokens_per_s=usage.decode_tokens_per_s,
-                            total_s=usage.total_s,
-                            finish_reason=finish_reason(item.finish_reason),
-                            served_by=self._self_id,
-                        )
-                        with trio.fail_after(REPLY_WRITE_TIMEOUT_S):
-                            await frames.send(result)
-                        finished = True
+            try:
+                await self._send_generation(frames, request, params)
+                status = Served.SERVED
+            except InvalidRequest as exc:  # valid on the wire, not for this model
+                status = Served.INVALID
+                await self._reply_error(frames, ErrorCode.INVALID_REQUEST, str(exc))
+            except (StreamBroken, trio.TooSlowError):  # the entry peer stopped reading
+                status = Served.ENTRY_LEFT
+            except (EngineError, RuntimeError) as exc:  # torch reports failures as RuntimeError
+                logger.exception("request %s failed in the engine", request.request_id)
+                status = Served.FAILED
+                await self._reply_error(frames, ErrorCode.INTERNAL, f"engine failed: {exc}")
             nursery.cancel_scope.cancel()
-        return finished
+        return status
+
+    async def _send_generation(
+        self, frames: FrameStream, request: InferRequest, params: SamplingParams
+    ) -> None:
+        agen = self._engine.stream(request.prompt_token_ids, params)
+        async with contextlib.aclosing(agen):
+            async for item in agen:
+                if isinstance(item, TokenEvent):
+                    with trio.fail_after(REPLY_WRITE_TIMEOUT_S):
+                        await frames.send(TokenChunk((item.token_id,), item.text))
+                elif isinstance(item, Completion):
+                    usage = item.usage
+                    result = InferResult(
+                        prompt_tokens=usage.prompt_tokens,
+                        cached_tokens=usage.cached_tokens,
+                        completion_tokens=usage.completion_tokens,
+                        ttft_s=usage.ttft_s,
+                        decode_tokens_per_s=usage.decode_tokens_per_s,
+                        total_s=usage.total_s,
+                        finish_reason=finish_reason(item.finish_reason),
+                        served_by=self._self_id,
+                    )
+                    with trio.fail_after(REPLY_WRITE_TIMEOUT_S):
+                        await frames.send(result)
 
     async def _watch_entry(self, frames: FrameStream, scope: trio.CancelScope) -> None:
         """The entry peer sends nothing after its request: any read end means it left."""

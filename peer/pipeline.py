@@ -33,7 +33,14 @@ from peer.inference import FrameStream, StreamBroken
 from peer.router import Candidate, LocalState, Router
 from protocols.errors import RemoteProtocolError
 from protocols.ids import INFER_PROTOCOL
-from protocols.infer import ErrorCode, InferError, InferRequest, InferResult, TokenChunk
+from protocols.infer import (
+    MAX_DEADLINE_S,
+    ErrorCode,
+    InferError,
+    InferRequest,
+    InferResult,
+    TokenChunk,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -309,17 +316,20 @@ class Pipeline:
     ) -> AsyncGenerator[GenerationChunk | str, None]:
         peer_id = candidate.peer_id
         now = trio.current_time()
-        request = InferRequest(
-            request_id=request_id,
-            prompt_token_ids=tuple(prompt),
-            max_new_tokens=params.max_new_tokens,
-            deadline_s=deadline - now,
-            temperature=params.temperature,
-            top_p=params.top_p,
-            seed=params.seed,
-            stop=params.stop,
-            hops=1,
-        )
+        try:
+            request = InferRequest(
+                request_id=request_id,
+                prompt_token_ids=tuple(prompt),
+                max_new_tokens=params.max_new_tokens,
+                deadline_s=min(deadline - now, MAX_DEADLINE_S),
+                temperature=params.temperature,
+                top_p=params.top_p,
+                seed=params.seed,
+                stop=params.stop,
+                hops=1,
+            )
+        except ValueError as exc:  # the engine accepts more than the wire carries
+            raise _AttemptFailed(Outcome.FAILED, f"cannot be forwarded: {exc}") from exc
         self._table.record_forward(peer_id, len(prompt), now)
         self.stats["forwards"] += 1
         first_deadline = min(deadline, now + self._config.forward_first_token_s)

@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import random
+
 import trio
 from libp2p.peer.id import ID
 from libp2p.pubsub.gossipsub import PROTOCOL_ID_V12
 from libp2p.utils.varint import encode_uvarint
 
+from peer.config import PeerConfig, Policy
+from peer.engine.engine import SamplingParams
+from peer.inference import FrameStream
+from peer.router import Router
+from protocols.framing import encode_frame
+from protocols.ids import INFER_PROTOCOL
+from protocols.infer import ErrorCode, InferError, InferRequest
 from tests.helpers_swarm import start_peer, swarm_config, wait_until
 
 # Field 1 with wire type 7 (invalid): protobuf's parser raises DecodeError on it.
@@ -34,3 +43,66 @@ async def test_an_undecodable_pubsub_rpc_does_not_kill_the_receiver(nursery):
     before = seq_seen()
     await wait_until(lambda: seq_seen() > before, timeout_s=10, what="a newer summary")
     assert not victim.done.is_set()
+
+
+async def _infer_exchange(entry, server, payload: bytes) -> object:
+    """Open an inference stream from `entry` to `server`, send raw bytes, read one reply."""
+
+    stream = await entry.peer.host.new_stream(ID.from_base58(server.peer.peer_id), [INFER_PROTOCOL])
+    frames = FrameStream(stream, server.peer.engine.vocab_size)
+    try:
+        with trio.fail_after(10):
+            await stream.write(payload)
+            return await frames.receive_response()
+    finally:
+        await frames.reset()
+
+
+async def _still_serves(entry, server) -> None:
+    router = Router(Policy.LONGEST_PREFIX, random.Random(0), block_size=16)
+    entry.peer.serving.pipeline.router = router
+    prompt = [500 + i for i in range(40)]
+    await server.peer.engine.generate(prompt, SamplingParams(max_new_tokens=1))
+    chain = entry.peer.engine.hasher.chain(prompt)
+    await wait_until(
+        lambda: entry.peer.table.estimate_match(server.peer.peer_id, chain) == len(chain),
+        timeout_s=10,
+        what="the server's summary shows the prompt",
+    )
+    result = await entry.peer.generate(prompt, SamplingParams(max_new_tokens=3))
+    assert result.served_by == server.peer.peer_id
+
+
+async def test_requests_the_serving_peer_cannot_run_get_an_error_and_it_keeps_serving(
+    nursery, tiny_engine_factory
+):
+
+    server = await start_peer(nursery, _model_config(), tiny_engine_factory())
+    entry = await start_peer(nursery, _model_config(server.peer.multiaddrs), tiny_engine_factory())
+    await wait_until(
+        lambda: entry.peer.table.get(server.peer.peer_id, trio.current_time()) is not None,
+        timeout_s=20,
+        what="the entry knows the server",
+    )
+    too_long = InferRequest(  # valid on the wire; longer than tiny-random's 2048 context
+        request_id="too-long", prompt_token_ids=(7,) * 2040, max_new_tokens=100,
+        deadline_s=30.0, hops=1,
+    )
+    reply = await _infer_exchange(entry, server, encode_frame(too_long.to_wire()))
+    assert isinstance(reply, InferError) and reply.code is ErrorCode.INVALID_REQUEST
+    assert "context" in reply.message
+
+    garbage = await _infer_exchange(entry, server, b"\x00\x00\x00\x05\xff\xff\xff\xff\xff")
+    assert isinstance(garbage, InferError) and garbage.code is ErrorCode.INVALID_REQUEST
+
+    stats = server.peer.serving.inference.statistics()
+    assert stats["rejected_invalid"] == 2
+    await _still_serves(entry, server)
+
+
+def _model_config(bootstrap=()):
+
+    return PeerConfig(
+        model="tiny-random", listen_addrs=("/ip4/127.0.0.1/tcp/0",), bootstrap=tuple(bootstrap),
+        identity_file=None, summary_interval_s=0.5,
+    )
