@@ -110,8 +110,8 @@ def main(argv: list[str] | None = None) -> int:
                      "subjects": len(data.subjects)},
         "wall_s": wall,
     }
-    checks = {m: compare_cost(rows, m, ("delay", "skew", "load"))
-              for m in ("ttft_mean_s", "e2e_mean_s")}
+    checks = {f"{p}:{m}": compare_cost(rows, m, ("delay", "skew", "load"), p)
+              for p in ("cost", "cost_probe") for m in ("ttft_mean_s", "e2e_mean_s")}
     out = {"params": params, "rows": rows, "cost_vs_best": checks}
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

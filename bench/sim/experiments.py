@@ -17,9 +17,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from bench.sim.model import COST_PROBE, ORACLE, SimParams, simulate
 from bench.workloads import TokenizedMMLU, TokenRequest, mmlu_requests
-
-from bench.sim.model import ORACLE, SimParams, simulate
 from peer.config import Policy
 
 ALL_POLICIES = (
@@ -30,6 +29,7 @@ ALL_POLICIES = (
     Policy.LONGEST_PREFIX.value,
     Policy.COST.value,
     ORACLE,
+    COST_PROBE,
 )
 QUICK_POLICIES = (
     Policy.RANDOM.value,
@@ -37,6 +37,7 @@ QUICK_POLICIES = (
     Policy.LONGEST_PREFIX.value,
     Policy.COST.value,
     ORACLE,
+    COST_PROBE,
 )
 REQUIRED_ROW_KEYS = (
     "experiment", "policy", "peers", "delay_ms", "zipf_s", "load",
@@ -53,7 +54,7 @@ class Base:
     delay_ms: float = 5.0
     zipf_s: float = 1.0
     load: float = 0.5
-    requests: int = 6000
+    requests: int = 4000
     max_new_tokens: int = 8  # the answer letter and a short continuation
     subjects: int | None = None  # None: all 57 MMLU subjects
     seed: int = 1
@@ -71,7 +72,7 @@ class Grid:
     intervals_s: tuple[float, ...] = (0.5, 2.0, 10.0, 30.0)
     bloom_bits: tuple[float, ...] = (4.0, 8.0, 16.0)
     scale_peers: tuple[int, ...] = (4, 16, 64, 256)
-    scale_requests_per_peer: int = 40  # scale runs use max(requests, this x peers)
+    scale_requests_per_peer: int = 16  # scale runs use max(requests, this x peers)
     policies: tuple[str, ...] = ALL_POLICIES
     experiments: tuple[str, ...] = ("delay", "skew", "load", "staleness", "bloom", "scale")
 
@@ -293,9 +294,11 @@ def _unlabelled(spec: RunSpec) -> RunSpec:
 # -- claims ------------------------------------------------------------------------------
 
 
-def compare_cost(rows: Sequence[dict[str, Any]], metric: str, experiments: Iterable[str]
-                 ) -> list[dict[str, Any]]:
-    """Per sweep point: cost's `metric` against the best other deployable policy."""
+def compare_cost(rows: Sequence[dict[str, Any]], metric: str, experiments: Iterable[str],
+                 policy: str = Policy.COST.value) -> list[dict[str, Any]]:
+    """Per sweep point: `policy`'s `metric` against the best other deployable policy
+    (the oracle and the cost variants excluded)."""
+    excluded = (Policy.COST.value, COST_PROBE, ORACLE)
     points: dict[tuple[Any, ...], dict[str, float]] = {}
     for r in rows:
         if r["experiment"] not in experiments:
@@ -304,16 +307,17 @@ def compare_cost(rows: Sequence[dict[str, Any]], metric: str, experiments: Itera
         points.setdefault(key, {})[r["policy"]] = r[metric]
     out = []
     for key, by_policy in points.items():
-        if Policy.COST.value not in by_policy:
+        if policy not in by_policy:
             continue
-        others = {p: v for p, v in by_policy.items() if p not in (Policy.COST.value, ORACLE)}
+        others = {p: v for p, v in by_policy.items() if p not in excluded}
         if not others:
             continue
         best_policy = min(others, key=lambda p: others[p])
-        cost = by_policy[Policy.COST.value]
+        cost = by_policy[policy]
         best = others[best_policy]
         out.append({
-            "experiment": key[0], "peers": key[1], "delay_ms": key[2], "zipf_s": key[3],
+            "policy": policy, "experiment": key[0], "peers": key[1], "delay_ms": key[2],
+            "zipf_s": key[3],
             "load": key[4], "metric": metric, "cost": cost, "best_other": best,
             "best_other_policy": best_policy,
             "ratio": cost / best if best > 0 else math.inf,

@@ -45,7 +45,13 @@ from protocols.bloom import BLOCK_BITS, BloomFilter, ProbeCache
 from protocols.summary import CacheSummary, encode_summary
 
 ORACLE = "oracle"  # exact, instant global knowledge fed to the COST model (an upper bound)
-POLICY_NAMES = (*(p.value for p in Policy), ORACLE)
+# A what-if, not in peer/router.py: COST's ranking, then the live load of its best
+# PROBE_CANDIDATES remote candidates is asked for (one round trip, in parallel) and those
+# and the entry peer are ranked again by the same cost function (late binding).
+COST_PROBE = "cost_probe"
+PROBE_CANDIDATES = 2  # two choices already remove most herding (Mitzenmacher 2001)
+PROBE_MAX_RTT_FRACTION = 0.1  # probe only if a round trip is < 10% of the best estimated cost
+POLICY_NAMES = (*(p.value for p in Policy), ORACLE, COST_PROBE)
 
 # Mirrors of live-peer constants (the modules that hold them import torch or libp2p).
 GOSSIP_CHANGE_FRACTION = 0.05  # peer/gossip.py CHANGE_FRACTION
@@ -178,7 +184,7 @@ class _Peer:
         self.cache: RadixCache[None] = RadixCache(params.block_size, params.capacity_blocks, hasher)
         expiry = SUMMARY_EXPIRY_INTERVALS * params.summary_interval_s
         self.table = PeerTable(peer_id, params.model_id, params.block_size, expiry, probe_cache)
-        policy = Policy.COST if params.policy == ORACLE else Policy(params.policy)
+        policy = Policy.COST if params.policy in (ORACLE, COST_PROBE) else Policy(params.policy)
         self.router = Router(policy, rng, block_size=params.block_size)
         self.bloom = IncrementalBloom(bloom, memo)
         cal = params.calibration
@@ -315,19 +321,25 @@ class Simulator:
         self.jobs.append(job)
         job.entry = self._entry_rng.randrange(self.params.peers)
         entry = self.peers[job.entry]
+        wait = 0.0
         if self.params.policy == ORACLE:
             target, match_tokens = self._oracle_choice(entry, job, now)
+        elif self.params.policy == COST_PROBE:
+            target, match_tokens, wait = self._probe_choice(entry, job, now)
         else:
             target, match_tokens = self._router_choice(entry, job, now)
         job.target = target
         if target == job.entry:
-            self._start(job, now)
+            if wait > 0:
+                self._push(now + wait, _DELIVER, target, job)
+            else:
+                self._start(job, now)
             return
         self._forwarded += 1
         counted = len(tokens) - match_tokens if self.params.forward_counts_uncached else len(tokens)
         entry.table.record_forward(self.peers[target].peer_id, counted, now)
         delay = sum(self._one_way() for _ in range(2 * self.params.stream_setup_rtts + 1))
-        self._push(now + delay, _DELIVER, target, job)
+        self._push(now + wait + delay, _DELIVER, target, job)
 
     def _local_state(self, peer: _Peer, tokens: tuple[int, ...]) -> LocalState:
         return LocalState(
@@ -354,6 +366,34 @@ class Simulator:
             now,
         )
         return self._index[ranked[0].peer_id], min(ranked[0].match_tokens, len(job.tokens) - 1)
+
+    def _probe_choice(self, entry: _Peer, job: _Job, now: float) -> tuple[int, int, float]:
+        """COST_PROBE: (target, its match, seconds spent probing)."""
+        self._catch_up(entry)
+        ranked = entry.router.rank(
+            job.chain,
+            len(job.tokens),
+            job.req.max_new_tokens,
+            self._local_state(entry, job.tokens),
+            entry.table,
+            now,
+        )
+        remote = [c for c in ranked if not c.is_local][:PROBE_CANDIDATES]
+        best = ranked[0]
+        if not remote or max(c.estimate.rtt_s for c in remote) > (
+            PROBE_MAX_RTT_FRACTION * best.cost_s
+        ):
+            return self._index[best.peer_id], min(best.match_tokens, len(job.tokens) - 1), 0.0
+        local = next(c for c in ranked if c.is_local)
+        fresh = [local.estimate]
+        for c in remote:
+            peer = self.peers[self._index[c.peer_id]]
+            fresh.append(c.estimate._replace(
+                queued_prompt_tokens=peer.queued_tokens, running_requests=peer.running))
+        wait = max(self._one_way() + self._one_way() for _ in remote)
+        again = entry.router.rank_estimates(fresh, len(job.tokens), job.req.max_new_tokens)
+        chosen = again[0]
+        return self._index[chosen.peer_id], min(chosen.match_tokens, len(job.tokens) - 1), wait
 
     def _oracle_choice(self, entry: _Peer, job: _Job, now: float) -> tuple[int, int]:
         bs = self.params.block_size
