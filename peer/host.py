@@ -404,3 +404,43 @@ def new_pubsub(host: SwarmHost, *, degree: int, degree_low: int, degree_high: in
     return Pubsub(host.libp2p, router, strict_signing=True)
 
 
+# -- measurement -------------------------------------------------------------------------
+
+
+class WireBytes:
+    """Bytes this process sent and received on libp2p TCP connections (all protocols,
+    after Noise encryption and yamux framing: what crosses the network)."""
+
+    def __init__(self) -> None:
+        self.sent = 0
+        self.received = 0
+
+
+_wire_bytes: WireBytes | None = None
+
+
+def count_wire_bytes() -> WireBytes:
+    """Start counting TCP bytes process-wide (idempotent); returns the live counters.
+
+    Wraps py-libp2p's TrioTCPStream read/write: there is no public byte counter."""
+    global _wire_bytes
+    if _wire_bytes is not None:
+        return _wire_bytes
+    from libp2p.io.trio import TrioTCPStream
+
+    counters = WireBytes()
+    original_write, original_read = TrioTCPStream.write, TrioTCPStream.read
+
+    async def write(self: TrioTCPStream, data: bytes) -> None:
+        counters.sent += len(data)
+        await original_write(self, data)
+
+    async def read(self: TrioTCPStream, n: int | None = None) -> bytes:
+        data = await original_read(self, n)
+        counters.received += len(data)
+        return data
+
+    TrioTCPStream.write = write  # type: ignore[method-assign]
+    TrioTCPStream.read = read  # type: ignore[method-assign]
+    _wire_bytes = counters
+    return counters

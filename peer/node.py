@@ -38,8 +38,9 @@ logger = logging.getLogger(__name__)
 # ~7 ms CPU per 4 KiB message per receiver, so small meshes keep gossip cheap, and with
 # 3..6 a swarm of hundreds is still a few hops deep.
 MESH_DEGREE, MESH_DEGREE_LOW, MESH_DEGREE_HIGH = 3, 2, 6
-# Ping every connected peer at most this often (RTTs for the router, zombie detection).
-LIVENESS_INTERVAL_MIN_S = 2.0
+# Ping every connected peer at most this often (RTTs for the router, zombie detection);
+# each ping opens a stream, so not more often than RTTs change.
+LIVENESS_INTERVAL_MIN_S = 5.0
 
 
 class Peer:
@@ -170,6 +171,7 @@ async def open_peer(config: PeerConfig, engine: EngineLike | None = None) -> Asy
             rng=random.Random(),
             on_rtt=lambda peer, rtt: table.record_rtt(peer, rtt, trio.current_time()),
             on_forget=table.remove,
+            members=lambda: [view.peer_id for view in table.views(trio.current_time())],
         )
         async with (
             run_service(dht),

@@ -9,7 +9,10 @@ with --log-gossip one line per summary published and accepted (wall-clock times,
 propagation delays). SIGTERM, SIGINT or stdin closing end the peer cleanly.
 
 By default the peer runs a cache-only engine (a radix cache without a model: membership
-and gossip need nothing else); --model loads a real one.
+and gossip need nothing else); --model loads a real one. --fill-blocks and
+--churn-tokens-per-s give the cache-only engine realistic content for benchmarks.
+
+`spawn_peer_process()` is the parent side: it starts a runner and follows its reports.
 """
 
 from __future__ import annotations
@@ -17,10 +20,15 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import random
+import resource
 import signal
+import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +36,7 @@ import trio
 
 from peer.config import PeerConfig
 from peer.engine.radix import RadixCache
+from peer.host import WireBytes, count_wire_bytes
 from peer.node import Peer, open_peer
 from protocols.blocks import BlockHasher
 from protocols.summary import CacheSummary
@@ -85,9 +94,29 @@ def table_report(peer: Peer, probe: list[int]) -> dict[str, Any]:
     return out
 
 
+_wire: WireBytes | None = None  # set by --count-wire-bytes
+
+
 def _emit(obj: dict[str, Any]) -> None:
     sys.stdout.write(json.dumps(obj, separators=(",", ":")) + "\n")
     sys.stdout.flush()
+
+
+def process_report() -> dict[str, float]:
+    """CPU seconds of this process so far, and libp2p TCP bytes if counted."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    report = {"cpu_s": usage.ru_utime + usage.ru_stime}
+    if _wire is not None:
+        report["wire_sent"] = float(_wire.sent)
+        report["wire_received"] = float(_wire.received)
+    return report
+
+
+async def _churn(engine: CacheOnlyEngine, tokens_per_s: float, rng: random.Random) -> None:
+    """Insert random 64-token sequences at `tokens_per_s` (LRU eviction makes room)."""
+    while True:
+        await trio.sleep(64 / tokens_per_s)
+        engine.insert([rng.randrange(49152) for _ in range(64)])
 
 
 async def _until_stdin_closes() -> None:
@@ -112,8 +141,12 @@ async def run(args: argparse.Namespace) -> None:
         summary_interval_s=args.interval,
     )
     engine = CacheOnlyEngine() if args.model is None else None
+    rng = random.Random(args.seed)
     if engine is not None and args.insert_tokens:
         engine.insert(probe_tokens(args.insert_tokens))
+    if engine is not None:
+        for _ in range(args.fill_blocks // 4):
+            engine.insert([rng.randrange(49152) for _ in range(64)])
     probe = probe_tokens(args.probe_tokens)
 
     def published(summary: CacheSummary, wall: float) -> None:
@@ -125,6 +158,8 @@ async def run(args: argparse.Namespace) -> None:
     async with open_peer(config, engine=engine) as peer:
         if args.log_gossip:
             peer.gossip.set_hooks(on_published=published, on_accepted=accepted)
+        if args.no_publish:
+            peer.gossip.set_publishing(False)
         _emit({"event": "up", "peer_id": peer.peer_id, "multiaddrs": peer.multiaddrs})
         async with trio.open_nursery() as nursery:
 
@@ -137,6 +172,8 @@ async def run(args: argparse.Namespace) -> None:
                 nursery.start_soon(stop_when, _until_stdin_closes)
             if args.duration:
                 nursery.start_soon(stop_when, lambda: trio.sleep(args.duration))
+            if engine is not None and args.churn_tokens_per_s > 0:
+                nursery.start_soon(_churn, engine, args.churn_tokens_per_s, rng)
             while True:
                 _emit(
                     {
@@ -144,6 +181,7 @@ async def run(args: argparse.Namespace) -> None:
                         "t": time.time(),
                         "peers": table_report(peer, probe),
                         "stats": peer.statistics(),
+                        "process": process_report(),
                     }
                 )
                 await trio.sleep(args.report_interval)
@@ -162,12 +200,114 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--report-interval", type=float, default=0.25)
     parser.add_argument("--duration", type=float, default=0.0, help="stop after, s (0: never)")
     parser.add_argument("--log-gossip", action="store_true")
+    parser.add_argument("--no-publish", action="store_true", help="baseline: never publish")
+    parser.add_argument("--fill-blocks", type=int, default=0, help="random blocks at start")
+    parser.add_argument("--churn-tokens-per-s", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--count-wire-bytes", action="store_true", help="libp2p TCP bytes")
     parser.add_argument("--ignore-stdin", action="store_true")
     parser.add_argument("--log-level", default="WARNING")
     args = parser.parse_args(argv)
     args.listen = args.listen or ["/ip4/127.0.0.1/tcp/0"]
     logging.basicConfig(level=args.log_level, stream=sys.stderr)
+    if args.count_wire_bytes:
+        global _wire
+        _wire = count_wire_bytes()
     trio.run(run, args)
+
+
+# -- parent side -------------------------------------------------------------------------
+
+
+@dataclass
+class PeerProcess:
+    """A runner child process and what it last reported on stdout."""
+
+    process: trio.Process
+    up: trio.Event
+    peer_id: str = ""
+    multiaddrs: tuple[str, ...] = ()
+    table: dict[str, Any] | None = None
+    stats: dict[str, Any] | None = None
+    reports: list[dict[str, Any]] = field(default_factory=list)  # table lines, if kept
+    events: list[dict[str, Any]] = field(default_factory=list)  # published/accepted lines
+    down: bool = False
+
+    def known(self) -> set[str]:
+        return set(self.table or {})
+
+    def kill(self) -> None:
+        """SIGKILL: no goodbye, no socket close."""
+        self.process.kill()
+
+
+async def _kill(process: trio.Process) -> None:
+    process.kill()
+
+
+async def spawn_peer_process(
+    nursery: trio.Nursery,
+    args: Sequence[str],
+    *,
+    stderr_path: Path,
+    keep_reports: bool = False,
+    startup_timeout_s: float = 30.0,
+    cwd: Path | None = None,
+) -> PeerProcess:
+    """Start `python -m peer.node_runner ARGS`; return once it printed its address.
+
+    The process belongs to `nursery` and is SIGKILLed when the nursery is cancelled;
+    it also exits by itself when its stdin closes (this process died)."""
+    cmd = [sys.executable, "-m", "peer.node_runner", *args]
+    with open(stderr_path, "ab") as stderr:
+        process: trio.Process = await nursery.start(
+            partial(
+                trio.run_process,
+                cmd,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=stderr,
+                cwd=cwd,
+                check=False,
+                deliver_cancel=_kill,
+            )
+        )
+    handle = PeerProcess(process=process, up=trio.Event())
+
+    async def follow() -> None:
+        try:
+            await read_reports()
+        finally:
+            handle.up.set()  # wakes the waiter below if the process died first
+
+    async def read_reports() -> None:
+        assert process.stdout is not None
+        buffer = b""
+        async for chunk in process.stdout:
+            buffer += chunk
+            *lines, buffer = buffer.split(b"\n")
+            for line in lines:
+                report = json.loads(line)
+                kind = report["event"]
+                if kind == "up":
+                    handle.peer_id = report["peer_id"]
+                    handle.multiaddrs = tuple(report["multiaddrs"])
+                    handle.up.set()
+                elif kind == "table":
+                    handle.table, handle.stats = report["peers"], report["stats"]
+                    if keep_reports:
+                        handle.reports.append(report)
+                elif kind == "down":
+                    handle.down = True
+                else:
+                    handle.events.append(report)
+
+    nursery.start_soon(follow)
+    with trio.fail_after(startup_timeout_s):
+        await handle.up.wait()
+    if not handle.peer_id:
+        raise RuntimeError(f"runner exited before reporting its address; see {stderr_path}")
+    return handle
 
 
 if __name__ == "__main__":

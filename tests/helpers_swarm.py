@@ -11,7 +11,8 @@ import trio
 
 from peer.config import PeerConfig
 from peer.node import Peer, open_peer
-from peer.node_runner import CacheOnlyEngine
+from peer.node_runner import CacheOnlyEngine, PeerProcess
+from peer.node_runner import spawn_peer_process as _spawn
 
 LOOPBACK = ("/ip4/127.0.0.1/tcp/0",)
 TEST_INTERVAL_S = 0.5  # summaries every 0.5 s keep swarm tests fast (the default is 2 s)
@@ -95,81 +96,8 @@ def everyone_sees_everyone(peers: Sequence[Peer]) -> bool:
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
-@dataclass
-class PeerProcess:
-    """A `peer.node_runner` child process and what it last reported on stdout."""
-
-    process: trio.Process
-    up: trio.Event
-    peer_id: str = ""
-    multiaddrs: tuple[str, ...] = ()
-    table: dict[str, Any] | None = None
-    stats: dict[str, Any] | None = None
-    events: list[dict[str, Any]] | None = None  # published/accepted lines, if logged
-
-    def known(self) -> set[str]:
-        return set(self.table or {})
-
-    def kill(self) -> None:
-        """SIGKILL: no goodbye, no socket close."""
-        self.process.kill()
-
-
 async def spawn_peer_process(
-    nursery: trio.Nursery,
-    args: Sequence[str],
-    *,
-    stderr_path: Path,
-    keep_events: bool = False,
-    startup_timeout_s: float = 30.0,
+    nursery: trio.Nursery, args: Sequence[str], *, stderr_path: Path
 ) -> PeerProcess:
-    """Start `python -m peer.node_runner ARGS`; returns once it printed its address.
-
-    The process belongs to `nursery`: it is killed when the nursery is cancelled."""
-    import json
-    import subprocess
-    import sys
-    from functools import partial
-
-    cmd = [sys.executable, "-m", "peer.node_runner", *args]
-    with open(stderr_path, "ab") as stderr:
-        process: trio.Process = await nursery.start(
-            partial(
-                trio.run_process,
-                cmd,
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=stderr,
-                cwd=REPO_ROOT,
-                check=False,
-                deliver_cancel=_kill_process,
-            )
-        )
-    handle = PeerProcess(process=process, up=trio.Event(), events=[] if keep_events else None)
-
-    async def read_reports() -> None:
-        assert process.stdout is not None
-        buffer = b""
-        async for chunk in process.stdout:
-            buffer += chunk
-            *lines, buffer = buffer.split(b"\n")
-            for line in lines:
-                report = json.loads(line)
-                kind = report["event"]
-                if kind == "up":
-                    handle.peer_id = report["peer_id"]
-                    handle.multiaddrs = tuple(report["multiaddrs"])
-                    handle.up.set()
-                elif kind == "table":
-                    handle.table, handle.stats = report["peers"], report["stats"]
-                elif handle.events is not None:
-                    handle.events.append(report)
-
-    nursery.start_soon(read_reports)
-    with trio.fail_after(startup_timeout_s):
-        await handle.up.wait()
-    return handle
-
-
-async def _kill_process(process: trio.Process) -> None:
-    process.kill()
+    """A runner process started from the repository root (see peer.node_runner)."""
+    return await _spawn(nursery, args, stderr_path=stderr_path, cwd=REPO_ROOT)

@@ -1,0 +1,247 @@
+"""Gossip cost and propagation delay with one peer per OS process.
+
+    python -m bench.gossip --json PATH [--peers 8] [--duration 60] [--interval 2]
+
+Two swarms of `--peers` runner processes (peer.node_runner, cache-only engines with
+`--fill-blocks` cached blocks and `--churn-tokens-per-s` of new tokens each), one after
+the other on this machine:
+
+1. baseline: the same swarm with publishing switched off (discovery, DHT, pings, pubsub
+   heartbeats and the runner's own reporting still run), for `--baseline-duration`;
+2. gossip: summaries every `--interval` s, for `--duration` s after the tables filled.
+
+What is measured, per peer process:
+- cpu_share_per_peer: process CPU time / wall time in the gossip run minus the same in
+  the baseline run (both from getrusage), i.e. the extra CPU that gossip costs, pubsub
+  signing, relaying, Noise and yamux included. The mean over peers is the headline;
+  `handler_cpu_share_per_peer` is only the time inside our publish/validate code
+  (thread CPU time), a lower bound.
+- gossip_bytes_per_s_per_peer: summary payload bytes sent + received per second
+  (protobuf framing, signatures and relayed copies excluded). `wire_bytes_per_s_per_peer`
+  is all libp2p TCP traffic sent + received (after Noise and yamux; counted in
+  peer.host.count_wire_bytes), gossip run minus baseline run.
+- propagation delay: every runner logs (seq, wall time) when it publishes and
+  (sender, seq, wall time) when it accepts another peer's summary; all run on this
+  machine, so one clock. p50/p99 over all (summary, receiver) pairs in the window, and
+  the fraction of such pairs that arrived at all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from peer.node_runner import PeerProcess, spawn_peer_process
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+WARMUP_TIMEOUT_S = 120.0  # 8 interpreters starting at once on 2 busy cores: ~20-60 s
+SETTLE_S = 3.0  # after the tables filled: let meshes settle before measuring
+REPORT_INTERVAL_S = 1.0  # runner report period: coarse enough to cost little CPU
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    index = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
+    return ordered[index]
+
+
+def _window(proc: PeerProcess, start: float, end: float) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The first and last reports of `proc` with wall time inside [start, end]."""
+    inside = [r for r in proc.reports if start <= r["t"] <= end]
+    if len(inside) < 2:
+        raise RuntimeError(f"peer {proc.peer_id}: too few reports in the window")
+    return inside[0], inside[-1]
+
+
+def _rates(proc: PeerProcess, start: float, end: float) -> dict[str, float]:
+    first, last = _window(proc, start, end)
+    wall = last["t"] - first["t"]
+    p0, p1 = first["process"], last["process"]
+    g0, g1 = first["stats"]["gossip"], last["stats"]["gossip"]
+    io0 = p0["wire_sent"] + p0["wire_received"]
+    io1 = p1["wire_sent"] + p1["wire_received"]
+    return {
+        "cpu_share": (p1["cpu_s"] - p0["cpu_s"]) / wall,
+        "handler_cpu_share": (g1["cpu_s"] - g0["cpu_s"]) / wall,
+        "payload_bytes_per_s": (g1["bytes_in"] + g1["bytes_out"] - g0["bytes_in"] - g0["bytes_out"])
+        / wall,
+        "wire_bytes_per_s": (io1 - io0) / wall,
+        "published_per_s": (g1["published"] - g0["published"]) / wall,
+        "rejected": float(g1["rejected_total"]),
+        "superseded": float(g1["superseded"] - g0["superseded"]),
+        "rejected_by_reason": g1["rejected"],
+    }
+
+
+async def _run_swarm(
+    args: argparse.Namespace, workdir: Path, *, publish: bool, measure_s: float
+) -> tuple[list[PeerProcess], float, float]:
+    """Start the swarm, wait for full tables (or connections), measure, stop."""
+    common = [
+        "--interval", str(args.interval),
+        "--fill-blocks", str(args.fill_blocks),
+        "--churn-tokens-per-s", str(args.churn_tokens_per_s),
+        "--report-interval", str(REPORT_INTERVAL_S),
+        "--count-wire-bytes",
+    ]  # fmt: skip
+    if publish:
+        common.append("--log-gossip")
+    else:
+        common.append("--no-publish")
+    log = workdir / ("gossip.stderr" if publish else "baseline.stderr")
+    async with trio.open_nursery() as nursery:
+        first = await spawn_peer_process(
+            nursery,
+            [*common, "--seed", "0"],
+            stderr_path=log,
+            keep_reports=True,
+            cwd=REPO_ROOT,
+            startup_timeout_s=WARMUP_TIMEOUT_S,
+        )
+        procs: list[PeerProcess] = [first]
+
+        async def spawn(i: int) -> None:
+            extra = ["--seed", str(i), "--bootstrap", first.multiaddrs[0]]
+            procs.append(
+                await spawn_peer_process(
+                    nursery,
+                    [*common, *extra],
+                    stderr_path=log,
+                    keep_reports=True,
+                    cwd=REPO_ROOT,
+                    startup_timeout_s=WARMUP_TIMEOUT_S,
+                )
+            )
+
+        async with trio.open_nursery() as starting:
+            for i in range(1, args.peers):
+                starting.start_soon(spawn, i)
+
+        def ready() -> bool:
+            if publish:
+                ids = {p.peer_id for p in procs}
+                return all(p.known() == ids - {p.peer_id} for p in procs)
+            return all((p.stats or {}).get("peers_connected", 0) >= args.peers - 1 for p in procs)
+
+        with trio.fail_after(WARMUP_TIMEOUT_S):
+            while not ready():
+                await trio.sleep(0.2)
+        await trio.sleep(SETTLE_S)
+        start = time.time()
+        print(
+            f"{'gossip' if publish else 'baseline'}: measuring {measure_s:.0f} s", file=sys.stderr
+        )
+        await trio.sleep(measure_s)
+        end = time.time()
+        await trio.sleep(max(1.0, 2 * args.interval))  # late receipts of the last summaries
+        nursery.cancel_scope.cancel()
+    return procs, start, end
+
+
+def _propagation(procs: list[PeerProcess], start: float, end: float) -> dict[str, float]:
+    published: dict[tuple[str, int], float] = {}
+    for p in procs:
+        for ev in p.events:
+            if ev["event"] == "published" and start <= ev["t"] <= end:
+                published[(p.peer_id, ev["seq"])] = ev["t"]
+    delays: list[float] = []
+    for p in procs:
+        for ev in p.events:
+            if ev["event"] == "accepted":
+                sent = published.get((ev["sender"], ev["seq"]))
+                if sent is not None:
+                    delays.append(ev["t"] - sent)
+    expected = len(published) * (len(procs) - 1)
+    return {
+        "summaries": float(len(published)),
+        "delivered_fraction": len(delays) / expected if expected else float("nan"),
+        "p50_s": _percentile(delays, 0.50),
+        "p99_s": _percentile(delays, 0.99),
+        "max_s": max(delays, default=float("nan")),
+    }
+
+
+async def bench(args: argparse.Namespace) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="bench-gossip-") as tmp:
+        workdir = Path(tmp)
+        base_procs, b0, b1 = await _run_swarm(
+            args, workdir, publish=False, measure_s=args.baseline_duration
+        )
+        base = [_rates(p, b0, b1) for p in base_procs]
+        procs, g0, g1 = await _run_swarm(args, workdir, publish=True, measure_s=args.duration)
+        rates = [_rates(p, g0, g1) for p in procs]
+        prop = _propagation(procs, g0, g1)
+
+    base_cpu = statistics.mean(r["cpu_share"] for r in base)
+    base_wire = statistics.mean(r["wire_bytes_per_s"] for r in base)
+    cpu = [r["cpu_share"] - base_cpu for r in rates]
+    return {
+        "peers": args.peers,
+        "duration_s": args.duration,
+        "interval_s": args.interval,
+        "gossip_bytes_per_s_per_peer": statistics.mean(r["payload_bytes_per_s"] for r in rates),
+        "cpu_share_per_peer": statistics.mean(cpu),
+        "propagation_p50_s": prop["p50_s"],
+        "propagation_p99_s": prop["p99_s"],
+        "propagation_max_s": prop["max_s"],
+        "delivered_fraction": prop["delivered_fraction"],
+        "summaries_published": prop["summaries"],
+        "cpu_share_per_peer_max": max(cpu),
+        "handler_cpu_share_per_peer": statistics.mean(r["handler_cpu_share"] for r in rates),
+        "process_cpu_share_gossip_run": statistics.mean(r["cpu_share"] for r in rates),
+        "process_cpu_share_baseline_run": base_cpu,
+        "wire_bytes_per_s_per_peer": statistics.mean(r["wire_bytes_per_s"] for r in rates)
+        - base_wire,
+        "published_per_s_per_peer": statistics.mean(r["published_per_s"] for r in rates),
+        "summaries_rejected": sum(r["rejected"] for r in rates),
+        "summaries_superseded": sum(r["superseded"] for r in rates),
+        "per_peer": rates,
+        "settings": {
+            "fill_blocks": args.fill_blocks,
+            "churn_tokens_per_s": args.churn_tokens_per_s,
+            "baseline_duration_s": args.baseline_duration,
+        },
+        "machine": {
+            "cpus": os.cpu_count(),
+            "loadavg_at_end": os.getloadavg(),
+            "note": "shared machine: other jobs ran at the same time; CPU numbers are noisy",
+        },
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.gossip",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--json", type=Path, required=True, help="write results here")
+    parser.add_argument("--peers", type=int, default=8)
+    parser.add_argument("--duration", type=float, default=60.0, help="gossip run, s")
+    parser.add_argument("--baseline-duration", type=float, default=20.0)
+    parser.add_argument("--interval", type=float, default=2.0, help="summary interval, s")
+    parser.add_argument("--fill-blocks", type=int, default=728, help="half of 1456 capacity")
+    parser.add_argument("--churn-tokens-per-s", type=float, default=64.0)
+    args = parser.parse_args(argv)
+    if args.peers < 2:
+        parser.error("--peers must be >= 2")
+    result = trio.run(bench, args)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=2) + "\n")
+    summary = {k: v for k, v in result.items() if k not in ("per_peer",)}
+    print(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()
