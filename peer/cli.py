@@ -32,6 +32,7 @@ from peer.config import (
     PeerConfig,
     Policy,
 )
+from peer.local_swarm import LOCAL_SUMMARY_INTERVAL_S
 
 DEFAULT_HTTP = "127.0.0.1:8000"  # loopback only: the API has no authentication
 DEFAULT_URL = "http://127.0.0.1:8000"
@@ -70,6 +71,7 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
         cache_bytes=args.cache_bytes,
         summary_interval_s=args.summary_interval,
         policy=Policy(args.policy),
+        forward_delay_s=getattr(args, "forward_delay", 0.0),
     )
 
 
@@ -267,6 +269,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="serve the HTTP API here ('' to disable)")
     serve.add_argument("--report", choices=["text", "json"], default="text")
     serve.add_argument("--exit-with-stdin", action="store_true", help="stop when stdin closes")
+    serve.add_argument("--forward-delay", type=float, default=0.0, metavar="S",
+                       help="benchmarks: add S seconds one-way delay to every forward (WAN)")
 
     gen = sub.add_parser("generate", help="send a prompt to a running peer, stream the answer")
     gen.add_argument("prompt", help="the prompt ('-' reads stdin)")
@@ -281,7 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true")
 
     local = sub.add_parser("local", help="run N peers on this machine (loopback)")
-    _peer_options(local, summary_interval=1.0)
+    _peer_options(local, summary_interval=LOCAL_SUMMARY_INTERVAL_S)
     local.add_argument("--peers", type=int, default=3)
     local.add_argument("--http", default=DEFAULT_HTTP, metavar="HOST:PORT",
                        help="the first peer's HTTP API (the others take free ports)")

@@ -26,6 +26,10 @@ from typing import Any
 
 import trio
 
+from peer.config import DEFAULT_CACHE_BYTES, DEFAULT_MODEL, Policy
+
+LOCAL_SUMMARY_INTERVAL_S = 1.0  # a few loopback peers: fresher summaries cost little
+MAX_LOCAL_PEERS = 64  # each child holds a model copy: more than this is surely a typo
 STOP_GRACE_S = 10.0  # a peer closes its host and sockets in well under a second
 POLL_S = 0.1  # readiness checks: children report every 0.5 s
 LOG_TAIL_LINES = 25  # of a failed child's stderr, shown to the user
@@ -73,19 +77,37 @@ class LocalPeer:
             )
 
 
+@dataclass(frozen=True)
+class LocalSwarmOptions:
+    """How to start the children (the `local` command's options)."""
+
+    peers: int = 3
+    model: str = DEFAULT_MODEL
+    http: str = "127.0.0.1:0"  # the first peer's HTTP API; the others take free ports
+    cache_bytes: int = DEFAULT_CACHE_BYTES
+    policy: str = Policy.COST.value
+    summary_interval_s: float = LOCAL_SUMMARY_INTERVAL_S
+    ready_timeout_s: float = 600.0
+    log_level: str = "WARNING"
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.peers <= MAX_LOCAL_PEERS:
+            raise ValueError(f"peers must be in [1, {MAX_LOCAL_PEERS}], got {self.peers}")
+
+
 def child_command(
-    args: argparse.Namespace, workdir: Path, index: int, http: str, bootstrap: Sequence[str]
+    options: LocalSwarmOptions, workdir: Path, index: int, http: str, bootstrap: Sequence[str]
 ) -> list[str]:
     cmd = [
         sys.executable, "-m", "peer.cli", "serve",
         "--listen", "/ip4/127.0.0.1/tcp/0",
         "--http", http,
         "--identity", str(workdir / f"peer-{index}.key"),
-        "--model", args.model,
-        "--cache-bytes", str(args.cache_bytes),
-        "--policy", args.policy,
-        "--summary-interval", str(args.summary_interval),
-        "--log-level", args.log_level,
+        "--model", options.model,
+        "--cache-bytes", str(options.cache_bytes),
+        "--policy", options.policy,
+        "--summary-interval", str(options.summary_interval_s),
+        "--log-level", options.log_level,
         "--report", "json",
         "--exit-with-stdin",
     ]
@@ -142,10 +164,21 @@ async def stop_all(peers: Sequence[LocalPeer], grace_s: float = STOP_GRACE_S) ->
 
 @asynccontextmanager
 async def open_local_swarm(
-    args: argparse.Namespace, workdir: Path, say: Callable[[str], None]
+    options: LocalSwarmOptions,
+    *,
+    workdir: Path | None = None,
+    say: Callable[[str], None] = lambda message: None,
 ) -> AsyncIterator[list[LocalPeer]]:
-    """Start args.peers children and wait until they know each other; stop them all on exit."""
-    n = args.peers
+    """Start the children, wait until they know each other, yield them; stop all on exit.
+
+    Identity keys and logs go to `workdir` (default: a temporary folder, removed after)."""
+    if workdir is None:
+        with tempfile.TemporaryDirectory(prefix="prefixswarm-local-") as tmp:
+            async with open_local_swarm(options, workdir=Path(tmp), say=say) as started:
+                yield started
+        return
+    n = options.peers
+    timeout_s = options.ready_timeout_s
     peers: list[LocalPeer] = []
     async with trio.open_nursery() as nursery:
 
@@ -153,7 +186,7 @@ async def open_local_swarm(
             log_path = workdir / f"peer-{index}.log"
             with open(log_path, "wb") as log:
                 process = await trio.lowlevel.open_process(
-                    child_command(args, workdir, index, http, bootstrap),
+                    child_command(options, workdir, index, http, bootstrap),
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
                     stderr=log,
@@ -165,21 +198,21 @@ async def open_local_swarm(
             return peer
 
         try:
-            note = FIRST_USE_NOTE if args.model == "smollm2-135m" else ""
-            say(f"loading model {args.model} on peer 1/{n}{note}...")
-            first = await spawn(1, args.http, ())
-            await _wait([first], lambda p: bool(p.peer_id), "peer 1 up", args.ready_timeout)
+            note = FIRST_USE_NOTE if options.model == DEFAULT_MODEL else ""
+            say(f"loading model {options.model} on peer 1/{n}{note}...")
+            first = await spawn(1, options.http, ())
+            await _wait([first], lambda p: bool(p.peer_id), "peer 1 up", timeout_s)
             say(f"peer 1/{n} up: {first.multiaddrs[0]}")
             if n > 1:
                 say(f"loading model on peers 2-{n}/{n}...")
                 for i in range(2, n + 1):
                     await spawn(i, "127.0.0.1:0", first.multiaddrs[:1])
-                await _wait(peers, lambda p: bool(p.peer_id), "every peer up", args.ready_timeout)
+                await _wait(peers, lambda p: bool(p.peer_id), "every peer up", timeout_s)
                 say(f"{n} peers up; waiting for them to find each other...")
             ids = {p.peer_id for p in peers}
             await _wait(
                 peers, lambda p: p.known >= ids - {p.peer_id},
-                "every peer knows every other", args.ready_timeout,
+                "every peer knows every other", timeout_s,
             )
             yield peers
         finally:
@@ -256,17 +289,22 @@ async def run_demo(peers: Sequence[LocalPeer], model: str) -> dict[str, Any]:
 
 async def run_local(args: argparse.Namespace) -> int:
     """`prefixswarm local`: start, report, serve until Ctrl-C (or run the demo), stop."""
-    if args.peers < 1:
-        raise ValueError(f"--peers must be >= 1, got {args.peers}")
+    options = LocalSwarmOptions(
+        peers=args.peers,
+        model=args.model,
+        http=args.http,
+        cache_bytes=args.cache_bytes,
+        policy=args.policy,
+        summary_interval_s=args.summary_interval,
+        ready_timeout_s=args.ready_timeout,
+        log_level=args.log_level,
+    )
 
     def say(message: str) -> None:
         print(f"prefixswarm: {message}", file=sys.stderr, flush=True)
 
     status = 0
-    with (
-        tempfile.TemporaryDirectory(prefix="prefixswarm-local-") as tmp,
-        trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals,
-    ):
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
 
             async def stop_on_signal() -> None:
@@ -277,7 +315,7 @@ async def run_local(args: argparse.Namespace) -> int:
 
             nursery.start_soon(stop_on_signal)
             try:
-                async with open_local_swarm(args, Path(tmp), say) as peers:
+                async with open_local_swarm(options, say=say) as peers:
                     first = peers[0]
                     say(f"swarm ready: {len(peers)} peers, HTTP on {first.http}")
                     if args.json:
