@@ -12,6 +12,9 @@ Fed by method calls with `now` (seconds on any monotonic clock; the shell passes
   identity and `seq` from 0 is accepted once its old entry has expired.
 - `estimate_match(peer_id, chain)` walks the chain until the first Bloom miss, using
   the peer's decoded filter (decoded once per summary) and a shared `ProbeCache`.
+- `routing_rows(chain, now)` answers the router in one pass: every live peer, by id, with
+  its summary, RTT, forwards and `estimate_match` for the chain, the matches computed for
+  all peers at once by a numpy `BloomBank` per filter shape (kept in step with `apply`).
 - `record_rtt` keeps an EWMA of round-trip times; `record_forward` counts the requests
   this peer forwarded to another since that peer's last summary (reset by each accepted
   summary), so the router can add them to the load the summary reported.
@@ -26,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from protocols.bloom import BloomFilter, ProbeCache, Probes
+from protocols.bloom_bank import BloomBank, KeyChain
 from protocols.summary import CacheSummary
 
 __all__ = [
@@ -38,11 +42,13 @@ __all__ = [
     "ApplyResult",
     "PeerTable",
     "PeerView",
+    "RoutingRow",
     "Verdict",
 ]
 
 # A routing decision scans every peer, and a decoded filter of MAX_BLOOM_BITS takes
-# ~0.75 MB: 256 peers bound both (~0.2 GB worst case) and far exceed one model's swarm.
+# ~0.75 MB plus 0.5 MB in its BloomBank: 256 peers bound both (~0.3 GB worst case; gossip
+# caps filters at 48 KiB, ~30 MB) and far exceed one model's swarm.
 MAX_PEERS = 256
 # A filter this full answers "yes" to most probes (at k=6, 0.9^6 = 53%): it would only
 # attract requests it cannot serve from cache.
@@ -92,11 +98,27 @@ class PeerView(NamedTuple):
     addrs: tuple[str, ...]  # listen addresses the shell noted, if any
 
 
+class RoutingRow(NamedTuple):
+    """What a routing decision reads about one live peer (built by `routing_rows`)."""
+
+    peer_id: str
+    summary: CacheSummary
+    rtt_s: float | None  # EWMA of measured round trips, None until measured
+    forwards_since_summary: int
+    forwarded_prompt_tokens: int
+    match_blocks: int  # estimate_match for the chain; 0 without a chain
+
+
+_new_row = tuple.__new__  # NamedTuple's __new__ is a Python function; this is ~2x cheaper
+
+
 @dataclass
 class _Entry:
     summary: CacheSummary
     bloom: BloomFilter
     received_at: float
+    shape: tuple[int, int]  # (bloom_bits, bloom_hashes): which BloomBank holds the filter
+    slot: int  # its slot there
     rtt_s: float | None = None
     forwards: int = 0
     forwarded_tokens: int = 0
@@ -133,6 +155,8 @@ class PeerTable:
         self._reaped: dict[str, None] = {}  # dropped by apply() when full, for expire()
         self._probe_cache = probe_cache if probe_cache is not None else ProbeCache()
         self._counts: dict[str, int] = {}
+        self._banks: dict[tuple[int, int], BloomBank] = {}  # every entry's filter, by shape
+        self._order: list[str] | None = None  # entry ids sorted; None after a change
 
     @property
     def expiry_s(self) -> float:
@@ -189,10 +213,23 @@ class PeerTable:
             self._reap(now)
             if len(self._entries) >= MAX_PEERS:
                 return self._result(False, Verdict.TABLE_FULL, f"{MAX_PEERS} live peers")
-        entry = _Entry(summary=summary, bloom=bloom, received_at=now)
+        shape = (summary.bloom_bits, summary.bloom_hashes)
+        if old is not None and old.shape == shape:
+            slot = old.slot
+        else:
+            if old is not None:
+                self._release(old)
+            bank = self._banks.get(shape)
+            if bank is None:
+                bank = self._banks[shape] = BloomBank(*shape)
+            slot = bank.acquire()
+        self._banks[shape].put(slot, summary.bloom)
+        entry = _Entry(summary=summary, bloom=bloom, received_at=now, shape=shape, slot=slot)
         if old is not None:  # keep what we measured; forwards start again from zero
             entry.rtt_s = old.rtt_s
             entry.addrs = old.addrs
+        else:
+            self._order = None
         self._entries[peer_id] = entry
         self._reaped.pop(peer_id, None)
         if live_old:
@@ -216,9 +253,19 @@ class PeerTable:
             )
         return None
 
+    def _release(self, entry: _Entry) -> None:
+        bank = self._banks[entry.shape]
+        bank.release(entry.slot)
+        if not len(bank):
+            del self._banks[entry.shape]
+
+    def _drop(self, peer_id: str) -> None:
+        self._release(self._entries.pop(peer_id))
+        self._order = None
+
     def _reap(self, now: float) -> None:
         for peer_id in [p for p, e in self._entries.items() if not self._live(e, now)]:
-            del self._entries[peer_id]
+            self._drop(peer_id)
             self._reaped[peer_id] = None
         while len(self._reaped) > MAX_PEERS:  # only if expire() is never called
             del self._reaped[next(iter(self._reaped))]
@@ -233,7 +280,8 @@ class PeerTable:
 
     def remove(self, peer_id: str) -> None:
         """Forget a peer now (e.g. the shell saw it disconnect for good)."""
-        self._entries.pop(peer_id, None)
+        if peer_id in self._entries:
+            self._drop(peer_id)
 
     # -- observations from the shell ----------------------------------------------------
 
@@ -319,13 +367,35 @@ class PeerTable:
         return entry.bloom.count_prefix(probes)
 
     def estimate_matches(self, chain: Sequence[int] | Probes, now: float) -> dict[str, int]:
-        """`estimate_match` for every live peer, mixing the chain once."""
-        probes = chain if isinstance(chain, Probes) else self._probe_cache.probes(chain)
-        return {
-            peer_id: entry.bloom.count_prefix(probes)
-            for peer_id, entry in sorted(self._entries.items())
-            if self._live(entry, now)
-        }
+        """`estimate_match` for every live peer, computed for all of them at once."""
+        keys = chain.keys if isinstance(chain, Probes) else chain
+        return {row[0]: row[5] for row in self.routing_rows(keys, now)}
+
+    def routing_rows(self, chain: Sequence[int] | None, now: float) -> list[RoutingRow]:
+        """Every live peer, ordered by peer id, with what a routing decision reads.
+
+        ``match_blocks`` is `estimate_match(peer_id, chain)` (the walk until the first
+        Bloom miss), computed for all peers at once; 0 when `chain` is None or empty.
+        ValueError if a key of `chain` is not a 64-bit unsigned int.
+        """
+        counts: dict[tuple[int, int], list[int]] = {}
+        if chain:
+            keys = KeyChain(chain)
+            counts = {shape: bank.prefix_counts(keys) for shape, bank in self._banks.items()}
+        order = self._order
+        if order is None:
+            order = self._order = sorted(self._entries)
+        entries = self._entries
+        expiry = self._expiry_s
+        out: list[RoutingRow] = []
+        for peer_id in order:
+            e = entries[peer_id]
+            if now - e.received_at >= expiry:  # not _live(e, now), inlined
+                continue
+            match = counts[e.shape][e.slot] if counts else 0
+            row = (peer_id, e.summary, e.rtt_s, e.forwards, e.forwarded_tokens, match)
+            out.append(_new_row(RoutingRow, row))
+        return out
 
     def statistics(self) -> dict[str, int]:
         """Entries held, outcomes of `apply` by verdict, probe cache counters."""

@@ -272,3 +272,56 @@ def test_misuse_raises_value_error() -> None:
         PeerTable(self_id=SELF, model_id=MODEL, block_size=16, expiry_s=0.0)
     with pytest.raises(ValueError):
         table().apply(summary(), A, now=float("nan"))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    chain=st.lists(st.integers(0, 2**64 - 1), max_size=40),
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["apply", "apply", "apply", "remove", "expire"]),
+            st.integers(0, 5),  # peer
+            st.integers(0, 40),  # blocks of the chain it holds
+            st.sampled_from([60, 200, 3000]),  # capacity: filters of several shapes
+            st.floats(0.0, 2.0),  # time step
+        ),
+        max_size=30,
+    ),
+    rng=st.randoms(use_true_random=False),
+)
+def test_routing_rows_equal_views_and_the_per_peer_walk(
+    chain: list[int], ops: list[tuple[str, int, int, int, float]], rng: random.Random
+) -> None:
+    t = table()
+    now = 0.0
+    seqs = [0] * 6
+    for op, i, depth, capacity, step in ops:
+        now += step
+        peer = f"Peer{i}"
+        if op == "apply":
+            seqs[i] += 1
+            others = [rng.getrandbits(64) for _ in range(rng.randrange(0, capacity))]
+            keys = list(dict.fromkeys(chain[:depth] + others))
+            s = summary(peer_id=peer, seq=seqs[i], keys=keys, capacity=capacity)
+            t.apply(s, peer, now=now)
+        elif op == "remove":
+            t.remove(peer)
+        else:
+            t.expire(now)
+        for probe_now in (now, now + EXPIRY / 2):
+            rows = t.routing_rows(chain, probe_now)
+            views = t.views(probe_now)
+            assert [r.peer_id for r in rows] == [v.peer_id for v in views]
+            for row, view in zip(rows, views, strict=True):
+                assert row.summary is view.summary and row.rtt_s == view.rtt_s
+                assert row.forwards_since_summary == view.forwards_since_summary
+                assert row.forwarded_prompt_tokens == view.forwarded_prompt_tokens
+                assert row.match_blocks == t.estimate_match(row.peer_id, chain)
+                walk = view.summary.bloom_filter()  # and exactly the first Bloom miss
+                assert row.match_blocks == next(
+                    (n for n, key in enumerate(chain) if key not in walk), len(chain)
+                )
+            assert t.estimate_matches(chain, probe_now) == {
+                r.peer_id: r.match_blocks for r in rows
+            }
+            assert all(r.match_blocks == 0 for r in t.routing_rows(None, probe_now))
