@@ -189,6 +189,17 @@ def rank_estimates(
             f"prompt_tokens and max_new_tokens must be >= 1, got {prompt_tokens}, {max_new_tokens}"
         )
     healthy, suspects = _candidates(policy, estimates, prompt_tokens, max_new_tokens)
+    return _order(policy, healthy, suspects, rng, last_choice)
+
+
+def _order(
+    policy: Policy,
+    healthy: list[Candidate],
+    suspects: list[Candidate],
+    rng: random.Random,
+    last_choice: str | None,
+) -> list[Candidate]:
+    """rank_estimates' ordering of (healthy, suspects), each local first then by id."""
     if policy is Policy.RANDOM or policy is Policy.ROUND_ROBIN:
         return _pick_first(policy, healthy, suspects, rng, last_choice)
     for group in (healthy, suspects):
@@ -359,6 +370,9 @@ class Router:
         ranked = rank_estimates(
             self.policy, estimates, prompt_tokens, max_new_tokens, self._rng, self._last_choice
         )
+        return self._chose(ranked)
+
+    def _chose(self, ranked: list[Candidate]) -> list[Candidate]:
         self._ranks += 1
         self._first_local += ranked[0].is_local
         if self.policy is Policy.ROUND_ROBIN:
@@ -386,54 +400,74 @@ class Router:
             )
         if not 0 <= local.match_tokens <= prompt_tokens:
             raise ValueError(f"local match {local.match_tokens} outside [0, {prompt_tokens}]")
-        estimates = [self.local_estimate(local)]
-        if self.policy is not Policy.LOCAL:
-            estimates.extend(self._remote_estimates(chain, local, table, now))
-        return self.rank_estimates(estimates, prompt_tokens, max_new_tokens)
-
-    def _remote_estimates(
-        self, chain: Sequence[int], local: LocalState, table: PeerTable, now: float
-    ) -> list[PeerEstimate]:
-        matches = (
-            table.estimate_matches(table.probes(chain), now)
-            if chain and self.policy in _USES_MATCHES
-            else {}
+        if self.policy is Policy.LOCAL or prompt_tokens < 1 or max_new_tokens < 1:
+            return self.rank_estimates([self.local_estimate(local)], prompt_tokens, max_new_tokens)
+        healthy, suspects = self._table_candidates(
+            chain, prompt_tokens, max_new_tokens, local, table, now
         )
+        return self._chose(_order(self.policy, healthy, suspects, self._rng, self._last_choice))
+
+    def _table_candidates(
+        self,
+        chain: Sequence[int],
+        prompt_tokens: int,
+        max_new_tokens: int,
+        local: LocalState,
+        table: PeerTable,
+        now: float,
+    ) -> tuple[list[Candidate], list[Candidate]]:
+        """rank_estimates' _candidates for the local peer and the table's live peers, built
+        in one pass from `PeerTable.routing_rows` (already unique and ordered by id)."""
+        policy = self.policy
+        rows = table.routing_rows(chain if policy in _USES_MATCHES else None, now)
         block_size = self.block_size
         rtt_prior = self._rtt_prior_s
         failed = self._failed_at
+        floor = MIN_TOKENS_PER_S
+        trips = ROUND_TRIPS_PER_FORWARD
+        local_e = self.local_estimate(local)
         # Speed priors for peers that have not measured theirs: ours, else the defaults.
-        prefill_prior = (
-            local.prefill_tokens_per_s if local.prefill_tokens_per_s > 0 else self._default_prefill
-        )
-        decode_prior = (
-            local.decode_tokens_per_s if local.decode_tokens_per_s > 0 else self._default_decode
-        )
-        out = []
-        for view in table.views(now):
-            peer_id, summary, _, _, rtt, forwards, forwarded_tokens, _ = view
-            if peer_id == local.peer_id:
+        prefill_prior, decode_prior = local_e.prefill_tokens_per_s, local_e.decode_tokens_per_s
+        local_id = local.peer_id
+        healthy = _candidates(policy, (local_e,), prompt_tokens, max_new_tokens)[0]
+        suspects: list[Candidate] = []
+        for peer_id, summary, rtt, forwards, forwarded_tokens, match_blocks in rows:
+            if peer_id == local_id:
                 continue  # the table never holds us; a shell mistake must not duplicate us
-            match_blocks = matches.get(peer_id, 0)
-            prefill = summary.prefill_tokens_per_s
-            decode = summary.decode_tokens_per_s
-            estimate = (
-                peer_id,
-                False,
-                match_blocks,
-                match_blocks * block_size,
-                summary.queued_prompt_tokens + forwarded_tokens,
-                summary.running_requests + forwards,
-                prefill if prefill > 0 else prefill_prior,
-                decode if decode > 0 else decode_prior,
-                rtt_prior if rtt is None else rtt,
-                rtt is not None,
-                prefill > 0 and decode > 0,
-                forwards,
-                self.failed_s_ago(peer_id, now) if peer_id in failed else None,
+            prefill_s = summary.prefill_tokens_per_s
+            decode_s = summary.decode_tokens_per_s
+            speeds_known = prefill_s > 0 and decode_s > 0
+            prefill = prefill_s if prefill_s > 0 else prefill_prior
+            decode = decode_s if decode_s > 0 else decode_prior
+            queued = summary.queued_prompt_tokens + forwarded_tokens
+            running = summary.running_requests + forwards
+            rtt_known = rtt is not None
+            if rtt is None:
+                rtt = rtt_prior
+            failed_s_ago = self.failed_s_ago(peer_id, now) if peer_id in failed else None
+            match_tokens = match_blocks * block_size
+            e = _new(
+                PeerEstimate,
+                (peer_id, False, match_blocks, match_tokens, queued, running, prefill, decode,
+                 rtt, rtt_known, speeds_known, forwards, failed_s_ago),
             )
-            out.append(_new(PeerEstimate, estimate))
-        return out
+            # The arithmetic of _candidates (estimate_cost's), inlined likewise.
+            prefill = prefill if prefill > floor else floor
+            decode = decode if decode > floor else floor
+            decode_time = max_new_tokens / decode
+            queue_s = queued / prefill + running * decode_time
+            unmatched = prompt_tokens - match_tokens
+            cost_s = trips * rtt + queue_s + (unmatched if unmatched > 1 else 1) / prefill
+            candidate = _new(
+                Candidate,
+                (peer_id, False, match_blocks, match_tokens, cost_s + decode_time, queue_s,
+                 policy, e, prompt_tokens, max_new_tokens),
+            )
+            if failed_s_ago is None:
+                healthy.append(candidate)
+            else:
+                suspects.append(candidate)
+        return healthy, suspects
 
     def record_outcome(self, peer_id: str, ok: bool, now: float) -> None:
         """What came of trying ``peer_id``: a failure ranks it after self for a while."""

@@ -15,6 +15,7 @@ from peer.router import (
     DEFAULT_PREFILL_TOKENS_PER_S,
     DEFAULT_RTT_PRIOR_S,
     ROUND_TRIPS_PER_FORWARD,
+    Candidate,
     LocalState,
     PeerEstimate,
     Router,
@@ -391,3 +392,93 @@ def test_rank_from_table_properties(
         matches = [c.match_blocks for c in ranked]
         assert matches == sorted(matches, reverse=True)
         assert ranked[0].match_blocks >= local_blocks
+
+
+def reference_rank(
+    router: Router, policy: Policy, chain: list[int], prompt: int, new: int,
+    local: LocalState, table: PeerTable, now: float, rng: random.Random,
+) -> list[Candidate]:
+    """rank() spelled out the slow way: views, one Bloom walk per peer, rank_estimates."""
+    estimates = [router.local_estimate(local)]
+    for view in table.views(now) if policy is not Policy.LOCAL else []:
+        s = view.summary
+        match = table.estimate_match(view.peer_id, chain) if policy in USES_MATCHES else 0
+        prefill = s.prefill_tokens_per_s if s.prefill_tokens_per_s > 0 else (
+            local.prefill_tokens_per_s if local.prefill_tokens_per_s > 0
+            else DEFAULT_PREFILL_TOKENS_PER_S)
+        decode = s.decode_tokens_per_s if s.decode_tokens_per_s > 0 else (
+            local.decode_tokens_per_s if local.decode_tokens_per_s > 0
+            else DEFAULT_DECODE_TOKENS_PER_S)
+        estimates.append(PeerEstimate(
+            view.peer_id, False, match, match * BS,
+            s.queued_prompt_tokens + view.forwarded_prompt_tokens,
+            s.running_requests + view.forwards_since_summary, prefill, decode,
+            DEFAULT_RTT_PRIOR_S if view.rtt_s is None else view.rtt_s, view.rtt_s is not None,
+            s.prefill_tokens_per_s > 0 and s.decode_tokens_per_s > 0,
+            view.forwards_since_summary, router.failed_s_ago(view.peer_id, now),
+        ))
+    return rank_estimates(policy, estimates, prompt, new, rng)
+
+
+USES_MATCHES = {Policy.COST, Policy.LONGEST_PREFIX}
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    peers=st.lists(
+        st.tuples(
+            st.integers(0, 24),  # blocks of the chain it holds
+            st.integers(0, 400),  # unrelated blocks: Bloom false positives along the chain
+            st.sampled_from([300, 2000]),  # capacity: two filter shapes
+            st.floats(0.0, 10.0),  # when its summary arrived
+            st.integers(0, 3),  # forwards since
+            st.none() | st.floats(0.0, 0.2),  # measured rtt
+            st.sampled_from([0.0, 800.0]),  # reported speeds (0: unknown)
+            st.none() | st.floats(0.0, 12.0),  # when it last failed
+        ),
+        max_size=10,
+    ),
+    chain_blocks=st.integers(0, 24),
+    local=st.tuples(st.integers(0, 24), st.sampled_from([0.0, 300.0])),
+    policy=st.sampled_from([Policy.COST, Policy.LONGEST_PREFIX, Policy.LEAST_LOADED,
+                            Policy.LOCAL]),
+    now=st.floats(6.0, 14.0),
+    seed=st.integers(0, 2**16),
+)
+def test_rank_equals_the_reference_built_from_views_and_per_peer_walks(
+    peers: list[tuple[int, int, int, float, int, float | None, float, float | None]],
+    chain_blocks: int,
+    local: tuple[int, float],
+    policy: Policy,
+    now: float,
+    seed: int,
+) -> None:
+    rng = random.Random(seed)
+    chain = chain_of(chain_blocks, salt=seed)
+    table = PeerTable(SELF, MODEL, BS, 6.0)
+    router = Router(policy, random.Random(0), block_size=BS)
+    for i, (depth, noise, cap, at, forwards, rtt, speed, failed_at) in enumerate(peers):
+        peer_id = f"peer{i}"
+        bloom = BloomFilter.for_capacity(cap, 0.05)
+        held = chain[:depth] + [rng.getrandbits(64) for _ in range(min(noise, cap))]
+        bloom.update(held)
+        s = CacheSummary(
+            peer_id=peer_id, model_id=MODEL, block_size=BS, seq=1, bloom_bits=bloom.num_bits,
+            bloom_hashes=bloom.num_hashes, bloom=bloom.to_bytes(),
+            cached_blocks=len(set(held)), capacity_blocks=cap,
+            queued_prompt_tokens=rng.randrange(3000), running_requests=rng.randrange(3),
+            prefill_tokens_per_s=speed, decode_tokens_per_s=speed / 40,
+        )
+        assert table.apply(s, peer_id, at).accepted
+        for _ in range(forwards):
+            table.record_forward(peer_id, 100, at)
+        if rtt is not None:
+            table.record_rtt(peer_id, rtt, at)
+        if failed_at is not None and failed_at <= now:
+            router.record_outcome(peer_id, False, failed_at)
+    state = LocalState(SELF, min(local[0], chain_blocks) * BS, 100, 1, local[1], local[1] / 40)
+    prompt = max(chain_blocks * BS + 3, 1)
+    got = router.rank(chain, prompt, NEW, state, table, now)
+    expected = reference_rank(router, policy, chain, prompt, NEW, state, table, now,
+                              random.Random(0))
+    assert got == expected
