@@ -48,6 +48,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--calibration", type=Path,
                     help="a bench/engine --json result to fit service times to "
                     "(default: the notes' SmolLM2 numbers)")
+    ap.add_argument("--replot", type=Path, nargs="+", metavar="JSON",
+                    help="no runs: merge these result files' rows (and params) into --json "
+                    "and redraw --plots")
     ap.add_argument("--one", action="store_true", help="a single run, printed")
     ap.add_argument("--policy", default="cost", choices=POLICY_NAMES)
     ap.add_argument("--peers", type=int, default=16)
@@ -70,8 +73,40 @@ def _progress(i: int, n: int, row: dict[str, Any]) -> None:
     )
 
 
+def _replot(args: argparse.Namespace) -> int:
+    docs = [json.loads(p.read_text()) for p in args.replot]
+    rows = [row for doc in docs for row in doc["rows"]]
+    params = {**docs[0]["params"], "merged_from": [
+        {"file": str(p), "experiments": sorted({r["experiment"] for r in d["rows"]}),
+         "wall_s": d["params"].get("wall_s")} for p, d in zip(args.replot, docs, strict=True)]}
+    out = {"params": params, "rows": rows, "cost_vs_best": _checks(rows)}
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(out, indent=1, default=str))
+    if args.plots:
+        _plots(rows, args.plots, params["base"], params["seed"])
+    return 0
+
+
+def _checks(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    return {f"{p}:{m}": compare_cost(rows, m, ("delay", "skew", "load"), p)
+            for p in ("cost", "cost_probe") for m in ("ttft_mean_s", "e2e_mean_s")}
+
+
+def _plots(rows: list[dict[str, Any]], out_dir: Path, base: dict[str, Any], seed: int) -> None:
+    from bench.sim.plots import write_all
+
+    caption = (f"{base['peers']} peers unless varied, d={base['delay_ms']:g} ms, "
+               f"s={base['zipf_s']:g}, load={base['load']:g}, {base['requests']} requests/run, "
+               f"seed {seed}; see docs/RESULTS.md")
+    for path in write_all(rows, out_dir, caption):
+        print(f"wrote {path}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
+    if args.replot:
+        return _replot(args)
     cal = Calibration.from_engine_json(args.calibration) if args.calibration else NOTES_CALIBRATION
     t0 = time.perf_counter()
     data = load_tokenized_mmlu()
@@ -110,20 +145,13 @@ def main(argv: list[str] | None = None) -> int:
                      "subjects": len(data.subjects)},
         "wall_s": wall,
     }
-    checks = {f"{p}:{m}": compare_cost(rows, m, ("delay", "skew", "load"), p)
-              for p in ("cost", "cost_probe") for m in ("ttft_mean_s", "e2e_mean_s")}
+    checks = _checks(rows)
     out = {"params": params, "rows": rows, "cost_vs_best": checks}
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(out, indent=1, default=str))
     if args.plots:
-        from bench.sim.plots import write_all
-
-        caption = (f"{base.peers} peers unless varied, d={base.delay_ms:g} ms, s={base.zipf_s:g}, "
-                   f"load={base.load:g}, {base.requests} requests/run, seed {args.seed}; "
-                   "see docs/RESULTS.md")
-        for path in write_all(rows, args.plots, caption):
-            print(f"wrote {path}", file=sys.stderr)
+        _plots(rows, args.plots, params["base"], args.seed)
     worst = {m: max((c["ratio"] for c in cs), default=float("nan")) for m, cs in checks.items()}
     print(f"{len(rows)} runs in {wall:.1f} s; cost / best other, worst point: "
           + ", ".join(f"{m} {w:.3f}" for m, w in worst.items()), file=sys.stderr)
