@@ -45,6 +45,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--requests", type=int, help="requests per run (default: grid's)")
     ap.add_argument("--experiments", help="comma-separated subset: delay,skew,load,"
                     "staleness,bloom,scale")
+    ap.add_argument("--scale-requests-per-peer", type=int,
+                    help="scale runs use max(--requests, this x peers) requests (default 16)")
     ap.add_argument("--calibration", type=Path,
                     help="a bench/engine --json result to fit service times to "
                     "(default: the notes' SmolLM2 numbers)")
@@ -133,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     grid = dataclasses.replace(grid, base=base)
     if args.experiments:
         grid = dataclasses.replace(grid, experiments=tuple(args.experiments.split(",")))
+    if args.scale_requests_per_peer:
+        grid = dataclasses.replace(grid, scale_requests_per_peer=args.scale_requests_per_peer)
     rows = run_grid(grid, data, jobs=args.jobs, progress=_progress)
     wall = time.perf_counter() - t0
     params = {
