@@ -1,18 +1,27 @@
 """How long one routing decision takes: `python -m bench.router --json PATH`.
 
-A table of 64 peers, each with a real CacheSummary whose Bloom filter is sized for 20k
-blocks at 1% false positives and holds 10k unrelated blocks (a half-full cache) plus, for
-about a quarter of the test prompts, the prompt's first d blocks (d uniform in 1..64).
-Each decision ranks one 64-block (1024-token) prompt among those peers and the local peer.
+A table of 64 peers, each with a real CacheSummary whose Bloom filter is the one
+peer/gossip.py would publish for its cache (`summary_bloom`: sized for the cached block
+count rounded up to a power of two, 1% false positives). Each cache holds 10k unrelated
+blocks plus, for about a quarter of (peer, prompt) pairs, a prompt's first d blocks.
+Each decision ranks one 64-block (1024-token) prompt among those peers and the local
+peer with `Router.rank()`, the full call the request pipeline makes.
 
-Two measurements on one table, both reported:
-- cold: each prompt is ranked once, so none of its block hashes is in the probe cache, as
-  for a prompt that shares nothing with recent ones (the headline, `rank_median_us`);
-- warm: a few prompts ranked again and again (shared system prompts, chat turns).
+Three kinds of prompt, all reported:
+- new (the headline, `rank_median_us`): what a request usually is. A shared prefix of 48
+  blocks (one of 32 system prompts / few-shot headers / conversations, each held by about
+  a quarter of the peers to a depth uniform in 1..48) followed by 16 blocks nobody has
+  seen, so every decision's chain is new;
+- warm: one of those 32 prefixes extended by a fixed 16-block suffix, asked again and
+  again (retries, identical prompts); peers hold it to a depth in 1..64;
+- cold: 64 blocks this router never saw that peers nonetheless hold to a depth in 1..64
+  (a prompt cached elsewhere by other clients): the most matching work per decision.
+A second table whose peers cache 2.5k..40k blocks (so four filter shapes, four bit-sliced
+banks instead of one) measures the new kind again (`rank_new_mixed_shapes_median_us`).
 Wall-clock medians are the targets; CPU-time medians (thread time) and the load average
 are reported beside them because a busy machine inflates wall time. `table_part_*` is the
-CPU time of the PeerTable calls alone (views, Bloom matches) on the same prompt, right after
-its rank() call, so with its probes already mixed: the rest of rank() is the router's own.
+CPU time of `PeerTable.routing_rows` alone (live peers and all Bloom matches) on the same
+prompt, right after its rank() call: the rest of rank() is the router's own.
 """
 
 from __future__ import annotations
@@ -28,9 +37,9 @@ import time
 from pathlib import Path
 
 from peer.config import Policy
+from peer.gossip import summary_bloom
 from peer.peer_table import PeerTable
 from peer.router import LocalState, Router
-from protocols.bloom import BloomFilter, ProbeCache
 from protocols.summary import CacheSummary
 
 MODEL_ID = "bench-model"
@@ -38,7 +47,9 @@ BLOCK_SIZE = 16
 CAPACITY_BLOCKS = 20_000  # ~320k tokens: 1 GiB of fp32 SmolLM2 KV holds ~23k tokens; generous
 FP_RATE = 0.01  # PeerConfig's default
 FILLER_BLOCKS = 10_000  # half the capacity cached
+MIXED_FILLER_BLOCKS = (2_500, 5_000, 10_000, 20_000, 40_000)  # filters of 4 shapes
 HOLD_FRACTION = 0.25  # share of (peer, prompt) pairs where the peer caches a prefix
+PREFIX_BLOCKS = 48  # a new prompt's shared part; the rest of its 64 blocks is new
 TARGET_US = 200.0  # the issue's budget for one decision
 
 
@@ -47,19 +58,17 @@ def _peer_id(i: int) -> str:
 
 
 def build_table(
-    peers: int, prompts: list[list[int]], rng: random.Random, probe_cache: ProbeCache
-) -> tuple[PeerTable, list[int]]:
-    """A table of `peers` live peers; returns it and how deep each peer holds prompt 0."""
-    table = PeerTable("12D3KooWbenchLocal", MODEL_ID, BLOCK_SIZE, 60.0, probe_cache)
-    depths0 = []
+    peers: int, held: list[list[int]], rng: random.Random, filler: tuple[int, ...]
+) -> PeerTable:
+    """A table of `peers` live peers, each caching `filler` unrelated blocks (one of) and a
+    random-depth prefix of about HOLD_FRACTION of the `held` chains."""
+    table = PeerTable("12D3KooWbenchLocal", MODEL_ID, BLOCK_SIZE, 60.0)
     for i in range(peers):
-        bloom = BloomFilter.for_capacity(CAPACITY_BLOCKS, FP_RATE)
-        keys = {rng.getrandbits(64) for _ in range(FILLER_BLOCKS)}
-        for j, chain in enumerate(prompts):
-            depth = rng.randint(1, len(chain)) if rng.random() < HOLD_FRACTION else 0
-            keys.update(chain[:depth])
-            if j == 0:
-                depths0.append(depth)
+        keys = {rng.getrandbits(64) for _ in range(rng.choice(filler))}
+        for chain in held:
+            if rng.random() < HOLD_FRACTION:
+                keys.update(chain[: rng.randint(1, len(chain))])
+        bloom = summary_bloom(len(keys), FP_RATE)
         bloom.update(keys)
         summary = CacheSummary(
             peer_id=_peer_id(i),
@@ -82,7 +91,7 @@ def build_table(
         table.record_rtt(summary.peer_id, rng.uniform(0.001, 0.05), 0.0)
         if i % 4 == 0:
             table.record_forward(summary.peer_id, 1024, 0.0)
-    return table, depths0
+    return table
 
 
 LOCAL = LocalState("12D3KooWbenchLocal", 256, 500, 1, 800.0, 20.0)
@@ -92,7 +101,7 @@ def measure(
     router: Router, table: PeerTable, prompts: list[list[int]], iterations: int
 ) -> tuple[list[float], list[float], list[float]]:
     """Per rank() call, cycling through the prompts: wall us, CPU us, and the CPU us of the
-    table's part alone (views, Bloom matches) measured on the same prompt just after."""
+    table's part alone (`routing_rows`) measured on the same prompt just after."""
     wall, cpu, table_cpu = [], [], []
     for n in range(iterations):
         chain = prompts[n % len(prompts)]
@@ -102,8 +111,7 @@ def measure(
         wall.append((end - start) / 1000.0)
         cpu.append((end_cpu - start_cpu) / 1000.0)
         start_cpu = time.thread_time_ns()
-        table.views(1.0)
-        table.estimate_matches(table.probes(chain), 1.0)
+        table.routing_rows(chain, 1.0)
         table_cpu.append((time.thread_time_ns() - start_cpu) / 1000.0)
     return wall, cpu, table_cpu
 
@@ -122,38 +130,51 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--peers", type=int, default=64)
     parser.add_argument("--blocks", type=int, default=64, help="prompt length in blocks")
-    parser.add_argument("--prompts", type=int, default=32, help="distinct warm prompts")
-    parser.add_argument("--iterations", type=int, default=2000, help="warm decisions")
-    parser.add_argument("--cold", type=int, default=500, help="cold decisions (new prompts)")
+    parser.add_argument("--prompts", type=int, default=32, help="distinct shared prefixes")
+    parser.add_argument("--iterations", type=int, default=2000, help="decisions per kind")
+    parser.add_argument("--cold", type=int, default=500, help="cold decisions (unseen chains)")
     parser.add_argument("--policy", type=Policy, default=Policy.COST,
                         choices=list(Policy), metavar="{" + ",".join(p.value for p in Policy) + "}")
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args(argv)
 
     rng = random.Random(args.seed)
-    total = args.prompts + args.cold
-    pool = [[rng.getrandbits(64) for _ in range(args.blocks)] for _ in range(total)]
-    warm_prompts, cold_prompts = pool[: args.prompts], pool[args.prompts :]
+    prefix_blocks = min(PREFIX_BLOCKS, args.blocks)
+
+    def chain(n: int) -> list[int]:
+        return [rng.getrandbits(64) for _ in range(n)]
+
+    prefixes = [chain(prefix_blocks) for _ in range(args.prompts)]
+    warm_prompts = [p + chain(args.blocks - prefix_blocks) for p in prefixes]
+    new_prompts = [
+        rng.choice(prefixes) + chain(args.blocks - prefix_blocks) for _ in range(args.iterations)
+    ]
+    cold_prompts = [chain(args.blocks) for _ in range(args.cold)]
     results: dict[str, object] = {
         "policy": args.policy.value,
         "peers": args.peers,
         "blocks": args.blocks,
+        "prefix_blocks": prefix_blocks,
         "block_size": BLOCK_SIZE,
         "prompts": args.prompts,
         "iterations": args.iterations,
         "cold_iterations": args.cold,
-        "capacity_blocks": CAPACITY_BLOCKS,
         "fp_rate": FP_RATE,
         "filler_blocks": FILLER_BLOCKS,
         "hold_fraction": HOLD_FRACTION,
         "python": platform.python_version(),
         "target_us": TARGET_US,
+        "headline": "rank_median_us = rank_new_median_us: a shared 48-block prefix that some "
+        "peers cache, then 16 new blocks; every decision's chain is new",
     }
-    table, depths0 = build_table(args.peers, pool, random.Random(args.seed), ProbeCache())
-    results["holders_of_prompt0"] = sum(d > 0 for d in depths0)
+    # Peers hold prefixes of the warm prompts (which extend the shared prefixes) and of the
+    # cold ones; a new prompt's suffix is held by nobody.
+    held = warm_prompts + cold_prompts
+    table = build_table(args.peers, held, random.Random(args.seed), (FILLER_BLOCKS,))
     router = Router(args.policy, random.Random(0), block_size=BLOCK_SIZE)
-    measure(router, table, warm_prompts, args.prompts)  # warm up interpreter and cache
+    measure(router, table, warm_prompts, args.prompts)  # warm up the interpreter
     for label, prompts, iterations in (
+        ("new", new_prompts, args.iterations),
         ("cold", cold_prompts, args.cold),
         ("warm", warm_prompts, args.iterations),
     ):
@@ -164,10 +185,15 @@ def main(argv: list[str] | None = None) -> int:
         results[f"rank_{label}_p10_us"] = stats["p10_us"]  # near the uncontended cost
         results[f"rank_{label}_cpu_median_us"] = _summary(cpu)["median_us"]
         results[f"table_part_{label}_cpu_median_us"] = _summary(table_cpu)["median_us"]
-    ranked = router.rank(pool[0], args.blocks * BLOCK_SIZE, 64, LOCAL, table, 1.0)
+    ranked = router.rank(warm_prompts[0], args.blocks * BLOCK_SIZE, 64, LOCAL, table, 1.0)
     results["example_best"] = ranked[0].reason
-    results["rank_median_us"] = results["rank_cold_median_us"]
-    results["rank_p99_us"] = results["rank_cold_p99_us"]
+    mixed = build_table(args.peers, warm_prompts, random.Random(args.seed), MIXED_FILLER_BLOCKS)
+    results["mixed_shapes"] = len({(v.summary.bloom_bits, v.summary.bloom_hashes)
+                                   for v in mixed.views(1.0)})
+    wall, _, _ = measure(router, mixed, new_prompts, args.cold)
+    results["rank_new_mixed_shapes_median_us"] = _summary(wall)["median_us"]
+    results["rank_median_us"] = results["rank_new_median_us"]
+    results["rank_p99_us"] = results["rank_new_p99_us"]
     results["load_average_1m"] = round(os.getloadavg()[0], 2)  # this bench shares the CPU
     text = json.dumps(results, indent=2)
     print(text)
