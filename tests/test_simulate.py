@@ -8,7 +8,6 @@ import math
 import random
 
 import pytest
-from bench.workloads import TokenizedMMLU, TokenRequest, poisson_arrivals, zipf_weights
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -16,6 +15,7 @@ from bench.sim import experiments
 from bench.sim.calibration import NOTES_CALIBRATION, Calibration
 from bench.sim.model import ORACLE, POLICY_NAMES, SimParams, simulate
 from bench.sim.summaries import IncrementalBloom
+from bench.workloads import TokenizedMMLU, TokenRequest, poisson_arrivals, zipf_weights
 from protocols.bloom import BloomFilter
 
 VOCAB = 49152
@@ -201,7 +201,7 @@ def tiny_grid() -> experiments.Grid:
     base = experiments.Base(peers=4, requests=120, subjects=None, seed=2,
                             sim=SimParams(capacity_blocks=128))
     return experiments.Grid(base=base, delays_ms=(0, 50), zipf_s=(1.0,), loads=(0.5, 1.5),
-                            policies=("random", "cost", ORACLE),
+                            policies=("random", "cost", ORACLE), skew_load_policies=None,
                             experiments=("delay", "skew", "load"))
 
 
