@@ -83,7 +83,7 @@ class Grid:
 def quick_grid(seed: int = 1) -> Grid:
     """Sweeps a, b and c at 16 peers, reduced: the `--quick` run (< 2 minutes)."""
     return Grid(
-        base=Base(requests=1500, seed=seed),
+        base=Base(requests=1200, seed=seed),
         delays_ms=(0, 5, 50, 250),
         zipf_s=(0.0, 1.0, 1.5),
         loads=(0.5, 1.0, 1.5),
