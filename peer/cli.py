@@ -202,6 +202,11 @@ def _table(rows: list[list[str]]) -> str:
                      for r in rows)
 
 
+def _address(addrs: list[str]) -> str:
+    """The first address without its /p2p/<peer id> tail (the PEER column has the id)."""
+    return addrs[0].split("/p2p/")[0] if addrs else "-"
+
+
 def format_status(view: dict[str, Any]) -> str:
     """The /v1/swarm object as a readable table: this peer first, then the others."""
     me = view["self"]
@@ -212,13 +217,13 @@ def format_status(view: dict[str, Any]) -> str:
         return f"{p['running_requests']} run, {p['queued_prompt_tokens']} tok queued"
 
     rows.append(
-        [me["peer_id"] + " (this)", (me["addrs"] or ["-"])[0], "-", load(me),
+        [me["peer_id"] + " (this)", _address(me["addrs"]), "-", load(me),
          f"{me['cached_blocks']}/{me['capacity_blocks']}", "-"]
     )
     for p in view["peers"]:
         rtt = "?" if p["rtt_s"] is None else f"{p['rtt_s'] * 1000:.1f} ms"
         rows.append(
-            [p["peer_id"], (p["addrs"] or ["-"])[0], rtt, load(p),
+            [p["peer_id"], _address(p["addrs"]), rtt, load(p),
              f"~{p['cached_blocks']}/{p['capacity_blocks']}", f"{p['summary_age_s']:.1f} s"]
         )
     title = f"model {me['model']}, policy {me['policy']}, {len(view['peers']) + 1} peers"

@@ -67,6 +67,7 @@ def test_format_status_table():
     assert lines[0] == "model tiny-random, policy cost, 2 peers"
     assert lines[1].split()[:2] == ["PEER", "ADDRESS"]
     assert "12D3Self (this)" in lines[2] and "3/100" in lines[2]
+    assert "/ip4/127.0.0.1/tcp/1 " in lines[2] and "/p2p/" not in lines[2]
     assert "1.2 ms" in lines[3] and "~7/100" in lines[3] and "0.4 s" in lines[3]
     assert "1 run, 48 tok queued" in lines[3]
 
