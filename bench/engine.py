@@ -91,7 +91,8 @@ def transformers_ttft(
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     t0 = time.perf_counter()
-    log(f"loading {args.model}")
+    load_before = os.getloadavg()[0]
+    log(f"loading {args.model} (load average {load_before:.1f} on {os.cpu_count()} CPUs)")
     loaded = await trio.to_thread.run_sync(load_model, args.model)
     log(f"loaded in {time.perf_counter() - t0:.1f} s")
     subject, tokens, other = pick_prompt(loaded, args.prompt_tokens)
@@ -154,6 +155,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "torch_threads": torch.get_num_threads(),
         "cpus": os.cpu_count(),
+        # Other processes on the machine inflate every time above; recorded so readers can judge.
+        "load_average_1m_start": load_before,
+        "load_average_1m_end": os.getloadavg()[0],
         "machine": platform.machine(),
         "torch": torch.__version__,
         "wall_s": time.perf_counter() - t0,
