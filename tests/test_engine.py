@@ -201,6 +201,28 @@ async def test_bad_requests_are_rejected_and_engine_keeps_serving(tiny_engine, t
     assert tiny_engine.statistics()["failed_requests"] == 0
 
 
+async def test_a_failing_step_fails_the_request_not_the_engine(tiny_engine, monkeypatch):
+    from peer.engine.engine import EngineError
+
+    real = tiny_engine._forward
+    calls = []
+
+    def flaky(seq, ids):
+        calls.append(len(ids))
+        if len(calls) == 2:  # the first decode step
+            raise RuntimeError("simulated out of memory")
+        return real(seq, ids)
+
+    monkeypatch.setattr(tiny_engine, "_forward", flaky)
+    with pytest.raises(EngineError, match="simulated out of memory"):
+        await tiny_engine.generate(prompt(40), GREEDY4)
+    stats = tiny_engine.statistics()
+    assert stats["failed_requests"] == 1 and stats["cache_locked_blocks"] == 0
+    assert stats["running_requests"] == 0
+    done = await tiny_engine.generate(prompt(40), GREEDY4)
+    assert done.usage.cached_tokens == 32  # the prompt's blocks were cached before the failure
+
+
 def test_bad_chat_messages(tiny_engine):
     with pytest.raises(InvalidRequest, match="messages"):
         tiny_engine.encode_prompt([])
@@ -229,6 +251,7 @@ async def test_cancel_stops_the_request_and_releases_locks(tiny_engine):
     stats = tiny_engine.statistics()
     assert len(seen) == 3
     assert stats["cancelled_requests"] == 1 and stats["completed_requests"] == 1
+    assert stats["generated_tokens"] == 4 + 3  # a cancelled request's tokens count too
     assert stats["cache_locked_blocks"] == 0 and stats["running_requests"] == 0
     assert (await tiny_engine.generate(tokens, GREEDY4)).usage.cached_tokens == 32
 

@@ -456,6 +456,7 @@ class Engine:
             self._stats["computed_prompt_tokens"] += n - match.num_tokens
             ttft = time.perf_counter() - start
             generated = [first]
+            self._stats["generated_tokens"] += 1
             tracker = _StopTracker(self.tokenizer, params.stop)
             finish: str | None = None
             while True:
@@ -473,11 +474,11 @@ class Engine:
                 async with self._limiter:
                     nxt = await trio.to_thread.run_sync(self._decode_step, seq, tok, params)
                 generated.append(nxt)
+                self._stats["generated_tokens"] += 1
             if self.cache_generated:
                 async with self._limiter:
                     await self._cache_blocks(tokens + generated[:-1], seq, n // self.block_size)
             total = time.perf_counter() - start
-            self._stats["generated_tokens"] += len(generated)
             decode_s = total - ttft
             usage = Usage(
                 prompt_tokens=n,
@@ -491,9 +492,9 @@ class Engine:
             yield Completion(tuple(generated), tracker.text, finish, usage)
         except (trio.Cancelled, GeneratorExit, KeyboardInterrupt):
             raise
-        except BaseException:
+        except Exception as exc:  # torch or tokenizer failure: this request fails, not the engine
             outcome = "failed_requests"
-            raise
+            raise EngineError(f"generation failed: {type(exc).__name__}: {exc}") from exc
         finally:
             self._stats[outcome] += 1
             self._running -= 1
