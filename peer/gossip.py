@@ -13,6 +13,7 @@ size, increasing seq, Bloom sanity). Each rejection is logged and counted by rea
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -87,11 +88,17 @@ def bloom_capacity(cached_blocks: int, fp_rate: float) -> int:
     """
     capacity = max(MIN_BLOOM_CAPACITY, 1 << max(0, cached_blocks - 1).bit_length())
     while (
-        capacity > MIN_BLOOM_CAPACITY
-        and BloomFilter.for_capacity(capacity, fp_rate).num_bits > MAX_SUMMARY_BLOOM_BYTES * 8
+        capacity > MIN_BLOOM_CAPACITY and _shape(capacity, fp_rate)[0] > MAX_SUMMARY_BLOOM_BYTES * 8
     ):
         capacity //= 2
     return capacity
+
+
+@functools.lru_cache(maxsize=64)  # capacities are powers of two: a handful of keys
+def _shape(capacity: int, fp_rate: float) -> tuple[int, int]:
+    """(num_bits, num_hashes) of BloomFilter.for_capacity, which costs ~6 ms to plan."""
+    bloom = BloomFilter.for_capacity(capacity, fp_rate)
+    return bloom.num_bits, bloom.num_hashes
 
 
 def summary_bloom(cached_blocks: int, fp_rate: float) -> BloomFilter:
@@ -100,18 +107,28 @@ def summary_bloom(cached_blocks: int, fp_rate: float) -> BloomFilter:
     When the bound cuts the size, fewer hash functions keep the filter about half full:
     its false-positive rate rises, but receivers never reject it as too full."""
     capacity = bloom_capacity(cached_blocks, fp_rate)
-    bloom = BloomFilter.for_capacity(capacity, fp_rate)
-    if cached_blocks <= capacity:
-        return bloom
-    best = round(bloom.num_bits / cached_blocks * math.log(2))
-    return BloomFilter(bloom.num_bits, max(1, min(bloom.num_hashes, best)))
+    num_bits, num_hashes = _shape(capacity, fp_rate)
+    if cached_blocks > capacity:
+        best = round(num_bits / cached_blocks * math.log(2))
+        num_hashes = max(1, min(num_hashes, best))
+    return BloomFilter(num_bits, num_hashes)
 
 
-def build_summary(engine: EngineLike, *, peer_id: str, seq: int, fp_rate: float) -> CacheSummary:
-    """This peer's summary now: a Bloom filter of every cached block hash, plus load."""
+def build_summary(
+    engine: EngineLike,
+    *,
+    peer_id: str,
+    seq: int,
+    fp_rate: float,
+    bloom: BloomFilter | None = None,
+) -> CacheSummary:
+    """This peer's summary now: a Bloom filter of every cached block hash, plus load.
+
+    `bloom`, if given, must already hold exactly the cached hashes (see Gossip)."""
     cache = engine.cache
-    bloom = summary_bloom(cache.num_blocks, fp_rate)
-    bloom.update(cache.cached_hashes())
+    if bloom is None:
+        bloom = summary_bloom(cache.num_blocks, fp_rate)
+        bloom.update(cache.cached_hashes())
     load = engine.load()
     return CacheSummary(
         peer_id=peer_id,
@@ -161,6 +178,12 @@ class Gossip:
         # decision: nothing is timed by it).
         self._seq = int(time.time() * 1000)
         self._changed_blocks = 0
+        # The last published filter, kept to add new blocks to instead of rebuilding it
+        # from every cached hash (~20 us per hash); any removal forces a rebuild.
+        self._bloom: BloomFilter | None = None
+        self._bloom_blocks = 0  # cache.num_blocks the filter describes
+        self._stored_since: list[int] = []
+        self._removed_since = False
         self._publishing = True
         self._logged: set[tuple[str, str]] = set()
         self._rejected: dict[str, int] = {}
@@ -233,11 +256,43 @@ class Gossip:
             self._stats["delivered"] += 1
 
     def _count_changes(self) -> int:
-        return sum(
-            1
-            for ev in self._engine.cache.drain_events()
-            if ev.kind in (EventKind.STORED, EventKind.REMOVED)
-        )
+        changes = 0
+        for ev in self._engine.cache.drain_events():
+            if ev.kind is EventKind.STORED:
+                self._stored_since.append(ev.block_hash)
+            elif ev.kind is EventKind.REMOVED:
+                self._removed_since = True
+            else:
+                continue
+            changes += 1
+        if len(self._stored_since) > self._engine.cache.capacity_blocks:
+            self._removed_since = True  # more news than fits: rebuild, drop the list
+            self._stored_since.clear()
+        return changes
+
+    def _current_bloom(self) -> BloomFilter:
+        """A filter of exactly the cached hashes: the last one plus new blocks when
+        nothing was removed and the size did not change, else rebuilt."""
+        self._changed_blocks += self._count_changes()
+        cache = self._engine.cache
+        num_blocks = cache.num_blocks
+        fresh = summary_bloom(num_blocks, self._fp_rate)
+        last = self._bloom
+        if (
+            last is not None
+            and not self._removed_since
+            and (last.num_bits, last.num_hashes) == (fresh.num_bits, fresh.num_hashes)
+            and num_blocks == self._bloom_blocks + len(self._stored_since)
+        ):
+            bloom = BloomFilter.from_bytes(last.num_bits, last.num_hashes, last.to_bytes())
+            bloom.update(self._stored_since)
+        else:  # (also when events were lost: the block count would not add up)
+            bloom = fresh
+            bloom.update(cache.cached_hashes())
+        self._bloom, self._bloom_blocks = bloom, num_blocks
+        self._stored_since.clear()
+        self._removed_since = False
+        return bloom
 
     async def _publish_loop(self) -> None:
         last = -math.inf
@@ -266,7 +321,11 @@ class Gossip:
         start = time.thread_time()
         self._seq += 1
         summary = build_summary(
-            self._engine, peer_id=self._peer_id_str, seq=self._seq, fp_rate=self._fp_rate
+            self._engine,
+            peer_id=self._peer_id_str,
+            seq=self._seq,
+            fp_rate=self._fp_rate,
+            bloom=self._current_bloom(),
         )
         data = encode_summary(summary)
         self._changed_blocks = 0
