@@ -136,7 +136,13 @@ def _smollm2_checkpoint(folder_cache: Path) -> Path:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
 
-    _atomic_save(final, save)
+    try:
+        _atomic_save(final, save)
+    except OSError as exc:
+        raise ModelLoadError(
+            f"cannot write the converted model to {final}: {exc}. "
+            f"Point {CACHE_DIR_ENV} at a writable folder."
+        ) from exc
     print("prefixswarm: conversion done", file=sys.stderr, flush=True)
     return final
 
@@ -151,12 +157,12 @@ def _smollm2_tokenizer(folder_cache: Path) -> Any:
     gguf_dir = smollm2_gguf_dir()
     final = folder_cache / _SMOLLM2_TOKENIZER_DIR
 
-    def save(tmp: Path) -> None:
-        tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF, local_files_only=True)
-        tok.save_pretrained(tmp)
-
-    _atomic_save(final, save)
-    return AutoTokenizer.from_pretrained(final, local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF, local_files_only=True)
+    try:  # a cached copy makes the next load fast; without one everything still works
+        _atomic_save(final, tok.save_pretrained)
+    except OSError as exc:
+        print(f"prefixswarm: not caching the tokenizer in {final}: {exc}", file=sys.stderr)
+    return tok
 
 
 def _tiny_random(folder_cache: Path) -> tuple[Any, Any]:
