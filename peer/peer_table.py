@@ -36,6 +36,7 @@ __all__ = [
     "FILL_TOLERANCE",
     "MAX_ADDRS_PER_PEER",
     "MAX_ADDR_CHARS",
+    "MAX_BANK_BYTES",
     "MAX_PEERS",
     "MAX_PLAUSIBLE_FILL",
     "RTT_EWMA_ALPHA",
@@ -57,6 +58,11 @@ MAX_PLAUSIBLE_FILL = 0.9
 # give; 0.05 is >10 standard deviations for filters of a few thousand bits or more.
 FILL_TOLERANCE = 0.05
 FILL_SIGMAS = 8.0  # plus this many binomial deviations, which matters for tiny filters
+# The BloomBanks store 64 filter columns per shape even for one peer, so a swarm of many
+# odd shapes could cost 64x its filters; past this budget a peer's match is walked in
+# Python instead (same answer, slower). Honest peers use a few shapes: 64 peers of 160k
+# bits take 1.3 MB a shape, 256 peers of 325k bits 10 MB.
+MAX_BANK_BYTES = 64 << 20
 RTT_EWMA_ALPHA = 0.25  # follows a changed path within ~4 samples, smooths ping jitter
 MAX_ADDRS_PER_PEER = 16  # libp2p peers announce a handful; the rest is noise
 MAX_ADDR_CHARS = 256  # a multiaddr with DNS name, port, /p2p/ id fits easily
@@ -118,7 +124,7 @@ class _Entry:
     bloom: BloomFilter
     received_at: float
     shape: tuple[int, int]  # (bloom_bits, bloom_hashes): which BloomBank holds the filter
-    slot: int  # its slot there
+    slot: int  # its slot there; -1 when over MAX_BANK_BYTES (walked in Python instead)
     rtt_s: float | None = None
     forwards: int = 0
     forwarded_tokens: int = 0
@@ -140,6 +146,8 @@ class PeerTable:
         block_size: int,
         expiry_s: float,
         probe_cache: ProbeCache | None = None,
+        *,
+        max_bank_bytes: int = MAX_BANK_BYTES,
     ) -> None:
         if not self_id:
             raise ValueError("self_id must be this peer's id")
@@ -155,7 +163,8 @@ class PeerTable:
         self._reaped: dict[str, None] = {}  # dropped by apply() when full, for expire()
         self._probe_cache = probe_cache if probe_cache is not None else ProbeCache()
         self._counts: dict[str, int] = {}
-        self._banks: dict[tuple[int, int], BloomBank] = {}  # every entry's filter, by shape
+        self._banks: dict[tuple[int, int], BloomBank] = {}  # entries' filters, by shape
+        self._max_bank_bytes = max_bank_bytes
         self._order: list[str] | None = None  # entry ids sorted; None after a change
 
     @property
@@ -214,16 +223,14 @@ class PeerTable:
             if len(self._entries) >= MAX_PEERS:
                 return self._result(False, Verdict.TABLE_FULL, f"{MAX_PEERS} live peers")
         shape = (summary.bloom_bits, summary.bloom_hashes)
-        if old is not None and old.shape == shape:
+        if old is not None and old.shape == shape and old.slot >= 0:
             slot = old.slot
         else:
             if old is not None:
                 self._release(old)
-            bank = self._banks.get(shape)
-            if bank is None:
-                bank = self._banks[shape] = BloomBank(*shape)
-            slot = bank.acquire()
-        self._banks[shape].put(slot, summary.bloom)
+            slot = self._acquire(shape)
+        if slot >= 0:
+            self._banks[shape].put(slot, summary.bloom)
         entry = _Entry(summary=summary, bloom=bloom, received_at=now, shape=shape, slot=slot)
         if old is not None:  # keep what we measured; forwards start again from zero
             entry.rtt_s = old.rtt_s
@@ -253,11 +260,26 @@ class PeerTable:
             )
         return None
 
-    def _release(self, entry: _Entry) -> None:
-        bank = self._banks[entry.shape]
-        bank.release(entry.slot)
+    def _acquire(self, shape: tuple[int, int]) -> int:
+        """A slot in the bank of `shape`, or -1 if that would exceed the bank budget."""
+        bank = self._banks.get(shape)
+        if bank is None:
+            bank = self._banks[shape] = BloomBank(*shape)
+        slot = bank.acquire()
+        if sum(b.nbytes for b in self._banks.values()) > self._max_bank_bytes:
+            self._release_slot(shape, slot)
+            return -1
+        return slot
+
+    def _release_slot(self, shape: tuple[int, int], slot: int) -> None:
+        bank = self._banks[shape]
+        bank.release(slot)
         if not len(bank):
-            del self._banks[entry.shape]
+            del self._banks[shape]
+
+    def _release(self, entry: _Entry) -> None:
+        if entry.slot >= 0:
+            self._release_slot(entry.shape, entry.slot)
 
     def _drop(self, peer_id: str) -> None:
         self._release(self._entries.pop(peer_id))
@@ -379,6 +401,7 @@ class PeerTable:
         ValueError if a key of `chain` is not a 64-bit unsigned int.
         """
         counts: dict[tuple[int, int], list[int]] = {}
+        probes: Probes | None = None  # for peers outside the banks, made on first need
         if chain:
             keys = KeyChain(chain)
             counts = {shape: bank.prefix_counts(keys) for shape, bank in self._banks.items()}
@@ -392,7 +415,14 @@ class PeerTable:
             e = entries[peer_id]
             if now - e.received_at >= expiry:  # not _live(e, now), inlined
                 continue
-            match = counts[e.shape][e.slot] if counts else 0
+            if not chain:
+                match = 0
+            elif e.slot >= 0:
+                match = counts[e.shape][e.slot]
+            else:
+                if probes is None:
+                    probes = self._probe_cache.probes(chain)
+                match = e.bloom.count_prefix(probes)
             row = (peer_id, e.summary, e.rtt_s, e.forwards, e.forwarded_tokens, match)
             out.append(_new_row(RoutingRow, row))
         return out

@@ -125,6 +125,12 @@ class BloomBank:
         """Slots in use."""
         return len(self._used)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes the matrix takes once every slot handed out is stored (64 per word)."""
+        slots = len(self._used) + len(self._free)
+        return self.num_bits // 8 * _WORD * -(-slots // _WORD)
+
     def acquire(self) -> int:
         """A free slot (empty filter); ValueError beyond MAX_BANK_SLOTS."""
         if self._free:

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from peer.peer_table import (
+    MAX_BANK_BYTES,
     MAX_PEERS,
     RTT_EWMA_ALPHA,
     PeerTable,
@@ -288,11 +289,16 @@ def test_misuse_raises_value_error() -> None:
         max_size=30,
     ),
     rng=st.randoms(use_true_random=False),
+    bank_bytes=st.sampled_from([MAX_BANK_BYTES, 150_000, 0]),  # some or all peers unbanked
 )
 def test_routing_rows_equal_views_and_the_per_peer_walk(
-    chain: list[int], ops: list[tuple[str, int, int, int, float]], rng: random.Random
+    chain: list[int],
+    ops: list[tuple[str, int, int, int, float]],
+    rng: random.Random,
+    bank_bytes: int,
 ) -> None:
-    t = table()
+    t = PeerTable(self_id=SELF, model_id=MODEL, block_size=16, expiry_s=EXPIRY,
+                  max_bank_bytes=bank_bytes)
     now = 0.0
     seqs = [0] * 6
     for op, i, depth, capacity, step in ops:
