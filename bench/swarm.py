@@ -1,0 +1,321 @@
+"""The real thing: N peer processes on loopback, the MMLU workload over HTTP, per policy.
+
+    python -m bench.swarm --json PATH [--peers 4] [--model tiny-random] [--requests 200]
+        [--rate 4] [--zipf 1.0] [--subjects 40] [--cache-bytes 2000000] [--delay-ms 0]
+        [--policies local,random,least_loaded,longest_prefix,cost]
+
+For each policy a fresh swarm starts (cold caches), every peer waits until it knows
+every other, then the same seeded workload is sent: Poisson arrivals, Zipf(s) subject
+popularity, a random entry peer per request, prompts as token ids (the SmolLM2
+tokenizer, which tiny-random shares), greedy decoding, streamed over server-sent events.
+Time to first token is measured by this client (send to first text chunk), so it
+includes HTTP, routing, forwarding and queueing. The hit ratio is cached over prompt
+tokens, from each response's usage. `--delay-ms` adds a one-way delay to every forward
+(each peer's `--forward-delay`), emulating a wide-area network.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import trio
+
+from bench.workloads import TokenRequest, load_tokenized_mmlu, mmlu_requests
+from peer.local_swarm import peer_process_environment
+
+POLICIES = ("local", "random", "least_loaded", "longest_prefix", "cost")
+READY_TIMEOUT_S = 180.0  # model loading on 2 busy cores; SmolLM2's first conversion ~20 s
+REQUEST_TIMEOUT_S = 120.0  # one request end to end; far above any healthy request here
+MAX_IN_FLIGHT = 64  # client-side bound; the peers' own admission bounds sit behind it
+# Tiny-random KV is 4 KiB a block (2 layers, 2 KV heads of 16): 2 MB hold ~11 subjects'
+# 5-shot prefixes per peer, so where requests go decides what stays cached.
+DEFAULT_CACHE_BYTES = 2_000_000
+
+
+def log(message: str) -> None:
+    print(f"bench.swarm: {message}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class PeerProcess:
+    process: trio.Process
+    peer_id: str = ""
+    http: str = ""
+    multiaddrs: list[str] = field(default_factory=list)
+    known: set[str] = field(default_factory=set)
+    up: trio.Event = field(default_factory=trio.Event)
+
+
+async def _read_reports(peer: PeerProcess) -> None:
+    assert peer.process.stdout is not None
+    buffer = b""
+    async for chunk in peer.process.stdout:
+        buffer += chunk
+        *lines, buffer = buffer.split(b"\n")
+        for line in lines:
+            try:
+                report = json.loads(line)
+            except ValueError:
+                continue
+            if report.get("event") == "up":
+                peer.peer_id, peer.http = report["peer_id"], report["http"]
+                peer.multiaddrs = report["multiaddrs"]
+                peer.up.set()
+            elif report.get("event") == "peers":
+                peer.known = set(report["peer_ids"])
+
+
+async def _spawn(
+    nursery: trio.Nursery, args: argparse.Namespace, policy: str, bootstrap: list[str]
+) -> PeerProcess:
+    cmd = [
+        sys.executable, "-m", "peer.cli", "serve",
+        "--model", args.model, "--policy", policy, "--identity", "none",
+        "--listen", "/ip4/127.0.0.1/tcp/0", "--http", "127.0.0.1:0",
+        "--cache-bytes", str(args.cache_bytes),
+        "--summary-interval", str(args.summary_interval),
+        "--report", "json", "--exit-with-stdin", "--log-level", "ERROR",
+    ]
+    if args.delay_ms:
+        cmd += ["--forward-delay", str(args.delay_ms / 1000)]
+    if bootstrap:
+        cmd += ["--bootstrap", *bootstrap]
+    process = await trio.lowlevel.open_process(
+        cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=args.stderr,
+        env=peer_process_environment(args.peers),
+    )
+    peer = PeerProcess(process)
+    nursery.start_soon(_read_reports, peer)
+    with trio.fail_after(READY_TIMEOUT_S):
+        await peer.up.wait()
+    return peer
+
+
+async def _stop(peers: list[PeerProcess]) -> None:
+    for peer in peers:
+        if peer.process.stdin is not None:
+            await peer.process.stdin.aclose()  # --exit-with-stdin: a clean stop
+    with trio.move_on_after(15):
+        for peer in peers:
+            await peer.process.wait()
+    for peer in peers:
+        if peer.process.returncode is None:
+            peer.process.kill()
+            await peer.process.wait()
+
+
+@dataclass
+class Outcome:
+    ok: bool
+    entry: str
+    served_by: str = ""
+    ttft_s: float = 0.0
+    e2e_s: float = 0.0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    forwarded: bool = False
+    error: str = ""
+
+
+async def _send(
+    client: httpx.AsyncClient, peer: PeerProcess, request: TokenRequest, model: str
+) -> Outcome:
+    body = {
+        "model": model,
+        "prompt": list(request.prefix + request.suffix),
+        "max_tokens": request.max_new_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    start = time.perf_counter()
+    first: float | None = None
+    usage: dict[str, Any] = {}
+    extension: dict[str, Any] = {}
+    try:
+        with trio.fail_after(REQUEST_TIMEOUT_S):
+            async with client.stream("POST", f"{peer.http}/v1/completions", json=body) as r:
+                if r.status_code != 200:
+                    text = (await r.aread()).decode(errors="replace")
+                    return Outcome(False, peer.peer_id, error=f"HTTP {r.status_code}: {text}")
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        return Outcome(False, peer.peer_id, error=str(event["error"]))
+                    if first is None and event.get("choices"):
+                        first = time.perf_counter()
+                    usage = event.get("usage") or usage
+                    extension = event.get("x_prefixswarm") or extension
+    except (httpx.HTTPError, trio.TooSlowError, ValueError) as exc:
+        return Outcome(False, peer.peer_id, error=f"{type(exc).__name__}: {exc}")
+    end = time.perf_counter()
+    if first is None or not usage:
+        return Outcome(False, peer.peer_id, error="stream ended without tokens or usage")
+    served_by = extension.get("served_by", "")
+    if os.environ.get("BENCH_SWARM_DEBUG"):
+        log(f"client ttft {first - start:.3f} e2e {end - start:.3f} server {extension}")
+    return Outcome(
+        True,
+        peer.peer_id,
+        served_by=served_by,
+        ttft_s=first - start,
+        e2e_s=end - start,
+        prompt_tokens=usage["prompt_tokens"],
+        cached_tokens=usage["prompt_tokens_details"]["cached_tokens"],
+        forwarded=served_by != peer.peer_id,
+    )
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+def _summarise(policy: str, outcomes: list[Outcome], peers: list[PeerProcess]) -> dict[str, Any]:
+    ok = [o for o in outcomes if o.ok]
+    ttft = [o.ttft_s for o in ok]
+    served = Counter(o.served_by for o in ok)
+    per_peer = [served.get(p.peer_id, 0) for p in peers]
+    mean_load = statistics.fmean(per_peer) if per_peer else 0.0
+    cov = statistics.pstdev(per_peer) / mean_load if mean_load else 0.0
+    errors = Counter(o.error.split(":")[0] for o in outcomes if not o.ok)
+    return {
+        "policy": policy,
+        "requests_ok": len(ok),
+        "requests_failed": len(outcomes) - len(ok),
+        "errors": dict(errors),
+        "ttft_mean_s": statistics.fmean(ttft) if ttft else float("nan"),
+        "ttft_p50_s": _percentile(ttft, 0.5),
+        "ttft_p99_s": _percentile(ttft, 0.99),
+        "e2e_mean_s": statistics.fmean(o.e2e_s for o in ok) if ok else float("nan"),
+        "hit_ratio": (
+            sum(o.cached_tokens for o in ok) / max(1, sum(o.prompt_tokens for o in ok))
+        ),
+        "forwards": sum(o.forwarded for o in ok),
+        "per_peer_served": per_peer,
+        "load_cov": cov,
+    }
+
+
+async def run_policy(
+    args: argparse.Namespace, policy: str, workload: list[TokenRequest], model_name: str
+) -> dict[str, Any]:
+    rng = random.Random(f"{args.seed}/entries")  # same entry peers for every policy
+    async with trio.open_nursery() as nursery:
+        peers: list[PeerProcess] = []
+        try:
+            log(f"{policy}: starting {args.peers} peers ({args.model})")
+            first = await _spawn(nursery, args, policy, [])
+            peers.append(first)
+            async with trio.open_nursery() as starting:
+
+                async def spawn_one() -> None:
+                    peers.append(await _spawn(nursery, args, policy, first.multiaddrs[:1]))
+
+                for _ in range(args.peers - 1):
+                    starting.start_soon(spawn_one)
+            ids = {p.peer_id for p in peers}
+            with trio.fail_after(READY_TIMEOUT_S):
+                while not all(p.known >= ids - {p.peer_id} for p in peers):
+                    await trio.sleep(0.2)
+            log(f"{policy}: swarm ready; sending {len(workload)} requests at {args.rate}/s")
+            outcomes: list[Outcome] = []
+            limiter = trio.CapacityLimiter(MAX_IN_FLIGHT)
+            limits = httpx.Limits(max_connections=MAX_IN_FLIGHT)
+            async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S, limits=limits) as client:
+                start = trio.current_time()
+                async with trio.open_nursery() as requests:
+                    for request in workload:
+                        entry = rng.choice(peers)
+                        await trio.sleep_until(start + request.arrival_s)
+
+                        async def one(request: TokenRequest = request,
+                                      entry: PeerProcess = entry) -> None:
+                            async with limiter:
+                                outcomes.append(await _send(client, entry, request, model_name))
+
+                        requests.start_soon(one)
+            row = _summarise(policy, outcomes, peers)
+            log(
+                f"{policy}: ok {row['requests_ok']} failed {row['requests_failed']} "
+                f"ttft mean {row['ttft_mean_s']:.3f} s hit ratio {row['hit_ratio']:.3f}"
+            )
+            return row
+        finally:
+            await _stop(peers)
+            nursery.cancel_scope.cancel()
+
+
+async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    data = load_tokenized_mmlu()
+    workload = mmlu_requests(
+        data, args.requests, args.rate, args.zipf, max_new_tokens=args.max_new_tokens,
+        seed=args.seed, subjects=args.subjects,
+    )
+    rows = [await run_policy(args, p, workload, args.model) for p in args.policies]
+    prompt_tokens = [r.prompt_tokens for r in workload]
+    return {
+        "params": {
+            "peers": args.peers, "model": args.model, "requests": args.requests,
+            "rate_per_s": args.rate, "zipf_s": args.zipf, "subjects": args.subjects,
+            "max_new_tokens": args.max_new_tokens, "cache_bytes": args.cache_bytes,
+            "delay_ms": args.delay_ms, "summary_interval_s": args.summary_interval,
+            "seed": args.seed, "prompt_tokens_mean": statistics.fmean(prompt_tokens),
+            "machine": f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at end",
+        },
+        "rows": rows,
+    }
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.swarm", description=__doc__.split("\n")[0])
+    p.add_argument("--json", required=True, help="write the results here")
+    p.add_argument("--peers", type=int, default=4)
+    p.add_argument("--model", default="tiny-random", help="or smollm2-135m")
+    p.add_argument("--policies", default=",".join(POLICIES))
+    p.add_argument("--requests", type=int, default=200)
+    p.add_argument("--rate", type=float, default=4.0, help="requests per second (Poisson)")
+    p.add_argument("--zipf", type=float, default=1.0)
+    p.add_argument("--subjects", type=int, default=40, help="MMLU subjects in play")
+    p.add_argument("--max-new-tokens", type=int, default=8)
+    p.add_argument("--cache-bytes", type=int, default=DEFAULT_CACHE_BYTES)
+    p.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay per forward")
+    p.add_argument("--summary-interval", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--peer-log", default=os.devnull, help="peers' stderr goes here")
+    args = p.parse_args(argv)
+    args.policies = [x for x in args.policies.split(",") if x]
+    unknown = set(args.policies) - set(POLICIES) - {"round_robin"}
+    if unknown:
+        p.error(f"unknown policies: {sorted(unknown)}")
+    if args.peers < 1 or args.requests < 1 or args.rate <= 0:
+        p.error("--peers, --requests and --rate must be positive")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    with open(args.peer_log, "ab") as stderr:
+        args.stderr = stderr
+        result = trio.run(main_async, args)
+    text = json.dumps(result, indent=2)
+    with open(args.json, "w") as out:
+        out.write(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
