@@ -45,6 +45,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--requests", type=int, help="requests per run (default: grid's)")
     ap.add_argument("--experiments", help="comma-separated subset: delay,skew,load,"
                     "staleness,bloom,scale")
+    ap.add_argument("--policies", help="comma-separated: only these policies, in every sweep")
     ap.add_argument("--scale-requests-per-peer", type=int,
                     help="scale runs use max(--requests, this x peers) requests (default 16)")
     ap.add_argument("--calibration", type=Path,
@@ -135,6 +136,13 @@ def main(argv: list[str] | None = None) -> int:
     grid = dataclasses.replace(grid, base=base)
     if args.experiments:
         grid = dataclasses.replace(grid, experiments=tuple(args.experiments.split(",")))
+    if args.policies:
+        only = tuple(args.policies.split(","))
+        unknown = set(only) - set(POLICY_NAMES)
+        if unknown:
+            raise SystemExit(f"unknown policies {sorted(unknown)}; known: {POLICY_NAMES}")
+        grid = dataclasses.replace(grid, policies=only, skew_load_policies=only,
+                                   scale_policies=only)
     if args.scale_requests_per_peer:
         grid = dataclasses.replace(grid, scale_requests_per_peer=args.scale_requests_per_peer)
     rows = run_grid(grid, data, jobs=args.jobs, progress=_progress)

@@ -73,6 +73,10 @@ class Grid:
     bloom_bits: tuple[float, ...] = (4.0, 8.0, 16.0)
     scale_peers: tuple[int, ...] = (4, 16, 64, 256)
     scale_requests_per_peer: int = 16  # scale runs use max(requests, this x peers)
+    scale_policies: tuple[str, ...] = (
+        Policy.RANDOM.value, Policy.LEAST_LOADED.value, Policy.LONGEST_PREFIX.value,
+        Policy.COST.value, ORACLE, COST_PROBE,
+    )  # fmt: skip
     policies: tuple[str, ...] = ALL_POLICIES
     # sweeps b and c: round_robin behaves like random and local like no swarm at all, so
     # the full grid leaves them out there (sweep a keeps every policy)
@@ -191,12 +195,9 @@ def specs(grid: Grid) -> list[RunSpec]:
             for p in adaptive:
                 at("bloom", p, bloom_bits_per_entry=bits)
     if "scale" in grid.experiments:
-        scale_policies = (
-            Policy.RANDOM.value, Policy.LEAST_LOADED.value, *adaptive, ORACLE,
-        )  # fmt: skip
         for n in grid.scale_peers:
             reqs = max(b.requests, grid.scale_requests_per_peer * n)
-            for p in scale_policies:
+            for p in grid.scale_policies:
                 at("scale", p, requests=reqs, peers=n)
     return out
 
