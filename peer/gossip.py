@@ -222,8 +222,11 @@ class Gossip:
     def statistics(self) -> dict[str, Any]:
         """Counters; `cpu_s` is the thread CPU time spent building, publishing and
         validating summaries (not pubsub's own signing, relaying and transport)."""
+        router = self._pubsub.router
         return {
             **self._stats,
+            "mesh_peers": len(getattr(router, "mesh", {}).get(self._topic, ())),
+            "topic_peers": len(self._pubsub.peer_topics.get(self._topic, ())),
             "rejected": dict(self._rejected),
             "rejected_total": sum(self._rejected.values()),
             "seq": self._seq,

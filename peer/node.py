@@ -35,9 +35,11 @@ if TYPE_CHECKING:  # serving imports torch: only peers with a model load it
 logger = logging.getLogger(__name__)
 
 # GossipSub mesh degree: each summary is relayed to ~3 peers per hop; measured cost is
-# ~7 ms CPU per 4 KiB message per receiver, so small meshes keep gossip cheap, and with
-# 3..6 a swarm of hundreds is still a few hops deep.
-MESH_DEGREE, MESH_DEGREE_LOW, MESH_DEGREE_HIGH = 3, 2, 6
+# ~7 ms CPU per 4 KiB message per receiver, and every mesh neighbour sends each message
+# once (duplicates cost reading, decrypting and parsing before they are dropped), so
+# small meshes keep gossip cheap; with 3 (2..4) a swarm of hundreds is a few hops deep.
+# (With D_high 6, meshes in an 8-peer swarm grew to 5-6 as every peer grafted.)
+MESH_DEGREE, MESH_DEGREE_LOW, MESH_DEGREE_HIGH = 3, 2, 4
 # Ping every connected peer at most this often (RTTs for the router, zombie detection);
 # each ping opens a stream, so not more often than RTTs change.
 LIVENESS_INTERVAL_MIN_S = 5.0
