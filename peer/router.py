@@ -37,6 +37,8 @@ DEFAULT_RTT_PRIOR_S = 0.050  # unmeasured peer: a same-continent WAN round trip;
 DEFAULT_PREFILL_TOKENS_PER_S = 500.0  # SmolLM2-135M on 2 CPU cores: ~1 s for 512 tokens
 DEFAULT_DECODE_TOKENS_PER_S = 15.0  # SmolLM2-135M on 2 CPU cores: 60-80 ms a token
 ROUND_TRIPS_PER_FORWARD = 2  # one to negotiate the stream (multistream-select), one request
+SPEED_NOISE_FACTOR = 2.0  # speeds measured on shared or busy CPUs vary ~2x run to run
+#   (notes/model.md): a peer within this factor of ours is as fast as ours, not a reason to forward
 MIN_TOKENS_PER_S = 1e-3  # floor on any speed, so a zero or garbage figure cannot divide by 0
 FAILURE_BACKOFF_S = 10.0  # a peer that failed is tried only after the entry peer this long
 MAX_TRACKED_FAILURES = 4096  # bounds the failure memory; far above any peer table's size
@@ -327,6 +329,16 @@ class RouterStatistics(NamedTuple):
     successes_recorded: int
 
 
+def _as_measured_here(remote: float, ours: float) -> float:
+    """A remote peer's advertised speed as this peer uses it: unknown (<= 0) or within
+    SPEED_NOISE_FACTOR of ours counts as ours. Measurement noise then cannot pull every
+    request to whichever peer happened to measure itself fastest; a peer that is really
+    faster (another CPU class, a GPU) still attracts the work its speed deserves."""
+    if remote <= 0 or ours / SPEED_NOISE_FACTOR <= remote <= ours * SPEED_NOISE_FACTOR:
+        return ours
+    return remote
+
+
 class Router:
     """Ranks candidates for each request under one policy; remembers failures and RR state."""
 
@@ -437,8 +449,8 @@ class Router:
             prefill_s = summary.prefill_tokens_per_s
             decode_s = summary.decode_tokens_per_s
             speeds_known = prefill_s > 0 and decode_s > 0
-            prefill = prefill_s if prefill_s > 0 else prefill_prior
-            decode = decode_s if decode_s > 0 else decode_prior
+            prefill = _as_measured_here(prefill_s, prefill_prior)
+            decode = _as_measured_here(decode_s, decode_prior)
             queued = summary.queued_prompt_tokens + forwarded_tokens
             running = summary.running_requests + forwards
             rtt_known = rtt is not None

@@ -15,6 +15,7 @@ from peer.router import (
     DEFAULT_PREFILL_TOKENS_PER_S,
     DEFAULT_RTT_PRIOR_S,
     ROUND_TRIPS_PER_FORWARD,
+    SPEED_NOISE_FACTOR,
     Candidate,
     LocalState,
     PeerEstimate,
@@ -394,6 +395,13 @@ def test_rank_from_table_properties(
         assert ranked[0].match_blocks >= local_blocks
 
 
+def as_measured_here(remote: float, ours: float) -> float:
+    """Unknown speeds, and speeds within SPEED_NOISE_FACTOR of ours, count as ours."""
+    if remote <= 0 or ours / SPEED_NOISE_FACTOR <= remote <= ours * SPEED_NOISE_FACTOR:
+        return ours
+    return remote
+
+
 def reference_rank(
     router: Router, policy: Policy, chain: list[int], prompt: int, new: int,
     local: LocalState, table: PeerTable, now: float, rng: random.Random,
@@ -403,12 +411,9 @@ def reference_rank(
     for view in table.views(now) if policy is not Policy.LOCAL else []:
         s = view.summary
         match = table.estimate_match(view.peer_id, chain) if policy in USES_MATCHES else 0
-        prefill = s.prefill_tokens_per_s if s.prefill_tokens_per_s > 0 else (
-            local.prefill_tokens_per_s if local.prefill_tokens_per_s > 0
-            else DEFAULT_PREFILL_TOKENS_PER_S)
-        decode = s.decode_tokens_per_s if s.decode_tokens_per_s > 0 else (
-            local.decode_tokens_per_s if local.decode_tokens_per_s > 0
-            else DEFAULT_DECODE_TOKENS_PER_S)
+        ours = router.local_estimate(local)
+        prefill = as_measured_here(s.prefill_tokens_per_s, ours.prefill_tokens_per_s)
+        decode = as_measured_here(s.decode_tokens_per_s, ours.decode_tokens_per_s)
         estimates.append(PeerEstimate(
             view.peer_id, False, match, match * BS,
             s.queued_prompt_tokens + view.forwarded_prompt_tokens,
@@ -433,7 +438,7 @@ USES_MATCHES = {Policy.COST, Policy.LONGEST_PREFIX}
             st.floats(0.0, 10.0),  # when its summary arrived
             st.integers(0, 3),  # forwards since
             st.none() | st.floats(0.0, 0.2),  # measured rtt
-            st.sampled_from([0.0, 800.0]),  # reported speeds (0: unknown)
+            st.sampled_from([0.0, 500.0, 800.0]),  # reported speeds (0: unknown)
             st.none() | st.floats(0.0, 12.0),  # when it last failed
         ),
         max_size=10,
@@ -482,3 +487,35 @@ def test_rank_equals_the_reference_built_from_views_and_per_peer_walks(
     expected = reference_rank(router, policy, chain, prompt, NEW, state, table, now,
                               random.Random(0))
     assert got == expected
+
+
+def _speed_table(remote_prefill: float) -> PeerTable:
+    table = PeerTable(SELF, MODEL, BS, 6.0)
+    bloom = BloomFilter.for_capacity(300, 0.01)
+    table.apply(
+        CacheSummary(
+            peer_id="fast", model_id=MODEL, block_size=BS, seq=1, bloom_bits=bloom.num_bits,
+            bloom_hashes=bloom.num_hashes, bloom=bloom.to_bytes(), cached_blocks=0,
+            capacity_blocks=300, queued_prompt_tokens=0, running_requests=0,
+            prefill_tokens_per_s=remote_prefill, decode_tokens_per_s=remote_prefill / 40,
+        ),
+        "fast",
+        0.0,
+    )
+    table.record_rtt("fast", 0.002, 0.0)
+    return table
+
+
+@pytest.mark.parametrize(
+    ("remote_prefill", "first"),
+    [(900.0, SELF), (1900.0, SELF), (2100.0, "fast"), (5000.0, "fast")],
+)
+def test_cost_ignores_speed_differences_within_measurement_noise(remote_prefill, first):
+    """Ours measured 1000 tok/s. A cold prompt goes to another peer only if that peer is
+    faster by more than the noise factor (2x), not because it measured itself a bit faster."""
+    router = Router(Policy.COST, random.Random(0), block_size=BS)
+    local = LocalState(SELF, 0, 0, 0, 1000.0, 25.0)
+    chain = chain_of(30, salt=7)
+    ranked = router.rank(chain, 30 * BS, 4, local, _speed_table(remote_prefill), 1.0)
+    assert SPEED_NOISE_FACTOR == 2.0
+    assert ranked[0].peer_id == first
