@@ -87,10 +87,10 @@ def test_every_request_completes_exactly_once(policy: str) -> None:
 
 
 def test_oracle_hits_at_least_as_often_on_a_simple_case() -> None:
-    # Nearly idle peers and no delay: the cheapest route is the longest exact match.
-    # Each cache holds about two of the eight subjects' prefixes.
-    wl = workload(300, rate=0.1, s=0.5, subjects=8)
-    params = SimParams(peers=4, delay_ms=0.0, capacity_blocks=80, seed=1)
+    # Requests 20 s apart (each is served alone), no delay, caches that never evict: the
+    # cheapest route is the longest exact match, so the oracle hits whenever any policy could.
+    wl = [dataclasses.replace(r, arrival_s=20.0 * i) for i, r in enumerate(workload(200, s=0.5))]
+    params = SimParams(peers=4, delay_ms=0.0, capacity_blocks=4096, seed=1)
     hits = {p: simulate(dataclasses.replace(params, policy=p), wl).metrics["hit_ratio"]
             for p in POLICY_NAMES}
     for policy, hit in hits.items():
@@ -186,6 +186,19 @@ def test_calibration_reproduces_the_notes() -> None:
         [(0, 512, 1.0), (0, 1024, 2.2), (400, 112, 1.0 / 3.4), (896, 112, 2.16 / 5.25)],
         0.07, "refit", "test")
     assert fitted.prefill_s_per_token == pytest.approx(cal.prefill_s_per_token, rel=0.02)
+
+
+def test_calibration_from_a_bench_engine_result(tmp_path) -> None:
+    cal = NOTES_CALIBRATION
+    doc = {"prompt_tokens": 1016, "cached_tokens_hit50": 496, "cached_tokens_hit90": 912,
+           "ttft_cold_s": cal.prefill_s(1016, 0), "ttft_hit50_s": cal.prefill_s(520, 496),
+           "ttft_hit90_s": cal.prefill_s(104, 912)}
+    path = tmp_path / "engine.json"
+    path.write_text(json.dumps(doc))
+    fitted = Calibration.from_engine_json(path)
+    for new, cached in ((512, 0), (100, 400), (1024, 0)):
+        assert fitted.prefill_s(new, cached) == pytest.approx(cal.prefill_s(new, cached), rel=1e-6)
+    assert fitted.decode_s_per_token == cal.decode_s_per_token
 
 
 def test_params_are_validated() -> None:

@@ -117,9 +117,20 @@ class Calibration:
 
     @classmethod
     def from_engine_json(cls, path: str | Path) -> Calibration:
-        """Fit to a bench/engine result: rows with cached_tokens, new_tokens, prefill_s,
-        and a decode_s_per_token (median) at the top level or in rows."""
+        """Fit to a bench/engine result. Two shapes are read: bench/engine's own (prompt_tokens,
+        ttft_cold_s and ttft_hit50_s / ttft_hit90_s with cached_tokens_hit50 / _hit90: three
+        TTFT points; decode stays at this default, which that file does not measure), or
+        rows with cached_tokens, new_tokens, prefill_s and a decode_s_per_token."""
         data = json.loads(Path(path).read_text())
+        if "ttft_cold_s" in data:
+            n = int(data["prompt_tokens"])
+            points = [(0, n, float(data["ttft_cold_s"]))]
+            for tag in ("hit50", "hit90"):
+                if f"ttft_{tag}_s" in data:
+                    k = int(data[f"cached_tokens_{tag}"])
+                    points.append((k, n - k, float(data[f"ttft_{tag}_s"])))
+            decode = float(data.get("decode_s_per_token", cls.decode_s_per_token))
+            return cls.from_points(points, decode, f"engine:{Path(path).name}", str(path))
         rows = data.get("rows", [])
         points = [
             (int(r["cached_tokens"]), int(r["new_tokens"]), float(r["prefill_s"]))

@@ -398,6 +398,9 @@ class Simulator:
     def _oracle_choice(self, entry: _Peer, job: _Job, now: float) -> tuple[int, int]:
         bs = self.params.block_size
         rtt = 2 * self._d * (1.0 + self.params.jitter / 2)  # the true mean round trip
+        # Every simulated peer runs at the same speed, so the oracle prices all of them at
+        # the entry peer's measured speeds (the router does the same with speeds within 2x).
+        prefill_tps, decode_tps = entry.prefill_tps, entry.decode_tps
         estimates = []
         for peer in self.peers:
             m = self._reusable(peer, job.tokens)
@@ -410,8 +413,8 @@ class Simulator:
                     m,
                     peer.queued_tokens,
                     peer.running,
-                    peer.prefill_tps,
-                    peer.decode_tps,
+                    prefill_tps,
+                    decode_tps,
                     0.0 if local else rtt,
                 )
             )
