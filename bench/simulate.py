@@ -30,7 +30,8 @@ from bench.sim.experiments import (
     quick_grid,
     run_grid,
 )
-from bench.sim.model import POLICY_NAMES, SimParams, simulate
+from bench.sim.model import simulate
+from bench.sim.params import POLICY_NAMES, SimParams
 from bench.workloads import load_tokenized_mmlu
 
 

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from bench.sim import experiments
 from bench.sim.calibration import NOTES_CALIBRATION, Calibration
-from bench.sim.model import ORACLE, POLICY_NAMES, SimParams, simulate
+from bench.sim.model import simulate
+from bench.sim.params import ORACLE, POLICY_NAMES, SimParams
 from bench.sim.summaries import IncrementalBloom
 from bench.workloads import TokenizedMMLU, TokenRequest, poisson_arrivals, zipf_weights
 from protocols.bloom import BloomFilter

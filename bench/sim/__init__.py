@@ -2,6 +2,7 @@
 
   calibration.py  prefill/decode service times of a peer, fitted to engine measurements
   summaries.py    a peer's Bloom summary kept current block by block (bit-identical)
+  params.py       SimParams (every knob, with its reason), RunResult, the policy names
   model.py        the simulated swarm: peers with the real radix cache, peer table and
                   router; processor-sharing servers; network delay; anti-entropy
   experiments.py  the evaluation's sweeps (a)-(g) as grids of runs, one row per run

@@ -17,7 +17,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.sim.model import COST_PROBE, ORACLE, SimParams, simulate
+from bench.sim.model import simulate
+from bench.sim.params import COST_PROBE, ORACLE, SimParams
 from bench.workloads import TokenizedMMLU, TokenRequest, mmlu_requests
 from peer.config import Policy
 

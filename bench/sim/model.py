@@ -30,10 +30,19 @@ import heapq
 import math
 import random
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from bench.sim.calibration import NOTES_CALIBRATION, Calibration
+from bench.sim.params import (
+    COST_PROBE,
+    ORACLE,
+    PROBE_CANDIDATES,
+    PROBE_MAX_RTT_FRACTION,
+    RunResult,
+    SimParams,
+    cov,
+    mean,
+    quantile,
+)
 from bench.sim.summaries import IncrementalBloom
 from bench.workloads import TokenRequest
 from peer.config import SUMMARY_EXPIRY_INTERVALS, Policy
@@ -41,17 +50,8 @@ from peer.engine.radix import EventKind, RadixCache
 from peer.peer_table import PeerTable
 from peer.router import LocalState, PeerEstimate, Router
 from protocols.blocks import BlockHasher
-from protocols.bloom import BLOCK_BITS, BloomFilter, ProbeCache
+from protocols.bloom import BloomFilter, ProbeCache
 from protocols.summary import CacheSummary, encode_summary
-
-ORACLE = "oracle"  # exact, instant global knowledge fed to the COST model (an upper bound)
-# A what-if, not in peer/router.py: COST's ranking, then the live load of its best
-# PROBE_CANDIDATES remote candidates is asked for (one round trip, in parallel) and those
-# and the entry peer are ranked again by the same cost function (late binding).
-COST_PROBE = "cost_probe"
-PROBE_CANDIDATES = 2  # two choices already remove most herding (Mitzenmacher 2001)
-PROBE_MAX_RTT_FRACTION = 0.1  # probe only if a round trip is < 10% of the best estimated cost
-POLICY_NAMES = (*(p.value for p in Policy), ORACLE, COST_PROBE)
 
 # Mirrors of live-peer constants (the modules that hold them import torch or libp2p).
 GOSSIP_CHANGE_FRACTION = 0.05  # peer/gossip.py CHANGE_FRACTION
@@ -63,77 +63,6 @@ _EPS = 1e-9  # virtual-time slack for float round-off in the processor-sharing s
 
 # Event kinds, in the order they are handled when simultaneous (then FIFO).
 _ARRIVE, _DELIVER, _PHASE, _TICK, _SUMMARY = range(5)
-
-
-@dataclass(frozen=True)
-class SimParams:
-    """One simulated swarm. Defaults are the base point of every experiment."""
-
-    policy: str = Policy.COST.value
-    peers: int = 16
-    delay_ms: float = 5.0  # one-way delay between any two peers
-    jitter: float = 0.2  # each one-way delay is d * (1 + U(0, jitter))
-    stream_setup_rtts: int = 1  # round trips to open a stream before the request is sent
-    summary_interval_s: float = 2.0
-    early_publish: bool = True  # peer/gossip.py's early publish on 5% change
-    bloom_fp_rate: float = 0.01  # the live peer's default (peer/config.py)
-    bloom_bits_per_entry: float | None = None  # overrides bloom_fp_rate: bits per capacity block
-    capacity_blocks: int = 256  # KV budget per peer: 4,096 tokens, ~190 MB of SmolLM2 fp32 KV
-    block_size: int = 16
-    cache_generated: bool = False  # the engine's default: generated tokens are not cached
-    # RadixCache.evict scans the whole tree per call; when an insert must evict, evict
-    # this fraction of the budget beyond the need (a low watermark), so scans are rarer.
-    evict_slack_fraction: float = 1 / 16
-    # What a forward adds to the target's load in the entry peer's table until the next
-    # summary: the whole prompt (False, as peer/pipeline.py does) or only the part the
-    # target's Bloom summary does not cover (True; a what-if for the cost model).
-    forward_counts_uncached: bool = False
-    warmup_fraction: float = 0.1  # the first requests fill caches; left out of the metrics
-    seed: int = 0
-    model_id: str = "smollm2-135m"
-    calibration: Calibration = field(default_factory=lambda: NOTES_CALIBRATION)
-
-    def __post_init__(self) -> None:
-        if self.policy not in POLICY_NAMES:
-            raise ValueError(f"policy must be one of {POLICY_NAMES}, got {self.policy!r}")
-        if self.peers < 1:
-            raise ValueError(f"peers must be >= 1, got {self.peers}")
-        if self.delay_ms < 0 or self.jitter < 0 or self.stream_setup_rtts < 0:
-            raise ValueError("delay_ms, jitter and stream_setup_rtts must be >= 0")
-        if self.summary_interval_s <= 0:
-            raise ValueError(f"summary_interval_s must be > 0, got {self.summary_interval_s}")
-        if self.capacity_blocks < 1:
-            raise ValueError(f"capacity_blocks must be >= 1, got {self.capacity_blocks}")
-        if self.bloom_bits_per_entry is not None and self.bloom_bits_per_entry <= 0:
-            raise ValueError(f"bloom_bits_per_entry must be > 0, got {self.bloom_bits_per_entry}")
-        if not 0 <= self.warmup_fraction < 1:
-            raise ValueError(f"warmup_fraction must be in [0, 1), got {self.warmup_fraction}")
-
-    def as_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        out["calibration"] = self.calibration.as_dict()
-        return out
-
-    def bloom_template(self) -> BloomFilter:
-        """An empty filter of the shape every peer publishes."""
-        if self.bloom_bits_per_entry is None:
-            return BloomFilter.for_capacity(self.capacity_blocks, self.bloom_fp_rate)
-        bits = self.bloom_bits_per_entry * self.capacity_blocks
-        num_bits = max(1, math.ceil(bits / BLOCK_BITS)) * BLOCK_BITS
-        num_hashes = max(1, min(16, round(self.bloom_bits_per_entry * math.log(2))))
-        return BloomFilter(num_bits, num_hashes)
-
-
-@dataclass
-class RunResult:
-    """Metrics of one run (requests after the warm-up) and per-request samples."""
-
-    params: SimParams
-    metrics: dict[str, float]
-    ttft_s: list[float]
-    e2e_s: list[float]
-    served_by: list[int]  # serving peer index per request (all requests)
-    completions: list[int]  # times each request completed (conservation check)
 
 
 class _Job:
@@ -604,14 +533,14 @@ class Simulator:
         publishes = sum(p.published for p in self.peers)
         metrics = {
             "requests": float(len(kept)),
-            "ttft_mean_s": _mean(ttft),
-            "ttft_p50_s": _quantile(ttft, 0.5),
-            "ttft_p99_s": _quantile(ttft, 0.99),
-            "e2e_mean_s": _mean(e2e),
-            "e2e_p50_s": _quantile(e2e, 0.5),
-            "e2e_p99_s": _quantile(e2e, 0.99),
+            "ttft_mean_s": mean(ttft),
+            "ttft_p50_s": quantile(ttft, 0.5),
+            "ttft_p99_s": quantile(ttft, 0.99),
+            "e2e_mean_s": mean(e2e),
+            "e2e_p50_s": quantile(e2e, 0.5),
+            "e2e_p99_s": quantile(e2e, 0.99),
             "hit_ratio": reused / prompt if prompt else 0.0,
-            "load_cov": _cov(served),
+            "load_cov": cov(served),
             "max_peer_share": max(served) / max(1, sum(served)),
             "forwarded_fraction": self._forwarded / len(jobs),
             "utilization_mean": sum(p.busy_s for p in self.peers) / (n * duration),
@@ -630,32 +559,6 @@ class Simulator:
 
 def _no_value(_block: int) -> None:
     return None
-
-
-def _mean(xs: Sequence[float]) -> float:
-    return sum(xs) / len(xs) if xs else math.nan
-
-
-def _quantile(xs: Sequence[float], q: float) -> float:
-    """The q-quantile by linear interpolation between order statistics."""
-    if not xs:
-        return math.nan
-    s = sorted(xs)
-    pos = q * (len(s) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
-
-
-def _cov(xs: Sequence[int]) -> float:
-    """Coefficient of variation (population standard deviation over the mean)."""
-    if not xs:
-        return math.nan
-    mean = sum(xs) / len(xs)
-    if mean == 0:
-        return 0.0
-    var = sum((x - mean) ** 2 for x in xs) / len(xs)
-    return math.sqrt(var) / mean
 
 
 def simulate(params: SimParams, workload: Sequence[TokenRequest]) -> RunResult:
