@@ -22,6 +22,7 @@ from peer.router import (
     Router,
     estimate_cost,
     rank_estimates,
+    swarm_busy,
 )
 from protocols.bloom import BloomFilter
 from protocols.summary import CacheSummary
@@ -84,9 +85,27 @@ def test_cost_prefers_matching_peer_until_its_queue_makes_it_slower() -> None:
 
 def test_cost_running_requests_share_the_decoder() -> None:
     me = est("me", local=True)
-    assert order(Policy.COST, [me, est("a", match=1024, running=1)])[0] == "a"
-    # 2 running streams add 2 * 16/20 s of decode sharing: more than the 1 s prefill saved.
-    assert order(Policy.COST, [me, est("a", match=1024, running=2)])[0] == "me"
+    ranked = rank_estimates(Policy.COST, [me, est("a", match=1024, running=2)], PROMPT, NEW,
+                            random.Random(0))
+    by_id = {c.peer_id: c for c in ranked}
+    # Each running stream shares the decoder: 2 * 16/20 s of queue on "a".
+    assert by_id["a"].queue_s == pytest.approx(2 * NEW / 20)
+    parts = by_id["a"].cost
+    assert parts.total_s == pytest.approx(by_id["a"].cost_s)
+
+
+def test_cost_charges_a_miss_for_the_requests_it_delays_in_a_busy_swarm() -> None:
+    """busy = mean running requests per peer; a miss costs (1 + busy) times its prefill."""
+    me = est("me", local=True)
+    # "a" runs 2 (busy = 1): its 1.6 s of decode sharing < the local miss, 2 x 1.024 s.
+    assert order(Policy.COST, [me, est("a", match=1024, running=2)])[0] == "a"
+    # "a" runs 4 (busy = 2): 3.2 s of sharing > 3 x 1.024 s: the miss is now cheaper.
+    assert order(Policy.COST, [me, est("a", match=1024, running=4)])[0] == "me"
+    # An idle swarm charges plain prefill time.
+    idle = estimate_cost(0, 1024, NEW, 0, 0, 1000.0, 20.0, 0.0)
+    busy = estimate_cost(0, 1024, NEW, 0, 0, 1000.0, 20.0, 0.0, busy=2.0)
+    assert busy.prefill_s == pytest.approx(3 * idle.prefill_s)
+    assert swarm_busy([me, est("a", running=2), est("b", running=4)]) == pytest.approx(2.0)
 
 
 def test_high_rtt_makes_cost_choose_local() -> None:
