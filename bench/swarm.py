@@ -35,6 +35,8 @@ from bench.workloads import TokenRequest, load_tokenized_mmlu, mmlu_requests
 from peer.local_swarm import peer_process_environment
 
 POLICIES = ("local", "random", "least_loaded", "longest_prefix", "cost")
+# Context windows (prompt + new tokens) of the aliases: tiny-random's config, SmolLM2's.
+MODEL_CONTEXT = {"tiny-random": 2048, "smollm2-135m": 8192}
 READY_TIMEOUT_S = 180.0  # model loading on 2 busy cores; SmolLM2's first conversion ~20 s
 REQUEST_TIMEOUT_S = 120.0  # one request end to end; far above any healthy request here
 MAX_IN_FLIGHT = 64  # client-side bound; the peers' own admission bounds sit behind it
@@ -165,8 +167,6 @@ async def _send(
     if first is None or not usage:
         return Outcome(False, peer.peer_id, error="stream ended without tokens or usage")
     served_by = extension.get("served_by", "")
-    if os.environ.get("BENCH_SWARM_DEBUG"):
-        log(f"client ttft {first - start:.3f} e2e {end - start:.3f} server {extension}")
     return Outcome(
         True,
         peer.peer_id,
@@ -261,10 +261,15 @@ async def run_policy(
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     data = load_tokenized_mmlu()
-    workload = mmlu_requests(
+    drawn = mmlu_requests(
         data, args.requests, args.rate, args.zipf, max_new_tokens=args.max_new_tokens,
         seed=args.seed, subjects=args.subjects,
     )
+    # Prompts the model cannot hold would get a 400 at every peer: not a routing result.
+    context = MODEL_CONTEXT.get(args.model, args.max_context)
+    workload = [r for r in drawn if r.prompt_tokens + r.max_new_tokens <= context]
+    log(f"{len(drawn) - len(workload)} of {len(drawn)} requests exceed the {context}-token "
+        "context and are left out")
     rows = [await run_policy(args, p, workload, args.model) for p in args.policies]
     prompt_tokens = [r.prompt_tokens for r in workload]
     return {
@@ -274,6 +279,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             "max_new_tokens": args.max_new_tokens, "cache_bytes": args.cache_bytes,
             "delay_ms": args.delay_ms, "summary_interval_s": args.summary_interval,
             "seed": args.seed, "prompt_tokens_mean": statistics.fmean(prompt_tokens),
+            "requests_sent": len(workload), "left_out_over_context": len(drawn) - len(workload),
+            "context_tokens": context,
             "machine": f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at end",
         },
         "rows": rows,
@@ -295,6 +302,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay per forward")
     p.add_argument("--summary-interval", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-context", type=int, default=2048,
+                   help="context of a model not in MODEL_CONTEXT (longer prompts left out)")
     p.add_argument("--peer-log", default=os.devnull, help="peers' stderr goes here")
     args = p.parse_args(argv)
     args.policies = [x for x in args.policies.split(",") if x]
