@@ -6,9 +6,7 @@ compared with a fresh engine's local output.
 
 from __future__ import annotations
 
-import contextlib
 import json
-from collections.abc import AsyncGenerator
 from typing import Any
 
 import httpx
@@ -17,35 +15,13 @@ import pytest
 import trio
 
 from peer.config import PeerConfig, Policy
-from peer.engine.engine import SamplingParams, TokenEvent
+from peer.engine.engine import SamplingParams
 from peer.http import MAX_BODY_BYTES, SERVED_BY_HEADER, serve_http
+from tests.helpers_engine import SlowEngine
 from tests.helpers_swarm import start_peer, wait_until
 
 MODEL = "tiny-random"
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 6  # 60 tokens: 3 full blocks
-
-
-class SlowEngine:
-    """An engine whose tokens come `delay_s` apart: keeps a request running for a test."""
-
-    def __init__(self, inner: Any, delay_s: float) -> None:
-        self._inner = inner
-        self._delay_s = delay_s
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-    def stream(self, token_ids: Any, params: SamplingParams) -> AsyncGenerator[Any, None]:
-        agen = self._inner.stream(token_ids, params)
-
-        async def slowed() -> AsyncGenerator[Any, None]:
-            async with contextlib.aclosing(agen):
-                async for item in agen:
-                    if isinstance(item, TokenEvent):
-                        await trio.sleep(self._delay_s)
-                    yield item
-
-        return slowed()
 
 
 async def start_api(nursery: trio.Nursery, engine: Any, **overrides: Any) -> tuple[Any, str]:

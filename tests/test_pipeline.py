@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import random
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -17,9 +17,10 @@ import trio
 
 from peer.admission import Overloaded
 from peer.config import PeerConfig, Policy
-from peer.engine.engine import SamplingParams, TokenEvent
+from peer.engine.engine import SamplingParams
 from peer.pipeline import GenerationChunk, GenerationResult, Outcome
 from peer.router import Router
+from tests.helpers_engine import SlowEngine
 from tests.helpers_swarm import RunningPeer, start_peer, wait_until
 
 LOOPBACK = ("/ip4/127.0.0.1/tcp/0",)
@@ -44,29 +45,6 @@ def config(bootstrap: Sequence[str] = (), **overrides: Any) -> PeerConfig:
     )
     fields.update(overrides)
     return PeerConfig(**fields)
-
-
-class SlowEngine:
-    """An engine whose tokens come `delay_s` apart: keeps a request mid-stream for a test."""
-
-    def __init__(self, inner: Any, delay_s: float) -> None:
-        self._inner = inner
-        self._delay_s = delay_s
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-    def stream(self, token_ids: Any, params: SamplingParams) -> AsyncGenerator[Any, None]:
-        agen = self._inner.stream(token_ids, params)
-
-        async def slowed() -> AsyncGenerator[Any, None]:
-            async with contextlib.aclosing(agen):
-                async for item in agen:
-                    if isinstance(item, TokenEvent):
-                        await trio.sleep(self._delay_s)
-                    yield item
-
-        return slowed()
 
 
 async def start_swarm(

@@ -1,0 +1,34 @@
+"""Engine helpers for tests."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncGenerator
+from typing import Any
+
+import trio
+
+from peer.engine.engine import SamplingParams, TokenEvent
+
+
+class SlowEngine:
+    """An engine whose tokens come `delay_s` apart: keeps a request running for a test."""
+
+    def __init__(self, inner: Any, delay_s: float) -> None:
+        self._inner = inner
+        self._delay_s = delay_s
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def stream(self, token_ids: Any, params: SamplingParams) -> AsyncGenerator[Any, None]:
+        agen = self._inner.stream(token_ids, params)
+
+        async def slowed() -> AsyncGenerator[Any, None]:
+            async with contextlib.aclosing(agen):
+                async for item in agen:
+                    if isinstance(item, TokenEvent):
+                        await trio.sleep(self._delay_s)
+                    yield item
+
+        return slowed()
