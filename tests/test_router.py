@@ -538,3 +538,42 @@ def test_cost_ignores_speed_differences_within_measurement_noise(remote_prefill,
     ranked = router.rank(chain, 30 * BS, 4, local, _speed_table(remote_prefill), 1.0)
     assert SPEED_NOISE_FACTOR == 2.0
     assert ranked[0].peer_id == first
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    peers=st.lists(
+        st.tuples(
+            st.integers(0, 2048),  # match tokens
+            st.integers(0, 5000),  # queued prompt tokens
+            st.integers(0, 6),  # running requests
+            st.floats(10.0, 5000.0),  # prefill tokens/s
+            st.floats(1.0, 100.0),  # decode tokens/s
+            st.floats(0.0, 0.3),  # rtt
+        ),
+        min_size=1,
+        max_size=8,
+    ),
+    new=st.integers(1, 64),
+)
+def test_ranked_costs_are_estimate_cost_with_the_swarm_busy(
+    peers: list[tuple[int, int, int, float, float, float]], new: int
+) -> None:
+    """The cost formula is inlined in the ranking loops for speed; it must stay
+    estimate_cost's (with busy = swarm_busy of the candidates), part by part."""
+    estimates = [
+        PeerEstimate(f"p{i}", i == 0, m // BS, m, q, r, pf, dc, 0.0 if i == 0 else rtt)
+        for i, (m, q, r, pf, dc, rtt) in enumerate(peers)
+    ]
+    prompt = 2048
+    busy = swarm_busy(estimates)
+    by_id = {e.peer_id: e for e in estimates}
+    for c in rank_estimates(Policy.COST, estimates, prompt, new, random.Random(0)):
+        e = by_id[c.peer_id]
+        expected = estimate_cost(
+            e.match_tokens, prompt, new, e.queued_prompt_tokens, e.running_requests,
+            e.prefill_tokens_per_s, e.decode_tokens_per_s, e.rtt_s, busy=busy,
+        )
+        assert c.cost_s == pytest.approx(expected.total_s)
+        assert c.cost.prefill_s == pytest.approx(expected.prefill_s)
+        assert c.queue_s == pytest.approx(expected.queue_s)
