@@ -48,7 +48,7 @@ from bench.workloads import TokenRequest
 from peer.config import SUMMARY_EXPIRY_INTERVALS, Policy
 from peer.engine.radix import EventKind, RadixCache
 from peer.peer_table import PeerTable
-from peer.router import LocalState, PeerEstimate, Router
+from peer.router import Candidate, LocalState, PeerEstimate, Router
 from protocols.blocks import BlockHasher
 from protocols.bloom import BloomFilter, ProbeCache
 from protocols.summary import CacheSummary, encode_summary
@@ -284,9 +284,10 @@ class Simulator:
         bs = self.params.block_size
         return min(peer.cache.peek(tokens), (len(tokens) - 1) // bs * bs)
 
-    def _router_choice(self, entry: _Peer, job: _Job, now: float) -> tuple[int, int]:
+    def _ranked(self, entry: _Peer, job: _Job, now: float) -> list[Candidate]:
+        """The entry peer's router, as the live pipeline calls it, on its current table."""
         self._catch_up(entry)
-        ranked = entry.router.rank(
+        return entry.router.rank(
             job.chain,
             len(job.tokens),
             job.req.max_new_tokens,
@@ -294,19 +295,14 @@ class Simulator:
             entry.table,
             now,
         )
+
+    def _router_choice(self, entry: _Peer, job: _Job, now: float) -> tuple[int, int]:
+        ranked = self._ranked(entry, job, now)
         return self._index[ranked[0].peer_id], min(ranked[0].match_tokens, len(job.tokens) - 1)
 
     def _probe_choice(self, entry: _Peer, job: _Job, now: float) -> tuple[int, int, float]:
         """COST_PROBE: (target, its match, seconds spent probing)."""
-        self._catch_up(entry)
-        ranked = entry.router.rank(
-            job.chain,
-            len(job.tokens),
-            job.req.max_new_tokens,
-            self._local_state(entry, job.tokens),
-            entry.table,
-            now,
-        )
+        ranked = self._ranked(entry, job, now)
         remote = [c for c in ranked if not c.is_local][:PROBE_CANDIDATES]
         best = ranked[0]
         if not remote or max(c.estimate.rtt_s for c in remote) > (
