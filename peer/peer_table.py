@@ -15,15 +15,22 @@ Fed by method calls with `now` (seconds on any monotonic clock; the shell passes
 - `routing_rows(chain, now)` answers the router in one pass: every live peer, by id, with
   its summary, RTT, forwards and `estimate_match` for the chain, the matches computed for
   all peers at once by a numpy `BloomBank` per filter shape (kept in step with `apply`).
-- `record_rtt` keeps an EWMA of round-trip times; `record_forward` counts the requests
-  this peer forwarded to another since that peer's last summary (reset by each accepted
-  summary), so the router can add them to the load the summary reported.
+- `record_rtt` keeps the minimum of the last RTT_WINDOW round trips: the path's own
+  delay. A ping answered late by a busy event loop measures that peer's load, which the
+  cost model prices from its summary, not the network (measured on loopback: pings of
+  2 to 17 ms over a path whose forwards cost ~2 ms).
+- `record_forward` counts a request this peer forwarded to another on top of the load
+  that peer's last summary reported, until the forward is given back
+  (`forward_prefilled` when its first token arrives: no longer queued there;
+  `forward_ended` when it is over) or a newer summary, which reports the load itself,
+  replaces the counts.
 """
 
 from __future__ import annotations
 
 import enum
 import math
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -39,8 +46,9 @@ __all__ = [
     "MAX_BANK_BYTES",
     "MAX_PEERS",
     "MAX_PLAUSIBLE_FILL",
-    "RTT_EWMA_ALPHA",
+    "RTT_WINDOW",
     "ApplyResult",
+    "ForwardCharge",
     "PeerTable",
     "PeerView",
     "RoutingRow",
@@ -63,7 +71,8 @@ FILL_SIGMAS = 8.0  # plus this many binomial deviations, which matters for tiny 
 # Python instead (same answer, slower). Honest peers use a few shapes: 64 peers of 160k
 # bits take 1.3 MB a shape, 256 peers of 325k bits 10 MB.
 MAX_BANK_BYTES = 64 << 20
-RTT_EWMA_ALPHA = 0.25  # follows a changed path within ~4 samples, smooths ping jitter
+RTT_WINDOW = 6  # round trips whose minimum is the path's delay: ~30 s of 5 s liveness
+#   pings, so a path that got slower is followed within that, and 5 of 6 pings may be late
 MAX_ADDRS_PER_PEER = 16  # libp2p peers announce a handful; the rest is noise
 MAX_ADDR_CHARS = 256  # a multiaddr with DNS name, port, /p2p/ id fits easily
 
@@ -98,7 +107,7 @@ class PeerView(NamedTuple):
     summary: CacheSummary
     received_at: float  # when the summary was accepted
     age_s: float  # now - received_at
-    rtt_s: float | None  # EWMA of measured round trips, None until measured
+    rtt_s: float | None  # least of the last RTT_WINDOW round trips, None until measured
     forwards_since_summary: int  # requests this peer forwarded there since the summary
     forwarded_prompt_tokens: int  # their prompt tokens
     addrs: tuple[str, ...]  # listen addresses the shell noted, if any
@@ -109,10 +118,19 @@ class RoutingRow(NamedTuple):
 
     peer_id: str
     summary: CacheSummary
-    rtt_s: float | None  # EWMA of measured round trips, None until measured
+    rtt_s: float | None  # least of the last RTT_WINDOW round trips, None until measured
     forwards_since_summary: int
     forwarded_prompt_tokens: int
     match_blocks: int  # estimate_match for the chain; 0 without a chain
+
+
+class ForwardCharge(NamedTuple):
+    """A forward as `record_forward` counted it: against which summary, and how much."""
+
+    peer_id: str
+    summary_seq: int  # given back only while this summary is current: a newer one
+    #   reports the peer's load itself, forwards included
+    prompt_tokens: int
 
 
 _new_row = tuple.__new__  # NamedTuple's __new__ is a Python function; this is ~2x cheaper
@@ -126,6 +144,7 @@ class _Entry:
     shape: tuple[int, int]  # (bloom_bits, bloom_hashes): which BloomBank holds the filter
     slot: int  # its slot there; -1 when over MAX_BANK_BYTES (walked in Python instead)
     rtt_s: float | None = None
+    rtt_samples: deque[float] = field(default_factory=lambda: deque(maxlen=RTT_WINDOW))
     forwards: int = 0
     forwarded_tokens: int = 0
     addrs: tuple[str, ...] = field(default=())
@@ -234,6 +253,7 @@ class PeerTable:
         entry = _Entry(summary=summary, bloom=bloom, received_at=now, shape=shape, slot=slot)
         if old is not None:  # keep what we measured; forwards start again from zero
             entry.rtt_s = old.rtt_s
+            entry.rtt_samples = old.rtt_samples
             entry.addrs = old.addrs
         else:
             self._order = None
@@ -307,28 +327,56 @@ class PeerTable:
 
     # -- observations from the shell ----------------------------------------------------
 
-    def record_rtt(self, peer_id: str, rtt_s: float, now: float) -> None:
-        """Fold a measured round trip into the peer's EWMA (ignored for unknown peers)."""
+    def record_rtt(self, peer_id: str, rtt_s: float, now: float) -> bool:
+        """Add a measured round trip to the peer's window; False (ignored) if unknown."""
         _check_time(now)
         if not (math.isfinite(rtt_s) and rtt_s >= 0.0):
             raise ValueError(f"rtt_s must be finite and >= 0, got {rtt_s}")
         entry = self._entries.get(peer_id)
         if entry is None:
-            return
-        if entry.rtt_s is None:
-            entry.rtt_s = rtt_s
-        else:
-            entry.rtt_s += RTT_EWMA_ALPHA * (rtt_s - entry.rtt_s)
+            return False
+        entry.rtt_samples.append(rtt_s)
+        entry.rtt_s = min(entry.rtt_samples)
+        return True
 
-    def record_forward(self, peer_id: str, prompt_tokens: int, now: float) -> None:
-        """Count a request forwarded to the peer (ignored for unknown peers)."""
+    def record_forward(self, peer_id: str, prompt_tokens: int, now: float) -> ForwardCharge | None:
+        """Count a request forwarded to the peer; None (nothing counted) for an unknown peer.
+
+        Give the charge back with `forward_prefilled` and `forward_ended`.
+        """
         _check_time(now)
         if prompt_tokens < 0:
             raise ValueError(f"prompt_tokens must be >= 0, got {prompt_tokens}")
         entry = self._entries.get(peer_id)
+        if entry is None:
+            return None
+        entry.forwards += 1
+        entry.forwarded_tokens += prompt_tokens
+        return ForwardCharge(peer_id, entry.summary.seq, prompt_tokens)
+
+    def _charged(self, charge: ForwardCharge) -> _Entry | None:
+        entry = self._entries.get(charge.peer_id)
+        if entry is None or entry.summary.seq != charge.summary_seq:
+            return None  # gone, or a newer summary replaced the counts
+        return entry
+
+    def forward_prefilled(self, charge: ForwardCharge) -> None:
+        """The forward's first token arrived: its prompt is no longer queued there."""
+        entry = self._charged(charge)
         if entry is not None:
-            entry.forwards += 1
-            entry.forwarded_tokens += prompt_tokens
+            entry.forwarded_tokens = max(0, entry.forwarded_tokens - charge.prompt_tokens)
+
+    def forward_ended(self, charge: ForwardCharge, *, prefilled: bool) -> None:
+        """The forward is over (done, failed or abandoned): it no longer runs there.
+
+        ``prefilled``: whether `forward_prefilled` was called for it already.
+        """
+        entry = self._charged(charge)
+        if entry is None:
+            return
+        entry.forwards = max(0, entry.forwards - 1)
+        if not prefilled:
+            entry.forwarded_tokens = max(0, entry.forwarded_tokens - charge.prompt_tokens)
 
     def note_addrs(self, peer_id: str, addrs: Iterable[str]) -> None:
         """Remember the peer's listen addresses (the first MAX_ADDRS_PER_PEER sane ones)."""

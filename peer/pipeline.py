@@ -43,6 +43,7 @@ from protocols.infer import (
 )
 
 logger = logging.getLogger(__name__)
+ROUTE_LOG_CANDIDATES = 3  # the candidates a DEBUG log line explains, best first
 
 # Streams to a peer open within this; the first-token deadline covers the rest.
 STREAM_OPEN_TIMEOUT_S = 10.0
@@ -280,6 +281,11 @@ class Pipeline:
         candidates: list[Candidate] = self.router.rank(
             chain, len(tokens), params.max_new_tokens, local, self._table, now
         )
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug(
+                "route of %d prompt tokens: %s",
+                len(tokens), " | ".join(c.reason for c in candidates[:ROUTE_LOG_CANDIDATES]),
+            )
         return candidates
 
     # -- one attempt each ---------------------------------------------------------------
@@ -330,10 +336,11 @@ class Pipeline:
             )
         except ValueError as exc:  # the engine accepts more than the wire carries
             raise _AttemptFailed(Outcome.FAILED, f"cannot be forwarded: {exc}") from exc
-        self._table.record_forward(peer_id, len(prompt), now)
+        charge = self._table.record_forward(peer_id, len(prompt), now)
         self.stats["forwards"] += 1
         first_deadline = min(deadline, now + self._config.forward_first_token_s)
         frames: FrameStream | None = None
+        got_first = False
         try:
             with trio.fail_at(first_deadline):
                 if self._config.forward_delay_s:  # emulated WAN: the request's one-way trip
@@ -343,7 +350,6 @@ class Pipeline:
                 )
                 frames = FrameStream(stream, self._engine.vocab_size)
                 await frames.send(request)
-            got_first = False
             while True:
                 gap_deadline = (
                     min(deadline, trio.current_time() + self._config.forward_token_gap_s)
@@ -355,7 +361,10 @@ class Pipeline:
                     if not got_first and self._config.forward_delay_s:
                         await trio.sleep(self._config.forward_delay_s)  # the reply's trip
                 if isinstance(message, TokenChunk):
-                    got_first = got_first or bool(message.token_ids)
+                    if message.token_ids and not got_first:
+                        got_first = True
+                        if charge is not None:
+                            self._table.forward_prefilled(charge)
                     progress.generated.extend(message.token_ids)
                     progress.texts.append(message.text)
                     progress.served_by = peer_id
@@ -375,6 +384,8 @@ class Pipeline:
         except PeerUnreachable as exc:
             raise _AttemptFailed(Outcome.FAILED, str(exc)) from exc
         finally:
+            if charge is not None:
+                self._table.forward_ended(charge, prefilled=got_first)
             if frames is not None:
                 await frames.reset()  # done or abandoned: the serving peer stops either way
 

@@ -53,7 +53,7 @@ class PeerEstimate(NamedTuple):
     is_local: bool
     match_blocks: int  # estimated (remote, Bloom) or exact (local)
     match_tokens: int
-    queued_prompt_tokens: int  # including the entry peer's forwards since the last summary
+    queued_prompt_tokens: int  # including the entry peer's forwards in flight since its summary
     running_requests: int  # likewise
     prefill_tokens_per_s: float  # priors already applied where unknown
     decode_tokens_per_s: float

@@ -5,11 +5,12 @@ block-hash chain, this peer's exact local match and load, and the peer table int
 ``PeerEstimate`` records and orders them with the ranking core (peer/ranking.py: the
 cost model and each policy's order), remembering round-robin state and recent failures.
 
-The entry peer adds its own forwards since a peer's last summary to that peer's load (their
-prompt tokens to its queue, one running stream each), so a burst does not all land on one
-stale favourite. A remote match comes from its Bloom summary (walk until the first
-miss); the local match is exact. Unknown round-trip times
-and speeds take priors. A peer that failed recently is ranked after the entry peer.
+The entry peer adds its own forwards in flight since a peer's last summary to that peer's
+load (their prompt tokens to its queue until their first token, one running stream each
+until they end), so a burst does not all land on one stale favourite. A remote match
+comes from its Bloom summary (walk until the first miss); the local match is exact.
+Unknown round-trip times and speeds take priors. A peer that failed recently is ranked
+after the entry peer.
 """
 
 from __future__ import annotations

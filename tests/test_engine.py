@@ -310,6 +310,31 @@ async def test_load_reports_queue_and_speeds(tiny_engine):
     assert tiny_engine.load().decode_tokens_per_s > 0
 
 
+def test_marginal_prefill_speed() -> None:
+    from peer.engine.speeds import marginal_prefill_speed
+
+    assert marginal_prefill_speed(8, 0.01, 100.0) is None  # under one block: fixed cost
+    assert marginal_prefill_speed(64, 0.5, 0.0) == 128.0  # decode unmeasured: all of it
+    assert marginal_prefill_speed(64, 0.015, 100.0) is None  # within two decode steps
+    assert marginal_prefill_speed(1001, 1.01, 100.0) == pytest.approx(1000.0)  # beyond a step
+    assert marginal_prefill_speed(100, 0.0, 100.0) is None
+
+
+async def test_cache_hits_do_not_make_the_engine_report_itself_slower(tiny_engine):
+    # A hit prefills a short uncached suffix, nearly all fixed cost: sampled as
+    # tokens / time it would drag the advertised speed down, and the router would send
+    # requests away from this cache.
+    tiny_engine.warmup()
+    before = tiny_engine.load().prefill_tokens_per_s
+    shared = prompt(160)
+    await tiny_engine.generate(shared + [5], SamplingParams(max_new_tokens=1))
+    after_miss = tiny_engine.load().prefill_tokens_per_s
+    for suffix in range(6):
+        await tiny_engine.generate(shared + [7, suffix], SamplingParams(max_new_tokens=1))
+    assert before > 0
+    assert tiny_engine.load().prefill_tokens_per_s == after_miss  # hits took no sample
+
+
 # -- KV blocks and loading ---------------------------------------------------------------
 
 

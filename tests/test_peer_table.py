@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from peer.peer_table import (
     MAX_BANK_BYTES,
     MAX_PEERS,
-    RTT_EWMA_ALPHA,
+    RTT_WINDOW,
     PeerTable,
     Verdict,
 )
@@ -165,7 +165,7 @@ def test_forwards_counted_until_the_next_summary() -> None:
     t.apply(summary(seq=1), A, now=0.0)
     t.record_forward(A, 100, now=0.1)
     t.record_forward(A, 250, now=0.2)
-    t.record_forward(B, 999, now=0.2)  # unknown peer: ignored
+    assert t.record_forward(B, 999, now=0.2) is None  # unknown peer: ignored
     view = t.get(A, now=0.3)
     assert view is not None
     assert (view.forwards_since_summary, view.forwarded_prompt_tokens) == (2, 350)
@@ -179,13 +179,50 @@ def test_forwards_counted_until_the_next_summary() -> None:
         t.record_forward(A, -1, now=2.0)
 
 
-def test_rtt_ewma() -> None:
+def test_forwards_given_back_as_they_progress() -> None:
     t = table()
+    t.apply(summary(seq=1), A, now=0.0)
+    first = t.record_forward(A, 100, now=0.1)
+    second = t.record_forward(A, 250, now=0.2)
+    assert first is not None and second is not None
+
+    def load() -> tuple[int, int]:
+        view = t.get(A, now=0.5)
+        assert view is not None
+        return view.forwards_since_summary, view.forwarded_prompt_tokens
+
+    assert load() == (2, 350)
+    t.forward_prefilled(first)  # its first token came back: no longer queued there
+    assert load() == (2, 250)
+    t.forward_ended(first, prefilled=True)
+    assert load() == (1, 250)
+    # A newer summary reports the load itself: the second forward's end is not
+    # subtracted from it.
+    t.apply(summary(seq=2), A, now=1.0)
+    third = t.record_forward(A, 40, now=1.1)
+    assert load() == (1, 40)
+    t.forward_ended(second, prefilled=False)
+    assert load() == (1, 40)
+    t.forward_ended(third, prefilled=False)  # failed before its first token: all of it back
+    assert load() == (0, 0)
+    t.forward_ended(third, prefilled=False)  # a double give-back cannot go below zero
+    assert load() == (0, 0)
+
+
+def test_rtt_is_the_least_of_a_window() -> None:
+    t = table()
+    assert t.record_rtt(A, 0.010, now=0.0) is False  # unknown peer: not kept
     t.apply(summary(), A, now=0.0)
     assert t.get(A, now=0.0).rtt_s is None  # type: ignore[union-attr]
-    t.record_rtt(A, 0.100, now=1.0)
-    t.record_rtt(A, 0.200, now=2.0)
-    assert t.get(A, now=2.0).rtt_s == pytest.approx(0.100 + RTT_EWMA_ALPHA * 0.100)  # type: ignore[union-attr]
+    assert t.record_rtt(A, 0.020, now=0.1) is True
+    t.record_rtt(A, 0.002, now=0.2)
+    for i in range(RTT_WINDOW - 1):  # late pings (a busy peer) do not raise the estimate
+        t.record_rtt(A, 0.050 + i, now=0.3)
+    assert t.get(A, now=0.3).rtt_s == 0.002  # type: ignore[union-attr]
+    t.record_rtt(A, 0.030, now=0.4)  # 0.002 left the window: the path got slower
+    assert t.get(A, now=0.4).rtt_s == 0.030  # type: ignore[union-attr]
+    t.apply(summary(seq=2), A, now=0.5)  # a new summary keeps what was measured
+    assert t.get(A, now=0.5).rtt_s == 0.030  # type: ignore[union-attr]
     for bad in (-0.1, float("nan"), float("inf")):
         with pytest.raises(ValueError):
             t.record_rtt(A, bad, now=2.0)

@@ -14,10 +14,14 @@ What is modelled, and how (every number is a field of SimParams or Calibration):
   is taken (and locked) when the request reaches the serving peer; the prompt's blocks
   are inserted when its prefill ends; the lock is released when it completes.
 * Load as the engine reports it: queued (uncached) prompt tokens until prefill ends,
-  running requests until completion, and EWMA-measured prefill/decode speeds.
+  running requests until completion, and prefill/decode speeds measured as the engine
+  measures them (peer/engine/speeds.py: marginal prefill beyond one decode step).
 * Network: every one-way message takes d + U(0, jitter * d). A forward first opens a
   stream (multistream-select: `stream_setup_rtts` round trips), then sends the request
   (one way); tokens come back one way. Requests enter at a uniformly chosen peer.
+  The entry peer counts a forward on top of its target's last summary until the first
+  token, then the end, come back (`PeerTable.record_forward`, `forward_prefilled`,
+  `forward_ended`), as peer/pipeline.py does.
 * Anti-entropy as in peer/gossip.py: each peer publishes every T seconds and early
   (at most every T/4) once 5% of its cached blocks changed; each summary reaches every
   other peer one one-way delay later (a direct flood; real GossipSub adds mesh hops) and
@@ -47,7 +51,8 @@ from bench.sim.summaries import IncrementalBloom
 from bench.workloads import TokenRequest
 from peer.config import SUMMARY_EXPIRY_INTERVALS, Policy
 from peer.engine.radix import EventKind, RadixCache
-from peer.peer_table import PeerTable
+from peer.engine.speeds import ewma, marginal_prefill_speed
+from peer.peer_table import ForwardCharge, PeerTable
 from peer.router import Candidate, LocalState, PeerEstimate, Router
 from protocols.blocks import BlockHasher
 from protocols.bloom import BloomFilter, ProbeCache
@@ -56,13 +61,13 @@ from protocols.summary import CacheSummary, encode_summary
 # Mirrors of live-peer constants (the modules that hold them import torch or libp2p).
 GOSSIP_CHANGE_FRACTION = 0.05  # peer/gossip.py CHANGE_FRACTION
 GOSSIP_EARLY_GAP_FRACTION = 0.25  # peer/gossip.py EARLY_GAP_FRACTION
-SPEED_EWMA_ALPHA = 0.2  # peer/engine/engine.py SPEED_EWMA_ALPHA
 WARMUP_PROMPT_TOKENS = 64  # peer/engine/engine.py: speeds are seeded by a warm-up run
+WARMUP_MAX_PROMPT_TOKENS = 4096  # where the warm-up stops doubling (half a long context)
 
 _EPS = 1e-9  # virtual-time slack for float round-off in the processor-sharing server
 
 # Event kinds, in the order they are handled when simultaneous (then FIFO).
-_ARRIVE, _DELIVER, _PHASE, _TICK, _SUMMARY = range(5)
+_ARRIVE, _DELIVER, _PHASE, _TICK, _SUMMARY, _FIRST_BACK, _END_BACK = range(7)
 
 
 class _Job:
@@ -70,6 +75,7 @@ class _Job:
         "arrival",
         "cached",
         "chain",
+        "charge",
         "decode_work",
         "e2e",
         "entry",
@@ -93,6 +99,7 @@ class _Job:
         self.entry = -1
         self.target = -1
         self.match: Any = None
+        self.charge: ForwardCharge | None = None  # the entry's count of it, if forwarded
         self.cached = 0
         self.new = 0
         self.decode_work = 0.0
@@ -117,9 +124,15 @@ class _Peer:
         self.router = Router(policy, rng, block_size=params.block_size)
         self.bloom = IncrementalBloom(bloom, memo)
         cal = params.calibration
-        # Engine.warmup() seeds the speed estimates with a short prefill and decode.
-        self.prefill_tps = WARMUP_PROMPT_TOKENS / cal.prefill_s(WARMUP_PROMPT_TOKENS, 0)
+        # Engine.warmup() seeds the speed estimates: decode, then prefill beyond one
+        # decode step on a prompt long enough to tell.
         self.decode_tps = 1.0 / cal.decode_s_per_token
+        n = WARMUP_PROMPT_TOKENS
+        sample = marginal_prefill_speed(n, cal.prefill_s(n, 0), self.decode_tps)
+        while sample is None and n < WARMUP_MAX_PROMPT_TOKENS:
+            n *= 2
+            sample = marginal_prefill_speed(n, cal.prefill_s(n, 0), self.decode_tps)
+        self.prefill_tps = sample if sample is not None else n / cal.prefill_s(n, 0)
         self.queued_tokens = 0
         self.running = 0
         # processor sharing: virtual time advances at 1/n per second with n active jobs
@@ -145,9 +158,9 @@ class _Peer:
         self.vlast = now
 
     def observe_speeds(self, new: int, prefill_s: float) -> None:
-        if prefill_s > 0:
-            sample = new / prefill_s
-            self.prefill_tps = (1 - SPEED_EWMA_ALPHA) * self.prefill_tps + SPEED_EWMA_ALPHA * sample
+        sample = marginal_prefill_speed(new, prefill_s, self.decode_tps)
+        if sample is not None:
+            self.prefill_tps = ewma(self.prefill_tps, sample)
 
 
 class Simulator:
@@ -239,8 +252,12 @@ class Simulator:
                 remaining -= self._phase(self.peers[a], payload, t)
             elif kind == _TICK:
                 self._tick(self.peers[a], t)
-            else:
+            elif kind == _SUMMARY:
                 self._deliver_summary(a, payload, t)
+            elif kind == _FIRST_BACK:  # the entry's pipeline gives the forward back
+                self.peers[a].table.forward_prefilled(payload)
+            else:
+                self.peers[a].table.forward_ended(payload, prefilled=True)
         return self._result()
 
     def _arrive(self, rid: int, now: float) -> None:
@@ -266,7 +283,7 @@ class Simulator:
             return
         self._forwarded += 1
         counted = len(tokens) - match_tokens if self.params.forward_counts_uncached else len(tokens)
-        entry.table.record_forward(self.peers[target].peer_id, counted, now)
+        job.charge = entry.table.record_forward(self.peers[target].peer_id, counted, now)
         delay = sum(self._one_way() for _ in range(2 * self.params.stream_setup_rtts + 1))
         self._push(now + wait + delay, _DELIVER, target, job)
 
@@ -401,6 +418,8 @@ class Simulator:
         self._insert(peer, job.tokens, job.cached, now)
         job.ret = 0.0 if job.target == job.entry else self._one_way()
         job.ttft = now + job.ret - job.arrival
+        if job.charge is not None:
+            self._push(now + job.ret, _FIRST_BACK, job.entry, job.charge)
 
     def _complete(self, peer: _Peer, job: _Job, now: float) -> None:
         peer.cache.unlock(job.match)
@@ -412,6 +431,8 @@ class Simulator:
         if job.rid >= self._warmup_n:
             peer.served_after_warmup += 1
         job.e2e = now + job.ret - job.arrival
+        if job.charge is not None:
+            self._push(now + job.ret, _END_BACK, job.entry, job.charge)
 
     def _insert(self, peer: _Peer, tokens: tuple[int, ...], present: int, now: float) -> None:
         """Insert `tokens`, of which the first `present` are cached and locked."""

@@ -5,8 +5,10 @@
   kv.py      per-block KV tensors, the byte budget, rebuilding a transformers cache
   model.py   loading: aliases smollm2-135m (offline GGUF, converted once) and tiny-random,
              local checkpoint folders, hub ids
+  speeds.py  pure: how the advertised prefill and decode speeds are measured (the
+             simulator imports it too)
   engine.py  Engine: validate, match, prefill only the uncached suffix, decode, stream,
              insert; load() and statistics() for the router and metrics
 
-Nothing is imported here, so that `peer.engine.radix` stays free of torch.
+Nothing is imported here, so that `peer.engine.radix` and `peer.engine.speeds` stay free of torch.
 """

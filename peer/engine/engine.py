@@ -23,6 +23,7 @@ from protocols.blocks import DEFAULT_BLOCK_SIZE, BlockHasher
 from .kv import DEFAULT_CACHE_BYTES, KVLayout, blocks_from_cache, cache_from_blocks
 from .model import LoadedModel, load_model
 from .radix import RadixCache
+from .speeds import ewma, marginal_prefill_speed
 
 MAX_NEW_TOKENS = 4096  # ~5 min of SmolLM2 decode on 2 cores: one request can't hold a peer longer
 MAX_STOP_STRINGS = 8  # OpenAI allows 4; bounds the per-token stop-string check
@@ -32,7 +33,6 @@ MAX_SEED = (1 << 63) - 1  # torch.Generator takes a signed 64-bit seed
 MAX_PROMPT_CHARS_PER_TOKEN = 32  # longer text than this x max_context can't fit: don't tokenize
 MAX_CHAT_MESSAGES = 1024  # bounds the chat-template work for one request
 PREFILL_CHUNK_TOKENS = 512  # ~1 s of SmolLM2 prefill on 2 cores: the grain of interleaving/cancel
-SPEED_EWMA_ALPHA = 0.2  # weight of the newest speed sample: smooths ~2x noise over ~5 samples
 WARMUP_PROMPT_TOKENS = 64  # enough to measure prefill speed without delaying start-up
 WARMUP_DECODE_TOKENS = 4
 
@@ -181,10 +181,6 @@ class _StopTracker:
         self._emitted = max(self._emitted, safe)
         self.text = full if final else full[: self._emitted]
         return delta, False
-
-
-def _ewma(old: float, sample: float) -> float:
-    return sample if old == 0.0 else (1 - SPEED_EWMA_ALPHA) * old + SPEED_EWMA_ALPHA * sample
 
 
 class Engine:
@@ -337,16 +333,31 @@ class Engine:
         return out
 
     def warmup(self) -> None:
-        """Run a short prefill and a few decode steps to seed the speed estimates (blocking)."""
-        ids = [i % self.vocab_size for i in range(1, WARMUP_PROMPT_TOKENS + 1)]
+        """Run short prefills and a few decode steps to seed the speed estimates (blocking)."""
         params = SamplingParams(max_new_tokens=WARMUP_DECODE_TOKENS)
+        ids = self._warmup_ids(WARMUP_PROMPT_TOKENS)
         for _ in range(2):  # the first pass pays one-time costs; the second is the sample
-            self._prefill_tps = self._decode_tps = 0.0
+            self._decode_tps = 0.0
             seq = _Sequence(cache_from_blocks([]), 0)
             tok = self._prefill_step(seq, ids, params)
             assert tok is not None
             for _ in range(WARMUP_DECODE_TOKENS):
                 tok = self._decode_step(seq, tok, params)
+        # Prefill beyond one decode step, on a prompt long enough to tell (a tiny model
+        # prefills hundreds of tokens within two decode steps).
+        n = WARMUP_PROMPT_TOKENS
+        while True:
+            start = time.perf_counter()
+            self._forward(_Sequence(cache_from_blocks([]), 0), self._warmup_ids(n))
+            seconds = time.perf_counter() - start
+            sample = marginal_prefill_speed(n, seconds, self._decode_tps)
+            if sample is not None or 2 * n > self.max_context // 2:
+                break
+            n *= 2
+        self._prefill_tps = sample if sample is not None else n / seconds
+
+    def _warmup_ids(self, n: int) -> list[int]:
+        return [i % self.vocab_size for i in range(1, n + 1)]
 
     # -- torch steps (worker thread) -----------------------------------------------------
 
@@ -368,13 +379,17 @@ class Engine:
         start = time.perf_counter()
         logits = self._forward(seq, ids)
         token = None if params is None else _sample(logits, params, seq.generator)
-        self._prefill_tps = _ewma(self._prefill_tps, len(ids) / (time.perf_counter() - start))
+        sample = marginal_prefill_speed(
+            len(ids), time.perf_counter() - start, self._decode_tps
+        )
+        if sample is not None:
+            self._prefill_tps = ewma(self._prefill_tps, sample)
         return token
 
     def _decode_step(self, seq: _Sequence, token: int, params: SamplingParams) -> int:
         start = time.perf_counter()
         nxt = _sample(self._forward(seq, (token,)), params, seq.generator)
-        self._decode_tps = _ewma(self._decode_tps, 1.0 / (time.perf_counter() - start))
+        self._decode_tps = ewma(self._decode_tps, 1.0 / (time.perf_counter() - start))
         return nxt
 
     async def _cache_blocks(self, tokens: Sequence[int], seq: _Sequence, first_block: int) -> None:
