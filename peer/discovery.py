@@ -7,7 +7,10 @@ Three loops in one nursery:
   providers, dial the new ones (deduplicated, with a back-off per peer), and keep the DHT
   routing table fed with every connected peer;
 - liveness: ping the peers we know, report round-trip times, and forget (disconnect,
-  drop from the DHT) those that stop answering.
+  drop from the DHT) those that stop answering. A new peer is pinged every
+  WARMUP_PING_INTERVAL_S until RTT_WARMUP_SAMPLES round trips were kept (`on_rtt` says
+  whether the table knew the peer yet), then every liveness interval: routing needs a
+  measured round trip within seconds of a peer's arrival, not the WAN prior.
 """
 
 from __future__ import annotations
@@ -55,6 +58,8 @@ LIVENESS_TIMEOUT_S = 5.0  # a ping takes milliseconds; seconds only on a starved
 # enough: on an overloaded machine single pings time out, and dropping live connections
 # then broke the gossip mesh (measured: 8 processes on 2 busy cores, ~45% delivery).
 LIVENESS_FAILURES_TO_DROP = 3
+WARMUP_PING_INTERVAL_S = 1.0  # a new peer's pings come this often...
+RTT_WARMUP_SAMPLES = 3  # ...until this many were kept: a minimum over 3 is already sane
 
 
 @dataclass
@@ -78,7 +83,7 @@ class Discovery:
         *,
         liveness_interval_s: float,
         rng: random.Random,
-        on_rtt: Callable[[str, float], None] = lambda peer, rtt: None,
+        on_rtt: Callable[[str, float], bool] = lambda peer, rtt: True,
         on_forget: Callable[[str], None] = lambda peer: None,
         members: Callable[[], Iterable[str]] = tuple,
     ) -> None:
@@ -93,6 +98,8 @@ class Discovery:
         self._members = members  # peer ids gossip knows: a hint that discovery is not done
         self._candidates: dict[ID, _Candidate] = {}
         self._ping_failures: dict[ID, int] = {}
+        self._rtts_kept: dict[ID, int] = {}  # per connected peer, for the warm-up cadence
+        self._next_ping: dict[ID, float] = {}
         self._bootstrapped = trio.Event()
         self._wakeup = trio.Event()
         self._stats = {
@@ -262,17 +269,23 @@ class Discovery:
     # -- liveness ---------------------------------------------------------------------
 
     async def _liveness_loop(self) -> None:
+        tick = min(WARMUP_PING_INTERVAL_S, self._liveness_interval_s)
         while True:
-            await trio.sleep(self._liveness_interval_s)
-            connected = self._host.connected_peers()
-            for gone in set(self._ping_failures) - set(connected):
-                del self._ping_failures[gone]
+            await trio.sleep(tick)
+            connected = set(self._host.connected_peers())
+            for gone in set(self._next_ping).union(self._ping_failures) - connected:
+                self._next_ping.pop(gone, None)  # a reconnected peer warms up again
+                self._rtts_kept.pop(gone, None)
+                self._ping_failures.pop(gone, None)
+            now = trio.current_time()
             async with trio.open_nursery() as nursery:
                 for peer_id in connected:
-                    nursery.start_soon(self._probe, peer_id)
+                    if now >= self._next_ping.get(peer_id, now):
+                        nursery.start_soon(self._probe, peer_id)
 
     async def _probe(self, peer_id: ID) -> None:
         self._stats["pings"] += 1
+        self._next_ping[peer_id] = trio.current_time() + self._liveness_interval_s
         try:
             rtt = await self._host.ping(peer_id, timeout_s=LIVENESS_TIMEOUT_S)
         except PeerUnreachable as exc:
@@ -293,4 +306,7 @@ class Discovery:
             self.poke()
             return
         self._ping_failures.pop(peer_id, None)
-        self._on_rtt(str(peer_id), rtt)
+        kept = self._rtts_kept.get(peer_id, 0) + self._on_rtt(str(peer_id), rtt)
+        self._rtts_kept[peer_id] = kept
+        if kept < RTT_WARMUP_SAMPLES:
+            self._next_ping[peer_id] = trio.current_time() + WARMUP_PING_INTERVAL_S

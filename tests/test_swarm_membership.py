@@ -12,6 +12,7 @@ from typing import Any
 import trio
 
 from peer.gossip import build_summary
+from peer.node import LIVENESS_INTERVAL_MIN_S
 from peer.node_runner import CacheOnlyEngine, probe_tokens
 from protocols.summary import MAX_SUMMARY_BYTES, encode_summary
 from tests.helpers_swarm import (
@@ -105,6 +106,25 @@ async def test_five_peers_discover_each_other_and_exchange_summaries(nursery: tr
             timeout_s=SLACK_S,
             what="statistics count the other peers",
         )
+
+
+async def test_a_new_peers_round_trip_is_measured_before_the_first_liveness_round(
+    nursery: trio.Nursery,
+) -> None:
+    # Routing prices a forward by the round trip; until one is measured it takes a WAN
+    # prior (50 ms) that keeps requests away from a peer just joined.
+    started = trio.current_time()
+    running = await _start_swarm(nursery, 2)
+    peers = [r.peer for r in running]
+
+    def measured() -> bool:
+        views = [v for p in peers for v in p.table.views(trio.current_time())]
+        return len(views) == 2 and all(v.rtt_s is not None for v in views)
+
+    deadline = started + LIVENESS_INTERVAL_MIN_S  # the steady cadence would ping only then
+    await wait_until(
+        measured, timeout_s=deadline - trio.current_time(), what="both round trips measured"
+    )
 
 
 async def test_killed_peer_expires_and_returns_with_same_identity(
