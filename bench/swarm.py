@@ -17,6 +17,7 @@ tokens, from each response's usage. `--delay-ms` adds a one-way delay to every f
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -87,7 +88,7 @@ async def _spawn(
         "--listen", "/ip4/127.0.0.1/tcp/0", "--http", "127.0.0.1:0",
         "--cache-bytes", str(args.cache_bytes),
         "--summary-interval", str(args.summary_interval),
-        "--report", "json", "--exit-with-stdin", "--log-level", "ERROR",
+        "--report", "json", "--exit-with-stdin", "--log-level", args.peer_log_level,
     ]
     if args.delay_ms:
         cmd += ["--forward-delay", str(args.delay_ms / 1000)]
@@ -249,6 +250,10 @@ async def run_policy(
 
                         requests.start_soon(one)
             row = _summarise(policy, outcomes, peers)
+            if args.outcomes:
+                with open(args.outcomes, "a") as out:
+                    for o in outcomes:
+                        out.write(json.dumps({"policy": policy, **dataclasses.asdict(o)}) + "\n")
             log(
                 f"{policy}: ok {row['requests_ok']} failed {row['requests_failed']} "
                 f"ttft mean {row['ttft_mean_s']:.3f} s hit ratio {row['hit_ratio']:.3f}"
@@ -305,6 +310,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-context", type=int, default=2048,
                    help="context of a model not in MODEL_CONTEXT (longer prompts left out)")
     p.add_argument("--peer-log", default=os.devnull, help="peers' stderr goes here")
+    p.add_argument("--outcomes", help="append every request's outcome here (JSON lines)")
+    p.add_argument("--peer-log-level", default="ERROR",
+                   help="the peers' log level (DEBUG logs every routing decision)")
     args = p.parse_args(argv)
     args.policies = [x for x in args.policies.split(",") if x]
     unknown = set(args.policies) - set(POLICIES) - {"round_robin"}
