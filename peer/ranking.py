@@ -23,7 +23,8 @@ fell to a 0.43 hit ratio and a 16 s mean TTFT at load 1.5, against 2.1 s for
 ``longest_prefix``; with it, 0.77 and 1.26 s.)
 
 Every speed a peer reports within SPEED_NOISE_FACTOR of ours counts as ours
-(``as_measured_here``).
+(``as_measured_here``). Costs within COST_TIE_FRACTION of the cheapest are a tie, which
+goes to the longest match (reasons at the constant).
 """
 
 from __future__ import annotations
@@ -39,6 +40,12 @@ from peer.config import Policy
 ROUND_TRIPS_PER_FORWARD = 2  # one to negotiate the stream (multistream-select), one request
 SPEED_NOISE_FACTOR = 2.0  # speeds measured on shared or busy CPUs vary ~2x run to run
 #   (notes/model.md): a peer within this factor of ours is as fast as ours, not a reason to forward
+# Costs this close to the cheapest are a tie: the estimates carry more noise than that
+# (speeds are EWMAs of samples ~2x apart, round trips jitter by a millisecond), and a tie
+# goes to the longest match: serving a prefix where it is cached keeps it in one cache,
+# where a miss elsewhere copies it into a second one and evicts other prefixes there, a
+# cost the model does not price.
+COST_TIE_FRACTION = 0.10
 MIN_TOKENS_PER_S = 1e-3  # floor on any speed, so a zero or garbage figure cannot divide by 0
 
 
@@ -180,8 +187,9 @@ def rank_estimates(
 ) -> list[Candidate]:
     """All candidates under ``policy``, best first; exactly one estimate must be local.
 
-    Sorting policies place the local peer where it ranks: COST by cost; LONGEST_PREFIX by
-    match, ties by load; LEAST_LOADED by load (remaining ties: local first, then peer id).
+    Sorting policies place the local peer where it ranks: COST by cost (a near tie goes to
+    the longest match); LONGEST_PREFIX by match, ties by load; LEAST_LOADED by load
+    (remaining ties: local first, then peer id).
     RANDOM and ROUND_ROBIN pick the first among all peers and put the local peer last
     otherwise. LOCAL returns the local peer alone. Peers that failed recently come after
     the local peer. ``last_choice`` is ROUND_ROBIN's state: the peer it picked last time.
@@ -210,12 +218,30 @@ def order_candidates(
         # Stable sorts from the last tie-break to the first key: C-level keys, no tuples.
         if policy is Policy.COST:
             group.sort(key=_BY_COST)
+            _prefer_affinity(group)
         elif policy is Policy.LONGEST_PREFIX:
             group.sort(key=_BY_QUEUE)
             group.sort(key=_BY_MATCH, reverse=True)  # reverse keeps equal items in order
         elif policy is Policy.LEAST_LOADED:
             group.sort(key=_BY_QUEUE)
     return healthy + suspects
+
+
+def _prefer_affinity(by_cost: list[Candidate]) -> None:
+    """Among candidates within COST_TIE_FRACTION of the cheapest, move the longest match
+    (then the cheapest of those) to the front."""
+    if len(by_cost) < 2:
+        return
+    limit = by_cost[0].cost_s * (1 + COST_TIE_FRACTION)
+    best = 0
+    for i in range(1, len(by_cost)):
+        c = by_cost[i]
+        if c.cost_s > limit:
+            break
+        if c.match_blocks > by_cost[best].match_blocks:
+            best = i
+    if best:
+        by_cost.insert(0, by_cost.pop(best))
 
 
 def swarm_busy(estimates: Sequence[PeerEstimate]) -> float:

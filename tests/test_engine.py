@@ -327,10 +327,10 @@ async def test_cache_hits_do_not_make_the_engine_report_itself_slower(tiny_engin
     tiny_engine.warmup()
     before = tiny_engine.load().prefill_tokens_per_s
     shared = prompt(160)
-    await tiny_engine.generate(shared + [5], SamplingParams(max_new_tokens=1))
+    await tiny_engine.generate([*shared, 5], SamplingParams(max_new_tokens=1))
     after_miss = tiny_engine.load().prefill_tokens_per_s
     for suffix in range(6):
-        await tiny_engine.generate(shared + [7, suffix], SamplingParams(max_new_tokens=1))
+        await tiny_engine.generate([*shared, 7, suffix], SamplingParams(max_new_tokens=1))
     assert before > 0
     assert tiny_engine.load().prefill_tokens_per_s == after_miss  # hits took no sample
 

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from peer.config import Policy
 from peer.peer_table import PeerTable
+from peer.ranking import COST_TIE_FRACTION
 from peer.router import (
     DEFAULT_DECODE_TOKENS_PER_S,
     DEFAULT_PREFILL_TOKENS_PER_S,
@@ -94,13 +95,31 @@ def test_cost_running_requests_share_the_decoder() -> None:
     assert parts.total_s == pytest.approx(by_id["a"].cost_s)
 
 
+def test_cost_near_ties_go_to_the_longest_match() -> None:
+    me = est("me", local=True, match=512)
+    # "a" holds the whole prompt but runs two streams: 1.6 s of sharing against the local
+    # miss of 2 x 0.512 s (busy = 1). 2.41 s against 1.82 s is beyond a tie: the local peer.
+    ranked = rank_estimates(Policy.COST, [me, est("a", match=1024, running=2)], PROMPT, NEW,
+                            random.Random(0))
+    assert [c.peer_id for c in ranked] == ["me", "a"]
+    assert ranked[1].cost_s > ranked[0].cost_s * (1 + COST_TIE_FRACTION)
+    # "b" holds it all and is idle, but 0.56 s away: 1.36 s against the local 1.31 s, a
+    # tie, so it goes first for its match; the rest stays in cost order.
+    b = est("b", match=1024, rtt=0.28)
+    ranked = rank_estimates(Policy.COST, [me, b, est("c", match=0)], PROMPT, NEW,
+                            random.Random(0))
+    assert [c.peer_id for c in ranked] == ["b", "me", "c"]
+    assert ranked[1].cost_s < ranked[0].cost_s <= ranked[1].cost_s * (1 + COST_TIE_FRACTION)
+
+
 def test_cost_charges_a_miss_for_the_requests_it_delays_in_a_busy_swarm() -> None:
     """busy = mean running requests per peer; a miss costs (1 + busy) times its prefill."""
     me = est("me", local=True)
     # "a" runs 2 (busy = 1): its 1.6 s of decode sharing < the local miss, 2 x 1.024 s.
     assert order(Policy.COST, [me, est("a", match=1024, running=2)])[0] == "a"
-    # "a" runs 4 (busy = 2): 3.2 s of sharing > 3 x 1.024 s: the miss is now cheaper.
-    assert order(Policy.COST, [me, est("a", match=1024, running=4)])[0] == "me"
+    # "a" runs 6 (busy = 3): 4.8 s of sharing > 4 x 1.024 s, by more than a tie: the miss
+    # is now cheaper.
+    assert order(Policy.COST, [me, est("a", match=1024, running=6)])[0] == "me"
     # An idle swarm charges plain prefill time.
     idle = estimate_cost(0, 1024, NEW, 0, 0, 1000.0, 20.0, 0.0)
     busy = estimate_cost(0, 1024, NEW, 0, 0, 1000.0, 20.0, 0.0, busy=2.0)
@@ -111,7 +130,7 @@ def test_cost_charges_a_miss_for_the_requests_it_delays_in_a_busy_swarm() -> Non
 def test_high_rtt_makes_cost_choose_local() -> None:
     me = est("me", local=True)
     assert order(Policy.COST, [me, est("a", match=1024, rtt=0.01)])[0] == "a"
-    assert order(Policy.COST, [me, est("a", match=1024, rtt=0.6)])[0] == "me"
+    assert order(Policy.COST, [me, est("a", match=1024, rtt=0.7)])[0] == "me"
 
 
 def test_cost_ties_go_to_local_then_peer_id() -> None:
