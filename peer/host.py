@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -17,6 +19,8 @@ from typing import Any
 
 import libp2p.network.connection.swarm_connection as _libp2p_swarm_connection
 import libp2p.network.swarm as _libp2p_swarm
+import libp2p.pubsub.gossipsub as _libp2p_gossipsub
+import libp2p.pubsub.pubsub as _libp2p_pubsub
 import multiaddr
 import trio
 from google.protobuf.message import DecodeError
@@ -52,6 +56,9 @@ PING_TIMEOUT_S = 3.0  # a live peer answers 32 bytes in well under a second
 CLOSE_TIMEOUT_S = 5.0  # closing is local work plus best-effort goodbyes; never hang on it
 PEERSTORE_ADDR_TTL_S = 600  # addresses we dialled stay known for re-dials after a blip
 PING_LENGTH = 32  # fixed by the /ipfs/ping/1.0.0 protocol
+SIGNED_RECORD_RECHECK_S = 60.0  # an unchanged peer record is verified and stored again
+#   this often (its addresses' TTL is 2 h): a peer's record changes only with its addresses
+MAX_REMEMBERED_RECORDS = 1024  # (host, peer) pairs remembered: far more than a swarm's peers
 
 
 class HostError(Exception):
@@ -92,6 +99,42 @@ def _apply_global_workarounds() -> None:
         Pubsub.continuously_read_stream = _guard_pubsub_reader(  # type: ignore[method-assign]
             Pubsub.continuously_read_stream
         )
+    # WORKAROUND(signed-record): every pubsub RPC carries the sender's signed peer record,
+    # and py-libp2p verifies and stores it again on every RPC, twice when the RPC holds
+    # control messages (Pubsub's reader, then GossipSub.handle_rpc): an ed25519
+    # verification, three protobuf parses and a rewrite of the peer's addresses each
+    # time, most of gossip's CPU. A record byte-identical to the one last accepted from
+    # the same peer within SIGNED_RECORD_RECHECK_S is accepted as before.
+    consume = getattr(_libp2p_pubsub, "maybe_consume_signed_record")  # noqa: B009
+    if not getattr(consume, "_prefixswarm_memo", False):
+        memo = _remember_signed_records(consume)
+        for module in (_libp2p_pubsub, _libp2p_gossipsub):  # each imported the name
+            setattr(module, "maybe_consume_signed_record", memo)  # noqa: B010
+
+
+def _remember_signed_records(consume: Any, clock: Any = time.monotonic) -> Any:
+    # (our host's id, the sender's id) -> (record bytes, when accepted); LRU-bounded
+    accepted: OrderedDict[tuple[ID, ID], tuple[bytes, float]] = OrderedDict()
+
+    def remembered(msg: Any, host: IHost, peer_id: ID) -> bool:
+        if not msg.HasField("senderRecord"):
+            return True
+        record: bytes = msg.senderRecord
+        key = (host.get_id(), peer_id)
+        now = clock()
+        last = accepted.get(key)
+        if last is not None and last[0] == record and now - last[1] < SIGNED_RECORD_RECHECK_S:
+            return True
+        ok: bool = consume(msg, host, peer_id)
+        if ok:
+            accepted[key] = (record, now)
+            accepted.move_to_end(key)
+            while len(accepted) > MAX_REMEMBERED_RECORDS:
+                accepted.popitem(last=False)
+        return ok
+
+    remembered._prefixswarm_memo = True  # type: ignore[attr-defined]
+    return remembered
 
 
 def _guard_pubsub_reader(read_stream: Any) -> Any:

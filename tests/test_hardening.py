@@ -106,3 +106,67 @@ def _model_config(bootstrap=()):
         model="tiny-random", listen_addrs=("/ip4/127.0.0.1/tcp/0",), bootstrap=tuple(bootstrap),
         identity_file=None, summary_interval_s=0.5,
     )
+
+
+class _Rpc:
+    def __init__(self, record: bytes) -> None:
+        self.senderRecord = record
+
+    def HasField(self, name: str) -> bool:  # protobuf's name
+        return name == "senderRecord" and bool(self.senderRecord)
+
+
+class _Host:
+    def __init__(self, peer_id: str) -> None:
+        self._id = peer_id
+
+    def get_id(self) -> str:
+        return self._id
+
+
+def test_a_peers_signed_record_is_verified_again_only_when_it_changes() -> None:
+    from peer.host import SIGNED_RECORD_RECHECK_S, _remember_signed_records
+
+    verified: list[tuple[str, str, bytes]] = []
+    now = [0.0]
+
+    def verify(msg: _Rpc, host: _Host, peer: str) -> bool:
+        verified.append((host.get_id(), peer, msg.senderRecord))
+        return msg.senderRecord != b"forged"
+
+    consume = _remember_signed_records(verify, clock=lambda: now[0])
+    a, b = _Host("A"), _Host("B")
+    assert all(consume(_Rpc(b"r1"), a, "P") for _ in range(5))
+    assert verified == [("A", "P", b"r1")]  # four RPCs later, still checked once
+    assert consume(_Rpc(b"r1"), b, "P")  # another of our hosts keeps its own peerstore
+    assert consume(_Rpc(b"r2"), a, "P")  # the peer's addresses changed: checked again
+    assert not consume(_Rpc(b"forged"), a, "P")
+    assert not consume(_Rpc(b"forged"), a, "P")  # a rejected record is never remembered
+    assert consume(_Rpc(b""), a, "Q")  # no record at all: nothing to check
+    now[0] = SIGNED_RECORD_RECHECK_S
+    assert consume(_Rpc(b"r2"), a, "P")  # and once a minute anyway (the TTL refresh)
+    assert [v[2] for v in verified] == [b"r1", b"r1", b"r2", b"forged", b"forged", b"r2"]
+
+
+async def test_gossip_verifies_each_peer_record_once_not_on_every_rpc(nursery, monkeypatch):
+    import libp2p.pubsub.utils as pubsub_utils
+
+    verified = 0
+    original = pubsub_utils.consume_envelope
+
+    def counting(*args, **kwargs):
+        nonlocal verified
+        verified += 1
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(pubsub_utils, "consume_envelope", counting)
+    a = await start_peer(nursery, swarm_config())
+    b = await start_peer(nursery, swarm_config(bootstrap=[a.peer.multiaddrs[0]]))
+
+    def summaries_received() -> int:
+        return sum(p.peer.statistics()["summaries_accepted"] for p in (a, b))
+
+    await wait_until(lambda: summaries_received() >= 12, timeout_s=30, what="12 summaries")
+    # Each summary is at least one RPC (plus IHAVE/IDONTWANT control RPCs); the two
+    # records were checked about once per receiving side.
+    assert verified <= 4, f"{verified} verifications for {summaries_received()} summaries"
