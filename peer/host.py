@@ -42,7 +42,7 @@ from libp2p.pubsub.pubsub import Pubsub
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
-from libp2p.stream_muxer.yamux.yamux import Yamux
+from libp2p.stream_muxer.yamux.yamux import Yamux, YamuxStream
 from libp2p.tools.anyio_service import background_trio_service
 
 from peer.config import PeerConfig
@@ -58,6 +58,9 @@ PEERSTORE_ADDR_TTL_S = 600  # addresses we dialled stay known for re-dials after
 PING_LENGTH = 32  # fixed by the /ipfs/ping/1.0.0 protocol
 SIGNED_RECORD_RECHECK_S = 60.0  # an unchanged peer record is verified and stored again
 #   this often (its addresses' TTL is 2 h): a peer's record changes only with its addresses
+WINDOW_GIVE_BACK_FRACTION = 0.25  # of a yamux stream's window, consumed before it is given
+#   back in one update: at least 192 kB stay open to the sender, 4x our largest message
+#   (a writer that ran out of window mid-message could interleave with another's frames)
 MAX_REMEMBERED_RECORDS = 1024  # (host, peer) pairs remembered: far more than a swarm's peers
 
 
@@ -105,11 +108,35 @@ def _apply_global_workarounds() -> None:
     # verification, three protobuf parses and a rewrite of the peer's addresses each
     # time, most of gossip's CPU. A record byte-identical to the one last accepted from
     # the same peer within SIGNED_RECORD_RECHECK_S is accepted as before.
+    # WORKAROUND(yamux-window): py-libp2p's yamux answers nearly every read with a
+    # WINDOW_UPDATE frame (window auto-tuning, "release on read"): one more encrypted
+    # frame and socket write per message received, ~13% of a gossiping peer's CPU in a
+    # profile. go-yamux gives the window back once half of it was consumed; we do at a
+    # quarter (WINDOW_GIVE_BACK_FRACTION) and keep the 256 kB window (no auto-tuning: our
+    # frames are small).
+    if not getattr(YamuxStream._auto_tune_and_send_window_update, "_prefixswarm", False):
+        YamuxStream._auto_tune_and_send_window_update = (  # type: ignore[method-assign]
+            _window_update_at_half
+        )
     consume = getattr(_libp2p_pubsub, "maybe_consume_signed_record")  # noqa: B009
     if not getattr(consume, "_prefixswarm_memo", False):
         memo = _remember_signed_records(consume)
         for module in (_libp2p_pubsub, _libp2p_gossipsub):  # each imported the name
             setattr(module, "maybe_consume_signed_record", memo)  # noqa: B010
+
+
+async def _window_update_at_half(self: YamuxStream, *, bytes_read: int = 0) -> None:
+    async with self.window_lock:
+        self._pending_recv_release += bytes_read
+        pending: int = self._pending_recv_release
+        if pending < self.target_recv_window * WINDOW_GIVE_BACK_FRACTION:
+            return
+        self._pending_recv_release = 0
+        self.recv_window += pending
+    await self.send_window_update(pending, skip_lock=True)
+
+
+_window_update_at_half._prefixswarm = True  # type: ignore[attr-defined]
 
 
 def _remember_signed_records(consume: Any, clock: Any = time.monotonic) -> Any:

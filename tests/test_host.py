@@ -5,12 +5,14 @@ from __future__ import annotations
 import socket
 import stat
 from pathlib import Path
+from typing import Any
 
 import multiaddr
 import pytest
 import trio
 from libp2p import new_host
 from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.custom_types import TProtocol
 from libp2p.peer.peerinfo import info_from_p2p_addr
 from libp2p.security.insecure.transport import PLAINTEXT_PROTOCOL_ID, InsecureTransport
 
@@ -132,3 +134,39 @@ async def test_plaintext_only_peer_cannot_connect() -> None:
                 assert a.connected_peers() == []
             finally:
                 await plain.close()
+
+
+async def test_reading_small_messages_does_not_answer_each_with_a_window_update(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from libp2p.stream_muxer.yamux.yamux import YamuxStream
+
+    updates = 0
+    original = YamuxStream.send_window_update
+
+    async def counting(self: YamuxStream, *args: object, **kwargs: object) -> None:
+        nonlocal updates
+        updates += 1
+        await original(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(YamuxStream, "send_window_update", counting)
+    messages, received = 40, trio.Event()
+
+    async def reader(stream: Any) -> None:
+        got = 0
+        while got < messages * 100:
+            got += len(await stream.read(100))
+        received.set()
+
+    with trio.fail_after(20):
+        async with open_host(_config()) as a, open_host(_config()) as b:
+            a.libp2p.set_stream_handler(TProtocol("/prefixswarm/test/1.0.0"), reader)
+            await b.connect(a.multiaddrs[0])
+            stream = await b.new_stream(a.peer_id, ["/prefixswarm/test/1.0.0"])
+            before = updates
+            for _ in range(messages):
+                await stream.write(b"x" * 100)
+                await trio.sleep(0.005)  # one read per message
+            await received.wait()
+            # 4 kB in 40 reads of a 256 kB window: nothing to give back yet.
+            assert updates - before < messages // 4, f"{updates - before} window updates"
