@@ -310,14 +310,14 @@ async def test_load_reports_queue_and_speeds(tiny_engine):
     assert tiny_engine.load().decode_tokens_per_s > 0
 
 
-def test_marginal_prefill_speed() -> None:
-    from peer.engine.speeds import marginal_prefill_speed
+def test_prefill_speed_samples_only_chunks_beyond_the_fixed_cost() -> None:
+    from peer.engine.speeds import prefill_speed_sample
 
-    assert marginal_prefill_speed(8, 0.01, 100.0) is None  # under one block: fixed cost
-    assert marginal_prefill_speed(64, 0.5, 0.0) == 128.0  # decode unmeasured: all of it
-    assert marginal_prefill_speed(64, 0.015, 100.0) is None  # within two decode steps
-    assert marginal_prefill_speed(1001, 1.01, 100.0) == pytest.approx(1000.0)  # beyond a step
-    assert marginal_prefill_speed(100, 0.0, 100.0) is None
+    assert prefill_speed_sample(8, 0.01, 100.0) is None  # under one block
+    assert prefill_speed_sample(64, 0.5, 0.0) == 128.0  # decode unmeasured: all chunks count
+    assert prefill_speed_sample(64, 0.015, 100.0) is None  # within two decode steps
+    assert prefill_speed_sample(1000, 2.0, 100.0) == 500.0  # the fixed cost stays in
+    assert prefill_speed_sample(100, 0.0, 100.0) is None
 
 
 async def test_cache_hits_do_not_make_the_engine_report_itself_slower(tiny_engine):

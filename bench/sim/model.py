@@ -15,7 +15,7 @@ What is modelled, and how (every number is a field of SimParams or Calibration):
   are inserted when its prefill ends; the lock is released when it completes.
 * Load as the engine reports it: queued (uncached) prompt tokens until prefill ends,
   running requests until completion, and prefill/decode speeds measured as the engine
-  measures them (peer/engine/speeds.py: marginal prefill beyond one decode step).
+  measures them (peer/engine/speeds.py: prefill chunks of at least two decode steps).
 * Network: every one-way message takes d + U(0, jitter * d). A forward first opens a
   stream (multistream-select: `stream_setup_rtts` round trips), then sends the request
   (one way); tokens come back one way. Requests enter at a uniformly chosen peer.
@@ -51,7 +51,7 @@ from bench.sim.summaries import IncrementalBloom
 from bench.workloads import TokenRequest
 from peer.config import SUMMARY_EXPIRY_INTERVALS, Policy
 from peer.engine.radix import EventKind, RadixCache
-from peer.engine.speeds import ewma, marginal_prefill_speed
+from peer.engine.speeds import ewma, prefill_speed_sample
 from peer.peer_table import ForwardCharge, PeerTable
 from peer.router import Candidate, LocalState, PeerEstimate, Router
 from protocols.blocks import BlockHasher
@@ -124,14 +124,14 @@ class _Peer:
         self.router = Router(policy, rng, block_size=params.block_size)
         self.bloom = IncrementalBloom(bloom, memo)
         cal = params.calibration
-        # Engine.warmup() seeds the speed estimates: decode, then prefill beyond one
-        # decode step on a prompt long enough to tell.
+        # Engine.warmup() seeds the speed estimates: decode, then prefill on a prompt
+        # long enough to tell.
         self.decode_tps = 1.0 / cal.decode_s_per_token
         n = WARMUP_PROMPT_TOKENS
-        sample = marginal_prefill_speed(n, cal.prefill_s(n, 0), self.decode_tps)
+        sample = prefill_speed_sample(n, cal.prefill_s(n, 0), self.decode_tps)
         while sample is None and n < WARMUP_MAX_PROMPT_TOKENS:
             n *= 2
-            sample = marginal_prefill_speed(n, cal.prefill_s(n, 0), self.decode_tps)
+            sample = prefill_speed_sample(n, cal.prefill_s(n, 0), self.decode_tps)
         self.prefill_tps = sample if sample is not None else n / cal.prefill_s(n, 0)
         self.queued_tokens = 0
         self.running = 0
@@ -158,7 +158,7 @@ class _Peer:
         self.vlast = now
 
     def observe_speeds(self, new: int, prefill_s: float) -> None:
-        sample = marginal_prefill_speed(new, prefill_s, self.decode_tps)
+        sample = prefill_speed_sample(new, prefill_s, self.decode_tps)
         if sample is not None:
             self.prefill_tps = ewma(self.prefill_tps, sample)
 

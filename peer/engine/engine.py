@@ -23,7 +23,7 @@ from protocols.blocks import DEFAULT_BLOCK_SIZE, BlockHasher
 from .kv import DEFAULT_CACHE_BYTES, KVLayout, blocks_from_cache, cache_from_blocks
 from .model import LoadedModel, load_model
 from .radix import RadixCache
-from .speeds import ewma, marginal_prefill_speed
+from .speeds import ewma, prefill_speed_sample
 
 MAX_NEW_TOKENS = 4096  # ~5 min of SmolLM2 decode on 2 cores: one request can't hold a peer longer
 MAX_STOP_STRINGS = 8  # OpenAI allows 4; bounds the per-token stop-string check
@@ -343,14 +343,14 @@ class Engine:
             assert tok is not None
             for _ in range(WARMUP_DECODE_TOKENS):
                 tok = self._decode_step(seq, tok, params)
-        # Prefill beyond one decode step, on a prompt long enough to tell (a tiny model
-        # prefills hundreds of tokens within two decode steps).
+        # Prefill, on a prompt long enough to tell (a tiny model prefills hundreds of
+        # tokens within two decode steps).
         n = WARMUP_PROMPT_TOKENS
         while True:
             start = time.perf_counter()
             self._forward(_Sequence(cache_from_blocks([]), 0), self._warmup_ids(n))
             seconds = time.perf_counter() - start
-            sample = marginal_prefill_speed(n, seconds, self._decode_tps)
+            sample = prefill_speed_sample(n, seconds, self._decode_tps)
             if sample is not None or 2 * n > self.max_context // 2:
                 break
             n *= 2
@@ -379,7 +379,7 @@ class Engine:
         start = time.perf_counter()
         logits = self._forward(seq, ids)
         token = None if params is None else _sample(logits, params, seq.generator)
-        sample = marginal_prefill_speed(
+        sample = prefill_speed_sample(
             len(ids), time.perf_counter() - start, self._decode_tps
         )
         if sample is not None:
