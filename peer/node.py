@@ -191,6 +191,9 @@ async def open_peer(config: PeerConfig, engine: EngineLike | None = None) -> Asy
                     config=config, engine=engine, table=table, host=host, self_id=self_id
                 )
                 await nursery.start(serving.serve, host.libp2p)
+            refresh = getattr(engine, "refresh_speeds", None)
+            if refresh is not None:
+                nursery.start_soon(refresh)
             peer = Peer(
                 config=config,
                 host=host,

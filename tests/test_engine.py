@@ -388,3 +388,25 @@ async def test_open_loads_in_a_thread_and_measures_speed():
     assert engine.block_size == engine.hasher.block_size == 8
     assert engine.cache.capacity_blocks == (1 << 20) // engine.layout.block_bytes
     assert engine.statistics()["requests"] == 0  # warm-up is not a request
+
+
+async def test_idle_engine_measures_stale_speeds_again_backing_off(tiny_engine):
+    # Real time (the warm-up runs in a thread, which an autojump clock would outrun).
+    tiny_engine._prefill_tps = tiny_engine._decode_tps = 1.0  # once measured on a busy box
+    warmups = 0
+    original = tiny_engine.warmup
+
+    def counting() -> None:
+        nonlocal warmups
+        warmups += 1
+        original()
+
+    tiny_engine.warmup = counting
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(tiny_engine.refresh_speeds, 0.05, 0.4)
+        await trio.sleep(1.0)
+        nursery.cancel_scope.cancel()
+    load = tiny_engine.load()
+    assert load.prefill_tokens_per_s > 100 and load.decode_tokens_per_s > 10
+    # Waits of 0.05, 0.1, 0.2, 0.4, 0.4 s: about 4 in a second, not 20.
+    assert 2 <= warmups <= 6, warmups

@@ -35,6 +35,12 @@ MAX_CHAT_MESSAGES = 1024  # bounds the chat-template work for one request
 PREFILL_CHUNK_TOKENS = 512  # ~1 s of SmolLM2 prefill on 2 cores: the grain of interleaving/cancel
 WARMUP_PROMPT_TOKENS = 64  # enough to measure prefill speed without delaying start-up
 WARMUP_DECODE_TOKENS = 4
+# Speeds that no request refreshed for this long are measured again while the engine is
+# idle. A peer that once measured itself slow (start-up on a busy machine) is sent no work
+# by anyone, itself included, so no request would ever correct it (seen: one of four
+# tiny-random peers served 0 of 158 requests).
+SPEED_REFRESH_S = 30.0
+SPEED_REFRESH_MAX_S = 600.0  # an idle peer's re-measurements back off to this (doubling)
 
 
 class EngineError(Exception):
@@ -218,6 +224,7 @@ class Engine:
         self._running = 0
         self._prefill_tps = 0.0
         self._decode_tps = 0.0
+        self._speed_samples = 0  # prefill speed samples taken so far
         self._stats = {
             "requests": 0,
             "completed_requests": 0,
@@ -356,6 +363,24 @@ class Engine:
             n *= 2
         self._prefill_tps = sample if sample is not None else n / seconds
 
+    async def refresh_speeds(
+        self, interval_s: float = SPEED_REFRESH_S, max_interval_s: float = SPEED_REFRESH_MAX_S
+    ) -> None:
+        """Forever: measure the speeds again (a warm-up) when the engine is idle and no
+        request sampled them for `interval_s`; while it stays idle, the wait doubles up to
+        `max_interval_s`. Run it in the peer's nursery."""
+        wait = interval_s
+        seen = self._speed_samples
+        while True:
+            await trio.sleep(wait)
+            if self._speed_samples != seen or self._running:
+                wait = interval_s  # requests keep the speeds fresh
+            else:
+                async with self._limiter:
+                    await trio.to_thread.run_sync(self.warmup)
+                wait = min(2 * wait, max_interval_s)
+            seen = self._speed_samples
+
     def _warmup_ids(self, n: int) -> list[int]:
         return [i % self.vocab_size for i in range(1, n + 1)]
 
@@ -384,6 +409,7 @@ class Engine:
         )
         if sample is not None:
             self._prefill_tps = ewma(self._prefill_tps, sample)
+            self._speed_samples += 1
         return token
 
     def _decode_step(self, seq: _Sequence, token: int, params: SamplingParams) -> int:
