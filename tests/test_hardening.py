@@ -125,7 +125,7 @@ class _Host:
 
 
 def test_a_peers_signed_record_is_verified_again_only_when_it_changes() -> None:
-    from peer.host import SIGNED_RECORD_RECHECK_S, _remember_signed_records
+    from peer.libp2p_fixes import SIGNED_RECORD_RECHECK_S, _remember_signed_records
 
     verified: list[tuple[str, str, bytes]] = []
     now = [0.0]
