@@ -320,6 +320,22 @@ def test_prefill_speed_samples_only_chunks_beyond_the_fixed_cost() -> None:
     assert prefill_speed_sample(100, 0.0, 100.0) is None
 
 
+def test_warmup_doubles_the_prompt_until_a_sample_counts() -> None:
+    from peer.engine.speeds import warmup_prefill_speed
+
+    tried: list[int] = []
+
+    def seconds_for(n: int) -> float:  # 10 ms fixed + 0.1 ms a token; a step is 10 ms
+        tried.append(n)
+        return 0.010 + 0.0001 * n
+
+    assert warmup_prefill_speed(seconds_for, 100.0, 64, 4096) == pytest.approx(128 / 0.0228)
+    assert tried == [64, 128]  # 64 tokens took 16.4 ms, under two steps
+    tried.clear()
+    assert warmup_prefill_speed(seconds_for, 100.0, 16, 32) == pytest.approx(32 / 0.0132)
+    assert tried == [16, 32]  # the limit: the last chunk counts as it is
+
+
 async def test_cache_hits_do_not_make_the_engine_report_itself_slower(tiny_engine):
     # A hit prefills a short uncached suffix, nearly all fixed cost: sampled as
     # tokens / time it would drag the advertised speed down, and the router would send

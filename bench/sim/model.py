@@ -51,7 +51,7 @@ from bench.sim.summaries import IncrementalBloom
 from bench.workloads import TokenRequest
 from peer.config import SUMMARY_EXPIRY_INTERVALS, Policy
 from peer.engine.radix import EventKind, RadixCache
-from peer.engine.speeds import ewma, prefill_speed_sample
+from peer.engine.speeds import ewma, prefill_speed_sample, warmup_prefill_speed
 from peer.peer_table import ForwardCharge, PeerTable
 from peer.router import Candidate, LocalState, PeerEstimate, Router
 from protocols.blocks import BlockHasher
@@ -127,12 +127,12 @@ class _Peer:
         # Engine.warmup() seeds the speed estimates: decode, then prefill on a prompt
         # long enough to tell.
         self.decode_tps = 1.0 / cal.decode_s_per_token
-        n = WARMUP_PROMPT_TOKENS
-        sample = prefill_speed_sample(n, cal.prefill_s(n, 0), self.decode_tps)
-        while sample is None and n < WARMUP_MAX_PROMPT_TOKENS:
-            n *= 2
-            sample = prefill_speed_sample(n, cal.prefill_s(n, 0), self.decode_tps)
-        self.prefill_tps = sample if sample is not None else n / cal.prefill_s(n, 0)
+        self.prefill_tps = warmup_prefill_speed(
+            lambda n: cal.prefill_s(n, 0),
+            self.decode_tps,
+            WARMUP_PROMPT_TOKENS,
+            WARMUP_MAX_PROMPT_TOKENS,
+        )
         self.queued_tokens = 0
         self.running = 0
         # processor sharing: virtual time advances at 1/n per second with n active jobs

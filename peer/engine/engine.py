@@ -23,7 +23,7 @@ from protocols.blocks import DEFAULT_BLOCK_SIZE, BlockHasher
 from .kv import DEFAULT_CACHE_BYTES, KVLayout, blocks_from_cache, cache_from_blocks
 from .model import LoadedModel, load_model
 from .radix import RadixCache
-from .speeds import ewma, prefill_speed_sample
+from .speeds import ewma, prefill_speed_sample, warmup_prefill_speed
 
 MAX_NEW_TOKENS = 4096  # ~5 min of SmolLM2 decode on 2 cores: one request can't hold a peer longer
 MAX_STOP_STRINGS = 8  # OpenAI allows 4; bounds the per-token stop-string check
@@ -350,18 +350,14 @@ class Engine:
             assert tok is not None
             for _ in range(WARMUP_DECODE_TOKENS):
                 tok = self._decode_step(seq, tok, params)
-        # Prefill, on a prompt long enough to tell (a tiny model prefills hundreds of
-        # tokens within two decode steps).
-        n = WARMUP_PROMPT_TOKENS
-        while True:
-            start = time.perf_counter()
-            self._forward(_Sequence(cache_from_blocks([]), 0), self._warmup_ids(n))
-            seconds = time.perf_counter() - start
-            sample = prefill_speed_sample(n, seconds, self._decode_tps)
-            if sample is not None or 2 * n > self.max_context // 2:
-                break
-            n *= 2
-        self._prefill_tps = sample if sample is not None else n / seconds
+        self._prefill_tps = warmup_prefill_speed(
+            self._time_cold_prefill, self._decode_tps, WARMUP_PROMPT_TOKENS, self.max_context // 2
+        )
+
+    def _time_cold_prefill(self, n: int) -> float:
+        start = time.perf_counter()
+        self._forward(_Sequence(cache_from_blocks([]), 0), self._warmup_ids(n))
+        return time.perf_counter() - start
 
     async def refresh_speeds(
         self, interval_s: float = SPEED_REFRESH_S, max_interval_s: float = SPEED_REFRESH_MAX_S

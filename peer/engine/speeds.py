@@ -16,11 +16,14 @@ two decode steps, so that the fixed cost is a share of the sample, not all of it
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 __all__ = [
     "PREFILL_SAMPLE_MIN_TOKENS",
     "SPEED_EWMA_ALPHA",
     "ewma",
     "prefill_speed_sample",
+    "warmup_prefill_speed",
 ]
 
 SPEED_EWMA_ALPHA = 0.2  # weight of the newest speed sample: smooths ~2x noise over ~5 samples
@@ -37,6 +40,22 @@ def prefill_speed_sample(tokens: int, seconds: float, decode_tps: float) -> floa
     if decode_tps > 0 and seconds < 2.0 / decode_tps:
         return None  # mostly the fixed cost of one step
     return tokens / seconds
+
+
+def warmup_prefill_speed(
+    seconds_for: Callable[[int], float], decode_tps: float, tokens: int, max_tokens: int
+) -> float:
+    """The prefill speed a warm-up measures: `seconds_for(n)` prefills n tokens, from
+    `tokens` on, doubling until a sample counts (a tiny model prefills hundreds of tokens
+    within two decode steps) or `max_tokens` is reached (then the whole chunk counts)."""
+    while True:
+        seconds = seconds_for(tokens)
+        sample = prefill_speed_sample(tokens, seconds, decode_tps)
+        if sample is not None:
+            return sample
+        if 2 * tokens > max_tokens:
+            return tokens / seconds if seconds > 0 else 0.0
+        tokens *= 2
 
 
 def ewma(old: float, sample: float) -> float:
