@@ -150,13 +150,12 @@ async def test_reading_small_messages_does_not_answer_each_with_a_window_update(
         await original(self, *args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(YamuxStream, "send_window_update", counting)
-    messages, received = 40, trio.Event()
+    messages = 40
+    send_read, read = trio.open_memory_channel[int](messages)
 
     async def reader(stream: Any) -> None:
-        got = 0
-        while got < messages * 100:
-            got += len(await stream.read(100))
-        received.set()
+        for _ in range(messages):
+            await send_read.send(len(await stream.read(100)))
 
     with trio.fail_after(20):
         async with open_host(_config()) as a, open_host(_config()) as b:
@@ -166,7 +165,6 @@ async def test_reading_small_messages_does_not_answer_each_with_a_window_update(
             before = updates
             for _ in range(messages):
                 await stream.write(b"x" * 100)
-                await trio.sleep(0.005)  # one read per message
-            await received.wait()
+                assert await read.receive() == 100  # read before the next: one read each
             # 4 kB in 40 reads of a 256 kB window: nothing to give back yet.
             assert updates - before < messages // 4, f"{updates - before} window updates"

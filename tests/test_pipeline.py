@@ -66,6 +66,14 @@ async def start_swarm(
     return peers
 
 
+async def start_pair_with_slow_b(nursery: trio.Nursery, factory: Any) -> list[RunningPeer]:
+    """Peers a and b under LONGEST_PREFIX; b's tokens come 20 ms apart (a request there
+    stays running long enough to act on it)."""
+    return await start_swarm(
+        nursery, [factory(), SlowEngine(factory(), 0.02)], policy=Policy.LONGEST_PREFIX
+    )
+
+
 async def wait_for_match(entry: RunningPeer, holder: RunningPeer, prompt: list[int], blocks: int):
     chain = entry.peer.engine.hasher.chain(prompt)
     await wait_until(
@@ -153,11 +161,7 @@ def claim_prefix(entry: RunningPeer, liar: RunningPeer, prompt: list[int]) -> No
 async def test_killing_the_serving_peer_mid_stream_completes_elsewhere(
     nursery, tiny_engine_factory
 ):
-    a, b = await start_swarm(
-        nursery,
-        [tiny_engine_factory(), SlowEngine(tiny_engine_factory(), 0.02)],
-        policy=Policy.LONGEST_PREFIX,
-    )
+    a, b = await start_pair_with_slow_b(nursery, tiny_engine_factory)
     prefix = tokens(320, seed=5)
     prompt = prefix + tokens(10, seed=6)
     await b.peer.engine.generate([*prefix, 7], SamplingParams(max_new_tokens=1))
@@ -186,11 +190,7 @@ async def test_killing_the_serving_peer_mid_stream_completes_elsewhere(
 async def test_a_forward_counts_on_its_target_only_while_it_is_in_flight(
     nursery, tiny_engine_factory
 ):
-    a, b = await start_swarm(
-        nursery,
-        [tiny_engine_factory(), SlowEngine(tiny_engine_factory(), 0.02)],
-        policy=Policy.LONGEST_PREFIX,
-    )
+    a, b = await start_pair_with_slow_b(nursery, tiny_engine_factory)
     prompt = tokens(100, seed=8)
     claim_prefix(a, b, prompt)  # forged newest seq: b's own summaries cannot reset the counts
 
@@ -270,11 +270,7 @@ async def test_a_full_remote_peer_refuses_and_the_entry_runs_it(nursery, tiny_en
 async def test_client_cancellation_stops_generation_on_the_serving_peer(
     nursery, tiny_engine_factory
 ):
-    a, b = await start_swarm(
-        nursery,
-        [tiny_engine_factory(), SlowEngine(tiny_engine_factory(), 0.02)],
-        policy=Policy.LONGEST_PREFIX,
-    )
+    a, b = await start_pair_with_slow_b(nursery, tiny_engine_factory)
     prompt = tokens(200, seed=9)
     await b.peer.engine.generate(prompt, SamplingParams(max_new_tokens=1))
     await wait_for_match(a, b, prompt, len(prompt) // 16 - 1)
