@@ -10,7 +10,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from peer.engine.engine import (
-    MAX_NEW_TOKENS,
     Completion,
     InvalidRequest,
     SamplingParams,
@@ -19,6 +18,7 @@ from peer.engine.engine import (
 from peer.engine.kv import KVLayout, blocks_from_cache, cache_from_blocks
 from peer.engine.model import ModelLoadError, load_model
 from peer.engine.radix import EventKind
+from peer.engine.requests import MAX_NEW_TOKENS
 
 GREEDY4 = SamplingParams(max_new_tokens=4)
 GREEDY3 = SamplingParams(max_new_tokens=3)
