@@ -18,6 +18,7 @@ from peer.ranking import (
     swarm_busy,
 )
 from peer.router import DEFAULT_RTT_PRIOR_S, Router
+from tests.helpers_ranking import assert_cost_order
 
 PROMPT = 1024  # tokens: 64 blocks of 16
 NEW = 16
@@ -250,13 +251,4 @@ def test_every_policy_ranks_each_peer_once_with_self_included(
     suspects = {r.peer_id for r in remotes if r.failed_s_ago is not None}
     assert all(i > ids.index("ME") for i, p in enumerate(ids) if p in suspects)
     if policy is Policy.COST:
-        # Cheapest first, except that a near tie goes to the longest match: the first is
-        # within the tie margin of the cheapest and matches the most among those; the
-        # rest are in cost order.
-        healthy = [c for c in ranked if c.peer_id not in suspects]
-        cheapest = min(c.cost_s for c in healthy)
-        tied = [c for c in healthy if c.cost_s <= cheapest * (1 + COST_TIE_FRACTION)]
-        assert healthy[0] in tied
-        assert healthy[0].match_blocks == max(c.match_blocks for c in tied)
-        rest = [c.cost_s for c in healthy[1:]]
-        assert rest == sorted(rest)
+        assert_cost_order([c for c in ranked if c.peer_id not in suspects])

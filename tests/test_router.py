@@ -25,6 +25,7 @@ from peer.router import (
 )
 from protocols.bloom import BloomFilter
 from protocols.summary import CacheSummary
+from tests.helpers_ranking import assert_cost_order
 
 NEW = 16  # new tokens per request
 
@@ -191,8 +192,7 @@ def test_rank_from_table_properties(
     assert ids.count(SELF) == 1
     assert set(ids) == ({SELF} if policy is Policy.LOCAL else live | {SELF})
     if policy is Policy.COST:
-        costs = [c.cost_s for c in ranked]
-        assert costs == sorted(costs)
+        assert_cost_order(ranked)
     if policy is Policy.LONGEST_PREFIX:
         matches = [c.match_blocks for c in ranked]
         assert matches == sorted(matches, reverse=True)
