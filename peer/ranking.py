@@ -11,7 +11,10 @@ tokens and ``n`` new tokens::
     queue    = queued_prompt_tokens / prefill_speed         (prefill work ahead of ours)
              + running_requests * n / decode_speed          (decode shared with running streams)
     prefill  = max(p - m, 1) / prefill_speed * (1 + busy)   (only the uncached suffix)
+             + COPY_CHARGE * (b - m) / prefill_speed        (a prefix copied from elsewhere)
     decode   = n / decode_speed
+
+``b`` is the longest match among the candidates (Bloom estimates for remote peers).
 
 ``busy`` is the mean number of requests running per peer across the swarm (this peer's
 view). The engine shares its compute between running requests, so a prefill delays each
@@ -21,6 +24,15 @@ cache misses expensive, which keeps affinity when capacity is what matters. (Mea
 the simulator at 16 peers: without it, ``cost`` spread requests to dodge stale queues,
 fell to a 0.43 hit ratio and a 16 s mean TTFT at load 1.5, against 2.1 s for
 ``longest_prefix``; with it, 0.77 and 1.26 s.)
+
+The copy charge prices what a request costs the caches, not itself. Served where
+``b - m`` tokens of its prefix are not cached but another peer's are, it writes them into
+this peer's cache as a second copy, evicting about as many tokens of other prefixes from
+a full cache; some later request computes those again. COPY_CHARGE = 1 prices that once.
+(Measured in the real swarm, 4 tiny-random peers at 1 MB of cache each: a hit saves
+~10 ms there, about what a forward costs, so without the charge ``cost`` served ~10% of
+requests away from the holder of their prefix, each copy evicting others; its hit ratio
+was 0.44 against ``longest_prefix``'s 0.49.)
 
 Every speed a peer reports within SPEED_NOISE_FACTOR of ours counts as ours
 (``as_measured_here``). Costs within COST_TIE_FRACTION of the cheapest are a tie, which
@@ -46,6 +58,8 @@ SPEED_NOISE_FACTOR = 2.0  # speeds measured on shared or busy CPUs vary ~2x run 
 # where a miss elsewhere copies it into a second one and evicts other prefixes there, a
 # cost the model does not price.
 COST_TIE_FRACTION = 0.10
+COPY_CHARGE = 1.0  # a prefix copied from another peer's cache evicts about as much here,
+#   computed again later: charged its prefill once (module docstring)
 MIN_TOKENS_PER_S = 1e-3  # floor on any speed, so a zero or garbage figure cannot divide by 0
 
 
@@ -100,7 +114,8 @@ class Candidate(NamedTuple):
 
     @property
     def cost(self) -> Cost:
-        """The cost by part; the prefill part includes the miss charge of a busy swarm."""
+        """The cost by part; the prefill part includes the miss charge of a busy swarm and
+        the copy charge."""
         idle = _cost_of(self.estimate, self.prompt_tokens, self.max_new_tokens)
         prefill = self.cost_s - idle.network_s - idle.queue_s - idle.decode_s
         return Cost(idle.network_s, idle.queue_s, prefill, idle.decode_s)
@@ -137,18 +152,21 @@ def estimate_cost(
     decode_tokens_per_s: float,
     rtt_s: float,
     busy: float = 0.0,
+    best_match_tokens: int = 0,
 ) -> Cost:
     """Estimated completion time of a request on a peer (the model in the module docstring).
 
+    ``best_match_tokens`` is the longest match among the candidates (0: no copy charge).
     Pure and cheap: the simulator calls it with exact matches.
     """
     prefill = max(prefill_tokens_per_s, MIN_TOKENS_PER_S)
     decode = max(decode_tokens_per_s, MIN_TOKENS_PER_S)
     decode_s = max_new_tokens / decode
+    copied = max(best_match_tokens - match_tokens, 0)
     return Cost(
         ROUND_TRIPS_PER_FORWARD * rtt_s,
         queued_prompt_tokens / prefill + running_requests * decode_s,
-        max(prompt_tokens - match_tokens, 1) / prefill * (1 + busy),
+        (max(prompt_tokens - match_tokens, 1) * (1 + busy) + COPY_CHARGE * copied) / prefill,
         decode_s,
     )
 
@@ -199,7 +217,8 @@ def rank_estimates(
             f"prompt_tokens and max_new_tokens must be >= 1, got {prompt_tokens}, {max_new_tokens}"
         )
     healthy, suspects = candidates_of(
-        policy, estimates, prompt_tokens, max_new_tokens, swarm_busy(estimates)
+        policy, estimates, prompt_tokens, max_new_tokens, swarm_busy(estimates),
+        max((e.match_tokens for e in estimates), default=0),
     )
     return order_candidates(policy, healthy, suspects, rng, last_choice)
 
@@ -255,8 +274,12 @@ def candidates_of(
     prompt_tokens: int,
     max_new_tokens: int,
     busy: float,
+    best_match_tokens: int,
 ) -> tuple[list[Candidate], list[Candidate]]:
     """Candidates with costs, (healthy, failed recently), each ordered local first then by id.
+
+    ``busy`` and ``best_match_tokens`` are over every candidate (swarm_busy, the longest
+    match), which may be more than ``estimates``.
 
     The arithmetic is estimate_cost's, inlined: this loop is most of a decision's time.
     """
@@ -276,7 +299,11 @@ def candidates_of(
         decode_s = max_new_tokens / decode
         queue_s = queued / prefill + running * decode_s
         unmatched = prompt_tokens - match_tokens
-        miss = (unmatched if unmatched > 1 else 1) / prefill * (1 + busy)
+        copied = best_match_tokens - match_tokens
+        miss = (
+            (unmatched if unmatched > 1 else 1) * (1 + busy)
+            + (COPY_CHARGE * copied if copied > 0 else 0.0)
+        ) / prefill
         cost_s = trips * rtt + queue_s + miss + decode_s
         candidate = _new(
             Candidate,

@@ -22,6 +22,7 @@ from typing import NamedTuple
 from peer.config import Policy
 from peer.peer_table import PeerTable
 from peer.ranking import (
+    COPY_CHARGE,
     MIN_TOKENS_PER_S,
     ROUND_TRIPS_PER_FORWARD,
     SPEED_NOISE_FACTOR,
@@ -39,6 +40,7 @@ from peer.ranking import (
 )
 
 __all__ = [
+    "COPY_CHARGE",
     "MIN_TOKENS_PER_S",
     "ROUND_TRIPS_PER_FORWARD",
     "SPEED_NOISE_FACTOR",
@@ -180,7 +182,10 @@ class Router:
             local.running_requests + sum(row[1].running_requests + row[3] for row in rows)
         ) / (1 + len(rows))
         miss_weight = 1 + busy
-        healthy = candidates_of(policy, (local_e,), prompt_tokens, max_new_tokens, busy)[0]
+        best_match = max(local.match_tokens, max((row[5] for row in rows), default=0) * block_size)
+        healthy = candidates_of(
+            policy, (local_e,), prompt_tokens, max_new_tokens, busy, best_match
+        )[0]
         suspects: list[Candidate] = []
         for peer_id, summary, rtt, forwards, forwarded_tokens, match_blocks in rows:
             if peer_id == local_id:
@@ -208,7 +213,11 @@ class Router:
             decode_time = max_new_tokens / decode
             queue_s = queued / prefill + running * decode_time
             unmatched = prompt_tokens - match_tokens
-            miss = (unmatched if unmatched > 1 else 1) / prefill * miss_weight
+            copied = best_match - match_tokens
+            miss = (
+                (unmatched if unmatched > 1 else 1) * miss_weight
+                + (COPY_CHARGE * copied if copied > 0 else 0.0)
+            ) / prefill
             cost_s = trips * rtt + queue_s + miss
             candidate = _new(
                 Candidate,

@@ -58,6 +58,25 @@ def test_cost_model_parts() -> None:
     # A fully cached prompt still computes one token; a zero speed cannot divide by zero.
     assert estimate_cost(1024, 1024, 1, 0, 0, 1000.0, 20.0, 0.0).prefill_s == 1 / 1000
     assert estimate_cost(0, 16, 1, 0, 0, 0.0, 0.0, 0.0).total_s > 1000
+    # 512 of the tokens another peer holds are copied here: charged once more.
+    copied = estimate_cost(256, 1024, 10, 500, 2, 1000.0, 20.0, 0.01, best_match_tokens=768)
+    assert copied.prefill_s == pytest.approx((768 + 512) / 1000)
+    assert estimate_cost(768, 1024, 10, 0, 0, 1000.0, 20.0, 0.0, best_match_tokens=256) == (
+        estimate_cost(768, 1024, 10, 0, 0, 1000.0, 20.0, 0.0)  # no copy from a shorter match
+    )
+
+
+def test_cost_charges_the_copy_of_a_prefix_cached_elsewhere() -> None:
+    me = est("me", local=True)
+    # "a" holds the prompt behind 1.5 s of queue: 2.31 s against the local miss, 1.82 s
+    # without the copy charge; with it, 2.85 s, so the request goes where its prefix is.
+    ranked = rank_estimates(Policy.COST, [me, est("a", match=1024, queued=1500)], PROMPT, NEW,
+                            random.Random(0))
+    assert [c.peer_id for c in ranked] == ["a", "me"]
+    assert ranked[1].cost.prefill_s == pytest.approx(2 * 1024 / 1000)
+    # Nobody holds it: a plain miss everywhere, nothing to copy.
+    ranked = rank_estimates(Policy.COST, [me, est("a")], PROMPT, NEW, random.Random(0))
+    assert all(c.cost.prefill_s == pytest.approx(1024 / 1000) for c in ranked)
 
 
 def test_local_policy_never_forwards() -> None:
@@ -67,10 +86,11 @@ def test_local_policy_never_forwards() -> None:
 
 def test_cost_prefers_matching_peer_until_its_queue_makes_it_slower() -> None:
     # Peer "a" holds the whole prompt; the local peer holds nothing. Prefill of 1024 tokens
-    # at 1000 tok/s costs ~1 s, so "a" wins while its queue adds less than that.
+    # at 1000 tok/s costs ~1 s and copying a's prefix here another ~1 s, so "a" wins while
+    # its queue adds less than ~2 s.
     me = est("me", local=True)
-    assert order(Policy.COST, [me, est("a", match=1024, queued=500)])[0] == "a"
-    ranked = rank_estimates(Policy.COST, [me, est("a", match=1024, queued=1500)], PROMPT, NEW,
+    assert order(Policy.COST, [me, est("a", match=1024, queued=1500)])[0] == "a"
+    ranked = rank_estimates(Policy.COST, [me, est("a", match=1024, queued=2500)], PROMPT, NEW,
                             random.Random(0))
     assert [c.peer_id for c in ranked] == ["me", "a"]
     assert ranked[0].cost_s < ranked[1].cost_s
@@ -89,15 +109,17 @@ def test_cost_running_requests_share_the_decoder() -> None:
 
 def test_cost_near_ties_go_to_the_longest_match() -> None:
     me = est("me", local=True, match=512)
-    # "a" holds the whole prompt but runs two streams: 1.6 s of sharing against the local
-    # miss of 2 x 0.512 s (busy = 1). 2.41 s against 1.82 s is beyond a tie: the local peer.
-    ranked = rank_estimates(Policy.COST, [me, est("a", match=1024, running=2)], PROMPT, NEW,
+    # "a" holds the whole prompt but runs three streams: 2.4 s of sharing against the local
+    # miss of 2.5 x 0.512 s (busy = 1.5) and the 0.512 s copy of a's prefix. 3.21 s against
+    # 2.59 s is beyond a tie: the local peer.
+    ranked = rank_estimates(Policy.COST, [me, est("a", match=1024, running=3)], PROMPT, NEW,
                             random.Random(0))
     assert [c.peer_id for c in ranked] == ["me", "a"]
     assert ranked[1].cost_s > ranked[0].cost_s * (1 + COST_TIE_FRACTION)
-    # "b" holds it all and is idle, but 0.56 s away: 1.36 s against the local 1.31 s, a
-    # tie, so it goes first for its match; the rest stays in cost order.
-    b = est("b", match=1024, rtt=0.28)
+    # "b" holds it all and is idle, but 1.1 s away: 1.90 s against the local 1.82 s (miss
+    # and copy 0.512 s each, decode 0.8 s), a tie, so it goes first for its match; the rest
+    # stays in cost order.
+    b = est("b", match=1024, rtt=0.55)
     ranked = rank_estimates(Policy.COST, [me, b, est("c", match=0)], PROMPT, NEW,
                             random.Random(0))
     assert [c.peer_id for c in ranked] == ["b", "me", "c"]
@@ -109,9 +131,9 @@ def test_cost_charges_a_miss_for_the_requests_it_delays_in_a_busy_swarm() -> Non
     me = est("me", local=True)
     # "a" runs 2 (busy = 1): its 1.6 s of decode sharing < the local miss, 2 x 1.024 s.
     assert order(Policy.COST, [me, est("a", match=1024, running=2)])[0] == "a"
-    # "a" runs 6 (busy = 3): 4.8 s of sharing > 4 x 1.024 s, by more than a tie: the miss
-    # is now cheaper.
-    assert order(Policy.COST, [me, est("a", match=1024, running=6)])[0] == "me"
+    # "a" runs 12 (busy = 6): 9.6 s of sharing > 7 x 1.024 s of miss and 1.024 s of copy,
+    # by more than a tie: the miss is now cheaper.
+    assert order(Policy.COST, [me, est("a", match=1024, running=12)])[0] == "me"
     # An idle swarm charges plain prefill time.
     idle = estimate_cost(0, 1024, NEW, 0, 0, 1000.0, 20.0, 0.0)
     busy = estimate_cost(0, 1024, NEW, 0, 0, 1000.0, 20.0, 0.0, busy=2.0)
@@ -122,7 +144,8 @@ def test_cost_charges_a_miss_for_the_requests_it_delays_in_a_busy_swarm() -> Non
 def test_high_rtt_makes_cost_choose_local() -> None:
     me = est("me", local=True)
     assert order(Policy.COST, [me, est("a", match=1024, rtt=0.01)])[0] == "a"
-    assert order(Policy.COST, [me, est("a", match=1024, rtt=0.7)])[0] == "me"
+    # 2.4 s of round trips outweigh the local miss and the copy (2 x 1.024 s).
+    assert order(Policy.COST, [me, est("a", match=1024, rtt=1.2)])[0] == "me"
 
 
 def test_cost_ties_go_to_local_then_peer_id() -> None:

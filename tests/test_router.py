@@ -352,12 +352,14 @@ def test_ranked_costs_are_estimate_cost_with_the_swarm_busy(
     ]
     prompt = 2048
     busy = swarm_busy(estimates)
+    best = max(e.match_tokens for e in estimates)
     by_id = {e.peer_id: e for e in estimates}
     for c in rank_estimates(Policy.COST, estimates, prompt, new, random.Random(0)):
         e = by_id[c.peer_id]
         expected = estimate_cost(
             e.match_tokens, prompt, new, e.queued_prompt_tokens, e.running_requests,
             e.prefill_tokens_per_s, e.decode_tokens_per_s, e.rtt_s, busy=busy,
+            best_match_tokens=best,
         )
         assert c.cost_s == pytest.approx(expected.total_s)
         assert c.cost.prefill_s == pytest.approx(expected.prefill_s)

@@ -341,7 +341,8 @@ class Simulator:
         bs = self.params.block_size
         rtt = 2 * self._d * (1.0 + self.params.jitter / 2)  # the true mean round trip
         # Every simulated peer runs at the same speed, so the oracle prices all of them at
-        # the entry peer's measured speeds (the router does the same with speeds within 2x).
+        # the entry peer's measured speeds (the router does the same with speeds within
+        # SPEED_NOISE_FACTOR of its own).
         prefill_tps, decode_tps = entry.prefill_tps, entry.decode_tps
         estimates = []
         for peer in self.peers:
