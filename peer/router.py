@@ -215,9 +215,8 @@ class Router:
             unmatched = prompt_tokens - match_tokens
             copied = best_match - match_tokens
             miss = (
-                (unmatched if unmatched > 1 else 1) * miss_weight
-                + (COPY_CHARGE * copied if copied > 0 else 0.0)
-            ) / prefill
+                (unmatched if unmatched > 1 else 1) + (COPY_CHARGE * copied if copied > 0 else 0.0)
+            ) * miss_weight / prefill
             cost_s = trips * rtt + queue_s + miss
             candidate = _new(
                 Candidate,

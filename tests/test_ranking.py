@@ -61,6 +61,8 @@ def test_cost_model_parts() -> None:
     # 512 of the tokens another peer holds are copied here: charged once more.
     copied = estimate_cost(256, 1024, 10, 500, 2, 1000.0, 20.0, 0.01, best_match_tokens=768)
     assert copied.prefill_s == pytest.approx((768 + 512) / 1000)
+    busy = estimate_cost(256, 1024, 10, 0, 0, 1000.0, 20.0, 0.0, busy=1.0, best_match_tokens=768)
+    assert busy.prefill_s == pytest.approx(2 * (768 + 512) / 1000)  # both delay the running
     assert estimate_cost(768, 1024, 10, 0, 0, 1000.0, 20.0, 0.0, best_match_tokens=256) == (
         estimate_cost(768, 1024, 10, 0, 0, 1000.0, 20.0, 0.0)  # no copy from a shorter match
     )
@@ -109,10 +111,10 @@ def test_cost_running_requests_share_the_decoder() -> None:
 
 def test_cost_near_ties_go_to_the_longest_match() -> None:
     me = est("me", local=True, match=512)
-    # "a" holds the whole prompt but runs three streams: 2.4 s of sharing against the local
-    # miss of 2.5 x 0.512 s (busy = 1.5) and the 0.512 s copy of a's prefix. 3.21 s against
-    # 2.59 s is beyond a tie: the local peer.
-    ranked = rank_estimates(Policy.COST, [me, est("a", match=1024, running=3)], PROMPT, NEW,
+    # "a" holds the whole prompt but runs six streams: 4.8 s of sharing against the local
+    # miss and copy of a's prefix, 512 tokens each, at 4 x 1 ms a token (busy = 3). 5.61 s
+    # against 4.90 s is beyond a tie: the local peer.
+    ranked = rank_estimates(Policy.COST, [me, est("a", match=1024, running=6)], PROMPT, NEW,
                             random.Random(0))
     assert [c.peer_id for c in ranked] == ["me", "a"]
     assert ranked[1].cost_s > ranked[0].cost_s * (1 + COST_TIE_FRACTION)
@@ -127,13 +129,14 @@ def test_cost_near_ties_go_to_the_longest_match() -> None:
 
 
 def test_cost_charges_a_miss_for_the_requests_it_delays_in_a_busy_swarm() -> None:
-    """busy = mean running requests per peer; a miss costs (1 + busy) times its prefill."""
+    """busy = mean running requests per peer; a miss and a copy cost (1 + busy) times their
+    prefill."""
     me = est("me", local=True)
-    # "a" runs 2 (busy = 1): its 1.6 s of decode sharing < the local miss, 2 x 1.024 s.
+    # "a" runs 2 (busy = 1): its 1.6 s of decode sharing < the local miss and copy,
+    # 2 x 2.048 s.
     assert order(Policy.COST, [me, est("a", match=1024, running=2)])[0] == "a"
-    # "a" runs 12 (busy = 6): 9.6 s of sharing > 7 x 1.024 s of miss and 1.024 s of copy,
-    # by more than a tie: the miss is now cheaper.
-    assert order(Policy.COST, [me, est("a", match=1024, running=12)])[0] == "me"
+    # 6,000 prompt tokens queued on "a" as well: 8.41 s > 4.90 s, beyond a tie.
+    assert order(Policy.COST, [me, est("a", match=1024, running=2, queued=6000)])[0] == "me"
     # An idle swarm charges plain prefill time.
     idle = estimate_cost(0, 1024, NEW, 0, 0, 1000.0, 20.0, 0.0)
     busy = estimate_cost(0, 1024, NEW, 0, 0, 1000.0, 20.0, 0.0, busy=2.0)
