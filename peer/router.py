@@ -15,6 +15,7 @@ after the entry peer.
 
 from __future__ import annotations
 
+import operator
 import random
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -65,6 +66,7 @@ MAX_TRACKED_FAILURES = 4096  # bounds the failure memory; far above any peer tab
 MAX_BLOCK_SIZE = 1024  # the bound PeerConfig.block_size has
 
 _new = tuple.__new__  # see peer/ranking.py: builds a NamedTuple at half the cost
+_MATCH_BLOCKS = operator.itemgetter(5)  # a routing_rows row's matched blocks
 
 
 class RouterStatistics(NamedTuple):
@@ -182,7 +184,7 @@ class Router:
             local.running_requests + sum(row[1].running_requests + row[3] for row in rows)
         ) / (1 + len(rows))
         miss_weight = 1 + busy
-        best_match = max(local.match_tokens, max((row[5] for row in rows), default=0) * block_size)
+        best_match = max(local.match_tokens, max(map(_MATCH_BLOCKS, rows), default=0) * block_size)
         healthy = candidates_of(
             policy, (local_e,), prompt_tokens, max_new_tokens, busy, best_match
         )[0]
@@ -213,9 +215,9 @@ class Router:
             decode_time = max_new_tokens / decode
             queue_s = queued / prefill + running * decode_time
             unmatched = prompt_tokens - match_tokens
-            copied = best_match - match_tokens
             miss = (
-                (unmatched if unmatched > 1 else 1) + (COPY_CHARGE * copied if copied > 0 else 0.0)
+                # best_match >= every row's match: the copy is never negative here.
+                (unmatched if unmatched > 1 else 1) + COPY_CHARGE * (best_match - match_tokens)
             ) * miss_weight / prefill
             cost_s = trips * rtt + queue_s + miss
             candidate = _new(
