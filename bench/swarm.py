@@ -1,6 +1,6 @@
 """The real thing: N peer processes on loopback, the MMLU workload over HTTP, per policy.
 
-    python -m bench.swarm --json PATH [--peers 4] [--model tiny-random] [--requests 200]
+    python -m bench.swarm --json PATH [--peers 4] [--model tiny-random] [--requests 160]
         [--rate 4] [--zipf 1.0] [--subjects 40] [--cache-bytes 1000000] [--delay-ms 0]
         [--policies local,random,least_loaded,longest_prefix,cost]
 
