@@ -30,7 +30,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from bench.swarm import add_workload_arguments, swarm_workload
+from bench.swarm import add_workload_arguments, percentile, swarm_workload
 from bench.workloads import TokenRequest
 from peer.engine.model import TINY_CONFIG, TINY_RANDOM
 from peer.engine.radix import RadixCache
@@ -87,11 +87,6 @@ def replay_hit_ratio(
     return cached / max(1, prompt)
 
 
-def _quantile(values: Sequence[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def ceiling(args: argparse.Namespace) -> dict[str, Any]:
     """Both routers on bench.swarm's workload for `args`; the JSON this command prints."""
     workload, left_out = swarm_workload(args)
@@ -119,11 +114,11 @@ def ceiling(args: argparse.Namespace) -> dict[str, Any]:
         },
         "exact_longest_prefix_hit_ratio": longest,
         "random_hit_ratio": {
-            "mean": statistics.fmean(randoms), "p5": _quantile(randoms, 0.05),
-            "p50": _quantile(randoms, 0.5), "p95": _quantile(randoms, 0.95),
+            "mean": statistics.fmean(randoms), "p5": percentile(randoms, 0.05),
+            "p50": percentile(randoms, 0.5), "p95": percentile(randoms, 0.95),
         },
         "ratio_of_means": longest / statistics.fmean(randoms),
-        "ratio_p5": _quantile(ratios, 0.05),
+        "ratio_p5": percentile(ratios, 0.05),
         "draws_below_2x": sum(r < TARGET_RATIO for r in ratios) / len(ratios),
     }
 

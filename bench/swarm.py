@@ -26,6 +26,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -184,7 +185,8 @@ async def _send(
     )
 
 
-def _percentile(values: list[float], q: float) -> float:
+def percentile(values: Sequence[float], q: float) -> float:
+    """The sample at rank q of `values` (nearest rank below; nan when empty)."""
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
@@ -203,8 +205,8 @@ def _summarise(policy: str, outcomes: list[Outcome], peers: list[PeerProcess]) -
         "requests_failed": len(outcomes) - len(ok),
         "errors": dict(errors),
         "ttft_mean_s": statistics.fmean(ttft) if ttft else float("nan"),
-        "ttft_p50_s": _percentile(ttft, 0.5),
-        "ttft_p99_s": _percentile(ttft, 0.99),
+        "ttft_p50_s": percentile(ttft, 0.5),
+        "ttft_p99_s": percentile(ttft, 0.99),
         "e2e_mean_s": statistics.fmean(o.e2e_s for o in ok) if ok else float("nan"),
         "hit_ratio": (
             sum(o.cached_tokens for o in ok) / max(1, sum(o.prompt_tokens for o in ok))
@@ -289,14 +291,20 @@ def swarm_workload(args: argparse.Namespace) -> tuple[list[TokenRequest], int]:
         seed=args.seed, subjects=args.subjects,
     )
     # Prompts the model cannot hold would get a 400 at every peer: not a routing result.
-    context = MODEL_CONTEXT.get(args.model, args.max_context)
+    context = model_context(args)
     workload = [r for r in drawn if r.prompt_tokens + r.max_new_tokens <= context]
     return workload, len(drawn) - len(workload)
 
 
+def model_context(args: argparse.Namespace) -> int:
+    """Prompt plus new tokens the peers' model holds."""
+    context: int = MODEL_CONTEXT.get(args.model, args.max_context)
+    return context
+
+
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     workload, left_out = swarm_workload(args)
-    context = MODEL_CONTEXT.get(args.model, args.max_context)
+    context = model_context(args)
     log(f"{left_out} of {len(workload) + left_out} requests exceed the {context}-token "
         "context and are left out")
     rows = [await run_policy(args, p, workload, args.model) for p in args.policies]
