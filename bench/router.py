@@ -1,10 +1,10 @@
 """How long one routing decision takes: `python -m bench.router --json PATH`.
 
 A table of 64 peers, each with a real CacheSummary whose Bloom filter is the one
-peer/gossip.py would publish for its cache (`summary_bloom`: sized for the cached block
-count rounded up to a power of two, 1% false positives). Each cache holds 10k unrelated
-blocks plus, for about a quarter of (peer, prompt) pairs, a prompt's first d blocks.
-Each decision ranks one 64-block (1024-token) prompt among those peers and the local
+peer/gossip.py would publish for its cache (`peer.bloom_sizing.summary_bloom`: sized for
+the cached block count rounded up to a power of two, 1% false positives). Each cache
+holds 10k unrelated blocks plus, for about a quarter of (peer, prompt) pairs, a prompt's
+first d blocks. Each decision ranks one 64-block (1024-token) prompt among those peers and the local
 peer with `Router.rank()`, the full call the request pipeline makes.
 
 Three kinds of prompt, all reported:
@@ -36,8 +36,8 @@ import sys
 import time
 from pathlib import Path
 
+from peer.bloom_sizing import summary_bloom
 from peer.config import Policy
-from peer.gossip import summary_bloom
 from peer.peer_table import PeerTable
 from peer.router import LocalState, Router
 from protocols.summary import CacheSummary

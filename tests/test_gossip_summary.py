@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from peer.gossip import MAX_SUMMARY_BLOOM_BYTES, build_summary
+from peer.bloom_sizing import MAX_SUMMARY_BLOOM_BYTES
+from peer.gossip import build_summary
 from peer.peer_table import PeerTable
 from protocols.summary import encode_summary
 
