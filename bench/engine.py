@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import trio
 
-from bench.workloads import NUM_SHOTS, by_subject, five_shot_prompt, load_mmlu
+from peer.demo_data import NUM_SHOTS, by_subject, five_shot_prompt, load_mmlu
 from peer.engine.engine import Engine, SamplingParams
 from peer.engine.model import DEFAULT_MODEL, LoadedModel, load_model
 

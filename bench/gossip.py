@@ -40,7 +40,8 @@ from typing import Any
 
 import trio
 
-from peer.node_runner import PeerProcess, spawn_peer_process
+from peer.node_runner import runner_command
+from peer.processes import PeerProcess, open_peer_processes
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 WARMUP_TIMEOUT_S = 120.0  # 8 interpreters starting at once on 2 busy cores: ~20-60 s
@@ -101,29 +102,19 @@ async def _run_swarm(
     else:
         common.append("--no-publish")
     log = workdir / ("gossip.stderr" if publish else "baseline.stderr")
-    async with trio.open_nursery() as nursery:
-        first = await spawn_peer_process(
-            nursery,
-            [*common, "--seed", "0"],
-            stderr_path=log,
-            keep_reports=True,
-            cwd=REPO_ROOT,
-            startup_timeout_s=WARMUP_TIMEOUT_S,
-        )
+    async with open_peer_processes(cwd=REPO_ROOT) as processes:
+
+        async def launch(extra: list[str]) -> PeerProcess:
+            command = runner_command([*common, *extra])
+            proc = await processes.start(command, log_path=log, keep_reports=True)
+            await proc.wait_up(WARMUP_TIMEOUT_S)
+            return proc
+
+        first = await launch(["--seed", "0"])
         procs: list[PeerProcess] = [first]
 
         async def spawn(i: int) -> None:
-            extra = ["--seed", str(i), "--bootstrap", first.multiaddrs[0]]
-            procs.append(
-                await spawn_peer_process(
-                    nursery,
-                    [*common, *extra],
-                    stderr_path=log,
-                    keep_reports=True,
-                    cwd=REPO_ROOT,
-                    startup_timeout_s=WARMUP_TIMEOUT_S,
-                )
-            )
+            procs.append(await launch(["--seed", str(i), "--bootstrap", first.multiaddrs[0]]))
 
         async with trio.open_nursery() as starting:
             for i in range(1, args.peers):
@@ -132,7 +123,7 @@ async def _run_swarm(
         def ready() -> bool:
             if publish:
                 ids = {p.peer_id for p in procs}
-                return all(p.known() == ids - {p.peer_id} for p in procs)
+                return all(p.known == ids - {p.peer_id} for p in procs)
             return all((p.stats or {}).get("peers_connected", 0) >= args.peers - 1 for p in procs)
 
         # The gossip run must fill every table; the baseline (no summaries) waits for
@@ -151,7 +142,6 @@ async def _run_swarm(
         await trio.sleep(measure_s)
         end = time.time()
         await trio.sleep(max(1.0, 2 * args.interval))  # late receipts of the last summaries
-        nursery.cancel_scope.cancel()
     return procs, start, end
 
 

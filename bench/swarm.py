@@ -22,24 +22,30 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
 import trio
 
 from bench.workloads import TokenRequest, load_tokenized_mmlu, mmlu_requests
-from peer.local_swarm import peer_process_environment
+from peer.processes import (
+    PeerProcess,
+    PeerProcesses,
+    open_peer_processes,
+    peer_process_environment,
+)
 
 POLICIES = ("local", "random", "least_loaded", "longest_prefix", "cost")
 # Context windows (prompt + new tokens) of the aliases: tiny-random's config, SmolLM2's.
 MODEL_CONTEXT = {"tiny-random": 2048, "smollm2-135m": 8192}
 READY_TIMEOUT_S = 180.0  # model loading on 2 busy cores; SmolLM2's first conversion ~20 s
+STOP_GRACE_S = 15.0  # stdin closed and SIGTERM, then SIGKILL: a peer needs well under 1 s
 REQUEST_TIMEOUT_S = 120.0  # one request end to end; far above any healthy request here
 MAX_IN_FLIGHT = 64  # client-side bound; the peers' own admission bounds sit behind it
 # Tiny-random KV is 8 KiB a block (2 layers, K and V, 2 KV heads of 16, fp32): 1 MB holds
@@ -55,37 +61,8 @@ def log(message: str) -> None:
     print(f"bench.swarm: {message}", file=sys.stderr, flush=True)
 
 
-@dataclass
-class PeerProcess:
-    process: trio.Process
-    peer_id: str = ""
-    http: str = ""
-    multiaddrs: list[str] = field(default_factory=list)
-    known: set[str] = field(default_factory=set)
-    up: trio.Event = field(default_factory=trio.Event)
-
-
-async def _read_reports(peer: PeerProcess) -> None:
-    assert peer.process.stdout is not None
-    buffer = b""
-    async for chunk in peer.process.stdout:
-        buffer += chunk
-        *lines, buffer = buffer.split(b"\n")
-        for line in lines:
-            try:
-                report = json.loads(line)
-            except ValueError:
-                continue
-            if report.get("event") == "up":
-                peer.peer_id, peer.http = report["peer_id"], report["http"]
-                peer.multiaddrs = report["multiaddrs"]
-                peer.up.set()
-            elif report.get("event") == "peers":
-                peer.known = set(report["peer_ids"])
-
-
 async def _spawn(
-    nursery: trio.Nursery, args: argparse.Namespace, policy: str, bootstrap: list[str]
+    procs: PeerProcesses, args: argparse.Namespace, policy: str, bootstrap: Sequence[str]
 ) -> PeerProcess:
     cmd = [
         sys.executable, "-m", "peer.cli", "serve",
@@ -99,28 +76,11 @@ async def _spawn(
         cmd += ["--forward-delay", str(args.delay_ms / 1000)]
     if bootstrap:
         cmd += ["--bootstrap", *bootstrap]
-    process = await trio.lowlevel.open_process(
-        cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=args.stderr,
-        env=peer_process_environment(args.peers),
+    peer = await procs.start(
+        cmd, log_path=Path(args.peer_log), env=peer_process_environment(args.peers)
     )
-    peer = PeerProcess(process)
-    nursery.start_soon(_read_reports, peer)
-    with trio.fail_after(READY_TIMEOUT_S):
-        await peer.up.wait()
+    await peer.wait_up(READY_TIMEOUT_S)
     return peer
-
-
-async def _stop(peers: list[PeerProcess]) -> None:
-    for peer in peers:
-        if peer.process.stdin is not None:
-            await peer.process.stdin.aclose()  # --exit-with-stdin: a clean stop
-    with trio.move_on_after(15):
-        for peer in peers:
-            await peer.process.wait()
-    for peer in peers:
-        if peer.process.returncode is None:
-            peer.process.kill()
-            await peer.process.wait()
 
 
 @dataclass
@@ -221,53 +181,50 @@ async def run_policy(
     args: argparse.Namespace, policy: str, workload: list[TokenRequest], model_name: str
 ) -> dict[str, Any]:
     rng = random.Random(f"{args.seed}/entries")  # same entry peers for every policy
-    async with trio.open_nursery() as nursery:
+    async with open_peer_processes(grace_s=STOP_GRACE_S) as procs:
         peers: list[PeerProcess] = []
-        try:
-            log(f"{policy}: starting {args.peers} peers ({args.model})")
-            first = await _spawn(nursery, args, policy, [])
-            peers.append(first)
-            async with trio.open_nursery() as starting:
+        log(f"{policy}: starting {args.peers} peers ({args.model})")
+        first = await _spawn(procs, args, policy, [])
+        peers.append(first)
+        async with trio.open_nursery() as starting:
 
-                async def spawn_one() -> None:
-                    peers.append(await _spawn(nursery, args, policy, first.multiaddrs[:1]))
+            async def spawn_one() -> None:
+                peers.append(await _spawn(procs, args, policy, first.multiaddrs[:1]))
 
-                for _ in range(args.peers - 1):
-                    starting.start_soon(spawn_one)
-            ids = {p.peer_id for p in peers}
-            with trio.fail_after(READY_TIMEOUT_S):
-                while not all(p.known >= ids - {p.peer_id} for p in peers):
-                    await trio.sleep(0.2)
-            log(f"{policy}: swarm ready; sending {len(workload)} requests at {args.rate}/s")
-            outcomes: list[Outcome] = []
-            limiter = trio.CapacityLimiter(MAX_IN_FLIGHT)
-            limits = httpx.Limits(max_connections=MAX_IN_FLIGHT)
-            async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S, limits=limits) as client:
-                start = trio.current_time()
-                async with trio.open_nursery() as requests:
-                    for request in workload:
-                        entry = rng.choice(peers)
-                        await trio.sleep_until(start + request.arrival_s)
+            for _ in range(args.peers - 1):
+                starting.start_soon(spawn_one)
+        ids = {p.peer_id for p in peers}
+        await procs.wait_for(
+            lambda: all(p.known >= ids - {p.peer_id} for p in peers),
+            "every peer knows every other", READY_TIMEOUT_S, poll_s=0.2,
+        )
+        log(f"{policy}: swarm ready; sending {len(workload)} requests at {args.rate}/s")
+        outcomes: list[Outcome] = []
+        limiter = trio.CapacityLimiter(MAX_IN_FLIGHT)
+        limits = httpx.Limits(max_connections=MAX_IN_FLIGHT)
+        async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S, limits=limits) as client:
+            start = trio.current_time()
+            async with trio.open_nursery() as requests:
+                for request in workload:
+                    entry = rng.choice(peers)
+                    await trio.sleep_until(start + request.arrival_s)
 
-                        async def one(request: TokenRequest = request,
-                                      entry: PeerProcess = entry) -> None:
-                            async with limiter:
-                                outcomes.append(await _send(client, entry, request, model_name))
+                    async def one(request: TokenRequest = request,
+                                  entry: PeerProcess = entry) -> None:
+                        async with limiter:
+                            outcomes.append(await _send(client, entry, request, model_name))
 
-                        requests.start_soon(one)
-            row = _summarise(policy, outcomes, peers)
-            if args.outcomes:
-                with open(args.outcomes, "a") as out:
-                    for o in outcomes:
-                        out.write(json.dumps({"policy": policy, **dataclasses.asdict(o)}) + "\n")
-            log(
-                f"{policy}: ok {row['requests_ok']} failed {row['requests_failed']} "
-                f"ttft mean {row['ttft_mean_s']:.3f} s hit ratio {row['hit_ratio']:.3f}"
-            )
-            return row
-        finally:
-            await _stop(peers)
-            nursery.cancel_scope.cancel()
+                    requests.start_soon(one)
+        row = _summarise(policy, outcomes, peers)
+        if args.outcomes:
+            with open(args.outcomes, "a") as out:
+                for o in outcomes:
+                    out.write(json.dumps({"policy": policy, **dataclasses.asdict(o)}) + "\n")
+        log(
+            f"{policy}: ok {row['requests_ok']} failed {row['requests_failed']} "
+            f"ttft mean {row['ttft_mean_s']:.3f} s hit ratio {row['hit_ratio']:.3f}"
+        )
+        return row
 
 
 def add_workload_arguments(p: argparse.ArgumentParser) -> None:
@@ -349,9 +306,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    with open(args.peer_log, "ab") as stderr:
-        args.stderr = stderr
-        result = trio.run(main_async, args)
+    result = trio.run(main_async, args)
     text = json.dumps(result, indent=2)
     with open(args.json, "w") as out:
         out.write(text + "\n")

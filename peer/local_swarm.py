@@ -3,10 +3,8 @@
 Peer 1 starts first (its address bootstraps the rest; on first use it also converts the
 model), then peers 2..N together. Each child is `python -m peer.cli serve --report json
 --exit-with-stdin` with its own identity file and HTTP port in a temporary folder; the
-swarm is ready when every peer has every other peer in its table. Stopping (Ctrl-C,
-SIGTERM, the end of --demo) sends SIGTERM to every child, waits, then SIGKILLs any
-straggler. Children also stop by themselves when this process dies (their stdin closes),
-and they run in their own session, so a terminal's Ctrl-C reaches only this process.
+swarm is ready when every peer has every other peer in its table. peer.processes starts,
+follows and stops the children (Ctrl-C, SIGTERM or the end of --demo stops them all).
 """
 
 from __future__ import annotations
@@ -15,66 +13,34 @@ import argparse
 import json
 import os
 import signal
-import subprocess
 import sys
 import tempfile
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import trio
 
 from peer.config import DEFAULT_CACHE_BYTES, DEFAULT_MODEL, Policy
+from peer.demo_data import DEMO_SUBJECTS, demo_prompts
+from peer.processes import (
+    PeerProcess,
+    PeerProcessError,
+    open_peer_processes,
+    peer_process_environment,
+)
 
 LOCAL_SUMMARY_INTERVAL_S = 1.0  # a few loopback peers: fresher summaries cost little
 MAX_LOCAL_PEERS = 64  # each child holds a model copy: more than this is surely a typo
-STOP_GRACE_S = 10.0  # a peer closes its host and sockets in well under a second
-POLL_S = 0.1  # readiness checks: children report every 0.5 s
-LOG_TAIL_LINES = 25  # of a failed child's stderr, shown to the user
-MAX_REPORT_LINE = 1 << 20  # a child's JSON line; longer means something is broken
 FIRST_USE_NOTE = " (the first use converts the model: ~20 s)"
-DEMO_SUBJECTS = ("world religions", "global facts")  # short 5-shot prompts (~250 tokens)
-DEMO_QUESTIONS_PER_SUBJECT = 3
 DEMO_MAX_TOKENS = 4  # an answer letter and a little more
 DEMO_REQUEST_TIMEOUT_S = 300.0
 
 
 class LocalSwarmError(RuntimeError):
-    """A child peer failed to start; the message carries the end of its log."""
-
-
-@dataclass
-class LocalPeer:
-    """One child process and what it last reported."""
-
-    index: int  # 1-based, as shown to the user
-    process: trio.Process
-    log_path: Path
-    peer_id: str = ""
-    multiaddrs: tuple[str, ...] = ()
-    http: str | None = None
-    known: frozenset[str] = field(default_factory=frozenset)
-
-    @property
-    def pid(self) -> int:
-        return int(self.process.pid)
-
-    def log_tail(self) -> str:
-        try:
-            lines = self.log_path.read_text(errors="replace").splitlines()
-        except OSError:
-            return ""
-        return "\n".join(lines[-LOG_TAIL_LINES:])
-
-    def check_alive(self) -> None:
-        code = self.process.poll()
-        if code is not None:
-            raise LocalSwarmError(
-                f"peer {self.index} exited with status {code}; its log ends with:\n"
-                + self.log_tail()
-            )
+    """A demo request failed."""
 
 
 @dataclass(frozen=True)
@@ -116,70 +82,13 @@ def child_command(
     return cmd
 
 
-async def _follow(peer: LocalPeer) -> None:
-    """Apply the child's JSON reports until its stdout closes."""
-    assert peer.process.stdout is not None
-    buffer = b""
-    async for chunk in peer.process.stdout:
-        buffer += chunk
-        if len(buffer) > MAX_REPORT_LINE:
-            raise LocalSwarmError(f"peer {peer.index} wrote a line over {MAX_REPORT_LINE} bytes")
-        *lines, buffer = buffer.split(b"\n")
-        for line in lines:
-            report = json.loads(line)
-            if report["event"] == "up":
-                peer.peer_id = report["peer_id"]
-                peer.multiaddrs = tuple(report["multiaddrs"])
-                peer.http = report["http"]
-            elif report["event"] == "peers":
-                peer.known = frozenset(report["peer_ids"])
-
-
-async def _wait(peers: Sequence[LocalPeer], ready: Callable[[LocalPeer], bool], what: str,
-                timeout_s: float) -> None:
-    """Poll until `ready` holds for every peer; LocalSwarmError if one dies or time runs out."""
-    with trio.move_on_after(timeout_s):
-        while True:
-            for p in peers:
-                p.check_alive()
-            if all(ready(p) for p in peers):
-                return
-            await trio.sleep(POLL_S)
-    raise LocalSwarmError(f"not within {timeout_s:.0f} s: {what}")
-
-
-async def stop_all(peers: Sequence[LocalPeer], grace_s: float = STOP_GRACE_S) -> None:
-    """SIGTERM every child, wait up to `grace_s`, SIGKILL the rest; every one is reaped."""
-    for p in peers:
-        if p.process.poll() is None:
-            p.process.send_signal(signal.SIGTERM)
-    with trio.move_on_after(grace_s):
-        for p in peers:
-            await p.process.wait()
-    for p in peers:
-        if p.process.poll() is None:
-            p.process.kill()
-            await p.process.wait()
-
-
-def peer_process_environment(peers: int) -> dict[str, str]:
-    """The environment for one of `peers` peer processes on this machine: its share of
-    the cores for torch's intra-op threads.
-
-    Measured here: 4 peer processes with torch's default of 2 OpenMP threads each on 2
-    cores made a tiny-random request ~10x slower (1.3 s instead of 0.12 s) from
-    spin-waiting threads; one thread each removed it."""
-    threads = str(max(1, (os.cpu_count() or 1) // max(1, peers)))
-    return {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
-
-
 @asynccontextmanager
 async def open_local_swarm(
     options: LocalSwarmOptions,
     *,
     workdir: Path | None = None,
     say: Callable[[str], None] = lambda message: None,
-) -> AsyncIterator[list[LocalPeer]]:
+) -> AsyncIterator[list[PeerProcess]]:
     """Start the children, wait until they know each other, yield them; stop all on exit.
 
     Identity keys and logs go to `workdir` (default: a temporary folder, removed after)."""
@@ -190,72 +99,46 @@ async def open_local_swarm(
         return
     n = options.peers
     timeout_s = options.ready_timeout_s
-    peers: list[LocalPeer] = []
-    async with trio.open_nursery() as nursery:
+    async with open_peer_processes() as procs:
 
-        async def spawn(index: int, http: str, bootstrap: Sequence[str]) -> LocalPeer:
-            log_path = workdir / f"peer-{index}.log"
-            with open(log_path, "wb") as log:
-                process = await trio.lowlevel.open_process(
-                    child_command(options, workdir, index, http, bootstrap),
-                    stdin=subprocess.PIPE,
-                    stdout=subprocess.PIPE,
-                    stderr=log,
-                    start_new_session=True,  # Ctrl-C reaches the parent only: it stops them
-                    env=peer_process_environment(n),
-                )
-            peer = LocalPeer(index, process, log_path)
-            peers.append(peer)
-            nursery.start_soon(_follow, peer)
-            return peer
+        async def spawn(index: int, http: str, bootstrap: Sequence[str]) -> PeerProcess:
+            return await procs.start(
+                child_command(options, workdir, index, http, bootstrap),
+                log_path=workdir / f"peer-{index}.log",
+                env=peer_process_environment(n),
+            )
 
+        peers: list[PeerProcess] = []
         try:
             note = FIRST_USE_NOTE if options.model == DEFAULT_MODEL else ""
             say(f"loading model {options.model} on peer 1/{n}{note}...")
             first = await spawn(1, options.http, ())
-            await _wait([first], lambda p: bool(p.peer_id), "peer 1 up", timeout_s)
+            peers.append(first)
+            await procs.wait_for(lambda: bool(first.peer_id), "peer 1 up", timeout_s)
             say(f"peer 1/{n} up: {first.multiaddrs[0]}")
             if n > 1:
                 say(f"loading model on peers 2-{n}/{n}...")
                 for i in range(2, n + 1):
-                    await spawn(i, "127.0.0.1:0", first.multiaddrs[:1])
-                await _wait(peers, lambda p: bool(p.peer_id), "every peer up", timeout_s)
+                    peers.append(await spawn(i, "127.0.0.1:0", first.multiaddrs[:1]))
+                await procs.wait_for(
+                    lambda: all(p.peer_id for p in peers), "every peer up", timeout_s
+                )
                 say(f"{n} peers up; waiting for them to find each other...")
             ids = {p.peer_id for p in peers}
-            await _wait(
-                peers, lambda p: p.known >= ids - {p.peer_id},
+            await procs.wait_for(
+                lambda: all(p.known >= ids - {p.peer_id} for p in peers),
                 "every peer knows every other", timeout_s,
             )
             yield peers
         finally:
-            with trio.CancelScope(shield=True):
-                if peers:
-                    say(f"stopping {len(peers)} peers...")
-                await stop_all(peers)
-            nursery.cancel_scope.cancel()
+            if peers:
+                say(f"stopping {len(peers)} peers...")
 
 
 # -- the demo ----------------------------------------------------------------------------
 
 
-def demo_prompts() -> list[tuple[str, str, str]]:
-    """(subject, 5-shot prompt, correct letter), subjects interleaved so prefixes repeat."""
-    try:
-        from bench import workloads
-    except ImportError:  # a console-script run: the source checkout is not on sys.path
-        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-        from bench import workloads
-    groups = workloads.by_subject(workloads.load_mmlu())
-    per_subject = []
-    for subject in DEMO_SUBJECTS:
-        questions = groups[subject]
-        prompts = workloads.subject_prompts(questions)[:DEMO_QUESTIONS_PER_SUBJECT]
-        answers = [q.answer for q in questions[workloads.NUM_SHOTS:]]
-        per_subject.append([(subject, p, a) for p, a in zip(prompts, answers, strict=False)])
-    return [item for row in zip(*per_subject, strict=True) for item in row]
-
-
-async def run_demo(peers: Sequence[LocalPeer], model: str) -> dict[str, Any]:
+async def run_demo(peers: Sequence[PeerProcess], model: str) -> dict[str, Any]:
     """Send the MMLU questions, entering at each peer in turn; print a line per answer."""
     import httpx
 
@@ -343,7 +226,7 @@ async def run_local(args: argparse.Namespace) -> int:
                         say(f"try: prefixswarm generate 'Hello' --url {first.http}   "
                             f"prefixswarm status --url {first.http}   (Ctrl-C stops)")
                         await trio.sleep_forever()
-            except LocalSwarmError as exc:
+            except (PeerProcessError, LocalSwarmError) as exc:
                 say(str(exc))
                 status = 1
             nursery.cancel_scope.cancel()

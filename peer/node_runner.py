@@ -12,7 +12,7 @@ By default the peer runs a cache-only engine (a radix cache without a model: mem
 and gossip need nothing else); --model loads a real one. --fill-blocks and
 --churn-tokens-per-s give the cache-only engine realistic content for benchmarks.
 
-`spawn_peer_process()` is the parent side: it starts a runner and follows its reports.
+`runner_command()` is its command line for peer.processes, which starts and follows it.
 """
 
 from __future__ import annotations
@@ -23,12 +23,10 @@ import logging
 import random
 import resource
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from functools import partial
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -216,98 +214,9 @@ def main(argv: list[str] | None = None) -> None:
     trio.run(run, args)
 
 
-# -- parent side -------------------------------------------------------------------------
-
-
-@dataclass
-class PeerProcess:
-    """A runner child process and what it last reported on stdout."""
-
-    process: trio.Process
-    up: trio.Event
-    peer_id: str = ""
-    multiaddrs: tuple[str, ...] = ()
-    table: dict[str, Any] | None = None
-    stats: dict[str, Any] | None = None
-    reports: list[dict[str, Any]] = field(default_factory=list)  # table lines, if kept
-    events: list[dict[str, Any]] = field(default_factory=list)  # published/accepted lines
-    down: bool = False
-
-    def known(self) -> set[str]:
-        return set(self.table or {})
-
-    def kill(self) -> None:
-        """SIGKILL: no goodbye, no socket close."""
-        self.process.kill()
-
-
-async def _kill(process: trio.Process) -> None:
-    process.kill()
-
-
-async def spawn_peer_process(
-    nursery: trio.Nursery,
-    args: Sequence[str],
-    *,
-    stderr_path: Path,
-    keep_reports: bool = False,
-    startup_timeout_s: float = 30.0,
-    cwd: Path | None = None,
-) -> PeerProcess:
-    """Start `python -m peer.node_runner ARGS`; return once it printed its address.
-
-    The process belongs to `nursery` and is SIGKILLed when the nursery is cancelled;
-    it also exits by itself when its stdin closes (this process died)."""
-    cmd = [sys.executable, "-m", "peer.node_runner", *args]
-    with open(stderr_path, "ab") as stderr:
-        process: trio.Process = await nursery.start(
-            partial(
-                trio.run_process,
-                cmd,
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=stderr,
-                cwd=cwd,
-                check=False,
-                deliver_cancel=_kill,
-            )
-        )
-    handle = PeerProcess(process=process, up=trio.Event())
-
-    async def follow() -> None:
-        try:
-            await read_reports()
-        finally:
-            handle.up.set()  # wakes the waiter below if the process died first
-
-    async def read_reports() -> None:
-        assert process.stdout is not None
-        buffer = b""
-        async for chunk in process.stdout:
-            buffer += chunk
-            *lines, buffer = buffer.split(b"\n")
-            for line in lines:
-                report = json.loads(line)
-                kind = report["event"]
-                if kind == "up":
-                    handle.peer_id = report["peer_id"]
-                    handle.multiaddrs = tuple(report["multiaddrs"])
-                    handle.up.set()
-                elif kind == "table":
-                    handle.table, handle.stats = report["peers"], report["stats"]
-                    if keep_reports:
-                        handle.reports.append(report)
-                elif kind == "down":
-                    handle.down = True
-                else:
-                    handle.events.append(report)
-
-    nursery.start_soon(follow)
-    with trio.fail_after(startup_timeout_s):
-        await handle.up.wait()
-    if not handle.peer_id:
-        raise RuntimeError(f"runner exited before reporting its address; see {stderr_path}")
-    return handle
+def runner_command(args: Sequence[str]) -> list[str]:
+    """The command line of a runner child (start it with peer.processes)."""
+    return [sys.executable, "-m", "peer.node_runner", *args]
 
 
 if __name__ == "__main__":

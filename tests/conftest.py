@@ -6,9 +6,12 @@ tiny_engine_factory (session) `make(cache_bytes=TINY_CACHE_BYTES, block_size=16,
                     cache_generated=False) -> Engine`: a fresh Engine with its own empty
                     cache, sharing the one tiny model. Engines are cheap: build one per test.
 tiny_engine         (function) `tiny_engine_factory()` with the defaults.
+runners             (function) a peer.processes supervisor for children started from the
+                    repository root; they all stop when the test ends.
 """
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -40,3 +43,11 @@ def tiny_engine_factory(tiny_model):
 @pytest.fixture
 def tiny_engine(tiny_engine_factory):
     return tiny_engine_factory()
+
+
+@pytest.fixture
+async def runners():
+    from peer.processes import open_peer_processes
+
+    async with open_peer_processes(cwd=Path(__file__).resolve().parent.parent) as procs:
+        yield procs

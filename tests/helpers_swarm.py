@@ -11,8 +11,8 @@ import trio
 
 from peer.config import PeerConfig
 from peer.node import Peer, open_peer
-from peer.node_runner import CacheOnlyEngine, PeerProcess
-from peer.node_runner import spawn_peer_process as _spawn
+from peer.node_runner import CacheOnlyEngine, runner_command
+from peer.processes import PeerProcess, PeerProcesses
 
 LOOPBACK = ("/ip4/127.0.0.1/tcp/0",)
 TEST_INTERVAL_S = 0.5  # summaries every 0.5 s keep swarm tests fast (the default is 2 s)
@@ -96,8 +96,14 @@ def everyone_sees_everyone(peers: Sequence[Peer]) -> bool:
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
+RUNNER_STARTUP_S = 30.0  # an interpreter start-up (with torch) on a loaded machine
+
+
 async def spawn_peer_process(
-    nursery: trio.Nursery, args: Sequence[str], *, stderr_path: Path
+    procs: PeerProcesses, args: Sequence[str], *, stderr_path: Path
 ) -> PeerProcess:
-    """A runner process started from the repository root (see peer.node_runner)."""
-    return await _spawn(nursery, args, stderr_path=stderr_path, cwd=REPO_ROOT)
+    """A runner process (see peer.node_runner), once it reported its address. Start
+    `procs` with `open_peer_processes(cwd=REPO_ROOT)`."""
+    proc = await procs.start(runner_command(args), log_path=stderr_path)
+    await proc.wait_up(RUNNER_STARTUP_S)
+    return proc

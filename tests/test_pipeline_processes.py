@@ -18,10 +18,12 @@ FIRST_TOKEN_DEADLINE_S = 2.0
 
 
 @pytest.mark.slow  # one interpreter start-up with torch: ~10 s on a loaded machine
-async def test_a_stalled_peer_is_abandoned_at_the_deadline(nursery, tiny_engine_factory, tmp_path):
+async def test_a_stalled_peer_is_abandoned_at_the_deadline(
+    nursery, runners, tiny_engine_factory, tmp_path
+):
     with trio.fail_after(90):
         stalled = await spawn_peer_process(
-            nursery,
+            runners,
             ["--model", "tiny-random", "--interval", "5", "--report-interval", "0.5"],
             stderr_path=tmp_path / "stderr.log",
         )

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import trio
 
-from tests.helpers_swarm import PeerProcess, spawn_peer_process, wait_until
+from peer.processes import PeerProcess, PeerProcesses
+from tests.helpers_swarm import spawn_peer_process, wait_until
 
 INTERVAL_S = 0.5
 PREFIX_TOKENS = 64  # 4 blocks of 16
@@ -35,17 +36,17 @@ def _args(*, identity: Path, bootstrap: str | None = None, insert: int = 0) -> l
 
 def _complete(procs: list[PeerProcess]) -> bool:
     ids = {p.peer_id for p in procs}
-    return all(p.known() == ids - {p.peer_id} for p in procs)
+    return all(p.known == ids - {p.peer_id} for p in procs)
 
 
 @pytest.mark.slow  # ~20 s on a loaded 2-core machine: 5 interpreter start-ups
 async def test_processes_discover_exchange_expire_and_return(
-    nursery: trio.Nursery, tmp_path: Path
+    runners: PeerProcesses, tmp_path: Path
 ) -> None:
     with trio.fail_after(90):
         log = tmp_path / "stderr.log"
         first = await spawn_peer_process(
-            nursery, _args(identity=tmp_path / "p0.key"), stderr_path=log
+            runners, _args(identity=tmp_path / "p0.key"), stderr_path=log
         )
         boot = first.multiaddrs[0]
         rest: dict[int, PeerProcess] = {}
@@ -56,7 +57,7 @@ async def test_processes_discover_exchange_expire_and_return(
                 bootstrap=boot,
                 insert=PREFIX_TOKENS if i == 1 else 0,
             )
-            rest[i] = await spawn_peer_process(nursery, args, stderr_path=log)
+            rest[i] = await spawn_peer_process(runners, args, stderr_path=log)
 
         async with trio.open_nursery() as starting:  # start the processes in parallel
             for i in range(1, 4):
@@ -77,7 +78,7 @@ async def test_processes_discover_exchange_expire_and_return(
         victim.kill()
         survivors = procs[:3]
         await wait_until(
-            lambda: all(victim_id not in p.known() for p in survivors),
+            lambda: all(victim_id not in p.known for p in survivors),
             timeout_s=3 * INTERVAL_S + 2,
             what="SIGKILLed peer gone from every table",
         )
@@ -86,7 +87,7 @@ async def test_processes_discover_exchange_expire_and_return(
         assert took <= 3 * INTERVAL_S + 1.0  # + report interval and a loaded machine
 
         back = await spawn_peer_process(
-            nursery, _args(identity=tmp_path / "p3.key", bootstrap=boot), stderr_path=log
+            runners, _args(identity=tmp_path / "p3.key", bootstrap=boot), stderr_path=log
         )
         assert back.peer_id == victim_id
         took = await wait_until(

@@ -10,10 +10,8 @@ from collections import Counter
 import pytest
 
 from bench.workloads import (
-    MmluQuestion,
     TokenizedMMLU,
     chat_requests,
-    five_shot_prompt,
     load_tokenized_mmlu,
     mmlu_prompt_parts,
     mmlu_requests,
@@ -22,6 +20,7 @@ from bench.workloads import (
     tokenize_mmlu,
     zipf_weights,
 )
+from peer.demo_data import MmluQuestion, five_shot_prompt
 
 
 def questions(subjects: int = 3, per_subject: int = 9) -> list[MmluQuestion]:

@@ -165,6 +165,11 @@ def _smollm2_tokenizer(folder_cache: Path) -> Any:
     return tok
 
 
+def load_smollm2_tokenizer(cache_folder: Path | None = None) -> Any:
+    """The SmolLM2 tokenizer alone, without a model (workloads tokenize with it)."""
+    return _smollm2_tokenizer(cache_folder or cache_dir())
+
+
 def _tiny_random(folder_cache: Path) -> tuple[Any, Any]:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
