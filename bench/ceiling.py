@@ -30,7 +30,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from bench.swarm import add_workload_arguments, percentile, swarm_workload
+from bench.stats import percentile
+from bench.swarm import add_workload_arguments, swarm_workload
 from bench.workloads import TokenRequest
 from peer.engine.model import TINY_CONFIG, TINY_RANDOM
 from peer.engine.radix import RadixCache

@@ -40,6 +40,7 @@ from typing import Any
 
 import trio
 
+from bench.stats import percentile
 from peer.node_runner import runner_command
 from peer.processes import PeerProcess, open_peer_processes
 
@@ -48,14 +49,6 @@ WARMUP_TIMEOUT_S = 120.0  # 8 interpreters starting at once on 2 busy cores: ~20
 BASELINE_CONNECT_S = 30.0  # see _run_swarm
 SETTLE_S = 3.0  # after the tables filled: let meshes settle before measuring
 REPORT_INTERVAL_S = 1.0  # runner report period: coarse enough to cost little CPU
-
-
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    if not ordered:
-        return float("nan")
-    index = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
-    return ordered[index]
 
 
 def _window(proc: PeerProcess, start: float, end: float) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -162,8 +155,8 @@ def _propagation(procs: list[PeerProcess], start: float, end: float) -> dict[str
     return {
         "summaries": float(len(published)),
         "delivered_fraction": len(delays) / expected if expected else float("nan"),
-        "p50_s": _percentile(delays, 0.50),
-        "p99_s": _percentile(delays, 0.99),
+        "p50_s": percentile(delays, 0.50),
+        "p99_s": percentile(delays, 0.99),
         "max_s": max(delays, default=float("nan")),
     }
 

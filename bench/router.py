@@ -31,11 +31,11 @@ import json
 import os
 import platform
 import random
-import statistics
 import sys
 import time
 from pathlib import Path
 
+from bench.stats import percentile
 from peer.bloom_sizing import summary_bloom
 from peer.config import Policy
 from peer.peer_table import PeerTable
@@ -117,11 +117,10 @@ def measure(
 
 
 def _summary(times: list[float]) -> dict[str, float]:
-    ordered = sorted(times)
     return {
-        "median_us": round(statistics.median(ordered), 1),
-        "p10_us": round(ordered[int(0.10 * (len(ordered) - 1))], 1),
-        "p99_us": round(ordered[int(0.99 * (len(ordered) - 1))], 1),
+        "median_us": round(percentile(times, 0.5), 1),
+        "p10_us": round(percentile(times, 0.10), 1),
+        "p99_us": round(percentile(times, 0.99), 1),
     }
 
 

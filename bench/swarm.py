@@ -33,6 +33,7 @@ from typing import Any
 import httpx
 import trio
 
+from bench.stats import cov, percentile
 from bench.workloads import TokenRequest, load_tokenized_mmlu, mmlu_requests
 from peer.processes import (
     PeerProcess,
@@ -145,19 +146,11 @@ async def _send(
     )
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    """The sample at rank q of `values` (nearest rank below; nan when empty)."""
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
-
-
 def _summarise(policy: str, outcomes: list[Outcome], peers: list[PeerProcess]) -> dict[str, Any]:
     ok = [o for o in outcomes if o.ok]
     ttft = [o.ttft_s for o in ok]
     served = Counter(o.served_by for o in ok)
     per_peer = [served.get(p.peer_id, 0) for p in peers]
-    mean_load = statistics.fmean(per_peer) if per_peer else 0.0
-    cov = statistics.pstdev(per_peer) / mean_load if mean_load else 0.0
     errors = Counter(o.error.split(":")[0] for o in outcomes if not o.ok)
     return {
         "policy": policy,
@@ -173,7 +166,7 @@ def _summarise(policy: str, outcomes: list[Outcome], peers: list[PeerProcess]) -
         ),
         "forwards": sum(o.forwarded for o in ok),
         "per_peer_served": per_peer,
-        "load_cov": cov,
+        "load_cov": cov(per_peer) if per_peer else 0.0,
     }
 
 

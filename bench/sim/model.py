@@ -43,11 +43,9 @@ from bench.sim.params import (
     PROBE_MAX_RTT_FRACTION,
     RunResult,
     SimParams,
-    cov,
-    mean,
-    quantile,
 )
 from bench.sim.summaries import IncrementalBloom
+from bench.stats import cov, mean, percentile
 from bench.workloads import TokenRequest
 from peer.config import SUMMARY_EXPIRY_INTERVALS, Policy
 from peer.engine.radix import EventKind, RadixCache
@@ -552,11 +550,11 @@ class Simulator:
         metrics = {
             "requests": float(len(kept)),
             "ttft_mean_s": mean(ttft),
-            "ttft_p50_s": quantile(ttft, 0.5),
-            "ttft_p99_s": quantile(ttft, 0.99),
+            "ttft_p50_s": percentile(ttft, 0.5),
+            "ttft_p99_s": percentile(ttft, 0.99),
             "e2e_mean_s": mean(e2e),
-            "e2e_p50_s": quantile(e2e, 0.5),
-            "e2e_p99_s": quantile(e2e, 0.99),
+            "e2e_p50_s": percentile(e2e, 0.5),
+            "e2e_p99_s": percentile(e2e, 0.99),
             "hit_ratio": reused / prompt if prompt else 0.0,
             "load_cov": cov(served),
             "max_peer_share": max(served) / max(1, sum(served)),

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -90,29 +89,3 @@ class RunResult:
     e2e_s: list[float]
     served_by: list[int]  # serving peer index per request (all requests)
     completions: list[int]  # times each request completed (conservation check)
-
-
-def mean(xs: Sequence[float]) -> float:
-    return sum(xs) / len(xs) if xs else math.nan
-
-
-def quantile(xs: Sequence[float], q: float) -> float:
-    """The q-quantile by linear interpolation between order statistics."""
-    if not xs:
-        return math.nan
-    s = sorted(xs)
-    pos = q * (len(s) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
-
-
-def cov(xs: Sequence[int]) -> float:
-    """Coefficient of variation (population standard deviation over the mean)."""
-    if not xs:
-        return math.nan
-    mean = sum(xs) / len(xs)
-    if mean == 0:
-        return 0.0
-    var = sum((x - mean) ** 2 for x in xs) / len(xs)
-    return math.sqrt(var) / mean
