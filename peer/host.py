@@ -42,7 +42,6 @@ from peer.config import PeerConfig
 
 logger = logging.getLogger(__name__)
 
-libp2p_fixes.apply()
 
 # Deadlines for remote calls, each with its reason.
 CONNECT_TIMEOUT_S = 5.0  # a loopback/LAN dial takes ~10 ms; a WAN dial + Noise < 1 s
@@ -216,6 +215,7 @@ def _build_host(config: PeerConfig, key_pair: KeyPair) -> tuple[IHost, list[mult
 @asynccontextmanager
 async def open_host(config: PeerConfig) -> AsyncIterator[SwarmHost]:
     """Start a host listening on config.listen_addrs; closed (sockets and all) on exit."""
+    libp2p_fixes.apply()  # process-wide and idempotent; each fix checks its target first
     key_pair = load_or_create_identity(config.identity_file)
     host, listen = _build_host(config, key_pair)
     failed: HostError | None = None
