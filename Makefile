@@ -25,7 +25,10 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/mypy protocols peer/router.py peer/peer_table.py peer/engine/radix.py
+	# protocols/ and every pure core (the strict modules of pyproject.toml's [tool.mypy])
+	$(BIN)/mypy protocols peer/router.py peer/ranking.py peer/peer_table.py peer/config.py \
+		peer/admission.py peer/bloom_sizing.py peer/demo_data.py peer/engine/radix.py \
+		peer/engine/speeds.py
 
 clean-venv:
 	rm -rf $(VENV)
