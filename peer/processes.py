@@ -105,14 +105,14 @@ class PeerProcess:
         """Take one report line into account."""
         kind = report.get("event")
         if kind == "up":
-            self.peer_id = str(report["peer_id"])
-            self.multiaddrs = tuple(report["multiaddrs"])
+            self.peer_id = str(report.get("peer_id", ""))
+            self.multiaddrs = tuple(report.get("multiaddrs", ()))
             self.http = report.get("http")
             self.up.set()
         elif kind == "peers":  # peer.cli serve
-            self.known = frozenset(report["peer_ids"])
+            self.known = frozenset(report.get("peer_ids", ()))
         elif kind == "table":  # peer.node_runner
-            self.table, self.stats = report["peers"], report["stats"]
+            self.table, self.stats = report.get("peers"), report.get("stats")
             self.known = frozenset(self.table or {})
             if self.keep_reports:
                 self.reports.append(dict(report))
@@ -152,9 +152,12 @@ class PeerProcesses:
         log_path: Path | None = None,
         env: Mapping[str, str] | None = None,
         keep_reports: bool = False,
+        on_report: Callable[[dict[str, Any]], None] | None = None,
     ) -> PeerProcess:
         """Start `command`; its stderr is appended to `log_path` (default: discarded).
-        Returns at once: `await proc.wait_up(...)` waits for its address."""
+        Returns at once: `await proc.wait_up(...)` waits for its address. Each JSON line
+        goes to `on_report` if given (a child with reports of its own, which then says
+        when it is up), else to `PeerProcess.apply`."""
         with open(log_path if log_path is not None else os.devnull, "ab") as log:
             process = await trio.lowlevel.open_process(
                 list(command),
@@ -167,7 +170,7 @@ class PeerProcesses:
             )
         proc = PeerProcess(len(self._procs) + 1, process, log_path, keep_reports)
         self._procs.append(proc)
-        self._nursery.start_soon(_follow, proc)
+        self._nursery.start_soon(_follow, proc, on_report or proc.apply)
         return proc
 
     async def wait_for(
@@ -217,8 +220,8 @@ async def open_peer_processes(
             nursery.cancel_scope.cancel()
 
 
-async def _follow(proc: PeerProcess) -> None:
-    """Apply the child's JSON lines until its stdout closes."""
+async def _follow(proc: PeerProcess, apply: Callable[[dict[str, Any]], None]) -> None:
+    """Hand the child's JSON lines to `apply` until its stdout closes."""
     assert proc.process.stdout is not None
     buffer = b""
     try:
@@ -236,6 +239,6 @@ async def _follow(proc: PeerProcess) -> None:
                     logger.debug("peer %d: not a JSON line: %r", proc.index, line[:200])
                     continue
                 if isinstance(report, dict):
-                    proc.apply(report)
+                    apply(report)
     finally:
         proc.up.set()  # wakes wait_up() if the child died first
