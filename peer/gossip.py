@@ -205,11 +205,6 @@ class Gossip:
         finally:
             self._pubsub.remove_topic_validator(self._topic)
 
-    async def publish_now(self) -> None:
-        """Publish a fresh summary at once (tests, and after big local changes)."""
-        self._changed_blocks += self._count_changes()
-        await self._publish(early=True)
-
     # -- publishing -------------------------------------------------------------------
 
     async def _drain(self, subscription: Any) -> None:

@@ -50,10 +50,6 @@ class BlockHasher:
         """The chain's starting value: the 'previous hash' of the first block."""
         return self._seed
 
-    def num_full_blocks(self, num_tokens: int) -> int:
-        """How many full blocks `num_tokens` tokens make."""
-        return num_tokens // self._block_size
-
     def chain(self, tokens: Sequence[int]) -> list[int]:
         """One 64-bit hash per FULL block of `tokens`; a trailing partial block is ignored."""
         bs = self._block_size

@@ -64,12 +64,6 @@ class LoadedModel:
     num_kv_heads: int
     head_dim: int
 
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """Bytes of K and V for one token across all layers, at the model's dtype."""
-        itemsize = int(next(self.model.parameters()).element_size())
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * itemsize
-
 
 def cache_dir() -> Path:
     """Where converted checkpoints live: $PREFIXSWARM_CACHE_DIR or ~/.cache/prefixswarm/models."""
