@@ -125,7 +125,7 @@ class PeerProcess:
 def peer_process_environment(peers: int) -> dict[str, str]:
     """The environment for one of `peers` peer processes on this machine: its share of
     the cores for torch's intra-op threads (default OpenMP threads spin-wait on each
-    other when several peers share few cores; docs/results.md has the measurement)."""
+    other when several peers share few cores; docs/model.md has the measurement)."""
     threads = str(max(1, (os.cpu_count() or 1) // max(1, peers)))
     return {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
 

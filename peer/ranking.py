@@ -21,23 +21,14 @@ tokens and ``n`` new tokens::
 view). The engine shares its compute between running requests, so a prefill delays each
 of them by about its own length: ``(1 + busy)`` charges a miss for its own wait and for
 the wait it imposes. An idle swarm makes it plain completion time; an overloaded one makes
-cache misses expensive, which keeps affinity when capacity is what matters. (Measured in
-the simulator at 16 peers: without it, ``cost`` spread requests to dodge stale queues,
-fell to a 0.43 hit ratio and a 16 s mean TTFT at load 1.5, against 2.1 s for
-``longest_prefix``; with it, 0.77 and 1.26 s.)
+cache misses expensive, which keeps affinity when capacity is what matters.
 
 The copy charge prices what a request costs the caches, not itself. Served where
 ``b - m`` tokens of its prefix are not cached but another peer's are, it writes them into
 this peer's cache as a second copy, evicting about as many tokens of other prefixes from
 a full cache; some later request computes those again. COPY_CHARGE = 1 prices that once,
-in a swarm as busy as now, so ``(1 + busy)`` applies to it too. (Measured in the simulator,
-16 peers, loads 0.25 to 2 under three seeds: with the busy factor on the copy, cost's TTFT
-is 0.69 to 0.99x the best other policy's at every point; without it, 1.056x at load 2.)
-In the real swarm (bench.swarm, 4 tiny-random peers) a hit saves ~10 ms, about what a
-forward costs, so without the charge ``cost`` often served a request where its prefix was
-not. With 2 MB of cache a peer its hit ratio was 0.535 to 0.592 in five runs against
-``longest_prefix``'s 0.616; with the charge, 0.616 (one run). With 1 MB, 0.438 (one run)
-against 0.383 to 0.462 with the charge (five runs; ``longest_prefix`` 0.468 to 0.491).
+in a swarm as busy as now, so ``(1 + busy)`` applies to it too. docs/cost-model.md has
+the measurements behind both terms.
 
 Every speed a peer reports within SPEED_NOISE_FACTOR of ours counts as ours
 (``as_measured_here``). Costs within COST_TIE_FRACTION of the cheapest are a tie, which
@@ -56,7 +47,7 @@ from peer.config import Policy
 # Bounds of the cost model, each with its reason.
 ROUND_TRIPS_PER_FORWARD = 2  # one to negotiate the stream (multistream-select), one request
 SPEED_NOISE_FACTOR = 2.0  # speeds measured on shared or busy CPUs vary ~2x run to run
-#   (notes/model.md): a peer within this factor of ours is as fast as ours, not a reason to forward
+#   (docs/model.md): a peer within this factor of ours is as fast as ours, not a reason to forward
 # Costs this close to the cheapest are a tie: the estimates carry more noise than that
 # (speeds are EWMAs of samples ~2x apart, round trips jitter by a millisecond), and a tie
 # goes to the longest match: serving a prefix where it is cached keeps it in one cache,

@@ -58,7 +58,7 @@ __all__ = [
 
 # Priors and bounds, each with its reason.
 DEFAULT_RTT_PRIOR_S = 0.050  # unmeasured peer: a same-continent WAN round trip; on loopback
-#   (~4 ms measured, notes/libp2p.md) it is pessimistic, so a measured peer beats an unknown one
+#   (~4 ms measured, docs/libp2p.md) it is pessimistic, so a measured peer beats an unknown one
 DEFAULT_PREFILL_TOKENS_PER_S = 500.0  # SmolLM2-135M on 2 CPU cores: ~1 s for 512 tokens
 DEFAULT_DECODE_TOKENS_PER_S = 15.0  # SmolLM2-135M on 2 CPU cores: 60-80 ms a token
 FAILURE_BACKOFF_S = 10.0  # a peer that failed is tried only after the entry peer this long

@@ -32,7 +32,7 @@ class Calibration:
     prefill_s_per_token: float = 1.43e-3
     prefill_s_per_token_ctx: float = 1.23e-6
     decode_s_per_token: float = 0.070
-    source: str = "shared/notes/model.md (SmolLM2-135M, fp32, 2 vCPUs), least-squares fit"
+    source: str = "docs/model.md (SmolLM2-135M, fp32, 2 vCPUs), least-squares fit"
 
     def __post_init__(self) -> None:
         for name in (

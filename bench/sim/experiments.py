@@ -44,7 +44,7 @@ REQUIRED_ROW_KEYS = (
     "experiment", "policy", "peers", "delay_ms", "zipf_s", "load",
     "ttft_mean_s", "ttft_p99_s", "e2e_mean_s", "hit_ratio", "load_cov",
 )  # fmt: skip
-PY_LIBP2P_CPU_S_PER_MESSAGE = 0.007  # notes/libp2p.md: ~7 ms CPU per gossip message received
+PY_LIBP2P_CPU_S_PER_MESSAGE = 0.007  # docs/libp2p.md: ~7 ms CPU per gossip message received
 
 
 @dataclass(frozen=True)
