@@ -10,7 +10,10 @@
   gossip.py       anti-entropy: publish our cache summary, validate and apply others'
   peer_table.py   pure: what this peer believes about the others (summaries, ages, RTTs)
   router.py       pure: routing policies -> ranked candidates with reasons
+  bloom_sizing.py pure: the shape of the Bloom filter a summary carries
   node_runner.py  one peer per process, reporting JSON lines (tests, benchmarks)
+  processes.py    open_peer_processes(): start, follow and stop child peer processes
+  local_swarm.py  `prefixswarm local` (+ demo_data.py: the demo's MMLU prompts)
   engine/         the model, the radix prefix cache and generation (see its __init__)
 
 Nothing is imported here, so importing a pure core does not pull in trio or libp2p.
