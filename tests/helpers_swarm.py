@@ -103,7 +103,7 @@ async def spawn_peer_process(
     procs: PeerProcesses, args: Sequence[str], *, stderr_path: Path
 ) -> PeerProcess:
     """A runner process (see peer.node_runner), once it reported its address. Start
-    `procs` with `open_peer_processes(cwd=REPO_ROOT)`."""
+    `procs` is the `runners` fixture (open_peer_processes from the repository root)."""
     proc = await procs.start(runner_command(args), log_path=stderr_path)
     await proc.wait_up(RUNNER_STARTUP_S)
     return proc
