@@ -28,7 +28,6 @@ from typing import NamedTuple
 
 from peer.config import Policy
 from peer.peer_table import PeerTable
-from peer.trust import TrustLedger
 from peer.ranking import (
     COPY_CHARGE,
     MIN_TOKENS_PER_S,
@@ -46,6 +45,7 @@ from peer.ranking import (
     rank_estimates,
     swarm_busy,
 )
+from peer.trust import TrustLedger
 
 __all__ = [
     "COPY_CHARGE",
