@@ -267,7 +267,7 @@ class Router:
                 healthy.append(candidate)
             else:
                 suspects.append(candidate)
-        if probation:
+        if probation and trust is not None:
             self._admit_probation(trust, probation, healthy, suspects)
         return healthy, suspects
 
