@@ -25,8 +25,8 @@ from peer.peer_table import PeerTable
 from peer.pipeline import Pipeline
 from peer.router import Router
 from peer.trust import TrustLedger
-from protocols.bloom import BloomFilter
 from protocols.blocks import BlockHasher
+from protocols.bloom import BloomFilter
 from protocols.framing import FrameDecoder, encode_frame
 from protocols.infer import FinishReason, InferRequest, InferResult, TokenChunk, parse_request
 from protocols.summary import CacheSummary

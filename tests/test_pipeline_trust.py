@@ -200,7 +200,7 @@ _OOV = _RawChunk()
 
 async def test_unproven_origins_are_never_dialed(autojump_clock):
     swarm = fake_swarm({A: (8, honest()), B: (6, honest())}, PROMPT, rtt_s={A: None})
-    _, result = await collect(swarm.pipeline)
+    await collect(swarm.pipeline)
     assert swarm.host.dialed() == [B]
     assert swarm.pipeline.router.statistics().unproven_skipped == 1
 
