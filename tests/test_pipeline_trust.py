@@ -243,3 +243,28 @@ async def test_without_a_verifier_verification_is_skipped_and_says_so(autojump_c
     stats = swarm.pipeline.statistics()
     assert stats["verification_available"] == 0
     assert stats["responses_unverified"] == 1
+
+
+async def test_swarm_view_shows_each_peers_trust():
+    from types import SimpleNamespace
+
+    from peer.engine.requests import EngineLoad
+    from peer.http import swarm_view
+
+    swarm = fake_swarm({A: (7, honest()), B: (6, honest())}, PROMPT, trusted=False,
+                       probation_requests=3)
+    swarm.trust.quarantine(B, "wrong output: token 2", 0.0)
+    swarm.trust.record_served(A, verified=True)
+    engine = SimpleNamespace(
+        load=lambda: EngineLoad(0, 0, 0.0, 0.0), cache=SimpleNamespace(num_blocks=0,
+        capacity_blocks=1), model_id="m", block_size=4,
+    )
+    peer = SimpleNamespace(
+        engine=engine, table=swarm.table, serving=SimpleNamespace(trust=swarm.trust),
+        peer_id=SELF, multiaddrs=[], config=SimpleNamespace(policy=SimpleNamespace(value="cost")),
+    )
+    view = {p["peer_id"]: p["trust"] for p in swarm_view(peer)["peers"]}
+    assert view[A] == {"state": "probation", "reason": "new identity", "verified": 1,
+                       "served": 1, "discount": 1.0, "claims": "believed"}
+    assert view[B]["state"] == "quarantined" and view[B]["reason"] == "wrong output: token 2"
+    assert view[B]["discount"] == 0.0
