@@ -1,9 +1,9 @@
 """The libp2p host: persisted ed25519 identity, Noise, yamux, TCP listen; a small wrapper.
 
-This is the only module (with peer/libp2p_fixes.py, the process-wide fixes it applies
-on import) that knows py-libp2p internals. Every workaround for a py-libp2p 0.8.1
+This is the only module (with peer/libp2p_fixes.py, the process-wide fixes `open_host`
+applies) that knows py-libp2p internals. Every workaround for a py-libp2p 0.8.1
 problem is in the two, each marked `WORKAROUND(n)` with n the number in
-/work/shared/notes/libp2p.md (or a name, for problems found here).
+docs/libp2p.md (or a name, for problems found here).
 """
 
 from __future__ import annotations
