@@ -268,3 +268,41 @@ async def test_swarm_view_shows_each_peers_trust():
                        "served": 1, "discount": 1.0, "claims": "believed"}
     assert view[B]["state"] == "quarantined" and view[B]["reason"] == "wrong output: token 2"
     assert view[B]["discount"] == 0.0
+
+
+async def test_quarantine_is_persisted_next_to_the_identity_and_reloaded(
+    tmp_path, autojump_clock
+):
+    import json
+
+    from peer.serving import Serving
+    from tests.fake_host import FakeEngine, fake_config, fake_peers
+
+    config = fake_config(identity_file=tmp_path / "identity.key", verify_fraction=1.0,
+                         probation_requests=0)
+    engine = FakeEngine()
+    table, host = fake_peers({A: (7, wrong)}, PROMPT, engine)
+    serving = Serving(config=config, engine=engine, table=table, host=host, self_id=SELF)
+    result = await serving.generate(PROMPT, PARAMS)
+    assert list(result.token_ids) == GOOD
+    saved = json.loads((tmp_path / "quarantine.json").read_text())
+    assert [r["peer_id"] for r in saved["quarantined"]] == [A]
+    assert saved["quarantined"][0]["reason"].startswith("wrong output")
+
+    # A restart: the new ledger loads the file; A is never dialed again.
+    table, host = fake_peers({A: (7, honest())}, PROMPT, engine)
+    restarted = Serving(config=config, engine=engine, table=table, host=host, self_id=SELF)
+    assert not restarted.trust.routable(A)
+    await restarted.generate(PROMPT, PARAMS)
+    assert host.dials == []
+    assert restarted.statistics()["trust"]["peers_quarantined"] == 1
+
+
+async def test_an_unreadable_quarantine_file_is_a_clear_error(tmp_path):
+    from peer.serving import Serving
+    from tests.fake_host import FakeEngine, FakeHost, fake_config
+
+    (tmp_path / "quarantine.json").write_text("{not json")
+    config = fake_config(identity_file=tmp_path / "identity.key")
+    with pytest.raises(ValueError, match="quarantine file"):
+        Serving(config=config, engine=FakeEngine(), table=None, host=FakeHost(), self_id=SELF)
