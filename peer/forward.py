@@ -48,6 +48,14 @@ class Faulty(AttemptFailed):
         super().__init__("failed", detail)
 
 
+class MovedOn(AttemptFailed):
+    """The peer failed for another request while this one waited on its first token:
+    already recorded once, not a second failure."""
+
+    def __init__(self) -> None:
+        super().__init__("stalled", "failed meanwhile for a concurrent request")
+
+
 class LocalAttempt:
     """The request on this peer's own engine, through the shared engine admission."""
 

@@ -40,7 +40,7 @@ from peer.admission import Admission, Overloaded
 from peer.config import PeerConfig
 from peer.engine.engine import EngineError, SamplingParams
 from peer.engine.requests import StopTracker
-from peer.forward import AttemptFailed, Faulty, LocalAttempt, RemoteAttempt
+from peer.forward import AttemptFailed, Faulty, LocalAttempt, MovedOn, RemoteAttempt
 from peer.race import AnyAttempt, Race, Racer
 from peer.router import Candidate, LocalState, Router
 from peer.trust import Promote, Quarantine, TrustLedger
@@ -48,6 +48,11 @@ from protocols.infer import MAX_DEADLINE_S, InferRequest
 
 logger = logging.getLogger(__name__)
 ROUTE_LOG_CANDIDATES = 3  # the candidates a DEBUG log line explains, best first
+# A forward's speeds are observed (they cap what the peer advertises) only when compute
+# dominates the round trips and overheads in its timing: a cache hit that computes 3
+# tokens in 10 ms says nothing of the peer's prefill speed.
+MIN_OBSERVED_PREFILL_TOKENS = 64
+MIN_OBSERVED_DECODE_TOKENS = 8
 
 
 
@@ -434,10 +439,11 @@ class Pipeline:
         prefill = decode = None
         if attempt.sent_at is not None and attempt.first_at is not None and cached is not None:
             ttft = attempt.first_at - attempt.sent_at
-            if ttft > 0 and len(prompt) > cached:
+            if ttft > 0 and len(prompt) - cached >= MIN_OBSERVED_PREFILL_TOKENS:
                 prefill = (len(prompt) - cached) / ttft
         produced = len(progress.generated) - before
-        if attempt.first_at is not None and attempt.last_at is not None and produced > 1:
+        if (attempt.first_at is not None and attempt.last_at is not None
+                and produced >= MIN_OBSERVED_DECODE_TOKENS):
             span = attempt.last_at - attempt.first_at
             decode = (produced - 1) / span if span > 0 else None
         self.trust.record_speeds(peer_id, prefill, decode)
@@ -455,7 +461,8 @@ class Pipeline:
         peer_id = candidate.peer_id
         route.append(Attempt(peer_id, candidate.is_local, outcome, str(exc), produced))
         self.stats[f"attempt_{outcome.value}"] += 1
-        self.router.record_outcome(peer_id, False, trio.current_time())
+        if not isinstance(exc, MovedOn):  # that failure was recorded when it happened
+            self.router.record_outcome(peer_id, False, trio.current_time())
         if isinstance(exc, Faulty):
             self._quarantine(peer_id, str(exc))
         if outcome is not Outcome.REFUSED and not candidate.is_local:

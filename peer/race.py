@@ -23,7 +23,7 @@ from typing import Any
 import trio
 
 from peer.config import PeerConfig
-from peer.forward import AttemptFailed, LocalAttempt, RemoteAttempt
+from peer.forward import AttemptFailed, LocalAttempt, MovedOn, RemoteAttempt
 from peer.router import Candidate
 from peer.trust import TrustLedger
 
@@ -159,7 +159,7 @@ class Race:
                 with waiter:
                     await attempt.open()
             if waiter.cancelled_caught:
-                raise AttemptFailed("stalled", "failed meanwhile for a concurrent request")
+                raise MovedOn
             if timer.cancelled_caught:
                 raise AttemptFailed("stalled", f"no first token in {timeout:.3f} s")
         except AttemptFailed as exc:

@@ -126,6 +126,17 @@ async def test_a_failure_is_seen_by_concurrent_requests_at_once(autojump_clock):
     assert results["second"].ttft_s == pytest.approx(0.11)  # not the 1 s deadline
     assert swarm.host.dials[4] == (0.4, B)
     assert [a.peer_id for a in results["third"].route] == [B]
+    assert swarm.pipeline.router.backoff_s(A) == 10.0  # one failure, recorded once
+
+
+async def test_speeds_observed_on_a_forward_cap_the_advertised_ones(autojump_clock):
+    prompt = list(range(100, 300))  # 200 tokens, none cached there: compute dominates
+    swarm = fake_swarm({A: (1, honest(ttft_s=0.5, gap_s=0.1))}, prompt)
+    await collect(swarm.pipeline, SamplingParams(max_new_tokens=10), prompt)
+    view = swarm.trust.view(A)
+    assert view.observed_prefill_tokens_per_s == pytest.approx(200 / 0.5)
+    assert view.observed_decode_tokens_per_s == pytest.approx(9 / 0.9)
+    assert swarm.trust.cap_speeds(A, 1e9, 1e9, 1.0, 1.0) == pytest.approx((800.0, 20.0))
 
 
 async def test_wrong_tokens_are_caught_at_fraction_one_and_never_delivered(autojump_clock):
