@@ -196,8 +196,12 @@ class Pipeline:
         *,
         request_id: str | None = None,
         timeout_s: float | None = None,
+        cache_salt: bytes | None = None,
     ) -> AsyncGenerator[GenerationChunk | GenerationResult, None]:
         """Chunks as tokens arrive, then one GenerationResult.
+
+        With `cache_salt` the request is private: served here only (never forwarded, so
+        its prompt and salt stay on this peer), over this peer's blocks of the same salt.
 
         Raises InvalidRequest (bad input, before anything runs), Overloaded (this peer
         holds too many requests), DeadlineExceeded or RequestFailed.
@@ -216,6 +220,8 @@ class Pipeline:
             progress = _Progress(StopTracker(_Detokenizer(self._engine), params.stop))
             route: list[Attempt] = []
             pending = deque(self._rank(tokens, params, start))
+            if cache_salt is not None:
+                pending = deque(c for c in pending if c.is_local)
             while pending:
                 remaining = params.max_new_tokens - len(progress.generated)
                 if remaining <= 0:  # the stream broke after the last token, before the result
@@ -226,7 +232,8 @@ class Pipeline:
                 sub_params = replace(params, max_new_tokens=remaining)
                 prompt = tokens + progress.generated
                 racer = await self.race.run(
-                    pending, prompt, sub_params, request_id, deadline, route
+                    pending, prompt, sub_params, request_id, deadline, route,
+                    cache_salt=cache_salt,
                 )
                 if racer is None:
                     continue
@@ -323,9 +330,10 @@ class Pipeline:
         params: SamplingParams,
         request_id: str,
         deadline: float,
+        cache_salt: bytes | None = None,
     ) -> AnyAttempt:
         if candidate.is_local:
-            return LocalAttempt(self._engine, self._admission, prompt, params)
+            return LocalAttempt(self._engine, self._admission, prompt, params, cache_salt)
         try:
             request = InferRequest(
                 request_id=request_id,

@@ -60,7 +60,7 @@ class Race:
         trust: TrustLedger,
         rng: random.Random,
         stats: Counter[str],
-        make_attempt: Callable[[Candidate, list[int], Any, str, float], AnyAttempt],
+        make_attempt: Callable[..., AnyAttempt],
         on_failed: Callable[[Candidate, AttemptFailed, list[Any]], None],
     ) -> None:
         self._config = config
@@ -100,8 +100,10 @@ class Race:
         request_id: str,
         deadline: float,
         route: list[Any],
+        **attempt_options: Any,
     ) -> Racer | None:
-        """Start candidates from ``pending``, hedging, until one has a first token."""
+        """Start candidates from ``pending``, hedging, until one has a first token.
+        ``attempt_options`` go to ``make_attempt``."""
         winner: list[Racer] = []
         running: list[Racer] = []
         wake = [trio.Event()]  # set when a racer fails: the next one starts at once
@@ -120,7 +122,9 @@ class Race:
                 if not candidate.is_local and left < MIN_FORWARD_BUDGET_S:
                     continue
                 try:
-                    attempt = self._make_attempt(candidate, prompt, params, request_id, deadline)
+                    attempt = self._make_attempt(
+                        candidate, prompt, params, request_id, deadline, **attempt_options
+                    )
                 except AttemptFailed as exc:
                     self._on_failed(candidate, exc, route)
                     continue

@@ -13,6 +13,7 @@ from tests.fake_host import (
     SELF,
     STALL,
     CacheOnlyVerifier,
+    FakeEngine,
     Step,
     answer,
     fake_swarm,
@@ -317,3 +318,17 @@ async def test_an_unreadable_quarantine_file_is_a_clear_error(tmp_path):
     config = fake_config(identity_file=tmp_path / "identity.key")
     with pytest.raises(ValueError, match="quarantine file"):
         Serving(config=config, engine=FakeEngine(), table=None, host=FakeHost(), self_id=SELF)
+
+
+async def test_a_private_request_is_never_forwarded(autojump_clock):
+    salts = []
+
+    class SaltedEngine(FakeEngine):
+        def stream(self, prompt, params, cache_salt=None):
+            salts.append(cache_salt)
+            return super().stream(prompt, params)
+
+    swarm = fake_swarm({A: (7, honest())}, PROMPT, engine=SaltedEngine())
+    items = [i async for i in swarm.pipeline.stream(PROMPT, PARAMS, cache_salt=b"salt")]
+    assert swarm.host.dials == [] and salts == [b"salt"]
+    assert list(items[-1].token_ids) == GOOD
