@@ -222,12 +222,12 @@ class Pipeline:
             pending = deque(self._rank(tokens, params, start))
             if cache_salt is not None:
                 pending = deque(c for c in pending if c.is_local)
-            while pending:
+            while True:
                 remaining = params.max_new_tokens - len(progress.generated)
                 if remaining <= 0:  # the stream broke after the last token, before the result
                     yield self._result(request_id, tokens, progress, "length", start, route)
                     return
-                if deadline - trio.current_time() <= 0:
+                if not pending or deadline - trio.current_time() <= 0:
                     break
                 sub_params = replace(params, max_new_tokens=remaining)
                 prompt = tokens + progress.generated

@@ -332,3 +332,14 @@ async def test_a_private_request_is_never_forwarded(autojump_clock):
     items = [i async for i in swarm.pipeline.stream(PROMPT, PARAMS, cache_salt=b"salt")]
     assert swarm.host.dials == [] and salts == [b"salt"]
     assert list(items[-1].token_ids) == GOOD
+
+
+async def test_all_tokens_before_a_fault_complete_the_request(autojump_clock):
+    def one_too_many(request):
+        return answer(request, reference(request.prompt_token_ids, request.max_new_tokens + 1))
+
+    swarm = fake_swarm({A: (7, one_too_many)}, PROMPT, engine=FakeEngine(ttft_s=100.0))
+    _, result = await collect(swarm.pipeline)
+    assert list(result.token_ids) == GOOD and result.finish_reason == "length"
+    assert route(result) == [(A, Outcome.HANDED_OVER)]  # this peer never had to run it
+    assert not swarm.trust.routable(A)
