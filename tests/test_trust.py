@@ -143,3 +143,13 @@ def test_records_are_bounded():
 def test_bad_fraction_is_rejected(bad):
     with pytest.raises(ValueError):
         TrustLedger(verify_fraction=bad)
+
+
+@given(st.integers(1, 10), st.integers(1, 200))
+@settings(max_examples=100, deadline=None)
+def test_probation_turns_are_at_most_one_in_any_n_consecutive_requests(share, requests):
+    ledger = TrustLedger(probation_share=share)
+    turns = [ledger.probation_turn() for _ in range(requests)]
+    for i in range(len(turns)):
+        assert sum(turns[i : i + share]) <= 1
+    assert sum(turns) == -(-requests // share)  # and exactly that many
