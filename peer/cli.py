@@ -218,7 +218,7 @@ def _address(addrs: list[str]) -> str:
 def format_status(view: dict[str, Any]) -> str:
     """The /v1/swarm object as a readable table: this peer first, then the others."""
     me = view["self"]
-    header = ["PEER", "ADDRESS", "RTT", "LOAD", "CACHED BLOCKS", "SUMMARY AGE"]
+    header = ["PEER", "ADDRESS", "RTT", "LOAD", "CACHED BLOCKS", "SUMMARY AGE", "TRUST"]
     rows = [header]
 
     def load(p: dict[str, Any]) -> str:
@@ -226,13 +226,14 @@ def format_status(view: dict[str, Any]) -> str:
 
     rows.append(
         [me["peer_id"] + " (this)", _address(me["addrs"]), "-", load(me),
-         f"{me['cached_blocks']}/{me['capacity_blocks']}", "-"]
+         f"{me['cached_blocks']}/{me['capacity_blocks']}", "-", "-"]
     )
     for p in view["peers"]:
         rtt = "?" if p["rtt_s"] is None else f"{p['rtt_s'] * 1000:.1f} ms"
         rows.append(
             [p["peer_id"], _address(p["addrs"]), rtt, load(p),
-             f"~{p['cached_blocks']}/{p['capacity_blocks']}", f"{p['summary_age_s']:.1f} s"]
+             f"~{p['cached_blocks']}/{p['capacity_blocks']}", f"{p['summary_age_s']:.1f} s",
+             (p.get("trust") or {}).get("state", "-")]
         )
     title = f"model {me['model']}, policy {me['policy']}, {len(view['peers']) + 1} peers"
     return title + "\n" + _table(rows)
