@@ -11,7 +11,7 @@ import trio
 
 from peer.engine.engine import Completion, SamplingParams, TokenEvent
 from peer.pipeline import GenerationChunk, Outcome
-from tests.test_pipeline import claim_prefix, config, reference, start_swarm, tokens
+from tests.test_pipeline import claim_prefix, reference, start_swarm, tokens
 
 
 class WrongEngine:
