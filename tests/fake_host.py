@@ -235,28 +235,14 @@ class Swarm:
     trust: TrustLedger
 
 
-def fake_swarm(
+def fake_peers(
     peers: dict[str, tuple[int, Script]],
     prompt: Sequence[int],
-    *,
-    engine: FakeEngine | None = None,
+    engine: FakeEngine,
     rtt_s: dict[str, float | None] | None = None,
-    trusted: bool = True,
-    **config: Any,
-) -> Swarm:
-    """A pipeline whose table holds ``peers`` (id -> (blocks of ``prompt`` it claims, its
-    script)), ordered by LONGEST_PREFIX: the longest claim first, this peer last."""
-    engine = engine or FakeEngine()
-    fields: dict[str, Any] = dict(
-        identity_file=None, policy=Policy.LONGEST_PREFIX, verify_fraction=0.0,
-        first_token_floor_s=1.0, first_token_multiple=4.0, hedge_multiple=0.0,
-    )
-    fields.update(config)
-    cfg = PeerConfig(**fields)
-    trust = TrustLedger(
-        verify_fraction=cfg.verify_fraction, probation_requests=cfg.probation_requests,
-        probation_share=cfg.probation_share, can_verify=callable(getattr(engine, "verify", None)),
-    )
+) -> tuple[PeerTable, FakeHost]:
+    """A table holding ``peers`` (id -> (blocks of ``prompt`` it claims, its script)),
+    each with a measured round trip unless ``rtt_s`` says None, and a host playing them."""
     table = PeerTable(SELF, MODEL, BLOCK, expiry_s=1e9)
     chain = engine.hasher.chain(prompt)
     host = FakeHost()
@@ -266,7 +252,39 @@ def fake_swarm(
         if rtt is not None:
             table.record_rtt(peer_id, rtt, 0.0)
         host.scripts[peer_id] = script
-        if trusted:
+    return table, host
+
+
+def fake_config(**overrides: Any) -> PeerConfig:
+    """LONGEST_PREFIX (the longest claim first, this peer last), no verification, no
+    hedging, a 1 s first-token floor: each test turns on what it tests."""
+    fields: dict[str, Any] = dict(
+        identity_file=None, policy=Policy.LONGEST_PREFIX, verify_fraction=0.0,
+        first_token_floor_s=1.0, first_token_multiple=4.0, hedge_multiple=0.0,
+    )
+    fields.update(overrides)
+    return PeerConfig(**fields)
+
+
+def fake_swarm(
+    peers: dict[str, tuple[int, Script]],
+    prompt: Sequence[int],
+    *,
+    engine: FakeEngine | None = None,
+    rtt_s: dict[str, float | None] | None = None,
+    trusted: bool = True,
+    **config: Any,
+) -> Swarm:
+    """A pipeline over `fake_peers`; ``trusted``: the peers passed probation already."""
+    engine = engine or FakeEngine()
+    cfg = fake_config(**config)
+    trust = TrustLedger(
+        verify_fraction=cfg.verify_fraction, probation_requests=cfg.probation_requests,
+        probation_share=cfg.probation_share, can_verify=callable(getattr(engine, "verify", None)),
+    )
+    table, host = fake_peers(peers, prompt, engine, rtt_s)
+    if trusted:
+        for peer_id in peers:
             for _ in range(cfg.probation_requests):
                 trust.record_served(peer_id, verified=True)
     router = Router(cfg.policy, random.Random(0), block_size=BLOCK, trust=trust, require_rtt=True)
