@@ -78,6 +78,7 @@ class Attempt:
     outcome: Outcome
     detail: str
     tokens: int  # tokens this attempt contributed
+    reason: str = ""  # the router's account of why it was a candidate (Candidate.reason)
 
 
 @dataclass(frozen=True)
@@ -214,6 +215,7 @@ class Pipeline:
                             Outcome.OK,
                             "",
                             len(progress.generated) - before,
+                            candidate.reason,
                         )
                     )
                     self.stats["served_local" if candidate.is_local else "served_remote"] += 1
@@ -226,7 +228,10 @@ class Pipeline:
                     outcome = Outcome.HANDED_OVER if produced else exc.outcome
                     progress.handovers += bool(produced)
                     route.append(
-                        Attempt(candidate.peer_id, candidate.is_local, outcome, str(exc), produced)
+                        Attempt(
+                            candidate.peer_id, candidate.is_local, outcome, str(exc), produced,
+                            candidate.reason,
+                        )
                     )
                     self.stats[f"attempt_{outcome.value}"] += 1
                     self.router.record_outcome(candidate.peer_id, False, trio.current_time())

@@ -2,23 +2,32 @@
 
 One `Admission` bounds the local engine's queue for requests from anywhere; the
 `InferenceService` answers forwarded requests; the `Pipeline` routes this peer's own
-requests through the `Router`. `Peer.generate()` and the HTTP API call `Serving`.
+requests through the `Router`; the `RequestLog` keeps the last ones that ended, with
+their routes. `Peer.generate()` and the HTTP API call `Serving`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import random
+import uuid
 from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
 import trio
 
-from peer.admission import Admission
+from peer.admission import Admission, Overloaded
 from peer.config import PeerConfig
-from peer.engine.engine import SamplingParams
+from peer.engine.engine import InvalidRequest, SamplingParams
 from peer.inference import InferenceService
-from peer.pipeline import GenerationChunk, GenerationResult, Pipeline
+from peer.pipeline import (
+    DeadlineExceeded,
+    GenerationChunk,
+    GenerationResult,
+    Pipeline,
+    RequestFailed,
+)
+from peer.request_log import RequestLog, RequestOutcome, RequestRecord, route_of
 from peer.router import Router
 
 Prompt = str | Sequence[dict[str, str]] | Sequence[int]
@@ -55,6 +64,7 @@ class Serving:
             admission=self.admission,
             self_id=self_id,
         )
+        self.requests = RequestLog()
 
     async def serve(self, libp2p_host: Any, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Answer forwarded requests until cancelled."""
@@ -72,18 +82,55 @@ class Serving:
     async def stream(
         self, prompt: Prompt, params: SamplingParams | None = None, **kwargs: Any
     ) -> AsyncGenerator[GenerationChunk | GenerationResult, None]:
-        """Chunks as they are generated, then the GenerationResult (see Pipeline.stream)."""
+        """Chunks as they are generated, then the GenerationResult (see Pipeline.stream).
+
+        Every request that gets past validation ends in `self.requests`."""
         tokens = self.encode(prompt)
-        agen = self.pipeline.stream(tokens, params or SamplingParams(), **kwargs)
-        async with contextlib.aclosing(agen):
-            async for item in agen:
-                yield item
+        request_id = kwargs.pop("request_id", None) or uuid.uuid4().hex
+        agen = self.pipeline.stream(
+            tokens, params or SamplingParams(), request_id=request_id, **kwargs
+        )
+        ended = False
+        try:
+            async with contextlib.aclosing(agen):
+                async for item in agen:
+                    if isinstance(item, GenerationResult):
+                        self.requests.record(_ok_record(item, trio.current_time()))
+                        ended = True
+                    yield item
+        except InvalidRequest:
+            ended = True  # bad input: nothing was routed, nothing to show
+            raise
+        except (RequestFailed, Overloaded) as exc:
+            outcome = (
+                RequestOutcome.DEADLINE if isinstance(exc, DeadlineExceeded)
+                else RequestOutcome.FAILED if isinstance(exc, RequestFailed)
+                else RequestOutcome.OVERLOADED
+            )
+            ended = True
+            self.requests.record(
+                RequestRecord(
+                    request_id, trio.current_time(), outcome, len(tokens),
+                    route=route_of(getattr(exc, "attempts", ())), error=str(exc),
+                )
+            )
+            raise
+        finally:
+            if not ended:  # cancelled, or closed by its consumer before the end
+                self.requests.record(
+                    RequestRecord(
+                        request_id, trio.current_time(), RequestOutcome.CANCELLED, len(tokens)
+                    )
+                )
 
     async def generate(
         self, prompt: Prompt, params: SamplingParams | None = None, **kwargs: Any
     ) -> GenerationResult:
-        tokens = self.encode(prompt)
-        return await self.pipeline.generate(tokens, params or SamplingParams(), **kwargs)
+        async with contextlib.aclosing(self.stream(prompt, params, **kwargs)) as items:
+            async for item in items:
+                if isinstance(item, GenerationResult):
+                    return item
+        raise RuntimeError("pipeline ended without a result")  # unreachable by construction
 
     def statistics(self) -> dict[str, Any]:
         return {
@@ -91,4 +138,20 @@ class Serving:
             "pipeline": self.pipeline.statistics(),
             "inference": self.inference.statistics(),
             "router": self.router.statistics()._asdict(),
+            "requests": self.requests.statistics(),
         }
+
+
+def _ok_record(result: GenerationResult, now: float) -> RequestRecord:
+    return RequestRecord(
+        request_id=result.request_id,
+        ended_at=now,
+        outcome=RequestOutcome.OK,
+        prompt_tokens=result.prompt_tokens,
+        cached_tokens=result.cached_tokens,
+        completion_tokens=result.completion_tokens,
+        ttft_s=result.ttft_s,
+        total_s=result.total_s,
+        served_by=result.served_by,
+        route=route_of(result.route),
+    )

@@ -1,0 +1,104 @@
+"""Routes of the peer's page: `/`, its assets under `/web/`, and `/v1/requests`.
+
+The page polls `/v1/swarm` (the table) and `/v1/requests` (this peer's counters and its
+RequestLog); it talks to the OpenAI endpoints for its prompt box. Assets are read once,
+from the package, and served from a fixed list: no path from a request reaches the disk.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from importlib import resources
+from typing import Any
+
+import trio
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+ASSETS = {  # name -> media type; the only files served
+    "index.html": "text/html; charset=utf-8",
+    "app.js": "text/javascript; charset=utf-8",
+    "style.css": "text/css; charset=utf-8",
+}
+# The page loads only its own files and talks only to its own peer.
+PAGE_HEADERS = {
+    "content-security-policy": (
+        "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
+        "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+    ),
+    "x-content-type-options": "nosniff",
+    "referrer-policy": "no-referrer",
+    "cache-control": "no-cache",
+}
+
+
+@cache
+def asset(name: str) -> bytes:
+    """The bytes of one of ASSETS (KeyError for any other name)."""
+    if name not in ASSETS:
+        raise KeyError(name)
+    return resources.files(__package__).joinpath(name).read_bytes()
+
+
+def _asset_response(name: str) -> Response:
+    return Response(asset(name), media_type=ASSETS[name], headers=PAGE_HEADERS)
+
+
+async def index(request: Request) -> Response:
+    return _asset_response("index.html")
+
+
+async def web_asset(request: Request) -> Response:
+    name = request.path_params["name"]
+    if name not in ASSETS or name == "index.html":
+        return JSONResponse(
+            {"error": {"message": f"no such file: /web/{name}", "type": "invalid_request_error",
+                       "param": None, "code": "not_found"}},
+            status_code=404,
+        )
+    return _asset_response(name)
+
+
+def activity_view(peer: Any) -> dict[str, Any]:
+    """This peer's request counters, its engine's prefix hits, and its recent requests."""
+    stats = peer.statistics()
+    serving = stats.get("serving") or {}
+    pipeline = serving.get("pipeline") or {}
+    inference = serving.get("inference") or {}
+    engine = stats.get("engine") or {}
+    prompt = int(engine.get("prompt_tokens", 0))
+    cached = int(engine.get("cached_tokens", 0))
+    log = getattr(peer.serving, "requests", None)
+    return {
+        "peer_id": peer.peer_id,
+        "summary_interval_s": peer.config.summary_interval_s,
+        "summary_expiry_s": peer.config.summary_expiry_s,  # silent this long: gone
+        "requests": {
+            "entered": int(pipeline.get("requests", 0)),  # clients' requests entering here
+            "served_here": int(pipeline.get("served_local", 0)),
+            "forwarded": int(pipeline.get("served_remote", 0)),  # ...completed elsewhere
+            "served_for_others": int(inference.get("ok", 0)),  # other entries' requests
+            "by_outcome": serving.get("requests") or {},
+        },
+        "engine": {
+            "prompt_tokens": prompt,
+            "cached_tokens": cached,
+            "hit_ratio": cached / prompt if prompt else None,
+        },
+        "recent": log.as_json(trio.current_time()) if log is not None else [],
+    }
+
+
+def page_routes(api: Any) -> list[Route]:
+    """The page's routes for an HttpApi (`api.peer`, `api.metrics`)."""
+
+    async def requests(request: Request) -> JSONResponse:
+        api.metrics.record_request("requests", 200)
+        return JSONResponse(activity_view(api.peer))
+
+    return [
+        Route("/", index, methods=["GET"]),
+        Route("/web/{name}", web_asset, methods=["GET"]),
+        Route("/v1/requests", requests, methods=["GET"]),
+    ]
