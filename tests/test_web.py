@@ -25,7 +25,7 @@ async def test_the_page_and_its_files_are_served_with_a_strict_policy(
         assert page.status_code == 200
         assert page.headers["content-type"].startswith("text/html")
         assert "script-src 'self'" in page.headers["content-security-policy"]
-        for src in ("/web/app.js", "/web/style.css"):
+        for src in ("/web/app.js", "/web/style.css", "/web/icon.svg"):
             assert src in page.text
             asset = await http.get(src)
             assert asset.status_code == 200 and asset.content

@@ -79,14 +79,12 @@ function addrOf(p) {
   return addrs[0].replace(/\/p2p\/[^/]+$/, '') + (addrs.length > 1 ? ` (+${addrs.length - 1})` : '');
 }
 
-// Direct or relayed: the `relayed` field or reachability when the peer reports one,
-// else a /p2p-circuit address says relayed.
+// Direct or relayed: the `link` the peer reports ('direct', 'relayed' or null: not
+// connected now) when it does, else a /p2p-circuit address says relayed.
 function pathOf(p) {
+  if (p.isSelf) return p.reachability ? 'reachability: ' + describe(p.reachability) : '-';
+  if ('link' in p) return p.link || 'not connected';
   if (typeof p.relayed === 'boolean') return p.relayed ? 'relayed' : 'direct';
-  const reach = p.reachability;
-  if (reach && typeof reach === 'object' && typeof reach.relayed === 'boolean') {
-    return reach.relayed ? 'relayed' : 'direct';
-  }
   const addrs = p.addrs || [];
   if (!addrs.length) return '-';
   return addrs.every((a) => a.includes('/p2p-circuit')) ? 'relayed' : 'direct';
@@ -104,11 +102,17 @@ function describe(v) {
   return [head, ...rest].filter((x) => x !== undefined && x !== '').join('; ') || '-';
 }
 
+// The trust ledger's view of a peer: {state, reason, verified, served, discount, claims}.
 function trustOf(p) {
   const t = p.trust;
-  if (t === undefined || t === null) return { text: '-', state: '' };
-  if (typeof t !== 'object') return { text: String(t), state: String(t) };
-  return { text: describe(t), state: String(t.state || '') };
+  if (t === undefined || t === null) return { text: '-', state: '', title: '' };
+  if (typeof t !== 'object') return { text: String(t), state: String(t), title: '' };
+  const words = [String(t.state ?? '-')];
+  if (t.claims && t.claims !== 'believed') words.push(`claims ${t.claims}`);
+  if (typeof t.verified === 'number') words.push(`${t.verified} verified`);
+  let text = words.join(', ');
+  if (t.reason) text += ': ' + t.reason;
+  return { text, state: String(t.state || ''), title: describe(t) };
 }
 
 function reachOf(self) {
@@ -173,6 +177,7 @@ function renderSwarm(swarm) {
       tr.dataset.summaryAt = String(performance.now() / 1000 - p.summary_age_s);
     }
     tr.cells[1].title = (p.addrs || []).join('\n');
+    tr.cells[8].title = p.isSelf ? '' : trustOf(p).title;
     const trust = p.isSelf ? 'self' : trustOf(p).state;
     tr.className = [p.isSelf ? 'self' : '', trust ? 'trust-' + trust : ''].join(' ').trim();
     if (tr !== before) body.insertBefore(tr, before);

@@ -20,7 +20,11 @@ ASSETS = {  # name -> media type; the only files served
     "index.html": "text/html; charset=utf-8",
     "app.js": "text/javascript; charset=utf-8",
     "style.css": "text/css; charset=utf-8",
+    "icon.svg": "image/svg+xml",
 }
+# The page and its files hold no data: with an API key set they stay open (the page then
+# asks for the key); everything they show comes from the API, which needs the key.
+PAGE_PATHS = frozenset({"/", *(f"/web/{name}" for name in ASSETS if name != "index.html")})
 # The page loads only its own files and talks only to its own peer.
 PAGE_HEADERS = {
     "content-security-policy": (
