@@ -200,12 +200,15 @@ def ask(driver: Any, prompt: str, max_tokens: int, timeout_s: float) -> dict[str
 
 
 def full_page_screenshot(driver: Any, path: Path, width: int = LAPTOP[0]) -> None:
+    """The whole page at `width` (a viewport as tall as the page, through DevTools)."""
     height = int(driver.execute_script("return document.documentElement.scrollHeight"))
-    driver.set_window_size(width, height + 20)
-    time.sleep(0.3)  # one frame at the new size (there is no event for "repainted")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    driver.save_screenshot(str(path))
-    driver.set_window_size(*LAPTOP)
+    metrics = {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": False}
+    driver.execute_cdp_cmd("Emulation.setDeviceMetricsOverride", metrics)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        driver.save_screenshot(str(path))
+    finally:
+        driver.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
 
 
 # -- the bench ---------------------------------------------------------------------------

@@ -42,7 +42,7 @@ from peer.openai_schema import (
     usage,
 )
 from peer.pipeline import DeadlineExceeded, GenerationChunk, GenerationResult, RequestFailed
-from peer.web.routes import page_routes
+from peer.web.routes import Page
 
 SERVED_BY_HEADER = "x-prefixswarm-served-by"
 ENTRY_HEADER = "x-prefixswarm-entry"
@@ -281,6 +281,7 @@ class HttpApi:
         alias = model_alias if model_alias is not None else peer.config.model
         self.model_names = tuple(dict.fromkeys([self.model_id, alias]))
         self.metrics = Metrics(peer.statistics)
+        self.page = Page(self)
         completions = self._endpoint("completions", chat=False)
         chat = self._endpoint("chat", chat=True)
         self.app = Starlette(
@@ -291,7 +292,7 @@ class HttpApi:
                 Route("/v1/swarm", self.swarm, methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
                 Route("/metrics", self.prometheus, methods=["GET"]),
-                *page_routes(self),
+                *self.page.routes,
             ]
         )
 
@@ -436,4 +437,5 @@ async def serve_http(
 
     async with trio.open_nursery() as nursery:
         binds: list[str] = await nursery.start(serve)
+        nursery.start_soon(api.page.sample_forever)
         task_status.started(binds[0])

@@ -139,3 +139,54 @@ class RequestLog:
     def statistics(self) -> dict[str, int]:
         """Requests ended here since start, by outcome (not only the ones kept)."""
         return {o.value: self._outcomes[o.value] for o in RequestOutcome}
+
+
+# -- this peer's cache over time ---------------------------------------------------------
+
+MAX_HISTORY_SAMPLES = 360  # one a summary interval: 6 minutes at 1 s, 12 at the default 2 s
+
+
+@dataclass(frozen=True)
+class CacheSample:
+    """The engine's counters at one moment (cumulative tokens since start)."""
+
+    at: float  # monotonic seconds
+    prompt_tokens: int
+    cached_tokens: int
+    cached_blocks: int
+    capacity_blocks: int
+
+
+class CacheHistory:
+    """The last `capacity` samples of this peer's prefix hits and cache fill."""
+
+    def __init__(self, capacity: int = MAX_HISTORY_SAMPLES) -> None:
+        if capacity < 2:
+            raise ValueError(f"capacity must be >= 2, got {capacity}")
+        self._samples: deque[CacheSample] = deque(maxlen=capacity)
+
+    def __len__(self) -> int:
+        return len(self._samples)
+
+    def add(self, sample: CacheSample) -> None:
+        self._samples.append(sample)
+
+    def as_json(self, now: float) -> list[dict[str, Any]]:
+        """Oldest first: the hit ratio since start, the hit ratio of the prompt tokens since
+        the previous sample (None when there were none), and the cache fill (0 to 1)."""
+        out = []
+        previous: CacheSample | None = None
+        for s in self._samples:
+            window = None
+            if previous is not None and s.prompt_tokens > previous.prompt_tokens:
+                window = (s.cached_tokens - previous.cached_tokens) / (
+                    s.prompt_tokens - previous.prompt_tokens
+                )
+            out.append({
+                "age_s": round(max(0.0, now - s.at), 3),
+                "hit_ratio": s.cached_tokens / s.prompt_tokens if s.prompt_tokens else None,
+                "window_hit_ratio": window,
+                "fill": s.cached_blocks / s.capacity_blocks if s.capacity_blocks else None,
+            })
+            previous = s
+        return out

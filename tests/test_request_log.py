@@ -8,6 +8,8 @@ from hypothesis import strategies as st
 from peer.pipeline import Attempt, Outcome
 from peer.request_log import (
     MAX_TEXT_CHARS,
+    CacheHistory,
+    CacheSample,
     RequestLog,
     RequestOutcome,
     RequestRecord,
@@ -59,3 +61,16 @@ def test_keeps_the_last_capacity_and_counts_all(outcomes, capacity) -> None:
     assert sum(counts.values()) == len(outcomes)
     for outcome in RequestOutcome:
         assert counts[outcome.value] == outcomes.count(outcome)
+
+
+def test_cache_history_gives_ratios_since_start_and_per_window() -> None:
+    history = CacheHistory(capacity=3)
+    for at, prompt, cached, blocks in [(0, 0, 0, 0), (1, 100, 0, 5), (2, 100, 0, 5),
+                                       (3, 300, 150, 10)]:
+        history.add(CacheSample(float(at), prompt, cached, blocks, 20))
+    assert len(history) == 3  # the oldest went
+    assert history.as_json(now=4.0) == [
+        {"age_s": 3.0, "hit_ratio": 0.0, "window_hit_ratio": None, "fill": 0.25},
+        {"age_s": 2.0, "hit_ratio": 0.0, "window_hit_ratio": None, "fill": 0.25},  # no prompt
+        {"age_s": 1.0, "hit_ratio": 0.5, "window_hit_ratio": 0.75, "fill": 0.5},
+    ]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
+import trio
 
 from peer.config import Policy
 from peer.web.routes import ASSETS
@@ -38,7 +39,7 @@ async def test_the_page_and_its_files_are_served_with_a_strict_policy(
 
 
 async def test_requests_feed_shows_each_request_with_its_route(nursery, tiny_engine_factory):
-    peer, url = await start_api(nursery, tiny_engine_factory())
+    peer, url = await start_api(nursery, tiny_engine_factory(), summary_interval_s=0.2)
     api = client(url)
     await api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0)
     await api.completions.create(model=MODEL, prompt=PROMPT + " More.", max_tokens=4)
@@ -59,6 +60,18 @@ async def test_requests_feed_shows_each_request_with_its_route(nursery, tiny_eng
         (step,) = record["route"]
         assert step["peer_id"] == peer.peer_id and step["local"] and step["outcome"] == "ok"
         assert step["reason"].startswith(f"self {peer.peer_id}")  # the router's account
+
+    # The chart's samples, one every 0.2 s (the summary interval): the next one has both.
+    async with httpx.AsyncClient(base_url=url) as http:
+        with trio.fail_after(5):
+            while (history := (await http.get("/v1/requests")).json()["history"])[-1][
+                "hit_ratio"
+            ] != feed["engine"]["hit_ratio"]:
+                await trio.sleep(0.1)
+    assert history[0]["hit_ratio"] is None  # sampled at start, before any prompt
+    assert [h["age_s"] for h in history] == sorted((h["age_s"] for h in history), reverse=True)
+    cache = peer.engine.cache
+    assert history[-1]["fill"] == cache.num_blocks / cache.capacity_blocks > 0
 
 
 async def test_refused_and_abandoned_requests_are_logged(nursery, tiny_engine_factory):

@@ -121,10 +121,11 @@ def test_the_page_shows_the_swarm_streams_answers_and_drops_a_dead_peer(local_sw
           "the killed peer's row goes")
     gone_after = time.monotonic() - killed_at
     print(f"killed peer's row gone after {gone_after:.2f} s (its summary was {age} old)")
-    # A peer leaves the table 3 intervals after its last summary, which came up to one
-    # interval before the kill; the page drops the row at that moment (between polls too),
-    # and Chromium's timers on a loaded machine add up to about a poll.
-    assert gone_after <= 3 * SUMMARY_INTERVAL_S + PAGE_POLL_S
+    # A peer leaves the table 3 intervals after the last summary it *received* from it,
+    # which came up to an interval before the kill (later under load: measured 2.2-3.1 s
+    # here, docs/web.md); the page drops the row at that moment, between polls too. The
+    # slack of two polls is for Chromium's timers and a loaded machine.
+    assert gone_after <= 3 * SUMMARY_INTERVAL_S + 2 * PAGE_POLL_S
     assert sorted(rows(browser)) == sorted(ids[:2])
 
 

@@ -8,13 +8,11 @@ const POLL_MIN_MS = 250; // polls come 4 times a summary interval, within these 
 const POLL_MAX_MS = 2000;
 const FETCH_TIMEOUT_MS = 5000;
 const PRUNE_MS = 100;
-const CHART_SAMPLES = 300; // points kept for the chart (5 minutes at one a second)
 
 const state = {
   key: sessionStorage.getItem(KEY_STORAGE) || '',
   selfId: '',
   pollMs: 1000,
-  samples: [], // {hit, fill}: hit ratio and cache fill, 0..1 or null
   lastOk: null,
   expiryS: null, // a peer silent this long is gone (the server's rule, from /v1/requests)
   names: new Map(), // peer id -> short label
@@ -221,9 +219,7 @@ function renderSelf(swarm, activity) {
   const dl = $('self-facts');
   dl.replaceChildren(...facts.flatMap(([k, v]) => [el('dt', k), el('dd', v)]));
   $('title-peer').textContent = short(s.peer_id);
-  state.samples.push({ hit: e.hit_ratio, fill });
-  if (state.samples.length > CHART_SAMPLES) state.samples.shift();
-  drawChart();
+  drawChart(activity.history || []);
 }
 
 const SVG = 'http://www.w3.org/2000/svg';
@@ -234,33 +230,36 @@ function svg(tag, attrs) {
   return node;
 }
 
-function drawChart() {
-  const W = 320, H = 120, L = 34, R = 4, T = 6, B = 16;
-  const chart = $('chart');
+// history: oldest first, {age_s, hit_ratio, window_hit_ratio, fill} (ratios 0..1 or null).
+function drawChart(history) {
+  const W = 320, H = 120, L = 34, R = 6, T = 6, B = 16;
   const parts = [];
-  for (const y of [0, 0.5, 1]) {
-    const py = T + (1 - y) * (H - T - B);
-    parts.push(svg('line', { x1: L, x2: W - R, y1: py, y2: py, class: 'grid' }));
-    const label = svg('text', { x: L - 4, y: py + 4, 'text-anchor': 'end', class: 'axis' });
-    label.textContent = `${y * 100}%`;
+  const y = (v) => T + (1 - Math.min(1, Math.max(0, v))) * (H - T - B);
+  for (const v of [0, 0.5, 1]) {
+    parts.push(svg('line', { x1: L, x2: W - R, y1: y(v), y2: y(v), class: 'grid' }));
+    const label = svg('text', { x: L - 4, y: y(v) + 3, 'text-anchor': 'end', class: 'axis' });
+    label.textContent = `${v * 100}%`;
     parts.push(label);
   }
-  const n = state.samples.length;
-  const secsShown = Math.round((CHART_SAMPLES * state.pollMs) / 1000);
+  const span = Math.max(60, ...history.map((s) => s.age_s));
+  const x = (age) => L + (1 - age / span) * (W - L - R);
   const axis = svg('text', { x: L, y: H - 3, class: 'axis' });
-  axis.textContent = `last ${n} samples, 1 every ${(state.pollMs / 1000).toFixed(1)} s (up to ${secsShown} s)`;
+  axis.textContent = `last ${Math.round(span)} s`;
   parts.push(axis);
-  for (const [key, cls] of [['fill', 'line-fill'], ['hit', 'line-hit']]) {
-    const pts = [];
-    state.samples.forEach((s, i) => {
-      const v = s[key];
-      if (typeof v !== 'number') return;
-      const x = L + (CHART_SAMPLES > 1 ? (i + CHART_SAMPLES - n) / (CHART_SAMPLES - 1) : 1) * (W - L - R);
-      pts.push(`${x.toFixed(1)},${(T + (1 - Math.min(1, Math.max(0, v))) * (H - T - B)).toFixed(1)}`);
-    });
+  const now = svg('text', { x: W - R, y: H - 3, 'text-anchor': 'end', class: 'axis' });
+  now.textContent = 'now';
+  parts.push(now);
+  for (const [key, cls] of [['fill', 'line-fill'], ['hit_ratio', 'line-hit']]) {
+    const pts = history.filter((s) => typeof s[key] === 'number')
+      .map((s) => `${x(s.age_s).toFixed(1)},${y(s[key]).toFixed(1)}`);
     if (pts.length) parts.push(svg('polyline', { points: pts.join(' '), class: cls }));
   }
-  chart.replaceChildren(...parts);
+  for (const s of history) {
+    if (typeof s.window_hit_ratio !== 'number') continue;
+    parts.push(svg('circle', { cx: x(s.age_s).toFixed(1), cy: y(s.window_hit_ratio).toFixed(1),
+      r: 2.5, class: 'dot-hit' }));
+  }
+  $('chart').replaceChildren(...parts);
 }
 
 // -- recent requests -------------------------------------------------------------------
@@ -456,7 +455,7 @@ function init() {
     $('key-form').hidden = true;
     $('status').textContent = 'Trying the key…';
   });
-  drawChart();
+  drawChart([]);
   poll();
   setInterval(pruneSilent, PRUNE_MS);
 }

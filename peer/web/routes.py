@@ -1,8 +1,10 @@
 """Routes of the peer's page: `/`, its assets under `/web/`, and `/v1/requests`.
 
-The page polls `/v1/swarm` (the table) and `/v1/requests` (this peer's counters and its
-RequestLog); it talks to the OpenAI endpoints for its prompt box. Assets are read once,
-from the package, and served from a fixed list: no path from a request reaches the disk.
+The page polls `/v1/swarm` (the table) and `/v1/requests` (this peer's counters, its
+RequestLog and its CacheHistory, sampled once a summary interval by `Page.sample_forever`
+in the HTTP server's nursery); it talks to the OpenAI endpoints for its prompt box. Assets
+are read once, from the package, and served from a fixed list: no path from a request
+reaches the disk.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import trio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+
+from peer.request_log import CacheHistory, CacheSample
 
 ASSETS = {  # name -> media type; the only files served
     "index.html": "text/html; charset=utf-8",
@@ -64,7 +68,16 @@ async def web_asset(request: Request) -> Response:
     return _asset_response(name)
 
 
-def activity_view(peer: Any) -> dict[str, Any]:
+def cache_sample(engine: Any, now: float) -> CacheSample:
+    stats = engine.statistics() if hasattr(engine, "statistics") else {}
+    cache = engine.cache
+    return CacheSample(
+        now, int(stats.get("prompt_tokens", 0)), int(stats.get("cached_tokens", 0)),
+        int(cache.num_blocks), int(cache.capacity_blocks),
+    )
+
+
+def activity_view(peer: Any, history: CacheHistory | None = None) -> dict[str, Any]:
     """This peer's request counters, its engine's prefix hits, and its recent requests."""
     stats = peer.statistics()
     serving = stats.get("serving") or {}
@@ -74,6 +87,7 @@ def activity_view(peer: Any) -> dict[str, Any]:
     prompt = int(engine.get("prompt_tokens", 0))
     cached = int(engine.get("cached_tokens", 0))
     log = getattr(peer.serving, "requests", None)
+    now = trio.current_time()
     return {
         "peer_id": peer.peer_id,
         "summary_interval_s": peer.config.summary_interval_s,
@@ -90,19 +104,31 @@ def activity_view(peer: Any) -> dict[str, Any]:
             "cached_tokens": cached,
             "hit_ratio": cached / prompt if prompt else None,
         },
-        "recent": log.as_json(trio.current_time()) if log is not None else [],
+        "recent": log.as_json(now) if log is not None else [],
+        "history": history.as_json(now) if history is not None else [],
     }
 
 
-def page_routes(api: Any) -> list[Route]:
-    """The page's routes for an HttpApi (`api.peer`, `api.metrics`)."""
+class Page:
+    """The page of an HttpApi (`api.peer`, `api.metrics`): `.routes`, and the history
+    that `sample_forever` keeps (run it in the server's nursery)."""
 
-    async def requests(request: Request) -> JSONResponse:
-        api.metrics.record_request("requests", 200)
-        return JSONResponse(activity_view(api.peer))
+    def __init__(self, api: Any) -> None:
+        self._api = api
+        self.history = CacheHistory()
+        self.routes = [
+            Route("/", index, methods=["GET"]),
+            Route("/web/{name}", web_asset, methods=["GET"]),
+            Route("/v1/requests", self.requests, methods=["GET"]),
+        ]
 
-    return [
-        Route("/", index, methods=["GET"]),
-        Route("/web/{name}", web_asset, methods=["GET"]),
-        Route("/v1/requests", requests, methods=["GET"]),
-    ]
+    async def requests(self, request: Request) -> JSONResponse:
+        self._api.metrics.record_request("requests", 200)
+        return JSONResponse(activity_view(self._api.peer, self.history))
+
+    async def sample_forever(self) -> None:
+        """A sample of the engine's cache every summary interval, until cancelled."""
+        peer = self._api.peer
+        while True:
+            self.history.add(cache_sample(peer.engine, trio.current_time()))
+            await trio.sleep(peer.config.summary_interval_s)
