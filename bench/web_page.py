@@ -254,11 +254,14 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             out["try_it"]["served_by"] = names.get(answer["served_by"], "?")
             out["try_it"]["answer_updates"] = answer["updates"]
             log(f"try it: {out['try_it']}")
-            wait(driver, 10, lambda d: len(request_rows(d)) >= 1, "the request in the table")
+            entered = 1 + sum(r["entry"] == "peer 1" for r in sent)
+            wait(driver, 10, lambda d: len(request_rows(d)) == entered,
+                 "every request entered at peer 1 in its table")
+            time.sleep(2 * args.summary_interval)  # the peers' next summaries: loads settle
             if args.shots:
-                driver.execute_script(  # show the first request's reasons in the picture
-                    "const d = document.querySelector('#req-table details');"
-                    "if (d) d.open = true;"
+                driver.execute_script(  # show the routers' reasons in the picture
+                    "document.querySelectorAll('#req-table details').forEach((d) => {"
+                    " d.open = true; });"
                 )
                 full_page_screenshot(driver, Path(args.shots) / "web-page.png")
                 driver.execute_script("window.scrollTo(0, 0)")
