@@ -216,3 +216,99 @@ async def test_the_page_asks_for_the_api_key_and_keeps_it_in_the_tab(
         assert not _visible(browser, "key-form")
 
     await trio.to_thread.run_sync(drive)
+
+
+# -- fields other parts of the peer add ---------------------------------------------------
+
+B, C = "12D3KooWBBBBBBBBBBBBbbbbbbbb", "12D3KooWCCCCCCCCCCCCcccccccc"
+HOSTILE = '<img src=x id="injected">'  # text from other peers is shown, never parsed
+
+
+def _fake_feeds() -> tuple[dict[str, Any], dict[str, Any]]:
+    swarm = {
+        "self": {"peer_id": "12D3KooWAAAAAAAAAAAAaaaaaaaa", "addrs": ["/ip4/10.0.0.1/tcp/1"],
+                 "model": "tiny-random", "block_size": 16, "cached_blocks": 5,
+                 "capacity_blocks": 10, "queued_prompt_tokens": 0, "running_requests": 1,
+                 "prefill_tokens_per_s": 900.0, "decode_tokens_per_s": 50.0,
+                 "policy": "cost", "reachability": "private"},
+        "peers": [
+            {"peer_id": B, "addrs": ["/ip4/1.2.3.4/tcp/4001/p2p-circuit/p2p/" + B],
+             "rtt_s": 0.0123, "summary_age_s": 0.5, "cached_blocks": 7,
+             "capacity_blocks": 10, "queued_prompt_tokens": 30, "running_requests": 2,
+             "prefill_tokens_per_s": 800.0, "decode_tokens_per_s": 40.0, "link": "relayed",
+             "trust": {"state": "quarantined", "reason": "wrong tokens " + HOSTILE,
+                       "verified": 3, "served": 9, "discount": 0.5, "claims": "ignored"}},
+            {"peer_id": C, "addrs": [], "rtt_s": None, "summary_age_s": 1.5,
+             "cached_blocks": 0, "capacity_blocks": 10, "queued_prompt_tokens": 0,
+             "running_requests": 0, "prefill_tokens_per_s": 0.0, "decode_tokens_per_s": 0.0,
+             "link": None},
+        ],
+    }
+    step = {"peer_id": B, "local": False, "outcome": "failed", "detail": "reset " + HOSTILE,
+            "tokens": 0, "reason": "peer B [cost]: ~3 blocks matched (Bloom)"}
+    activity = {
+        "peer_id": swarm["self"]["peer_id"], "summary_interval_s": 1.0, "summary_expiry_s": 60,
+        "requests": {"entered": 1, "served_here": 0, "forwarded": 0, "served_for_others": 0,
+                     "by_outcome": {"ok": 0, "failed": 1}},
+        "engine": {"prompt_tokens": 0, "cached_tokens": 0, "hit_ratio": None},
+        "recent": [{"request_id": "r1", "age_s": 2.0, "outcome": "failed", "prompt_tokens": 40,
+                    "cached_tokens": 0, "completion_tokens": 0, "ttft_s": None,
+                    "total_s": None, "served_by": "", "route": [step, {**step, "peer_id": C}],
+                    "error": "no peer could serve it"}],
+        "history": [],
+    }
+    return swarm, activity
+
+
+async def test_the_page_shows_links_reachability_trust_and_failures_as_text(nursery, browser):
+    import trio
+    from hypercorn.config import Config
+    from hypercorn.trio import serve
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    from peer.web.routes import index, web_asset
+
+    swarm, activity = _fake_feeds()
+
+    async def swarm_json(request: Any) -> JSONResponse:
+        return JSONResponse(swarm)
+
+    async def activity_json(request: Any) -> JSONResponse:
+        return JSONResponse(activity)
+
+    app = Starlette(routes=[
+        Route("/", index), Route("/web/{name}", web_asset),
+        Route("/v1/swarm", swarm_json), Route("/v1/requests", activity_json),
+    ])
+    hypercorn = Config()
+    hypercorn.bind = ["127.0.0.1:0"]
+    hypercorn.accesslog = hypercorn.errorlog = None
+    (url,) = await nursery.start(lambda task_status: serve(app, hypercorn,
+                                                           task_status=task_status))
+
+    def drive() -> None:
+        browser.get(url + "/")
+        _wait(browser, 10, lambda d: len(rows(d)) == 3, "3 rows")
+        me = swarm["self"]["peer_id"]
+        assert row_cell(browser, me, 2) == "reachability: private"
+        assert row_cell(browser, B, 1) == "/ip4/1.2.3.4/tcp/4001/p2p-circuit"
+        assert row_cell(browser, B, 2) == "relayed"
+        assert row_cell(browser, B, 3) == "12.3 ms"
+        assert row_cell(browser, B, 4) == "2 running, 30 queued tok"
+        assert row_cell(browser, B, 8) == (
+            f"quarantined, claims ignored, 3 verified: wrong tokens {HOSTILE}"
+        )
+        assert "trust-quarantined" in browser.execute_script(
+            f"return document.querySelector('tr[data-peer=\"{B}\"]').className")
+        assert [row_cell(browser, C, i) for i in (1, 2, 3, 8)] == ["-", "not connected", "-", "-"]
+        facts = browser.find_element("id", "self-facts").text
+        assert "Reachability\nprivate" in facts and "1 failed" in facts
+        _wait(browser, 10, lambda d: len(request_rows(d)) == 1, "the failed request")
+        (text,) = request_rows(browser)
+        assert "FAILED" in text and "no peer could serve it" in text
+        assert text.count("failed — reset") == 2  # both candidates, in order, with causes
+        assert browser.execute_script("return document.getElementById('injected')") is None
+
+    await trio.to_thread.run_sync(drive)
