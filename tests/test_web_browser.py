@@ -3,8 +3,9 @@
 tiny-random`. The page lists the 3 peers within 10 s; a prompt typed into it streams an
 answer and shows its serving peer and cached tokens; a second prompt sharing a prefix
 shows cached tokens > 0; a killed peer's row goes within 3 summary intervals (plus one
-page poll: see the last assertion). And with an API key, the page asks for it and keeps
-it in the tab only.
+page poll: see the last assertion). With an API key, the page asks for it and keeps it in
+the tab only. Fields other parts add (nat's link and reachability, trust's ledger view)
+and failed routes show as text, from fixed feeds.
 
 .ci/run installs chromium and chromium-driver when they are missing; on a machine without
 them these tests are skipped (under CI they fail instead). The browser helpers live in
