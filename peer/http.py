@@ -3,7 +3,8 @@
     await peer.start_service(serve_http, peer, "127.0.0.1", 0)   # -> "http://127.0.0.1:PORT"
 
 Endpoints: POST /v1/completions and /v1/chat/completions (JSON or server-sent events),
-GET /v1/models, /v1/swarm (this peer's view of the swarm), /health, /metrics (Prometheus).
+GET /v1/models, /v1/swarm (this peer's view of the swarm), /health, /metrics (Prometheus),
+and the peer's page: / (see peer/web), with /v1/requests (recent requests and counters).
 Errors are OpenAI error objects {"error": {"message", "type", "param", "code"}}.
 Every response that ran a request names the peer that served it: the
 `x-prefixswarm-served-by` header and an `x_prefixswarm` object (served_by, entry peer,
@@ -41,6 +42,7 @@ from peer.openai_schema import (
     usage,
 )
 from peer.pipeline import DeadlineExceeded, GenerationChunk, GenerationResult, RequestFailed
+from peer.web.routes import Page
 
 SERVED_BY_HEADER = "x-prefixswarm-served-by"
 ENTRY_HEADER = "x-prefixswarm-entry"
@@ -279,6 +281,7 @@ class HttpApi:
         alias = model_alias if model_alias is not None else peer.config.model
         self.model_names = tuple(dict.fromkeys([self.model_id, alias]))
         self.metrics = Metrics(peer.statistics)
+        self.page = Page(self)
         completions = self._endpoint("completions", chat=False)
         chat = self._endpoint("chat", chat=True)
         self.app = Starlette(
@@ -289,6 +292,7 @@ class HttpApi:
                 Route("/v1/swarm", self.swarm, methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
                 Route("/metrics", self.prometheus, methods=["GET"]),
+                *self.page.routes,
             ]
         )
 
@@ -450,4 +454,5 @@ async def serve_http(
 
     async with trio.open_nursery() as nursery:
         binds: list[str] = await nursery.start(serve)
+        nursery.start_soon(api.page.sample_forever)
         task_status.started(binds[0])

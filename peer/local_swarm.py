@@ -223,7 +223,8 @@ async def run_local(args: argparse.Namespace) -> int:
                     if args.demo:
                         await run_demo(peers, args.model)
                     else:
-                        say(f"try: prefixswarm generate 'Hello' --url {first.http}   "
+                        say(f"open {first.http}/ in a browser, or "
+                            f"try: prefixswarm generate 'Hello' --url {first.http}   "
                             f"prefixswarm status --url {first.http}   (Ctrl-C stops)")
                         await trio.sleep_forever()
             except (PeerProcessError, LocalSwarmError) as exc:

@@ -84,6 +84,7 @@ class Attempt:
     outcome: Outcome
     detail: str
     tokens: int  # tokens this attempt contributed
+    reason: str = ""  # the router's account of why it was a candidate (Candidate.reason)
 
 
 @dataclass(frozen=True)
@@ -261,7 +262,7 @@ class Pipeline:
                 self._attempt_ok(racer, prompt, before, progress)
                 route.append(
                     Attempt(candidate.peer_id, candidate.is_local, Outcome.OK, "",
-                            len(progress.generated) - before)
+                            len(progress.generated) - before, candidate.reason)
                 )
                 self.stats["served_local" if candidate.is_local else "served_remote"] += 1
                 if len(route) > 1:
@@ -467,7 +468,9 @@ class Pipeline:
         """Record a failed attempt at once: the router backs off, and requests waiting on
         the same peer's first token move on."""
         peer_id = candidate.peer_id
-        route.append(Attempt(peer_id, candidate.is_local, outcome, str(exc), produced))
+        route.append(
+            Attempt(peer_id, candidate.is_local, outcome, str(exc), produced, candidate.reason)
+        )
         self.stats[f"attempt_{outcome.value}"] += 1
         if not isinstance(exc, MovedOn):  # that failure was recorded when it happened
             self.router.record_outcome(peer_id, False, trio.current_time())

@@ -2,7 +2,8 @@
 
 One `Admission` bounds the local engine's queue for requests from anywhere; the
 `InferenceService` answers forwarded requests; the `Pipeline` routes this peer's own
-requests through the `Router`. `Peer.generate()` and the HTTP API call `Serving`.
+requests through the `Router`; the `RequestLog` keeps the last ones that ended, with
+their routes. `Peer.generate()` and the HTTP API call `Serving`.
 """
 
 from __future__ import annotations
@@ -12,17 +13,25 @@ import logging
 import os
 import random
 import time
+import uuid
 from collections.abc import AsyncGenerator, Sequence
 from pathlib import Path
 from typing import Any
 
 import trio
 
-from peer.admission import Admission
+from peer.admission import Admission, Overloaded
 from peer.config import PeerConfig
-from peer.engine.engine import SamplingParams
+from peer.engine.engine import InvalidRequest, SamplingParams
 from peer.inference import InferenceService
-from peer.pipeline import GenerationChunk, GenerationResult, Pipeline
+from peer.pipeline import (
+    DeadlineExceeded,
+    GenerationChunk,
+    GenerationResult,
+    Pipeline,
+    RequestFailed,
+)
+from peer.request_log import RequestLog, RequestOutcome, RequestRecord, route_of
 from peer.router import Router
 from peer.trust import (
     Quarantine,
@@ -85,6 +94,7 @@ class Serving:
             rng=rng,
             on_quarantine=self._persist_quarantine,
         )
+        self.requests = RequestLog()
 
     def _persist_quarantine(self, action: Quarantine) -> None:
         """Write every quarantine record (wall-clock times) next to the identity key."""
@@ -119,18 +129,55 @@ class Serving:
     async def stream(
         self, prompt: Prompt, params: SamplingParams | None = None, **kwargs: Any
     ) -> AsyncGenerator[GenerationChunk | GenerationResult, None]:
-        """Chunks as they are generated, then the GenerationResult (see Pipeline.stream)."""
+        """Chunks as they are generated, then the GenerationResult (see Pipeline.stream).
+
+        Every request that gets past validation ends in `self.requests`."""
         tokens = self.encode(prompt)
-        agen = self.pipeline.stream(tokens, params or SamplingParams(), **kwargs)
-        async with contextlib.aclosing(agen):
-            async for item in agen:
-                yield item
+        request_id = kwargs.pop("request_id", None) or uuid.uuid4().hex
+        agen = self.pipeline.stream(
+            tokens, params or SamplingParams(), request_id=request_id, **kwargs
+        )
+        ended = False
+        try:
+            async with contextlib.aclosing(agen):
+                async for item in agen:
+                    if isinstance(item, GenerationResult):
+                        self.requests.record(_ok_record(item, trio.current_time()))
+                        ended = True
+                    yield item
+        except InvalidRequest:
+            ended = True  # bad input: nothing was routed, nothing to show
+            raise
+        except (RequestFailed, Overloaded) as exc:
+            outcome = (
+                RequestOutcome.DEADLINE if isinstance(exc, DeadlineExceeded)
+                else RequestOutcome.FAILED if isinstance(exc, RequestFailed)
+                else RequestOutcome.OVERLOADED
+            )
+            ended = True
+            self.requests.record(
+                RequestRecord(
+                    request_id, trio.current_time(), outcome, len(tokens),
+                    route=route_of(getattr(exc, "attempts", ())), error=str(exc),
+                )
+            )
+            raise
+        finally:
+            if not ended:  # cancelled, or closed by its consumer before the end
+                self.requests.record(
+                    RequestRecord(
+                        request_id, trio.current_time(), RequestOutcome.CANCELLED, len(tokens)
+                    )
+                )
 
     async def generate(
         self, prompt: Prompt, params: SamplingParams | None = None, **kwargs: Any
     ) -> GenerationResult:
-        tokens = self.encode(prompt)
-        return await self.pipeline.generate(tokens, params or SamplingParams(), **kwargs)
+        async with contextlib.aclosing(self.stream(prompt, params, **kwargs)) as items:
+            async for item in items:
+                if isinstance(item, GenerationResult):
+                    return item
+        raise RuntimeError("pipeline ended without a result")  # unreachable by construction
 
     def statistics(self) -> dict[str, Any]:
         return {
@@ -139,6 +186,7 @@ class Serving:
             "inference": self.inference.statistics(),
             "router": self.router.statistics()._asdict(),
             "trust": self.trust.statistics(),
+            "requests": self.requests.statistics(),
         }
 
 
@@ -150,3 +198,18 @@ def load_quarantine(path: Path | None) -> list[QuarantineRecord]:
         return parse_quarantine(path.read_text())
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise ValueError(f"quarantine file {path}: {exc}") from exc
+
+
+def _ok_record(result: GenerationResult, now: float) -> RequestRecord:
+    return RequestRecord(
+        request_id=result.request_id,
+        ended_at=now,
+        outcome=RequestOutcome.OK,
+        prompt_tokens=result.prompt_tokens,
+        cached_tokens=result.cached_tokens,
+        completion_tokens=result.completion_tokens,
+        ttft_s=result.ttft_s,
+        total_s=result.total_s,
+        served_by=result.served_by,
+        route=route_of(result.route),
+    )
