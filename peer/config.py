@@ -21,6 +21,8 @@ DEFAULT_FORWARD_TOKEN_GAP_S = 10.0  # a stream silent this long between tokens i
 DEFAULT_REQUEST_TIMEOUT_S = 300.0  # an end-to-end deadline when the client gives none
 DEFAULT_LISTEN = ("/ip4/0.0.0.0/tcp/4001",)  # the conventional libp2p port, all interfaces
 DEFAULT_IDENTITY_FILE = "~/.config/prefixswarm/identity.key"  # persisted ed25519 key, 0600
+# Backoff 0.25 s doubling: ~7 dials in 30 s, enough for a peer that is still starting.
+DEFAULT_BOOTSTRAP_TIMEOUT_S = 30.0
 
 MAX_SUMMARY_INTERVAL_S = 600.0  # beyond this a summary says nothing useful about a cache
 MIN_BLOOM_FP_RATE = 1e-4  # protocols/bloom.py's bound: rarer false hits cost more bits than gain
@@ -62,6 +64,8 @@ class PeerConfig:
     forward_first_token_s: float = DEFAULT_FORWARD_FIRST_TOKEN_S
     forward_token_gap_s: float = DEFAULT_FORWARD_TOKEN_GAP_S
     request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
+    bootstrap_timeout_s: float = DEFAULT_BOOTSTRAP_TIMEOUT_S  # `serve` exits if none answered
+    served_model_names: tuple[str, ...] = ()  # extra names the HTTP API accepts
     # Test/bench hook: an added one-way delay before each forward, emulating a WAN.
     forward_delay_s: float = 0.0
 
@@ -103,6 +107,10 @@ class PeerConfig:
                 f"request_timeout_s must be <= {MAX_REQUEST_TIMEOUT_S}, "
                 f"got {self.request_timeout_s}"
             )
+        if self.bootstrap_timeout_s < 0:
+            raise ValueError(f"bootstrap_timeout_s must be >= 0, got {self.bootstrap_timeout_s}")
+        if not all(self.served_model_names):
+            raise ValueError("served_model_names must not hold an empty name")
         if self.forward_delay_s < 0:
             raise ValueError(f"forward_delay_s must be >= 0, got {self.forward_delay_s}")
 

