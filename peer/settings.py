@@ -105,7 +105,7 @@ class ServeOptions:
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}")
 
 
-SETTINGS_CLASSES = (PeerConfig, ServeOptions)
+SETTINGS_CLASSES: tuple[type[PeerConfig], type[ServeOptions]] = (PeerConfig, ServeOptions)
 
 
 def flag_for(name: str) -> str:
@@ -269,7 +269,8 @@ def load_settings(
     if serve_values.get("bootstrap_file") is not None:
         extra = read_bootstrap_file(serve_values["bootstrap_file"])
         peer_values["bootstrap"] = tuple(dict.fromkeys((*peer_values["bootstrap"], *extra)))
+    peer_cls, serve_cls = SETTINGS_CLASSES
     try:
-        return PeerConfig(**peer_values), ServeOptions(**serve_values)
+        return peer_cls(**peer_values), serve_cls(**serve_values)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None

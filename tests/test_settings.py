@@ -144,3 +144,30 @@ def test_version_flag(capsys):
         cli.build_parser().parse_args(["--version"])
     assert info.value.code == 0
     assert capsys.readouterr().out.startswith("prefixswarm ")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Grown(PeerConfig):
+    """PeerConfig after another helper added fields: one line each, nothing else."""
+
+    relay: bool = True
+    relay_max_bytes: int = 1 << 20
+    relay_slots: int = 4
+
+
+def test_a_new_field_is_settable_three_ways_without_more_code(monkeypatch, tmp_path):
+    from peer import settings
+
+    monkeypatch.setattr(settings, "SETTINGS_CLASSES", (_Grown, ServeOptions))
+    args = cli.build_parser().parse_args(
+        ["serve", "--no-relay", "--relay-max-bytes", "2MiB", "--config", "none"]
+    )
+    config = cli.config_from_args(args)
+    assert isinstance(config, _Grown)
+    assert (config.relay, config.relay_max_bytes, config.relay_slots) == (False, 2 << 20, 4)
+    monkeypatch.setenv("PREFIXSWARM_RELAY_SLOTS", "9")
+    file = tmp_path / "c.toml"
+    file.write_text("relay = false\n")
+    config, _ = load_settings(config_file=file)
+    assert isinstance(config, _Grown)
+    assert (config.relay, config.relay_slots) == (False, 9)
