@@ -260,16 +260,12 @@ def load_settings(
         raise ConfigError(f"config file {config_file}: not valid TOML: {exc}") from None
     values = {name: getattr(settings, name) for name in type(settings).model_fields}
     values = {k: int(v) if isinstance(v, ByteSize) else v for k, v in values.items()}
-    split: list[dict[str, Any]] = [{} for _ in SETTINGS_CLASSES]
-    for f, _ in settings_fields():
-        for i, cls in enumerate(SETTINGS_CLASSES):
-            if f in dataclasses.fields(cls):
-                split[i][f.name] = values[f.name]
-    peer_values, serve_values = split
+    peer_cls, serve_cls = SETTINGS_CLASSES
+    peer_values = {f.name: values[f.name] for f in dataclasses.fields(peer_cls) if f.init}
+    serve_values = {f.name: values[f.name] for f in dataclasses.fields(serve_cls) if f.init}
     if serve_values.get("bootstrap_file") is not None:
         extra = read_bootstrap_file(serve_values["bootstrap_file"])
         peer_values["bootstrap"] = tuple(dict.fromkeys((*peer_values["bootstrap"], *extra)))
-    peer_cls, serve_cls = SETTINGS_CLASSES
     try:
         return peer_cls(**peer_values), serve_cls(**serve_values)
     except ValueError as exc:
