@@ -92,6 +92,22 @@ async def _until_stdin_closes() -> None:
         pass
 
 
+def root_cause(exc: BaseException) -> str:
+    """The innermost error under libp2p's wrappers, e.g. 'Connection refused'."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    last = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        last = current
+        inner = getattr(current, "exceptions", None) or getattr(current, "errors", None)
+        nested = inner[0] if isinstance(inner, list | tuple) and inner else None
+        current = current.__cause__ or current.__context__ or nested
+    if isinstance(last, OSError) and last.strerror:
+        return last.strerror
+    return str(last) or type(last).__name__
+
+
 async def _watch_join(peer: Any, config: PeerConfig) -> None:
     """Fail when no bootstrap peer answers in time; say "joined: N peers" once others show."""
     if config.bootstrap:
@@ -99,11 +115,16 @@ async def _watch_join(peer: Any, config: PeerConfig) -> None:
         with trio.move_on_after(timeout):
             await peer.discovery.wait_bootstrapped()
         if not peer.discovery.bootstrapped:
-            last = list(peer.discovery.bootstrap_errors.values())[-1:] or ["no answer"]
+            errors = peer.discovery.bootstrap_errors
+            causes = [
+                f"{addr.split('/p2p/')[0]}: {root_cause(errors[peer_id])}"
+                for addr in config.bootstrap
+                if (peer_id := addr.rsplit("/p2p/", 1)[1]) in errors
+            ]
             raise BootstrapFailed(
                 f"none of the {len(config.bootstrap)} bootstrap peers answered within "
-                f"{config.bootstrap_timeout_s:g} s (last error: {last[0]}); check the address, "
-                "or leave out --bootstrap to start a new swarm"
+                f"{config.bootstrap_timeout_s:g} s ({'; '.join(causes) or 'no answer'}); check "
+                "the address, or leave out --bootstrap to start a new swarm"
             )
     else:
         _say("no --bootstrap: started a new swarm; waiting for others to join")

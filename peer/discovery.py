@@ -101,7 +101,8 @@ class Discovery:
         self._rtts_kept: dict[ID, int] = {}  # per connected peer, for the warm-up cadence
         self._next_ping: dict[ID, float] = {}
         self._bootstrapped = trio.Event()
-        self.bootstrap_errors: dict[str, str] = {}  # bootstrap peer id -> its last dial error
+        # bootstrap peer id -> its last dial error (cli.py digs out the root cause)
+        self.bootstrap_errors: dict[str, Exception] = {}
         self._wakeup = trio.Event()
         self._stats = {
             "bootstrap_attempts": 0,
@@ -166,7 +167,7 @@ class Discovery:
             except PeerUnreachable as exc:
                 self._stats["bootstrap_failures"] += 1
                 first = str(info.peer_id) not in self.bootstrap_errors
-                self.bootstrap_errors[str(info.peer_id)] = str(exc)
+                self.bootstrap_errors[str(info.peer_id)] = exc
                 level = logging.WARNING if first else logging.INFO  # said once, loud
                 logger.log(level, "bootstrap %s failed (%s); retry in %.2f s",
                            info.peer_id, exc, backoff)
