@@ -6,9 +6,11 @@ import logging
 import sys
 import time
 
-# py-libp2p logs every failed TCP dial at ERROR; discovery retries departed peers with
-# back-off and says so once itself, so these lines are noise unless debugging.
+# py-libp2p logs every failed TCP dial at ERROR, and the DHT warns about a departed peer
+# at each provide (every 30 s: three lines, measured); discovery says once itself that
+# a peer is unreachable, so below `debug` py-libp2p speaks only at ERROR, dials excepted.
 DIAL_NOISE = ("libp2p.transport", "Failed to open TCP stream")
+LIBRARY_LEVEL = logging.ERROR
 LOG_FORMAT = "%(asctime)s.%(msecs)03dZ %(levelname)s %(name)s: %(message)s"
 DATE_FORMAT = "%Y-%m-%dT%H:%M:%S"
 
@@ -21,9 +23,16 @@ def setup_logging(level: str) -> None:
     handler.setFormatter(formatter)
     if level.lower() != "debug":
         handler.addFilter(_drop_dial_noise)
+    logging.getLogger("libp2p").setLevel(
+        logging.NOTSET if level.lower() == "debug" else max(LIBRARY_LEVEL, _level(level))
+    )
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
 
 
 def _drop_dial_noise(record: logging.LogRecord) -> bool:
     prefix, message = DIAL_NOISE
     return not (record.name.startswith(prefix) and str(record.msg).startswith(message))
+
+
+def _level(name: str) -> int:
+    return logging.getLevelNamesMapping()[name.upper()]

@@ -236,3 +236,28 @@ def test_stage_lines_say_what_and_how_long():
     with stage("converting", out=out, clock=lambda: next(ticks)):
         assert out.getvalue() == "prefixswarm: converting...\n"
     assert out.getvalue().splitlines()[1] == "prefixswarm: converting: done in 2.5 s"
+
+
+@pytest.mark.parametrize("level", ["warning", "debug"])
+def test_log_lines_have_timestamps_and_libp2p_noise_is_dropped(capsys, level):
+    import re
+
+    from peer.logs import setup_logging
+
+    library = logging.getLogger("libp2p")
+    saved = library.level
+    try:
+        setup_logging(level)
+        logging.getLogger("peer.discovery").warning("peer X unreachable")
+        logging.getLogger("libp2p.transport.tcp.tcp").error("Failed to open TCP stream: x")
+        logging.getLogger("libp2p.kad_dht.provider_store").warning("Failed to send ADD_PROVIDER")
+        logging.getLogger("libp2p.network").error("a real libp2p error")
+    finally:
+        library.setLevel(saved)
+        logging.basicConfig(force=True)
+    lines = capsys.readouterr().err.splitlines()
+    stamp = r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z "
+    assert all(re.match(stamp, line) for line in lines)
+    assert lines[0].endswith("WARNING peer.discovery: peer X unreachable")
+    assert lines[-1].endswith("ERROR libp2p.network: a real libp2p error")
+    assert len(lines) == (4 if level == "debug" else 2)
