@@ -21,18 +21,14 @@ def setup_logging(level: str) -> None:
     formatter.converter = time.gmtime
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(formatter)
-    if level.lower() != "debug":
-        handler.addFilter(_drop_dial_noise)
-    logging.getLogger("libp2p").setLevel(
-        logging.NOTSET if level.lower() == "debug" else max(LIBRARY_LEVEL, _level(level))
-    )
+    if level.lower() != "debug":  # a filter on our handler: libp2p resets its loggers' levels
+        handler.addFilter(_drop_library_noise)
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
 
 
-def _drop_dial_noise(record: logging.LogRecord) -> bool:
+def _drop_library_noise(record: logging.LogRecord) -> bool:
+    if not record.name.startswith("libp2p"):
+        return True
     prefix, message = DIAL_NOISE
-    return not (record.name.startswith(prefix) and str(record.msg).startswith(message))
-
-
-def _level(name: str) -> int:
-    return logging.getLevelNamesMapping()[name.upper()]
+    dial = record.name.startswith(prefix) and str(record.msg).startswith(message)
+    return record.levelno >= LIBRARY_LEVEL and not dial

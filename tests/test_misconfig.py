@@ -248,6 +248,7 @@ def test_log_lines_have_timestamps_and_libp2p_noise_is_dropped(capsys, level):
     saved = library.level
     try:
         setup_logging(level)
+        library.setLevel(logging.WARNING)  # what peer/libp2p_fixes.py does later, on import
         logging.getLogger("peer.discovery").warning("peer X unreachable")
         logging.getLogger("libp2p.transport.tcp.tcp").error("Failed to open TCP stream: x")
         logging.getLogger("libp2p.kad_dht.provider_store").warning("Failed to send ADD_PROVIDER")
