@@ -262,3 +262,14 @@ def test_log_lines_have_timestamps_and_libp2p_noise_is_dropped(capsys, level):
     assert lines[0].endswith("WARNING peer.discovery: peer X unreachable")
     assert lines[-1].endswith("ERROR libp2p.network: a real libp2p error")
     assert len(lines) == (4 if level == "debug" else 2)
+
+
+async def test_a_new_swarm_says_so_then_joined(autojump_clock, capsys):
+    views: list[Any] = []
+    peer = _fake_peer(views)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(cli._watch_join, peer, PeerConfig(identity_file=None))
+        await trio.sleep(1)
+        assert "started a new swarm" in capsys.readouterr().err
+        views.append("a")
+    assert capsys.readouterr().err.strip() == "prefixswarm: joined: 2 peers"
