@@ -466,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
         leaves = _leaves(exc)
         if not all(isinstance(leaf, _user_errors()) for leaf in leaves):
             raise
-        for line in dict.fromkeys(str(leaf) for leaf in leaves):
+        for line in dict.fromkeys(" ".join(str(leaf).split()) for leaf in leaves):  # one line
             _say(line)
         config_only = all(isinstance(leaf, ValueError) for leaf in leaves)
         return EXIT_CONFIG if config_only else EXIT_FAILURE

@@ -273,3 +273,13 @@ async def test_a_new_swarm_says_so_then_joined(autojump_clock, capsys):
         assert "started a new swarm" in capsys.readouterr().err
         views.append("a")
     assert capsys.readouterr().err.strip() == "prefixswarm: joined: 2 peers"
+
+
+def test_a_model_that_fails_to_load_is_one_line_and_exit_1(capsys, tmp_path):
+    """Past the checks, inside the running peer's nursery: still one line, no traceback."""
+    (tmp_path / "config.json").write_text("{}")
+    assert cli.main(["serve", *QUIET, "--model", str(tmp_path)]) == cli.EXIT_FAILURE
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert f"prefixswarm: cannot load a causal LM from {tmp_path}: " in err.splitlines()[-1]
+    assert "tokenizer" in err.splitlines()[-1]  # transformers' multi-line reason, joined
