@@ -26,7 +26,7 @@ import trio
 
 from peer.config import DEFAULT_CACHE_BYTES, DEFAULT_MODEL, PeerConfig, Policy
 from peer.local_swarm import LOCAL_SUMMARY_INTERVAL_S
-from peer.logs import setup_logging
+from peer.logs import root_cause, setup_logging
 from peer.settings import (
     DEFAULT_HTTP,
     FIELD_HELP,
@@ -90,22 +90,6 @@ async def _until_stdin_closes() -> None:
         sys.stdin.buffer.readline, abandon_on_cancel=True
     ):
         pass
-
-
-def root_cause(exc: BaseException) -> str:
-    """The innermost error under libp2p's wrappers, e.g. 'Connection refused'."""
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    last = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        last = current
-        inner = getattr(current, "exceptions", None) or getattr(current, "errors", None)
-        nested = inner[0] if isinstance(inner, list | tuple) and inner else None
-        current = current.__cause__ or current.__context__ or nested
-    if isinstance(last, OSError) and last.strerror:
-        return last.strerror
-    return str(last) or type(last).__name__
 
 
 async def _watch_join(peer: Any, config: PeerConfig) -> None:

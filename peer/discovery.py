@@ -36,6 +36,7 @@ from peer.host import (
     dht_query_providers,
     parse_peer_addr,
 )
+from peer.logs import root_cause
 
 logger = logging.getLogger(__name__)
 
@@ -170,7 +171,7 @@ class Discovery:
                 self.bootstrap_errors[str(info.peer_id)] = exc
                 level = logging.WARNING if first else logging.INFO  # said once, loud
                 logger.log(level, "bootstrap %s failed (%s); retry in %.2f s",
-                           info.peer_id, exc, backoff)
+                           info.peer_id, root_cause(exc), backoff)
                 await trio.sleep(backoff * (0.5 + self._rng.random()))  # jitter
                 backoff = min(BOOTSTRAP_BACKOFF_MAX_S, backoff * 2)
                 continue
@@ -256,7 +257,8 @@ class Discovery:
         except PeerUnreachable as exc:
             self._stats["dial_failures"] += 1
             if cand.failures == 0:  # once per outage: retries back off up to a minute
-                logger.warning("peer %s unreachable, retrying with back-off: %s", peer_id, exc)
+                logger.warning("peer %s unreachable (%s); retrying with back-off",
+                               peer_id, root_cause(exc))
             else:
                 logger.debug("dial provider: %s", exc)
             self._record_failure(cand)

@@ -32,3 +32,19 @@ def _drop_library_noise(record: logging.LogRecord) -> bool:
     prefix, message = DIAL_NOISE
     dial = record.name.startswith(prefix) and str(record.msg).startswith(message)
     return record.levelno >= LIBRARY_LEVEL and not dial
+
+
+def root_cause(exc: BaseException) -> str:
+    """The innermost error under libp2p's wrappers, e.g. 'Connection refused'."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    last = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        last = current
+        inner = getattr(current, "exceptions", None) or getattr(current, "errors", None)
+        nested = inner[0] if isinstance(inner, list | tuple) and inner else None
+        current = current.__cause__ or current.__context__ or nested
+    if isinstance(last, OSError) and last.strerror:
+        return last.strerror
+    return str(last) or type(last).__name__
