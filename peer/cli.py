@@ -28,6 +28,7 @@ from peer.config import DEFAULT_CACHE_BYTES, DEFAULT_MODEL, PeerConfig, Policy
 from peer.local_swarm import LOCAL_SUMMARY_INTERVAL_S
 from peer.logs import root_cause, setup_logging
 from peer.settings import (
+    DEFAULT_CONFIG_FILE,
     DEFAULT_HTTP,
     FIELD_HELP,
     LOG_LEVELS,
@@ -73,7 +74,7 @@ def _say(message: str) -> None:
 def settings_from_args(args: argparse.Namespace) -> tuple[PeerConfig, ServeOptions]:
     """Flags given on the command line over PREFIXSWARM_* over the config file."""
     flags = {f.name: getattr(args, f.name) for f, _ in settings_fields() if hasattr(args, f.name)}
-    return load_settings(flags, config_file_path(args.config, os.environ))
+    return load_settings(flags, config_file_path(getattr(args, "config", None), os.environ))
 
 
 def config_from_args(args: argparse.Namespace) -> PeerConfig:
@@ -383,9 +384,13 @@ def build_parser() -> argparse.ArgumentParser:
         "flags win over variables, variables over the file.",
     )
     add_setting_flags(serve_parser)
-    serve_parser.add_argument("--config", default=None, metavar="FILE",
-                              help="TOML file of settings ('none': no file)")
-    serve_parser.add_argument("--report", choices=["text", "json"], default="text")
+    serve_parser.add_argument(
+        "--config", default=argparse.SUPPRESS, metavar="FILE",
+        help=f"TOML file of settings ('none': no file) (default: $PREFIXSWARM_CONFIG, else "
+        f"{DEFAULT_CONFIG_FILE} if it exists)",
+    )
+    serve_parser.add_argument("--report", choices=["text", "json"], default="text",
+                              help="json: one JSON object a line on stdout, for programs")
     serve_parser.add_argument("--exit-with-stdin", action="store_true",
                               help="stop when stdin closes")
 
