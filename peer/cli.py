@@ -379,6 +379,7 @@ def build_parser() -> argparse.ArgumentParser:
     defaults = argparse.ArgumentDefaultsHelpFormatter
     serve_parser = sub.add_parser(
         "serve", help="start a swarm, or join one with --bootstrap", formatter_class=defaults,
+        conflict_handler="resolve",  # a flag added by hand for a field replaces the derived one
         description="Every setting is also read from PREFIXSWARM_<NAME> variables and from a "
         "TOML file (--config, $PREFIXSWARM_CONFIG or ~/.config/prefixswarm/config.toml); "
         "flags win over variables, variables over the file.",

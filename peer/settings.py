@@ -49,6 +49,7 @@ FLAG_NAMES = {
     "announce_addrs": "announce",
     "identity_file": "identity",
     "served_model_names": "served-model-name",
+    "use_relays": "relays",  # --relays/--no-relays
 }
 FIELD_HELP = {
     "model": "alias (smollm2-135m, tiny-random), checkpoint folder or hub id",
@@ -69,6 +70,16 @@ FIELD_HELP = {
     "bootstrap_timeout_s": "seconds to reach a bootstrap peer before giving up (0: forever)",
     "served_model_names": "extra names the HTTP API accepts for the model",
     "forward_delay_s": "benchmarks: add S seconds one-way delay to every forward (WAN)",
+    "verify_fraction": "share of forwarded responses verified before delivery",
+    "probation_requests": "verified responses before a new peer is trusted",
+    "quarantine_file": "quarantined peers (none: quarantine.json next to the identity)",
+    "dtype": "weights and KV precision (float32, bfloat16; float16 needs a GPU)",
+    "device": "auto, cpu, cuda or mps",
+    "threads": "torch CPU threads (none: torch's default)",
+    "relay_service": "relay for peers behind NAT when this peer is reachable",
+    "use_relays": "behind NAT, reserve relay slots (without them nobody reaches you)",
+    "mdns": "find and announce peers on the local network (multicast DNS)",
+    "upnp": "ask the router (UPnP) to forward the listen port",
     "http": "serve the HTTP API at HOST:PORT ('' to disable)",
     "log_level": "log level",
     "bootstrap_file": "file of bootstrap multiaddrs, one a line ('#' comments)",
