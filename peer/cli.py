@@ -42,6 +42,7 @@ from peer.settings import (
     parse_bytes,
     settings_fields,
     split_host_port,
+    to_toml,
 )
 from peer.version import version
 
@@ -189,6 +190,9 @@ def serve(args: argparse.Namespace) -> int:
     from peer.preflight import check_serve, hold_identity
 
     config, options = settings_from_args(args)
+    if args.print_config:
+        sys.stdout.write(to_toml(config, options))
+        return 0
     setup_logging(options.log_level)
     check_serve(config, options)
     with hold_identity(config.identity_file):
@@ -390,6 +394,8 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"TOML file of settings ('none': no file) (default: $PREFIXSWARM_CONFIG, else "
         f"{DEFAULT_CONFIG_FILE} if it exists)",
     )
+    serve_parser.add_argument("--print-config", action="store_true",
+                              help="print the settings in effect as a config file, and exit")
     serve_parser.add_argument("--report", choices=["text", "json"], default="text",
                               help="json: one JSON object a line on stdout, for programs")
     serve_parser.add_argument("--exit-with-stdin", action="store_true",

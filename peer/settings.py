@@ -16,6 +16,8 @@ a tuple field takes a list (TOML), or commas/whitespace (environment); a path fi
 from __future__ import annotations
 
 import dataclasses
+import enum
+import json
 import os
 import tomllib
 import types
@@ -281,3 +283,27 @@ def load_settings(
         return peer_cls(**peer_values), serve_cls(**serve_values)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, tuple):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, enum.Enum):
+        value = value.value
+    return json.dumps(str(value))  # a JSON string is a valid TOML basic string
+
+
+def to_toml(config: PeerConfig, options: ServeOptions) -> str:
+    """The settings in effect as a config file (`serve --print-config`); None: 'none'."""
+    lines = []
+    for obj in (config, options):
+        for f in dataclasses.fields(obj):
+            if f.init:
+                value = getattr(obj, f.name)
+                shown = '"none"' if value is None else _toml_value(value)
+                lines.append(f"{f.name} = {shown}")
+    return "\n".join(lines) + "\n"

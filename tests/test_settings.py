@@ -171,3 +171,21 @@ def test_a_new_field_is_settable_three_ways_without_more_code(monkeypatch, tmp_p
     config, _ = load_settings(config_file=file)
     assert isinstance(config, _Grown)
     assert (config.relay, config.relay_slots) == (False, 9)
+
+
+def test_print_config_round_trips_through_a_config_file(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("PREFIXSWARM_POLICY", "longest_prefix")
+    argv = ["serve", "--config", "none", "--cache-bytes", "2GiB", "--bootstrap", BOOT, BOOT2,
+            "--identity", "none", "--served-model-name", "smol", "--print-config"]
+    assert cli.main(argv) == 0
+    text = capsys.readouterr().out
+    assert 'policy = "longest_prefix"' in text and "cache_bytes = 2147483648" in text
+    assert 'identity_file = "none"' in text
+    file = tmp_path / "printed.toml"
+    file.write_text(text)
+    monkeypatch.delenv("PREFIXSWARM_POLICY")
+    printed = load_settings(config_file=file)
+    expected = cli.settings_from_args(cli.build_parser().parse_args(argv[:-1]))
+    assert printed == (
+        dataclasses.replace(expected[0], policy=Policy.LONGEST_PREFIX), expected[1]
+    )
