@@ -28,7 +28,8 @@ lint: $(STAMP)
 	# protocols/ and every pure core (the strict modules of pyproject.toml's [tool.mypy])
 	$(BIN)/mypy protocols peer/router.py peer/ranking.py peer/peer_table.py peer/config.py \
 		peer/admission.py peer/bloom_sizing.py peer/demo_data.py peer/engine/radix.py \
-		peer/engine/speeds.py peer/trust.py peer/request_log.py
+		peer/engine/speeds.py peer/trust.py peer/request_log.py peer/settings.py \
+		peer/preflight.py peer/logs.py peer/version.py peer/progress.py
 
 clean-venv:
 	rm -rf $(VENV)

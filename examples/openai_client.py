@@ -79,7 +79,7 @@ def main(url: str, model: str) -> None:
 
     try:
         client.completions.create(model="gpt-4", prompt="hi")
-    except openai.BadRequestError as exc:
+    except openai.NotFoundError as exc:
         print(f"an unknown model is refused: {exc.status_code} {exc.code}")
 
 

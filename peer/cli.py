@@ -13,41 +13,51 @@ its stdin closes, so it never outlives the process that started it.
 from __future__ import annotations
 
 import argparse
+import enum
 import json
-import logging
+import math
 import os
 import signal
 import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import trio
 
-from peer.config import (
-    DEFAULT_CACHE_BYTES,
-    DEFAULT_IDENTITY_FILE,
-    DEFAULT_MODEL,
-    DEFAULT_PROBATION_REQUESTS,
-    DEFAULT_SUMMARY_INTERVAL_S,
-    DEFAULT_VERIFY_FRACTION,
-    PeerConfig,
-    Policy,
-)
+from peer.config import DEFAULT_CACHE_BYTES, DEFAULT_MODEL, PeerConfig, Policy
 from peer.local_swarm import LOCAL_SUMMARY_INTERVAL_S
+from peer.logs import root_cause, setup_logging
+from peer.settings import (
+    DEFAULT_CONFIG_FILE,
+    DEFAULT_HTTP,
+    FIELD_HELP,
+    LOG_LEVELS,
+    ServeOptions,
+    config_file_path,
+    env_for,
+    field_default,
+    flag_for,
+    is_tuple,
+    load_settings,
+    parse_bytes,
+    settings_fields,
+    split_host_port,
+    to_toml,
+)
+from peer.version import version
 
-DEFAULT_HTTP = "127.0.0.1:8000"  # loopback only: the API has no authentication
+__all__ = ["build_parser", "config_from_args", "main", "split_host_port"]
+
 DEFAULT_URL = "http://127.0.0.1:8000"
 PEERS_REPORT_INTERVAL_S = 0.5  # how often `--report json` says which peers are known
+JOIN_POLL_S = 0.25  # how often `serve` looks whether the first other peer has arrived
 CLIENT_TIMEOUT_S = 600.0  # generate/status: a long prompt on a slow CPU takes minutes
+EXIT_FAILURE = 1  # the peer or a client failed at run time (unreachable, load failed)
+EXIT_CONFIG = 2  # a configuration error, found before anything ran (argparse uses 2 too)
 
 
-def split_host_port(value: str) -> tuple[str, int]:
-    """'HOST:PORT' (IPv6 as '[::1]:PORT') -> (host, port); ValueError when malformed."""
-    host, sep, port = value.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535 or not host:
-        raise ValueError(f"expected HOST:PORT (e.g. 127.0.0.1:8000), got {value!r}")
-    return host.strip("[]"), int(port)
+class BootstrapFailed(Exception):
+    """No bootstrap peer answered within bootstrap_timeout_s."""
 
 
 def _emit(obj: dict[str, Any]) -> None:
@@ -62,25 +72,14 @@ def _say(message: str) -> None:
 # -- serve ---------------------------------------------------------------------------------
 
 
+def settings_from_args(args: argparse.Namespace) -> tuple[PeerConfig, ServeOptions]:
+    """Flags given on the command line over PREFIXSWARM_* over the config file."""
+    flags = {f.name: getattr(args, f.name) for f, _ in settings_fields() if hasattr(args, f.name)}
+    return load_settings(flags, config_file_path(getattr(args, "config", None), os.environ))
+
+
 def config_from_args(args: argparse.Namespace) -> PeerConfig:
-    identity = None if args.identity in ("", "none") else Path(os.path.expanduser(args.identity))
-    return PeerConfig(
-        model=args.model,
-        listen_addrs=tuple(args.listen or ("/ip4/0.0.0.0/tcp/4001",)),
-        announce_addrs=tuple(args.announce),
-        bootstrap=tuple(args.bootstrap),
-        identity_file=identity,
-        cache_bytes=args.cache_bytes,
-        summary_interval_s=args.summary_interval,
-        policy=Policy(args.policy),
-        forward_delay_s=getattr(args, "forward_delay", 0.0),
-        verify_fraction=getattr(args, "verify_fraction", DEFAULT_VERIFY_FRACTION),
-        probation_requests=getattr(args, "probation_requests", DEFAULT_PROBATION_REQUESTS),
-        quarantine_file=(
-            Path(os.path.expanduser(args.quarantine_file))
-            if getattr(args, "quarantine_file", None) else None
-        ),
-    )
+    return settings_from_args(args)[0]
 
 
 async def _stop_on(waiter: Callable[[], Any], scope: trio.CancelScope) -> None:
@@ -95,9 +94,44 @@ async def _until_stdin_closes() -> None:
         pass
 
 
-async def run_serve(args: argparse.Namespace, config: PeerConfig) -> None:
+async def _watch_join(peer: Any, config: PeerConfig) -> None:
+    """Fail when no bootstrap peer answers in time; say "joined: N peers" once others show."""
+    if config.bootstrap:
+        timeout = config.bootstrap_timeout_s or math.inf
+        with trio.move_on_after(timeout):
+            await peer.discovery.wait_bootstrapped()
+        if not peer.discovery.bootstrapped:
+            errors = peer.discovery.bootstrap_errors
+            causes = [
+                f"{addr.split('/p2p/')[0]}: {root_cause(errors[peer_id])}"
+                for addr in config.bootstrap
+                if (peer_id := addr.rsplit("/p2p/", 1)[1]) in errors
+            ]
+            raise BootstrapFailed(
+                f"none of the {len(config.bootstrap)} bootstrap peers answered within "
+                f"{config.bootstrap_timeout_s:g} s ({'; '.join(causes) or 'no answer'}); check "
+                "the address, or leave out --bootstrap to start a new swarm"
+            )
+    else:
+        _say("no --bootstrap: started a new swarm; waiting for others to join")
+    while not (others := peer.table.views(trio.current_time())):
+        await trio.sleep(JOIN_POLL_S)
+    _say(f"joined: {len(others) + 1} peers")
+
+
+def _load_engine(config: PeerConfig) -> Any:
+    """Load the model and warm the engine up, each stage said on stderr (blocking)."""
+    from peer.engine.engine import load_engine
+    from peer.progress import stage
+
+    engine = load_engine(config.model, config.cache_bytes, config.block_size, warmup=False)
+    with stage("warming up the engine (measuring its speeds)"):
+        engine.warmup()
+    return engine
+
+
+async def run_serve(args: argparse.Namespace, config: PeerConfig, options: ServeOptions) -> None:
     """Load the model, start the peer (and its HTTP API), run until a signal or EOF."""
-    from peer.engine.engine import load_engine  # torch: imported only by commands that need it
     from peer.http import serve_http
     from peer.node import open_peer
 
@@ -115,18 +149,19 @@ async def run_serve(args: argparse.Namespace, config: PeerConfig) -> None:
             if json_report:
                 _emit({"event": "loading", "model": config.model, "pid": os.getpid()})
             else:
-                first_use = " (the first use converts the GGUF: ~20 s)"
-                note = first_use if config.model == DEFAULT_MODEL else ""
-                _say(f"loading model {config.model}{note}...")
+                _say(f"loading model {config.model}...")
+            started = trio.current_time()
             engine = await trio.to_thread.run_sync(  # type: ignore[call-arg]
-                load_engine, config.model, config.cache_bytes, config.block_size,
+                _load_engine, config,
                 abandon_on_cancel=True,  # a signal during loading stops the process at once
             )
+            _say(f"model {engine.model_id} ready in {trio.current_time() - started:.1f} s")
             async with open_peer(config, engine=engine) as peer:
                 url = None
-                if args.http:
-                    host, port = split_host_port(args.http)
+                if options.http:
+                    host, port = split_host_port(options.http)
                     url = await peer.start_service(serve_http, peer, host, port)
+                nursery.start_soon(_watch_join, peer, config)
                 if json_report:
                     _emit(
                         {
@@ -150,6 +185,21 @@ async def run_serve(args: argparse.Namespace, config: PeerConfig) -> None:
         _emit({"event": "down", "pid": os.getpid()})
 
 
+def serve(args: argparse.Namespace) -> int:
+    """`serve`: settings, checks before the model loads, then the peer under its lock."""
+    from peer.preflight import check_serve, hold_identity
+
+    config, options = settings_from_args(args)
+    if args.print_config:
+        sys.stdout.write(to_toml(config, options))
+        return 0
+    setup_logging(options.log_level)
+    check_serve(config, options)
+    with hold_identity(config.identity_file):
+        trio.run(run_serve, args, config, options)
+    return 0
+
+
 # -- generate and status (HTTP clients) --------------------------------------------------
 
 
@@ -170,17 +220,33 @@ def run_generate(args: argparse.Namespace) -> int:
         path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": prompt}]
     else:
         path, body["prompt"] = "/v1/completions", prompt
+    try:
+        return _stream_generation(args.url, path, body)
+    except httpx.HTTPError as exc:
+        _say(f"cannot reach a peer at {args.url}: {exc or type(exc).__name__}")
+        return EXIT_FAILURE
+
+
+def _error_message(response: Any) -> str:
+    try:
+        return str(response.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return response.text[:200] or response.reason_phrase
+
+
+def _stream_generation(url: str, path: str, body: dict[str, Any]) -> int:
+    import httpx
+
     extension: dict[str, Any] = {}
     usage: dict[str, Any] = {}
     with (
-        httpx.Client(base_url=args.url, timeout=CLIENT_TIMEOUT_S) as client,
+        httpx.Client(base_url=url, timeout=CLIENT_TIMEOUT_S) as client,
         client.stream("POST", path, json=body) as response,
     ):
         if response.status_code != 200:
             response.read()
-            error = response.json().get("error", {})
-            print(f"error {response.status_code}: {error.get('message')}", file=sys.stderr)
-            return 1
+            print(f"error {response.status_code}: {_error_message(response)}", file=sys.stderr)
+            return EXIT_FAILURE
         for line in response.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -245,9 +311,11 @@ def run_status(args: argparse.Namespace) -> int:
     try:
         response = httpx.get(args.url + "/v1/swarm", timeout=CLIENT_TIMEOUT_S)
     except httpx.HTTPError as exc:
-        print(f"cannot reach a peer at {args.url}: {exc}", file=sys.stderr)
-        return 1
-    response.raise_for_status()
+        _say(f"cannot reach a peer at {args.url}: {exc or type(exc).__name__}")
+        return EXIT_FAILURE
+    if response.status_code != 200:
+        _say(f"{args.url}/v1/swarm: error {response.status_code}: {_error_message(response)}")
+        return EXIT_FAILURE
     view = response.json()
     print(json.dumps(view, indent=2) if args.json else format_status(view))
     return 0
@@ -256,73 +324,134 @@ def run_status(args: argparse.Namespace) -> int:
 # -- argument parsing --------------------------------------------------------------------
 
 
-def _peer_options(p: argparse.ArgumentParser, *, summary_interval: float) -> None:
+def _shown(value: Any) -> str:
+    if isinstance(value, tuple):
+        return " ".join(map(str, value)) or "none"
+    if isinstance(value, enum.Enum):
+        return str(value.value)
+    return "none" if value is None else (str(value) or "''")
+
+
+def _metavar(name: str, hint: Any) -> str:
+    if name.endswith("addrs") or name == "bootstrap":
+        return "MULTIADDR"
+    suffixes = {"_s": "S", "_bytes": "BYTES", "_file": "FILE", "http": "HOST:PORT"}
+    for suffix, metavar in suffixes.items():
+        if name.endswith(suffix):
+            return metavar
+    return {int: "N", float: "X"}.get(hint, "NAME")
+
+
+def add_setting_flags(parser: argparse.ArgumentParser) -> None:
+    """A flag for every setting (PeerConfig and ServeOptions fields), derived from them."""
+    for f, hint in settings_fields():
+        text = FIELD_HELP.get(f.name, f.name.replace("_", " "))
+        shown = _shown(field_default(f))
+        kwargs: dict[str, Any] = {
+            "dest": f.name,
+            "default": argparse.SUPPRESS,  # unset flags leave the value to env/file/default
+            "help": f"{text} (default: {shown}; env {env_for(f.name)})".replace("%", "%%"),
+        }
+        if is_tuple(hint):
+            kwargs.update(nargs="+", action="extend")
+        elif hint is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif isinstance(hint, type) and issubclass(hint, enum.Enum):
+            kwargs["choices"] = [m.value for m in hint]
+        elif f.name == "log_level":
+            kwargs.update(choices=LOG_LEVELS, type=str.lower)
+        if "choices" not in kwargs and hint is not bool:
+            kwargs["metavar"] = _metavar(f.name, hint)
+        parser.add_argument(flag_for(f.name), **kwargs)
+
+
+def _local_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help="alias, checkpoint folder or hub id")
-    p.add_argument("--cache-bytes", type=int, default=DEFAULT_CACHE_BYTES, help="KV cache budget")
+    p.add_argument("--cache-bytes", type=parse_bytes, default=DEFAULT_CACHE_BYTES,
+                   help="KV cache budget per peer (units: 512MB, 1GiB)")
     p.add_argument("--policy", default=Policy.COST.value, choices=[x.value for x in Policy])
-    p.add_argument("--summary-interval", type=float, default=summary_interval, metavar="S",
-                   help="seconds between cache summaries")
-    p.add_argument("--log-level", default="WARNING")
+    p.add_argument("--summary-interval", type=float, default=LOCAL_SUMMARY_INTERVAL_S,
+                   metavar="S", help="seconds between cache summaries")
+    p.add_argument("--log-level", default="warning", choices=LOG_LEVELS, type=str.lower)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="prefixswarm", description="A P2P swarm serving an LLM with prefix-cache routing."
     )
+    parser.add_argument("--version", action="version", version=f"prefixswarm {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="start a swarm, or join one with --bootstrap")
-    _peer_options(serve, summary_interval=DEFAULT_SUMMARY_INTERVAL_S)
-    serve.add_argument("--bootstrap", nargs="+", action="extend", default=[], metavar="MULTIADDR")
-    serve.add_argument("--listen", nargs="+", action="extend", metavar="MULTIADDR",
-                       help="default /ip4/0.0.0.0/tcp/4001")
-    serve.add_argument("--announce", nargs="+", action="extend", default=[], metavar="MULTIADDR",
-                       help="addresses to tell others (behind NAT: your public address)")
-    serve.add_argument("--identity", default=DEFAULT_IDENTITY_FILE,
-                       help="ed25519 key file, created if missing ('none': ephemeral)")
-    serve.add_argument("--http", default=DEFAULT_HTTP, metavar="HOST:PORT",
-                       help="serve the HTTP API here ('' to disable)")
-    serve.add_argument("--report", choices=["text", "json"], default="text")
-    serve.add_argument("--exit-with-stdin", action="store_true", help="stop when stdin closes")
-    serve.add_argument("--forward-delay", type=float, default=0.0, metavar="S",
-                       help="benchmarks: add S seconds one-way delay to every forward (WAN)")
-    serve.add_argument("--verify-fraction", type=float, default=DEFAULT_VERIFY_FRACTION,
-                       metavar="F", help="share of forwarded responses verified before delivery")
-    serve.add_argument("--probation-requests", type=int, default=DEFAULT_PROBATION_REQUESTS,
-                       metavar="K", help="verified responses before a new peer is trusted")
-    serve.add_argument("--quarantine-file", default=None, metavar="PATH",
-                       help="quarantined peers (default: quarantine.json next to --identity)")
+    defaults = argparse.ArgumentDefaultsHelpFormatter
+    serve_parser = sub.add_parser(
+        "serve", help="start a swarm, or join one with --bootstrap", formatter_class=defaults,
+        conflict_handler="resolve",  # a flag added by hand for a field replaces the derived one
+        description="Every setting is also read from PREFIXSWARM_<NAME> variables and from a "
+        "TOML file (--config, $PREFIXSWARM_CONFIG or ~/.config/prefixswarm/config.toml); "
+        "flags win over variables, variables over the file.",
+    )
+    add_setting_flags(serve_parser)
+    serve_parser.add_argument(
+        "--config", default=argparse.SUPPRESS, metavar="FILE",
+        help=f"TOML file of settings ('none': no file) (default: $PREFIXSWARM_CONFIG, else "
+        f"{DEFAULT_CONFIG_FILE} if it exists)",
+    )
+    serve_parser.add_argument("--print-config", action="store_true",
+                              help="print the settings in effect as a config file, and exit")
+    serve_parser.add_argument("--report", choices=["text", "json"], default="text",
+                              help="json: one JSON object a line on stdout, for programs")
+    serve_parser.add_argument("--exit-with-stdin", action="store_true",
+                              help="stop when stdin closes")
 
-    gen = sub.add_parser("generate", help="send a prompt to a running peer, stream the answer")
+    gen = sub.add_parser("generate", help="send a prompt to a running peer, stream the answer",
+                         formatter_class=defaults)
     gen.add_argument("prompt", help="the prompt ('-' reads stdin)")
-    gen.add_argument("--url", default=DEFAULT_URL)
+    gen.add_argument("--url", default=DEFAULT_URL, help="a peer's HTTP API")
     gen.add_argument("--chat", action="store_true", help="as a chat message (chat template)")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--model", default=None)
+    gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    gen.add_argument("--model", default=None, help="model name (default: the peer's)")
 
-    status = sub.add_parser("status", help="the peer's view of the swarm")
-    status.add_argument("--url", default=DEFAULT_URL)
-    status.add_argument("--json", action="store_true")
+    status = sub.add_parser("status", help="the peer's view of the swarm",
+                            formatter_class=defaults)
+    status.add_argument("--url", default=DEFAULT_URL, help="a peer's HTTP API")
+    status.add_argument("--json", action="store_true", help="the raw /v1/swarm object")
 
-    local = sub.add_parser("local", help="run N peers on this machine (loopback)")
-    _peer_options(local, summary_interval=LOCAL_SUMMARY_INTERVAL_S)
-    local.add_argument("--peers", type=int, default=3)
+    local = sub.add_parser("local", help="run N peers on this machine (loopback)",
+                           formatter_class=defaults)
+    _local_options(local)
+    local.add_argument("--peers", type=int, default=3, help="processes to start")
     local.add_argument("--http", default=DEFAULT_HTTP, metavar="HOST:PORT",
                        help="the first peer's HTTP API (the others take free ports)")
     local.add_argument("--demo", action="store_true", help="send MMLU questions, print, exit")
     local.add_argument("--json", action="store_true", help="a JSON 'ready' line on stdout")
-    local.add_argument("--ready-timeout", type=float, default=600.0, metavar="S")
+    local.add_argument("--ready-timeout", type=float, default=600.0, metavar="S",
+                       help="seconds to wait for every peer")
     return parser
+
+
+def _leaves(exc: BaseException) -> list[BaseException]:
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for inner in exc.exceptions for leaf in _leaves(inner)]
+    return [exc]
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Errors that are the user's to fix: shown as one line each, never a traceback."""
+    from peer.engine.model import ModelLoadError
+
+    errors: tuple[type[BaseException], ...] = (ValueError, ModelLoadError, BootstrapFailed)
+    if "peer.host" in sys.modules:  # imported by `serve` only; importing it loads libp2p
+        errors += (sys.modules["peer.host"].HostError,)
+    return errors
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=getattr(args, "log_level", "WARNING"), stream=sys.stderr)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a hub unasked
     try:
         if args.command == "serve":
-            trio.run(run_serve, args, config_from_args(args))
-            return 0
+            return serve(args)
+        setup_logging(getattr(args, "log_level", "warning"))
         if args.command == "generate":
             return run_generate(args)
         if args.command == "status":
@@ -330,9 +459,14 @@ def main(argv: list[str] | None = None) -> int:
         from peer.local_swarm import run_local
 
         return trio.run(run_local, args)
-    except ValueError as exc:  # bad configuration: one clear line, no traceback
-        print(f"prefixswarm: {exc}", file=sys.stderr)
-        return 2
+    except Exception as exc:  # sorted below: anything not the user's to fix is re-raised
+        leaves = _leaves(exc)
+        if not all(isinstance(leaf, _user_errors()) for leaf in leaves):
+            raise
+        for line in dict.fromkeys(" ".join(str(leaf).split()) for leaf in leaves):  # one line
+            _say(line)
+        config_only = all(isinstance(leaf, ValueError) for leaf in leaves)
+        return EXIT_CONFIG if config_only else EXIT_FAILURE
 
 
 if __name__ == "__main__":

@@ -32,6 +32,8 @@ DEFAULT_FIRST_TOKEN_FLOOR_S = 1.0  # ... but at least this: estimates of idle pe
 DEFAULT_HEDGE_MULTIPLE = 2.0  # no first token after 2x the estimate: start the next candidate
 DEFAULT_HEDGE_FLOOR_S = 0.1  # ... at the earliest after this: loopback TTFTs are 5-20 ms,
 #   but 50-100 ms on a loaded 2-core machine, and a hedge duplicates the work
+# Backoff 0.25 s doubling: ~7 dials in 30 s, enough for a peer that is still starting.
+DEFAULT_BOOTSTRAP_TIMEOUT_S = 30.0
 
 MAX_SUMMARY_INTERVAL_S = 600.0  # beyond this a summary says nothing useful about a cache
 MIN_BLOOM_FP_RATE = 1e-4  # protocols/bloom.py's bound: rarer false hits cost more bits than gain
@@ -73,6 +75,8 @@ class PeerConfig:
     forward_first_token_s: float = DEFAULT_FORWARD_FIRST_TOKEN_S
     forward_token_gap_s: float = DEFAULT_FORWARD_TOKEN_GAP_S
     request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
+    bootstrap_timeout_s: float = DEFAULT_BOOTSTRAP_TIMEOUT_S  # `serve` exits if none answered
+    served_model_names: tuple[str, ...] = ()  # extra names the HTTP API accepts
     # Test/bench hook: an added one-way delay before each forward, emulating a WAN.
     forward_delay_s: float = 0.0
     verify_fraction: float = DEFAULT_VERIFY_FRACTION
@@ -122,6 +126,10 @@ class PeerConfig:
                 f"request_timeout_s must be <= {MAX_REQUEST_TIMEOUT_S}, "
                 f"got {self.request_timeout_s}"
             )
+        if self.bootstrap_timeout_s < 0:
+            raise ValueError(f"bootstrap_timeout_s must be >= 0, got {self.bootstrap_timeout_s}")
+        if not all(self.served_model_names):
+            raise ValueError("served_model_names must not hold an empty name")
         if self.forward_delay_s < 0:
             raise ValueError(f"forward_delay_s must be >= 0, got {self.forward_delay_s}")
         if not 0.0 <= self.verify_fraction <= 1.0:

@@ -36,6 +36,7 @@ from peer.host import (
     dht_query_providers,
     parse_peer_addr,
 )
+from peer.logs import root_cause
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +102,8 @@ class Discovery:
         self._rtts_kept: dict[ID, int] = {}  # per connected peer, for the warm-up cadence
         self._next_ping: dict[ID, float] = {}
         self._bootstrapped = trio.Event()
+        # bootstrap peer id -> its last dial error (cli.py digs out the root cause)
+        self.bootstrap_errors: dict[str, Exception] = {}
         self._wakeup = trio.Event()
         self._stats = {
             "bootstrap_attempts": 0,
@@ -135,6 +138,10 @@ class Discovery:
         """Return once one bootstrap address answered (at once for a new swarm)."""
         await self._bootstrapped.wait()
 
+    @property
+    def bootstrapped(self) -> bool:
+        return self._bootstrapped.is_set()
+
     def poke(self) -> None:
         """Look for providers now (e.g. after a connection was lost)."""
         self._wakeup.set()
@@ -160,7 +167,11 @@ class Discovery:
                 await self._host.connect(info)
             except PeerUnreachable as exc:
                 self._stats["bootstrap_failures"] += 1
-                logger.info("bootstrap %s failed (%s); retry in %.2f s", info.peer_id, exc, backoff)
+                first = str(info.peer_id) not in self.bootstrap_errors
+                self.bootstrap_errors[str(info.peer_id)] = exc
+                level = logging.WARNING if first else logging.INFO  # said once, loud
+                logger.log(level, "bootstrap %s failed (%s); retry in %.2f s",
+                           info.peer_id, root_cause(exc), backoff)
                 await trio.sleep(backoff * (0.5 + self._rng.random()))  # jitter
                 backoff = min(BOOTSTRAP_BACKOFF_MAX_S, backoff * 2)
                 continue
@@ -245,9 +256,15 @@ class Discovery:
             await self._host.connect(cand.info)
         except PeerUnreachable as exc:
             self._stats["dial_failures"] += 1
-            logger.debug("dial provider: %s", exc)
+            if cand.failures == 0:  # once per outage: retries back off up to a minute
+                logger.warning("peer %s unreachable (%s); retrying with back-off",
+                               peer_id, root_cause(exc))
+            else:
+                logger.debug("dial provider: %s", exc)
             self._record_failure(cand)
             return
+        if cand.failures:
+            logger.warning("peer %s reachable again", peer_id)
         cand.failures = 0
         await dht_add_peer(self._dht, peer_id)
         logger.debug("connected to provider %s", peer_id)

@@ -17,7 +17,7 @@ import json
 import math
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, replace
 from typing import Any
@@ -26,6 +26,7 @@ import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve as hypercorn_serve
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -43,6 +44,7 @@ from peer.openai_schema import (
 )
 from peer.pipeline import DeadlineExceeded, GenerationChunk, GenerationResult, RequestFailed
 from peer.web.routes import Page
+from peer.version import version
 
 SERVED_BY_HEADER = "x-prefixswarm-served-by"
 ENTRY_HEADER = "x-prefixswarm-entry"
@@ -151,7 +153,8 @@ class GenerationResponse:
 
     async def _respond(self, send: Any) -> None:
         job, api = self._job, self._api
-        agen = api.peer.stream(job.token_ids, job.params, request_id=job.request_id)
+        agen = _timed(api.peer.stream(job.token_ids, job.params, request_id=job.request_id),
+                      api.metrics)
         async with aclosing(agen):
             try:
                 first = await agen.__anext__()
@@ -265,6 +268,19 @@ class GenerationResponse:
         }
 
 
+async def _timed(agen: Any, metrics: Metrics) -> AsyncGenerator[Any, None]:
+    """`agen`'s items, recording the gaps between token chunks as inter-token latency."""
+    last: float | None = None
+    async with aclosing(agen):
+        async for item in agen:
+            if isinstance(item, GenerationChunk) and item.token_ids:
+                now = trio.current_time()
+                if last is not None:
+                    metrics.record_token_gap(now - last, len(item.token_ids))
+                last = now
+            yield item
+
+
 def _usage(result: GenerationResult) -> dict[str, Any]:
     return usage(result.prompt_tokens, result.cached_tokens, result.completion_tokens)
 
@@ -279,9 +295,13 @@ class HttpApi:
         self.peer = peer
         self.model_id: str = peer.engine.model_id
         alias = model_alias if model_alias is not None else peer.config.model
-        self.model_names = tuple(dict.fromkeys([self.model_id, alias]))
+        served = getattr(peer.config, "served_model_names", ())
+        self.model_names = tuple(dict.fromkeys([self.model_id, alias, *served]))
         self.metrics = Metrics(peer.statistics)
         self.page = Page(self)
+        observers = getattr(peer.engine, "queue_wait_observers", None)
+        if observers is not None:  # engines without it (cache-only fakes) have no queue
+            observers.append(self.metrics.queue_wait.observe)
         completions = self._endpoint("completions", chat=False)
         chat = self._endpoint("chat", chat=True)
         self.app = Starlette(
@@ -292,8 +312,10 @@ class HttpApi:
                 Route("/v1/swarm", self.swarm, methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
                 Route("/metrics", self.prometheus, methods=["GET"]),
+                Route("/version", self.version, methods=["GET"]),
                 *self.page.routes,
-            ]
+            ],
+            exception_handlers={HTTPException: _http_error},
         )
 
     def _endpoint(self, name: str, *, chat: bool) -> Callable[[Request], Awaitable[Any]]:
@@ -312,7 +334,7 @@ class HttpApi:
         model = body.get("model") or self.model_id
         if model not in self.model_names:
             raise ApiError(
-                400,
+                404,  # as OpenAI answers an unknown model
                 f"model {model!r} is not served here; this swarm serves "
                 + " or ".join(repr(m) for m in self.model_names),
                 param="model",
@@ -347,11 +369,18 @@ class HttpApi:
 
     async def models(self, request: Request) -> JSONResponse:
         self.metrics.record_request("models", 200)
+        context = self.peer.engine.max_context
         data = [
-            {"id": name, "object": "model", "created": 0, "owned_by": "prefixswarm"}
+            {
+                "id": name, "object": "model", "created": 0, "owned_by": "prefixswarm",
+                "root": self.model_id, "max_model_len": context, "context_length": context,
+            }
             for name in self.model_names
         ]
         return JSONResponse({"object": "list", "data": data})
+
+    async def version(self, request: Request) -> JSONResponse:
+        return JSONResponse({"version": version()})
 
     async def health(self, request: Request) -> JSONResponse:
         stats = self.peer.statistics()
@@ -386,6 +415,16 @@ def trust_view(trust: Any, peer_id: str) -> dict[str, Any] | None:
         "discount": round(t.discount, 4),
         "claims": t.claims.value,
     }
+
+
+async def _http_error(request: Request, exc: Any) -> JSONResponse:
+    """Unknown routes and methods as OpenAI error objects (Starlette's are plain text)."""
+    if exc.status_code == 404:
+        message = f"no route {request.method} {request.url.path}; see /v1/models, /v1/completions"
+    else:
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+    error = ApiError(exc.status_code, message, code="not_found" if exc.status_code == 404 else None)
+    return JSONResponse(error.body(), status_code=exc.status_code, headers=exc.headers)
 
 
 def swarm_view(peer: Any) -> dict[str, Any]:

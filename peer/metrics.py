@@ -1,17 +1,27 @@
 """Prometheus metrics of one peer: its own CollectorRegistry, no global state.
 
-HTTP-side counters (requests, tokens, time to first token, forwards by outcome) are
-recorded by the HTTP layer as requests finish; peer-wide numbers (peers known, gossip
-bytes, engine cache hit ratio, pipeline events) are read from `peer.statistics()` at
-scrape time, so they are never stale and never double-counted.
+HTTP-side counters and histograms (requests, tokens, time to first token, end-to-end
+latency, inter-token latency, forwards by outcome) are recorded by the HTTP layer as
+requests run; the engine reports each request's queue wait; peer-wide numbers (peers
+known, gossip bytes, prefix-cache queries and hits in tokens, pipeline events) are read
+from `peer.statistics()` at scrape time, so they are never stale and never
+double-counted; process metrics (CPU, memory, open files) come from prometheus_client's
+process collector. Another subsystem adds its own families with `add_collector(fn)`:
+`fn(statistics_snapshot)` yields Metric families at scrape time.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -19,6 +29,14 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # Seconds: from tens of milliseconds (cached prefix, tiny model) to minutes (long prompts
 # on a slow CPU); the default buckets stop at 10 s.
 TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+# End to end: a few tokens of a cached prompt (tenths of a second) to long answers (minutes).
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+# Between two tokens: ~10 ms (135M model, one CPU request) to seconds (a busy engine).
+ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+# Waiting for the engine: zero when idle, up to the whole request deadline under load.
+QUEUE_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+SnapshotCollector = Callable[[dict[str, Any]], Iterable[Metric]]
 
 
 def _total(value: Any) -> float:
@@ -31,9 +49,12 @@ class _PeerCollector(Collector):
 
     def __init__(self, snapshot: Callable[[], dict[str, Any]]) -> None:
         self._snapshot = snapshot
+        self.extra: list[SnapshotCollector] = []
 
     def collect(self) -> Iterator[Metric]:
         stats = self._snapshot()
+        for fn in self.extra:
+            yield from fn(stats)
         yield GaugeMetricFamily(
             "prefixswarm_peers_known", "Peers in this peer's table", value=stats["peers_known"]
         )
@@ -55,11 +76,17 @@ class _PeerCollector(Collector):
             summaries.add_metric([fate], _total(stats[f"summaries_{fate}"]))
         yield summaries
         engine = stats.get("engine") or {}
-        prompt = engine.get("prompt_tokens", 0)
-        yield GaugeMetricFamily(
-            "prefixswarm_prefix_hit_ratio",
-            "Prompt tokens this peer's engine reused from its cache / prompt tokens it served",
-            value=(engine.get("cached_tokens", 0) / prompt) if prompt else 0.0,
+        # As vLLM's prefix_cache_queries/hits: rate(hits) / rate(queries) is the hit
+        # ratio over any window, which a lifetime ratio gauge cannot give.
+        yield CounterMetricFamily(
+            "prefixswarm_prefix_cache_queries",
+            "Prompt tokens this peer's engine looked up in its prefix cache",
+            value=engine.get("prompt_tokens", 0),
+        )
+        yield CounterMetricFamily(
+            "prefixswarm_prefix_cache_hits",
+            "Prompt tokens this peer's engine found in its prefix cache (not recomputed)",
+            value=engine.get("cached_tokens", 0),
         )
         for key, help_text in (
             ("cache_num_blocks", "KV blocks in the prefix cache"),
@@ -116,8 +143,40 @@ class Metrics:
             ["where"],
             registry=self.registry,
         )
+        self.e2e = Histogram(
+            "prefixswarm_e2e_request_latency_seconds",
+            "End-to-end time of finished requests at the entry peer, admission to last token",
+            buckets=E2E_BUCKETS,
+            registry=self.registry,
+        )
+        self.itl = Histogram(
+            "prefixswarm_inter_token_latency_seconds",
+            "Time between consecutive tokens streamed to clients at the entry peer",
+            buckets=ITL_BUCKETS,
+            registry=self.registry,
+        )
+        self.queue_wait = Histogram(
+            "prefixswarm_request_queue_seconds",
+            "Time requests waited for this peer's engine before their first step ran",
+            buckets=QUEUE_BUCKETS,
+            registry=self.registry,
+        )
+        ProcessCollector(namespace="", registry=self.registry)  # process_cpu_seconds etc.
+        self._collector: _PeerCollector | None = None
         if snapshot is not None:
-            self.registry.register(_PeerCollector(snapshot))
+            self._collector = _PeerCollector(snapshot)
+            self.registry.register(self._collector)
+
+    def add_collector(self, fn: SnapshotCollector) -> None:
+        """Also yield `fn(statistics snapshot)`'s metric families at every scrape."""
+        if self._collector is None:
+            raise ValueError("add_collector needs Metrics built with a snapshot")
+        self._collector.extra.append(fn)
+
+    def record_token_gap(self, gap_s: float, tokens: int) -> None:
+        """`tokens` arrived `gap_s` after the previous ones: that many inter-token gaps."""
+        for _ in range(tokens):
+            self.itl.observe(gap_s / tokens)
 
     def record_request(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint, str(status)).inc()
@@ -128,6 +187,7 @@ class Metrics:
         self.tokens.labels("cached").inc(result.cached_tokens)
         self.tokens.labels("completion").inc(result.completion_tokens)
         self.ttft.observe(result.ttft_s)
+        self.e2e.observe(result.total_s)
         self.served.labels("local" if result.served_by == self_id else "remote").inc()
         self.record_route(result.route)
 

@@ -98,7 +98,7 @@ async def test_generate_and_status_commands(nursery, tiny_engine_factory, capsys
     code = await trio.to_thread.run_sync(
         cli.main, ["generate", "hi", "--url", url, "--model", "nope"]
     )
-    assert code == 1 and "error 400" in capsys.readouterr().err
+    assert code == 1 and "error 404" in capsys.readouterr().err
 
 
 def _loopback_config(bootstrap: list[str]) -> Any:

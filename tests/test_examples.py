@@ -41,7 +41,7 @@ async def test_openai_client_example(nursery, tiny_engine_factory, capsys):
     assert "models: ['tiny-random']" in out
     assert "route ['ok']" in out
     assert "(16 tokens)" in out
-    assert "an unknown model is refused: 400 model_not_found" in out
+    assert "an unknown model is refused: 404 model_not_found" in out
 
 
 def test_local_swarm_example_uses_the_library_api():

@@ -123,7 +123,7 @@ async def test_errors_are_openai_error_objects(nursery, tiny_engine_factory):
         r = await http.post("/v1/completions", json={"prompt": "hi", "temperature": "hot"})
         assert (r.status_code, r.json()["error"]["param"]) == (400, "temperature")
 
-    with pytest.raises(openai.BadRequestError) as info:
+    with pytest.raises(openai.NotFoundError) as info:  # 404, as OpenAI answers
         await api.completions.create(model="gpt-4", prompt="hi")
     assert info.value.code == "model_not_found" and "tiny-random" in info.value.message
 
@@ -204,4 +204,5 @@ async def test_models_swarm_health_metrics(nursery, tiny_engine_factory):
     assert lines["prefixswarm_peers_known"] == 0
     assert lines['prefixswarm_served_total{where="local"}'] == 1
     assert "prefixswarm_gossip_bytes_total" in json.dumps(list(lines))
-    assert lines["prefixswarm_prefix_hit_ratio"] == 0.0
+    assert lines["prefixswarm_prefix_cache_queries_total"] == 61
+    assert lines["prefixswarm_prefix_cache_hits_total"] == 0

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import operator
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import Any
 
 import torch
@@ -92,6 +92,8 @@ class Engine:
         self.cache_generated = cache_generated
         self._eos = frozenset(loaded.eos_token_ids)
         self._limiter = trio.CapacityLimiter(1)
+        # Called with each request's wait before its first step (metrics: queue wait).
+        self.queue_wait_observers: list[Callable[[float], None]] = []
         self._queued_prompt_tokens = 0
         self._running = 0
         self._prefill_tps = 0.0
@@ -342,6 +344,8 @@ class Engine:
             while first is None:
                 async with self._limiter:
                     if seq is None:  # match late: earlier requests may have added blocks
+                        for observe in self.queue_wait_observers:
+                            observe(time.perf_counter() - start)
                         max_blocks = (n - 1) // self.block_size
                         match = self.cache.match(tokens, trio.current_time(), max_blocks)
                         self.cache.lock(match)

