@@ -43,8 +43,8 @@ from peer.openai_schema import (
     usage,
 )
 from peer.pipeline import DeadlineExceeded, GenerationChunk, GenerationResult, RequestFailed
-from peer.web.routes import Page
 from peer.version import version
+from peer.web.routes import Page
 
 SERVED_BY_HEADER = "x-prefixswarm-served-by"
 ENTRY_HEADER = "x-prefixswarm-entry"
