@@ -231,7 +231,7 @@ class Discovery:
         now = trio.current_time()
         async with trio.open_nursery() as nursery:
             for peer_id, cand in list(self._candidates.items()):
-                if self._host.is_connected(peer_id):
+                if self._host.is_connected(peer_id) or self._host.is_relayed(peer_id):
                     cand.failures = 0
                 elif now >= cand.next_attempt:
                     found_new = True  # a dial is news either way: look again soon
