@@ -1,14 +1,16 @@
 """A real NAT on one machine: network namespaces, veth pairs and an iptables masquerade.
 
     with home_behind_nat(tag) as net:
-        net.run_in(net.public, [...])      # argv prefix for a process on the public segment
+        Nat.run_in(net.public[0], [...])   # argv for a process on public host 0
         net.public_ips, net.home_ip
 
-Topology (all addresses live only inside the namespaces built here; 198.18.0.0/15 is the
+Topology (every address lives only inside the namespaces built here; 198.18.0.0/15 is the
 benchmarking range, 10.77.0.0/24 a private home network):
 
-    [psr-pub-T] 198.18.0.1 .3 --veth-- .2 [psr-rtr-T] 10.77.0.1 --veth-- 10.77.0.2 [psr-home-T]
-     two public peers              masquerade out, drop new inbound      the volunteer
+    [psr-a-T] 198.18.0.1 --+
+    [psr-b-T] 198.18.0.3 --+-- bridge in [psr-sw-T] --+-- 198.18.0.2 [psr-rtr-T] 10.77.0.1
+                                                                        |
+                                                     10.77.0.2 [psr-home-T] (the volunteer)
 
 The router masquerades the home network onto the public segment and forwards only
 replies inbound (conntrack ESTABLISHED,RELATED): nobody on the public segment can open a
@@ -37,7 +39,8 @@ class NetnsUnavailable(Exception):
 
 @dataclass(frozen=True)
 class Nat:
-    public: str  # namespace names
+    public: tuple[str, ...]  # one namespace per public host, in PUBLIC_IPS order
+    switch: str
     router: str
     home: str
     public_ips: tuple[str, ...] = PUBLIC_IPS
@@ -64,29 +67,43 @@ def check_netns_possible() -> None:
             raise NetnsUnavailable(f"`{tool}` is missing (apt-get install -y iproute2 iptables)")
 
 
+def _veth(ns: str, switch: str, port: str, ip: str) -> None:
+    """A veth from `ns` (eth0 there, address `ip`/24) to the bridge in `switch`."""
+    tmp = f"{port}x"
+    _sh("ip", "link", "add", tmp, "netns", ns, "type", "veth", "peer", "name", port,
+        "netns", switch)
+    _sh("ip", "-n", ns, "link", "set", tmp, "name", "eth0")
+    _sh("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", "eth0")
+    _sh("ip", "-n", ns, "link", "set", "eth0", "up")
+    _sh("ip", "-n", switch, "link", "set", port, "master", "br0")
+    _sh("ip", "-n", switch, "link", "set", port, "up")
+
+
 @contextmanager
 def home_behind_nat(tag: str) -> Iterator[Nat]:
     """Build the topology above; everything is deleted on exit, also after a failure."""
     check_netns_possible()
-    nat = Nat(public=f"psr-pub-{tag}", router=f"psr-rtr-{tag}", home=f"psr-home-{tag}")
-    veth_pub, veth_home = f"psrp{tag}"[:15], f"psrh{tag}"[:15]
+    nat = Nat(
+        public=tuple(f"psr-{c}-{tag}" for c in "ab"),
+        switch=f"psr-sw-{tag}",
+        router=f"psr-rtr-{tag}",
+        home=f"psr-home-{tag}",
+    )
+    namespaces = (*nat.public, nat.switch, nat.router, nat.home)
     try:
-        for ns in (nat.public, nat.router, nat.home):
+        for ns in namespaces:
             _sh("ip", "netns", "add", ns)
             _sh("ip", "-n", ns, "link", "set", "lo", "up")
-        # public segment <-> router
-        _sh("ip", "link", "add", veth_pub, "netns", nat.public, "type", "veth",
-            "peer", "name", "wan0", "netns", nat.router)
-        _sh("ip", "-n", nat.public, "link", "set", veth_pub, "name", "eth0")
-        for ip in PUBLIC_IPS:
-            _sh("ip", "-n", nat.public, "addr", "add", f"{ip}/24", "dev", "eth0")
-        _sh("ip", "-n", nat.public, "link", "set", "eth0", "up")
-        _sh("ip", "-n", nat.router, "addr", "add", f"{ROUTER_PUBLIC_IP}/24", "dev", "wan0")
-        _sh("ip", "-n", nat.router, "link", "set", "wan0", "up")
-        # router <-> home
-        _sh("ip", "link", "add", veth_home, "netns", nat.home, "type", "veth",
+        _sh("ip", "-n", nat.switch, "link", "add", "br0", "type", "bridge")
+        _sh("ip", "-n", nat.switch, "link", "set", "br0", "up")
+        for i, (ns, ip) in enumerate(zip(nat.public, PUBLIC_IPS, strict=True)):
+            _veth(ns, nat.switch, f"pub{i}", ip)
+        # the router: wan0 on the bridge, lan0 to the home namespace
+        _veth(nat.router, nat.switch, "rtr", ROUTER_PUBLIC_IP)
+        _sh("ip", "-n", nat.router, "link", "set", "eth0", "name", "wan0")
+        _sh("ip", "link", "add", "lan0x", "netns", nat.home, "type", "veth",
             "peer", "name", "lan0", "netns", nat.router)
-        _sh("ip", "-n", nat.home, "link", "set", veth_home, "name", "eth0")
+        _sh("ip", "-n", nat.home, "link", "set", "lan0x", "name", "eth0")
         _sh("ip", "-n", nat.home, "addr", "add", f"{HOME_IP}/24", "dev", "eth0")
         _sh("ip", "-n", nat.home, "link", "set", "eth0", "up")
         _sh("ip", "-n", nat.home, "route", "add", "default", "via", ROUTER_HOME_IP)
@@ -102,5 +119,5 @@ def home_behind_nat(tag: str) -> Iterator[Nat]:
             "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT")
         yield nat
     finally:
-        for ns in (nat.home, nat.router, nat.public):  # deleting a namespace deletes its veths
+        for ns in reversed(namespaces):  # deleting a namespace deletes its veths
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)

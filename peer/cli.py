@@ -72,6 +72,9 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
         summary_interval_s=args.summary_interval,
         policy=Policy(args.policy),
         forward_delay_s=getattr(args, "forward_delay", 0.0),
+        relay_service=not getattr(args, "no_relay_service", False),
+        use_relays=not getattr(args, "no_relays", False),
+        mdns=getattr(args, "mdns", False),
     )
 
 
@@ -124,6 +127,7 @@ async def run_serve(args: argparse.Namespace, config: PeerConfig) -> None:
                         {
                             "event": "up", "pid": os.getpid(), "peer_id": peer.peer_id,
                             "multiaddrs": peer.multiaddrs, "http": url, "model": engine.model_id,
+                            "reachability": peer.reachability,
                         }
                     )
                     while True:
@@ -134,6 +138,9 @@ async def run_serve(args: argparse.Namespace, config: PeerConfig) -> None:
                     print(f"peer {peer.peer_id} serves {engine.model_id}; others join with:")
                     for addr in peer.multiaddrs:
                         print(f"  prefixswarm serve --bootstrap {addr}")
+                    if not peer.multiaddrs:
+                        print("  (no dialable address yet: behind NAT, see docs/joining.md)")
+                    print("reachability is checked with the first peers; a line follows.")
                     if url:
                         print(f"HTTP API (OpenAI-compatible): {url}/v1")
                     sys.stdout.flush()
@@ -227,6 +234,8 @@ def format_status(view: dict[str, Any]) -> str:
              f"~{p['cached_blocks']}/{p['capacity_blocks']}", f"{p['summary_age_s']:.1f} s"]
         )
     title = f"model {me['model']}, policy {me['policy']}, {len(view['peers']) + 1} peers"
+    if "reachability" in me:
+        title += f", this peer is {me['reachability']}"
     return title + "\n" + _table(rows)
 
 
@@ -274,6 +283,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="serve the HTTP API here ('' to disable)")
     serve.add_argument("--report", choices=["text", "json"], default="text")
     serve.add_argument("--exit-with-stdin", action="store_true", help="stop when stdin closes")
+    serve.add_argument("--no-relay-service", action="store_true",
+                       help="do not relay for peers behind NAT (on by default when reachable)")
+    serve.add_argument("--no-relays", action="store_true",
+                       help="behind NAT, do not reserve relay slots (then nobody reaches you)")
+    serve.add_argument("--mdns", action="store_true",
+                       help="find and announce peers on the local network (multicast DNS)")
     serve.add_argument("--forward-delay", type=float, default=0.0, metavar="S",
                        help="benchmarks: add S seconds one-way delay to every forward (WAN)")
 

@@ -166,6 +166,17 @@ class SwarmHost:
             # address is remembered. Dial exactly the addresses we were given.
             self.libp2p.get_peerstore().clear_addrs(info.peer_id)
         try:
+            await self._direct_connect(info, timeout_s)
+        except PeerUnreachable:
+            if self.reach is None:
+                raise
+            # Not dialable (behind NAT, private address): reachable through a relay?
+            self.reach.note_direct_failure(info.peer_id)
+            await self.ping(info.peer_id, timeout_s=timeout_s)
+        return info.peer_id
+
+    async def _direct_connect(self, info: PeerInfo, timeout_s: float) -> None:
+        try:
             with trio.fail_after(timeout_s):
                 await self.libp2p.connect(info)
         except trio.TooSlowError as exc:
@@ -173,7 +184,6 @@ class SwarmHost:
         except Exception as exc:  # libp2p raises many unrelated types on dial
             raise PeerUnreachable(f"dial {info.peer_id} failed: {exc}") from exc
         self.libp2p.get_peerstore().add_addrs(info.peer_id, info.addrs, PEERSTORE_ADDR_TTL_S)
-        return info.peer_id
 
     async def disconnect(self, peer_id: ID) -> None:
         with trio.move_on_after(CLOSE_TIMEOUT_S):
@@ -284,7 +294,8 @@ def _build_host(
 
     def get_addrs() -> list[multiaddr.Multiaddr]:
         return [
-            multiaddr.Multiaddr(str(a) + suffix) for a in advertised(host.get_transport_addrs())
+            multiaddr.Multiaddr(str(a) if str(a).endswith(suffix) else str(a) + suffix)
+            for a in advertised(host.get_transport_addrs())
         ]
 
     host.get_addrs = get_addrs  # type: ignore[method-assign]

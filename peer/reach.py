@@ -46,7 +46,10 @@ MAX_DIALBACK_PORTS = 4  # ports one dial-back request may name (bounds the work 
 MAX_PEER_ID_CHARS = 128  # base58 ed25519 ids are 52 characters
 MAX_PROTOCOL_CHARS = 64
 MAX_TEXT_CHARS = 200  # error texts in replies
-MIN_FAILING_PEERS = 2  # distinct peers whose dial-back failed before we say PRIVATE
+# Distinct peers whose dial-back failed before we say PRIVATE. One: a volunteer behind
+# NAT is often connected to a single peer at first, and UNKNOWN would leave it without
+# relays; one later success (any peer) makes it PUBLIC again.
+MIN_FAILING_PEERS = 1
 RESULT_TTL_S = 900.0  # a dial-back result is evidence for this long (networks change)
 MAX_RESULTS = 32  # results kept: one per asking peer is enough
 

@@ -4,8 +4,8 @@ Two small protocols on the libp2p host:
 - /prefixswarm/dialback/1.0.0 (an AutoNAT equivalent): "open a fresh TCP connection to
   me on these ports, at the IP you see me at". The dialler only ever dials the IP the
   request came from (no reflection onto third parties), at most MAX_DIALBACK_PORTS ports,
-  DIALBACK_CONCURRENCY at a time, and proves a libp2p listener answered
-  (multistream-select header) before saying yes.
+  DIALBACK_CONCURRENCY at a time, and says yes only when a Noise handshake on that fresh
+  connection proves the listener is the asking peer.
 - /prefixswarm/relay/1.0.0: a peer that is not reachable reserves a slot on reachable
   peers over its own outbound connection; an entry peer asks such a relay to open a
   stream to it, and the relay joins the two streams, bounded in circuits, bytes and time.
@@ -32,6 +32,7 @@ from libp2p.host.ping import ID as PING_PROTOCOL_ID
 from libp2p.io.utils import read_exactly
 from libp2p.peer.id import ID
 from libp2p.peer.peerstore import PeerStoreError
+from libp2p.transport.tcp.tcp import TCP
 
 from peer.reach import (
     MAX_DIALBACK_PORTS,
@@ -74,7 +75,6 @@ RESERVE_RETRY_S = 2.0  # look for relays this often while we hold fewer than RES
 DIRECT_FAILURE_MEMORY_S = 60.0  # after a failed direct dial, go through a relay this long
 RELAY_CANDIDATES = 4  # relays tried per relayed stream (hints first, then connected peers)
 PIPE_CHUNK_BYTES = 64 * 1024
-MULTISTREAM_HEADER = b"/multistream/1.0.0\n"
 
 
 def interface_ips() -> list[str]:
@@ -267,8 +267,10 @@ class Reach:
             if remote is None:
                 raise RemoteProtocolError("no remote address (a relayed stream)")
             ip = remote[0]
+            asker = stream.muxed_conn.peer_id
             async with self._dialbacks:
-                ok = [port for port in request.ports if await _dial_back(ip, port)]
+                ok = [port for port in request.ports
+                      if await _dial_back(self._host.libp2p, ip, port, asker)]
             self.stats["dialbacks_served"] += 1
             with trio.fail_after(CONTROL_TIMEOUT_S):
                 await stream.write(DialBackResponse(ip, tuple(ok)).encode())
@@ -495,18 +497,28 @@ class Reach:
         raise LookupError("; ".join(errors) or "no relay to try")
 
 
-async def _dial_back(ip: str, port: int) -> bool:
-    """Whether a libp2p listener answers a fresh TCP connection at ip:port."""
+async def _dial_back(libp2p: Any, ip: str, port: int, expected: ID) -> bool:
+    """Whether the peer `expected` answers a fresh connection at ip:port.
+
+    A fresh TCP connection and a Noise handshake that proves the listener's identity
+    (a bare TCP connect could reach someone else behind the same IP: another peer on a
+    shared address, a NAT forwarding that port elsewhere). Closed at once."""
+    family = "ip6" if ":" in ip else "ip4"
     with trio.move_on_after(DIALBACK_DIAL_TIMEOUT_S):
         try:
-            conn = await trio.open_tcp_stream(ip, port)
-        except OSError:
+            raw = await TCP().dial(multiaddr.Multiaddr(f"/{family}/{ip}/tcp/{port}"))
+        except Exception:  # refused, unreachable: not dialable there
             return False
-        async with conn:
-            try:
-                await conn.send_all(bytes([len(MULTISTREAM_HEADER)]) + MULTISTREAM_HEADER)
-                data = await conn.receive_some(256)
-            except (OSError, trio.BrokenResourceError):
-                return False
-            return MULTISTREAM_HEADER in data
+        try:
+            upgrader = libp2p.get_network().upgrader
+            secured = await upgrader.upgrade_security(raw, True, expected)
+            return bool(secured.get_remote_peer() == expected)
+        except Exception:  # wrong peer or no libp2p there
+            return False
+        finally:
+            with trio.CancelScope(shield=True), trio.move_on_after(1.0):
+                try:
+                    await raw.close()
+                except Exception as exc:  # already closed by the other side
+                    logger.debug("closing dial-back connection: %s", exc)
     return False
