@@ -206,6 +206,10 @@ async def open_peer(config: PeerConfig, engine: EngineLike | None = None) -> Asy
             await nursery.start(discovery.run)
             if host.reach is not None:
                 await nursery.start(host.reach.run)
+            if config.mdns:
+                from peer.lan import LanDiscovery  # zeroconf: only peers that ask for mDNS
+
+                await nursery.start(LanDiscovery(host, on_connect=discovery.poke).run)
             serving = None
             if callable(getattr(engine, "stream", None)):  # a cache-only engine cannot serve
                 from peer.serving import Serving
