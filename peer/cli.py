@@ -75,6 +75,7 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
         relay_service=not getattr(args, "no_relay_service", False),
         use_relays=not getattr(args, "no_relays", False),
         mdns=getattr(args, "mdns", False),
+        upnp=getattr(args, "upnp", False),
     )
 
 
@@ -289,6 +290,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="behind NAT, do not reserve relay slots (then nobody reaches you)")
     serve.add_argument("--mdns", action="store_true",
                        help="find and announce peers on the local network (multicast DNS)")
+    serve.add_argument("--upnp", action="store_true",
+                       help="ask your router (UPnP) to forward the listen port to you")
     serve.add_argument("--forward-delay", type=float, default=0.0, metavar="S",
                        help="benchmarks: add S seconds one-way delay to every forward (WAN)")
 

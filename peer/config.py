@@ -69,6 +69,7 @@ class PeerConfig:
     relay_service: bool = True
     use_relays: bool = True
     mdns: bool = False  # find peers on the local network by multicast DNS (no bootstrap)
+    upnp: bool = False  # ask the home router (UPnP IGD) to forward the listen port
 
     def __post_init__(self) -> None:
         if not self.model:

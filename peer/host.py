@@ -324,6 +324,7 @@ async def open_host(config: PeerConfig) -> AsyncIterator[SwarmHost]:
 
     host, listen = _build_host(config, key_pair, advertised)
     failed: HostError | None = None
+    mapped_port: int | None = None  # a UPnP mapping to remove on the way out
     async with host.run(listen_addrs=listen):
         try:
             # WORKAROUND(listen): host.run ignores addresses it could not listen on
@@ -337,10 +338,19 @@ async def open_host(config: PeerConfig) -> AsyncIterator[SwarmHost]:
                 swarm_host = SwarmHost(host, listen)
                 # Port 0 listens on a port the OS picks: ask the listeners which.
                 bound_addrs = [str(a) for a in host.get_transport_addrs()]
+                ports = _tcp_ports(bound_addrs)
+                announce = list(config.announce_addrs)
+                if config.upnp and ports:
+                    from peer.upnp import map_port
+
+                    mapped = await trio.to_thread.run_sync(map_port, ports[0])
+                    if mapped is not None:
+                        announce.append(mapped)
+                        mapped_port = ports[0]
                 reach = Reach(
                     swarm_host,
-                    listen_ports=_tcp_ports(bound_addrs),
-                    announce=config.announce_addrs,
+                    listen_ports=ports,
+                    announce=announce,
                     relay_service=config.relay_service,
                     use_relays=config.use_relays,
                     on_change=_say_reachability,
@@ -355,6 +365,11 @@ async def open_host(config: PeerConfig) -> AsyncIterator[SwarmHost]:
                 await host.close()
             if scope.cancelled_caught:
                 logger.warning("host close took over %s s; abandoned", CLOSE_TIMEOUT_S)
+            if mapped_port is not None:
+                from peer.upnp import unmap_port
+
+                with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_TIMEOUT_S):
+                    await trio.to_thread.run_sync(unmap_port, mapped_port)
     if failed is not None:
         raise failed
 
