@@ -6,6 +6,8 @@ from __future__ import annotations
 import random
 from typing import Any
 
+import trio
+
 from peer.config import PeerConfig
 from peer.engine.engine import SamplingParams
 from peer.pipeline import Outcome
@@ -64,6 +66,15 @@ async def test_outbound_only_peer_is_served_through_a_relay(nursery, tiny_engine
     stats = relay.peer.host.reach.statistics()
     assert stats["circuits"] >= 1 and stats["reservations_granted"] >= 1
     assert entry.peer.link_to(holder.peer.peer_id) == "relayed"
+    # Addresses land in the peer table (/v1/swarm shows them): the relay's, as dialled.
+    await wait_until(
+        lambda: any(
+            v.peer_id == relay.peer.peer_id and v.addrs == tuple(relay.peer.multiaddrs)
+            for v in entry.peer.table.views(trio.current_time())
+        ),
+        timeout_s=15,
+        what="the entry's table holds the relay's advertised address",
+    )
     await wait_until(
         lambda: relay.peer.reachability == "public", timeout_s=15, what="the relay is public"
     )
