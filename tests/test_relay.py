@@ -95,3 +95,49 @@ async def test_a_peer_that_opted_out_relays_nothing(nursery, tiny_engine_factory
     )
     assert holder.peer.host.reach.relayed_addrs() == []
     assert relay.peer.host.reach.statistics()["reservations_held_for_others"] == 0
+
+
+async def ended_without_answer(stream: Any) -> bool:
+    from libp2p.network.stream.exceptions import StreamEOF, StreamReset
+
+    try:
+        return await stream.read(100) == b""
+    except (StreamEOF, StreamReset):
+        return True
+
+
+async def test_garbage_on_the_reach_protocols_is_dropped_and_the_peer_keeps_serving(nursery):
+    from libp2p.io.utils import read_exactly
+
+    from peer.reach import DialBackRequest, DialBackResponse
+    from peer.relay import DIALBACK_PROTOCOL, RELAY_PROTOCOL
+    from tests.helpers_swarm import swarm_config
+
+    target = await start_peer(nursery, swarm_config())
+    asker = await start_peer(nursery, swarm_config(bootstrap=target.peer.multiaddrs))
+    host, tid = asker.peer.host, target.peer.host.peer_id
+    for protocol in (RELAY_PROTOCOL, DIALBACK_PROTOCOL):
+        for junk in ((1 << 20).to_bytes(4, "big"), b"\0\0\0\x03abc", b"\0\0\0\x01\xff"):
+            stream = await host.new_stream(tid, [protocol], relay=False)
+            await stream.write(junk)
+            with trio.fail_after(10):
+                assert await ended_without_answer(stream)
+    # A relay connect for a peer with no reservation is refused with a reason.
+    stream = await host.new_stream(tid, [RELAY_PROTOCOL], relay=False)
+    from peer.reach import RelayConnect, RelayReply, control_body_length, decode_control
+
+    await stream.write(RelayConnect(host.peer_id.to_base58(), "/prefixswarm/infer/1.0.0").encode())
+    with trio.fail_after(10):
+        header = await read_exactly(stream, 4)
+        body = await read_exactly(stream, control_body_length(header))
+    reply = RelayReply.parse(decode_control(body))
+    assert not reply.ok and "reservation" in reply.error
+    # ...and a well-formed dial-back still works: the asker listens on loopback.
+    request = DialBackRequest((int(asker.peer.multiaddrs[0].split("/tcp/")[1].split("/")[0]),))
+    stream = await host.new_stream(tid, [DIALBACK_PROTOCOL], relay=False)
+    await stream.write(request.encode())
+    with trio.fail_after(10):
+        header = await read_exactly(stream, 4)
+        body = await read_exactly(stream, control_body_length(header))
+    answer = DialBackResponse.parse(decode_control(body), request)
+    assert answer.observed_ip == "127.0.0.1" and answer.ok_ports == request.ports
