@@ -64,7 +64,9 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
     identity = None if args.identity in ("", "none") else Path(os.path.expanduser(args.identity))
     return PeerConfig(
         model=args.model,
-        listen_addrs=tuple(args.listen or ("/ip4/0.0.0.0/tcp/4001",)),
+        listen_addrs=(
+            () if args.listen == ["none"] else tuple(args.listen or ("/ip4/0.0.0.0/tcp/4001",))
+        ),
         announce_addrs=tuple(args.announce),
         bootstrap=tuple(args.bootstrap),
         identity_file=identity,
@@ -275,7 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
     _peer_options(serve, summary_interval=DEFAULT_SUMMARY_INTERVAL_S)
     serve.add_argument("--bootstrap", nargs="+", action="extend", default=[], metavar="MULTIADDR")
     serve.add_argument("--listen", nargs="+", action="extend", metavar="MULTIADDR",
-                       help="default /ip4/0.0.0.0/tcp/4001")
+                       help="default /ip4/0.0.0.0/tcp/4001; 'none': outbound only")
     serve.add_argument("--announce", nargs="+", action="extend", default=[], metavar="MULTIADDR",
                        help="addresses to tell others (behind NAT: your public address)")
     serve.add_argument("--identity", default=DEFAULT_IDENTITY_FILE,
