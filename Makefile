@@ -25,7 +25,7 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/mypy protocols peer/router.py peer/peer_table.py peer/engine/radix.py
+	$(BIN)/mypy protocols peer/router.py peer/peer_table.py peer/engine/radix.py peer/reach.py
 
 clean-venv:
 	rm -rf $(VENV)
