@@ -102,6 +102,7 @@ class Discovery:
         self._next_ping: dict[ID, float] = {}
         self._bootstrapped = trio.Event()
         self._wakeup = trio.Event()
+        self._provide_now = trio.Event()
         self._stats = {
             "bootstrap_attempts": 0,
             "bootstrap_failures": 0,
@@ -138,6 +139,10 @@ class Discovery:
     def poke(self) -> None:
         """Look for providers now (e.g. after a connection was lost)."""
         self._wakeup.set()
+
+    def provide_soon(self) -> None:
+        """Re-announce now: our advertised addresses changed (reachability, relays)."""
+        self._provide_now.set()
 
     def statistics(self) -> dict[str, int]:
         return {
@@ -179,7 +184,9 @@ class Discovery:
             self._stats["provides"] += 1
             logger.debug("provided model key (reached remote peers: %s)", ok)
             self.poke()
-            await trio.sleep(PROVIDE_INTERVAL_S)
+            with trio.move_on_after(PROVIDE_INTERVAL_S):
+                await self._provide_now.wait()
+            self._provide_now = trio.Event()
 
     async def _discover_loop(self) -> None:
         await self._bootstrapped.wait()

@@ -205,6 +205,7 @@ async def open_peer(config: PeerConfig, engine: EngineLike | None = None) -> Asy
             await nursery.start(gossip.run)
             await nursery.start(discovery.run)
             if host.reach is not None:
+                host.reach.on_addrs_changed = discovery.provide_soon
                 await nursery.start(host.reach.run)
             if config.mdns:
                 from peer.lan import LanDiscovery  # zeroconf: only peers that ask for mDNS

@@ -151,6 +151,7 @@ class Reach:
         self._dialbacks = trio.Semaphore(DIALBACK_CONCURRENCY)
         self._verdict = self.tracker.verdict(0.0)
         self.stats: Counter[str] = Counter()
+        self.on_addrs_changed: Callable[[], None] = lambda: None  # e.g. re-provide
 
     # -- state -------------------------------------------------------------------------
 
@@ -213,6 +214,7 @@ class Reach:
         if verdict is not self._verdict:
             self._verdict = verdict
             self._on_change(verdict)
+            self.on_addrs_changed()
 
     # -- reachability checks (client) -------------------------------------------------
 
@@ -402,6 +404,7 @@ class Reach:
                     ID.from_base58(relay)
                 ):
                     del self._my_relays[relay]
+                    self.on_addrs_changed()
             if self.verdict() is Reachability.PRIVATE and len(self._my_relays) < RESERVE_RELAYS:
                 peers = [p for p in self._host.connected_peers() if p.to_base58() not in
                          self._my_relays]
@@ -436,8 +439,11 @@ class Reach:
             logger.debug("relay %s refused a reservation: %s", relay, reply.error)
             return
         addr = f"{addrs[0]}/p2p/{relay.to_base58()}"
+        previous = set(self._my_relays)
         self._my_relays[relay.to_base58()] = (addr, trio.current_time() + reply.ttl_s)
         self.stats["reservations_made"] += 1
+        if relay.to_base58() not in previous:
+            self.on_addrs_changed()
         logger.info("reserved a relay slot on %s: reachable as %s", relay,
                     circuit_addr(addr, self._host.peer_id.to_base58()))
 
