@@ -54,6 +54,7 @@ CLOSE_TIMEOUT_S = 5.0  # closing is local work plus best-effort goodbyes; never 
 PEERSTORE_ADDR_TTL_S = 600  # addresses we dialled stay known for re-dials after a blip
 PING_LENGTH = 32  # fixed by the /ipfs/ping/1.0.0 protocol
 RELAYED_FRESH_S = 60.0  # a peer reached through a relay counts as reachable this long
+MAX_RELAYED_REMEMBERED = 4096  # peers remembered as relayed: far more than a swarm's
 
 
 class HostError(Exception):
@@ -220,6 +221,8 @@ class SwarmHost:
                 raise PeerUnreachable(
                     f"stream to {peer_id}: no direct or relayed route ({exc})"
                 ) from exc
+            if len(self._relayed_ok) >= MAX_RELAYED_REMEMBERED:
+                self._relayed_ok.clear()  # rebuilt by the next relayed streams
             self._relayed_ok[peer_id] = trio.current_time()
             return stream  # type: ignore[no-any-return]
         return await self._direct_stream(peer_id, protocols, timeout_s)
