@@ -167,6 +167,7 @@ async def run_serve(args: argparse.Namespace, config: PeerConfig, options: Serve
                         {
                             "event": "up", "pid": os.getpid(), "peer_id": peer.peer_id,
                             "multiaddrs": peer.multiaddrs, "http": url, "model": engine.model_id,
+                            "reachability": peer.reachability,
                         }
                     )
                     while True:
@@ -177,6 +178,9 @@ async def run_serve(args: argparse.Namespace, config: PeerConfig, options: Serve
                     print(f"peer {peer.peer_id} serves {engine.model_id}; others join with:")
                     for addr in peer.multiaddrs:
                         print(f"  prefixswarm serve --bootstrap {addr}")
+                    if not peer.multiaddrs:
+                        print("  (no dialable address yet: behind NAT, see docs/joining.md)")
+                    print("reachability is checked with the first peers; a line follows.")
                     if url:
                         print(f"HTTP API (OpenAI-compatible): {url}/v1")
                     sys.stdout.flush()
@@ -302,6 +306,8 @@ def format_status(view: dict[str, Any]) -> str:
              (p.get("trust") or {}).get("state", "-")]
         )
     title = f"model {me['model']}, policy {me['policy']}, {len(view['peers']) + 1} peers"
+    if "reachability" in me:
+        title += f", this peer is {me['reachability']}"
     return title + "\n" + _table(rows)
 
 

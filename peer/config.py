@@ -87,12 +87,16 @@ class PeerConfig:
     first_token_floor_s: float = DEFAULT_FIRST_TOKEN_FLOOR_S
     hedge_multiple: float = DEFAULT_HEDGE_MULTIPLE  # 0: no hedging
     hedge_floor_s: float = DEFAULT_HEDGE_FLOOR_S
+    # Reach (peer/relay.py): relay for peers behind NAT when we are reachable (bounded
+    # by peer.reach.RelayLimits); reserve relay slots when we are not. Both on by default.
+    relay_service: bool = True
+    use_relays: bool = True
+    mdns: bool = False  # find peers on the local network by multicast DNS (no bootstrap)
+    upnp: bool = False  # ask the home router (UPnP IGD) to forward the listen port
 
     def __post_init__(self) -> None:
         if not self.model:
             raise ValueError("model must name an alias, a checkpoint folder or a hub id")
-        if not self.listen_addrs:
-            raise ValueError("listen_addrs must hold at least one multiaddr")
         for addr in (*self.listen_addrs, *self.announce_addrs, *self.bootstrap):
             if not addr.startswith("/"):
                 raise ValueError(f"not a multiaddr: {addr!r} (expected e.g. /ip4/1.2.3.4/tcp/4001)")

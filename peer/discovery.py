@@ -105,6 +105,7 @@ class Discovery:
         # bootstrap peer id -> its last dial error (cli.py digs out the root cause)
         self.bootstrap_errors: dict[str, Exception] = {}
         self._wakeup = trio.Event()
+        self._provide_now = trio.Event()
         self._stats = {
             "bootstrap_attempts": 0,
             "bootstrap_failures": 0,
@@ -145,6 +146,10 @@ class Discovery:
     def poke(self) -> None:
         """Look for providers now (e.g. after a connection was lost)."""
         self._wakeup.set()
+
+    def provide_soon(self) -> None:
+        """Re-announce now: our advertised addresses changed (reachability, relays)."""
+        self._provide_now.set()
 
     def statistics(self) -> dict[str, int]:
         return {
@@ -190,7 +195,9 @@ class Discovery:
             self._stats["provides"] += 1
             logger.debug("provided model key (reached remote peers: %s)", ok)
             self.poke()
-            await trio.sleep(PROVIDE_INTERVAL_S)
+            with trio.move_on_after(PROVIDE_INTERVAL_S):
+                await self._provide_now.wait()
+            self._provide_now = trio.Event()
 
     async def _discover_loop(self) -> None:
         await self._bootstrapped.wait()
@@ -242,7 +249,7 @@ class Discovery:
         now = trio.current_time()
         async with trio.open_nursery() as nursery:
             for peer_id, cand in list(self._candidates.items()):
-                if self._host.is_connected(peer_id):
+                if self._host.is_connected(peer_id) or self._host.is_relayed(peer_id):
                     cand.failures = 0
                 elif now >= cand.next_attempt:
                     found_new = True  # a dial is news either way: look again soon

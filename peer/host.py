@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -39,6 +39,8 @@ from libp2p.tools.anyio_service import background_trio_service
 
 from peer import libp2p_fixes
 from peer.config import PeerConfig
+from peer.reach import Reachability, is_circuit
+from peer.relay import RELAYABLE, Reach
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +52,8 @@ PING_TIMEOUT_S = 3.0  # a live peer answers 32 bytes in well under a second
 CLOSE_TIMEOUT_S = 5.0  # closing is local work plus best-effort goodbyes; never hang on it
 PEERSTORE_ADDR_TTL_S = 600  # addresses we dialled stay known for re-dials after a blip
 PING_LENGTH = 32  # fixed by the /ipfs/ping/1.0.0 protocol
+RELAYED_FRESH_S = 60.0  # a peer reached through a relay counts as reachable this long
+MAX_RELAYED_REMEMBERED = 4096  # peers remembered as relayed: far more than a swarm's
 
 
 class HostError(Exception):
@@ -103,6 +107,8 @@ class SwarmHost:
     def __init__(self, host: IHost, listen_addrs: Sequence[multiaddr.Multiaddr]) -> None:
         self.libp2p = host  # the raw py-libp2p host, for services built on it
         self._listen_addrs = tuple(listen_addrs)
+        self.reach: Reach | None = None  # reachability and relays (open_host sets it)
+        self._relayed_ok: dict[ID, float] = {}  # peers reached through a relay, and when
 
     @property
     def peer_id(self) -> ID:
@@ -119,6 +125,14 @@ class SwarmHost:
     def is_connected(self, peer_id: ID) -> bool:
         return bool(self.libp2p.get_network().get_connections(peer_id))
 
+    def is_relayed(self, peer_id: ID) -> bool:
+        """Reached through a relay within the last RELAYED_FRESH_S (no direct connection)."""
+        at = self._relayed_ok.get(peer_id)
+        return at is not None and trio.current_time() - at < RELAYED_FRESH_S
+
+    def reachability(self) -> Reachability:
+        return self.reach.verdict() if self.reach is not None else Reachability.UNKNOWN
+
     async def connect(
         self, addr: str | multiaddr.Multiaddr | PeerInfo, *, timeout_s: float = CONNECT_TIMEOUT_S
     ) -> ID:
@@ -126,6 +140,21 @@ class SwarmHost:
         info = addr if isinstance(addr, PeerInfo) else parse_peer_addr(addr)
         if info.peer_id == self.peer_id:
             raise ValueError("refusing to dial ourselves")
+        if (
+            self.reach is not None
+            and not self.is_connected(info.peer_id)
+            and all(is_circuit(str(a)) for a in info.addrs)
+        ):
+            # Only relayed addresses, or none (a peer behind NAT): libp2p has no
+            # transport for them (ours is an application-level relay); remember them
+            # and prove the peer answers through a relay.
+            if info.addrs:
+                self.libp2p.get_peerstore().clear_addrs(info.peer_id)
+                self.libp2p.get_peerstore().add_addrs(
+                    info.peer_id, info.addrs, PEERSTORE_ADDR_TTL_S
+                )
+            await self.ping(info.peer_id, timeout_s=timeout_s)
+            return info.peer_id
         # WORKAROUND(5): after all addresses of a peer failed once, dials to it are
         # refused for 60 s from a negative cache, even after it restarted. An explicit
         # connect means we have reason to believe it is back: clear the entry.
@@ -137,6 +166,17 @@ class SwarmHost:
             # address is remembered. Dial exactly the addresses we were given.
             self.libp2p.get_peerstore().clear_addrs(info.peer_id)
         try:
+            await self._direct_connect(info, timeout_s)
+        except PeerUnreachable:
+            if self.reach is None:
+                raise
+            # Not dialable (behind NAT, private address): reachable through a relay?
+            self.reach.note_direct_failure(info.peer_id)
+            await self.ping(info.peer_id, timeout_s=timeout_s)
+        return info.peer_id
+
+    async def _direct_connect(self, info: PeerInfo, timeout_s: float) -> None:
+        try:
             with trio.fail_after(timeout_s):
                 await self.libp2p.connect(info)
         except trio.TooSlowError as exc:
@@ -144,16 +184,51 @@ class SwarmHost:
         except Exception as exc:  # libp2p raises many unrelated types on dial
             raise PeerUnreachable(f"dial {info.peer_id} failed: {exc}") from exc
         self.libp2p.get_peerstore().add_addrs(info.peer_id, info.addrs, PEERSTORE_ADDR_TTL_S)
-        return info.peer_id
 
     async def disconnect(self, peer_id: ID) -> None:
         with trio.move_on_after(CLOSE_TIMEOUT_S):
             await self.libp2p.disconnect(peer_id)
 
     async def new_stream(
-        self, peer_id: ID, protocols: Sequence[str], *, timeout_s: float = STREAM_TIMEOUT_S
+        self,
+        peer_id: ID,
+        protocols: Sequence[str],
+        *,
+        timeout_s: float = STREAM_TIMEOUT_S,
+        relay: bool = True,
     ) -> INetStream:
-        """Open a stream speaking one of `protocols` (dials if needed)."""
+        """Open a stream speaking one of `protocols` (dials if needed).
+
+        A peer we hold no connection to and cannot dial (behind NAT) is reached through
+        a relay it reserved a slot on, for the protocols relays carry (`relay=False`:
+        direct only)."""
+        reach = self.reach if relay else None
+        relayable = [p for p in protocols if p in RELAYABLE]
+        if reach is not None and relayable and not self.is_connected(peer_id):
+            deadline = trio.current_time() + timeout_s
+            if not reach.prefer_relay(peer_id):
+                try:
+                    return await self._direct_stream(peer_id, protocols, timeout_s / 2)
+                except PeerUnreachable as exc:
+                    logger.debug("direct stream failed, trying relays: %s", exc)
+                    reach.note_direct_failure(peer_id)
+            try:
+                stream = await reach.open_relayed(
+                    peer_id, relayable[0], timeout_s=max(0.0, deadline - trio.current_time())
+                )
+            except LookupError as exc:
+                raise PeerUnreachable(
+                    f"stream to {peer_id}: no direct or relayed route ({exc})"
+                ) from exc
+            if len(self._relayed_ok) >= MAX_RELAYED_REMEMBERED:
+                self._relayed_ok.clear()  # rebuilt by the next relayed streams
+            self._relayed_ok[peer_id] = trio.current_time()
+            return stream  # type: ignore[no-any-return]
+        return await self._direct_stream(peer_id, protocols, timeout_s)
+
+    async def _direct_stream(
+        self, peer_id: ID, protocols: Sequence[str], timeout_s: float
+    ) -> INetStream:
         try:
             with trio.fail_after(timeout_s):
                 return await self.libp2p.new_stream(peer_id, [TProtocol(p) for p in protocols])
@@ -193,9 +268,12 @@ async def _close_quietly(stream: INetStream) -> None:
         logger.debug("closing stream: %s", exc)
 
 
-def _build_host(config: PeerConfig, key_pair: KeyPair) -> tuple[IHost, list[multiaddr.Multiaddr]]:
+def _build_host(
+    config: PeerConfig,
+    key_pair: KeyPair,
+    advertised: Callable[[Sequence[multiaddr.Multiaddr]], list[multiaddr.Multiaddr]],
+) -> tuple[IHost, list[multiaddr.Multiaddr]]:
     listen = [multiaddr.Multiaddr(a) for a in config.listen_addrs]
-    announce = [multiaddr.Multiaddr(a) for a in config.announce_addrs] or None
     # Pass sec_opt explicitly: the default also offers /plaintext/2.0.0.
     sec_opt = {
         NOISE_PROTOCOL_ID: NoiseTransport(
@@ -207,9 +285,34 @@ def _build_host(config: PeerConfig, key_pair: KeyPair) -> tuple[IHost, list[mult
         sec_opt=sec_opt,
         muxer_opt={TProtocol(YAMUX_PROTOCOL_ID): Yamux},
         listen_addrs=listen,
-        announce_addrs=announce,
     )
+    # What we advertise (identify, DHT provider records): only dialable addresses,
+    # decided by Reach (announced, confirmed by dial-backs, relayed; never 0.0.0.0).
+    # WORKAROUND(circuit-addrs): BasicHost.get_addrs passes addrs_factory's output
+    # through a /p2p/ rewrite that cuts a relayed address at its FIRST /p2p/ (the
+    # relay's id), turning "/ip4/R/tcp/P/p2p/R/p2p-circuit" into R's own address with
+    # our id. Replace get_addrs on this host instead.
+    suffix = f"/p2p/{host.get_id()!s}"
+
+    def get_addrs() -> list[multiaddr.Multiaddr]:
+        return [
+            multiaddr.Multiaddr(str(a) if str(a).endswith(suffix) else str(a) + suffix)
+            for a in advertised(host.get_transport_addrs())
+        ]
+
+    host.get_addrs = get_addrs  # type: ignore[method-assign]
     return host, listen
+
+
+def _tcp_ports(addrs: Sequence[str]) -> list[int]:
+    ports = []
+    for addr in addrs:
+        parts = addr.split("/")
+        if "tcp" in parts and parts.index("tcp") + 1 < len(parts):
+            port = parts[parts.index("tcp") + 1]
+            if port.isdigit() and int(port):
+                ports.append(int(port))
+    return ports
 
 
 @asynccontextmanager
@@ -217,8 +320,14 @@ async def open_host(config: PeerConfig) -> AsyncIterator[SwarmHost]:
     """Start a host listening on config.listen_addrs; closed (sockets and all) on exit."""
     libp2p_fixes.apply()  # process-wide and idempotent; each fix checks its target first
     key_pair = load_or_create_identity(config.identity_file)
-    host, listen = _build_host(config, key_pair)
+    reach: Reach | None = None
+
+    def advertised(candidates: Sequence[multiaddr.Multiaddr]) -> list[multiaddr.Multiaddr]:
+        return list(candidates) if reach is None else reach.advertised(candidates)
+
+    host, listen = _build_host(config, key_pair, advertised)
     failed: HostError | None = None
+    mapped_port: int | None = None  # a UPnP mapping to remove on the way out
     async with host.run(listen_addrs=listen):
         try:
             # WORKAROUND(listen): host.run ignores addresses it could not listen on
@@ -229,7 +338,28 @@ async def open_host(config: PeerConfig) -> AsyncIterator[SwarmHost]:
             if missing:
                 failed = HostError(f"could not listen on {', '.join(missing)}")
             else:
-                yield SwarmHost(host, listen)
+                swarm_host = SwarmHost(host, listen)
+                # Port 0 listens on a port the OS picks: ask the listeners which.
+                bound_addrs = [str(a) for a in host.get_transport_addrs()]
+                ports = _tcp_ports(bound_addrs)
+                announce = list(config.announce_addrs)
+                if config.upnp and ports:
+                    from peer.upnp import map_port
+
+                    mapped = await trio.to_thread.run_sync(map_port, ports[0])
+                    if mapped is not None:
+                        announce.append(mapped)
+                        mapped_port = ports[0]
+                reach = Reach(
+                    swarm_host,
+                    listen_ports=ports,
+                    announce=announce,
+                    relay_service=config.relay_service,
+                    use_relays=config.use_relays,
+                    on_change=_say_reachability,
+                )
+                swarm_host.reach = reach
+                yield swarm_host
         finally:
             # WORKAROUND(3): leaving host.run by cancellation leaks the listening
             # socket and outbound connections (peers keep a zombie connection).
@@ -238,8 +368,24 @@ async def open_host(config: PeerConfig) -> AsyncIterator[SwarmHost]:
                 await host.close()
             if scope.cancelled_caught:
                 logger.warning("host close took over %s s; abandoned", CLOSE_TIMEOUT_S)
+            if mapped_port is not None:
+                from peer.upnp import unmap_port
+
+                with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_TIMEOUT_S):
+                    await trio.to_thread.run_sync(unmap_port, mapped_port)
     if failed is not None:
         raise failed
+
+
+def _say_reachability(verdict: Reachability) -> None:
+    if verdict is Reachability.PUBLIC:
+        logger.warning("reachability: public (other peers can dial this peer)")
+    elif verdict is Reachability.PRIVATE:
+        logger.warning(
+            "reachability: NOT publicly dialable (behind NAT or a firewall, or no listen "
+            "address): serving through relays; forward a port and pass --announce to be "
+            "dialled directly (docs/joining.md)"
+        )
 
 
 # -- services on the host: Kademlia DHT and GossipSub -----------------------------------

@@ -452,6 +452,7 @@ def swarm_view(peer: Any) -> dict[str, Any]:
                 "decode_tokens_per_s": s.decode_tokens_per_s,
                 "forwards_since_summary": view.forwards_since_summary,
                 "trust": trust_view(trust, view.peer_id),
+                "link": peer.link_to(view.peer_id) if hasattr(peer, "link_to") else None,
             }
         )
     return {
@@ -467,6 +468,7 @@ def swarm_view(peer: Any) -> dict[str, Any]:
             "prefill_tokens_per_s": load.prefill_tokens_per_s,
             "decode_tokens_per_s": load.decode_tokens_per_s,
             "policy": peer.config.policy.value,
+            "reachability": getattr(peer, "reachability", "unknown"),
         },
         "peers": sorted(peers, key=lambda p: p["peer_id"]),
     }

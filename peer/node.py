@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 from libp2p.kad_dht.kad_dht import KadDHT
+from libp2p.peer.id import ID
 from libp2p.pubsub.pubsub import Pubsub
 
 from peer.config import PeerConfig
@@ -25,6 +26,7 @@ from peer.discovery import Discovery
 from peer.gossip import EngineLike, Gossip
 from peer.host import SwarmHost, new_dht, new_pubsub, open_host, run_service
 from peer.peer_table import PeerTable
+from peer.relay import peer_addrs
 from protocols.ids import provider_key_multihash
 
 if TYPE_CHECKING:  # serving imports torch: only peers with a model load it
@@ -82,6 +84,18 @@ class Peer:
         """Dialable addresses, each ending in /p2p/<peer id>."""
         return self.host.multiaddrs
 
+    @property
+    def reachability(self) -> str:
+        """'public', 'private' (behind NAT: served through relays) or 'unknown'."""
+        return self.host.reachability().value
+
+    def link_to(self, peer_id: str) -> str | None:
+        """'direct' (a connection), 'relayed' (through a relay recently) or None."""
+        pid = ID.from_base58(peer_id)
+        if self.host.is_connected(pid):
+            return "direct"
+        return "relayed" if self.host.is_relayed(pid) else None
+
     async def start_service(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
         """Run `fn(*args, task_status=...)` in the peer's nursery (`nursery.start`)."""
         return await self._nursery.start(fn, *args)
@@ -125,6 +139,7 @@ class Peer:
             "peers_expired": gossip["expired"],
             "gossip": gossip,
             "discovery": self.discovery.statistics(),
+            "reach": self.host.reach.statistics() if self.host.reach else None,
             "serving": self.serving.statistics() if self.serving else None,
             "engine": (
                 dict(self.engine.statistics()) if hasattr(self.engine, "statistics") else None
@@ -137,6 +152,12 @@ def _load_engine(config: PeerConfig) -> EngineLike:
     from peer.engine.engine import load_engine  # torch: import only when a model is needed
 
     return load_engine(config.model, config.cache_bytes, config.block_size)
+
+
+def _note_peer(table: PeerTable, host: SwarmHost, peer_id: str, rtt_s: float) -> bool:
+    """A measured round trip: record it and the addresses the peer advertises."""
+    table.note_addrs(peer_id, peer_addrs(host.libp2p, ID.from_base58(peer_id)))
+    return table.record_rtt(peer_id, rtt_s, trio.current_time())
 
 
 @asynccontextmanager
@@ -171,7 +192,7 @@ async def open_peer(config: PeerConfig, engine: EngineLike | None = None) -> Asy
             config.bootstrap,
             liveness_interval_s=max(LIVENESS_INTERVAL_MIN_S, config.summary_interval_s),
             rng=random.Random(),
-            on_rtt=lambda peer, rtt: table.record_rtt(peer, rtt, trio.current_time()),
+            on_rtt=lambda peer, rtt: _note_peer(table, host, peer, rtt),
             on_forget=table.remove,
             members=lambda: [view.peer_id for view in table.views(trio.current_time())],
         )
@@ -183,6 +204,13 @@ async def open_peer(config: PeerConfig, engine: EngineLike | None = None) -> Asy
         ):
             await nursery.start(gossip.run)
             await nursery.start(discovery.run)
+            if host.reach is not None:
+                host.reach.on_addrs_changed = discovery.provide_soon
+                await nursery.start(host.reach.run)
+            if config.mdns:
+                from peer.lan import LanDiscovery  # zeroconf: only peers that ask for mDNS
+
+                await nursery.start(LanDiscovery(host, on_connect=discovery.poke).run)
             serving = None
             if callable(getattr(engine, "stream", None)):  # a cache-only engine cannot serve
                 from peer.serving import Serving

@@ -149,8 +149,13 @@ def is_tuple(hint: Any) -> bool:
 
 
 def _split_words(value: Any) -> Any:
-    """A string from the environment -> its comma/whitespace separated parts."""
-    return tuple(value.replace(",", " ").split()) if isinstance(value, str) else value
+    """A string from the environment -> its comma/whitespace separated parts; the lone
+    word 'none' (e.g. `--listen none`: an outbound-only peer) -> an empty tuple."""
+    if isinstance(value, str):
+        value = tuple(value.replace(",", " ").split())
+    if isinstance(value, (tuple, list)) and [str(v).lower() for v in value] == ["none"]:
+        return ()
+    return value
 
 
 def _none_word(value: Any) -> Any:

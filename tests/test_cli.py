@@ -194,3 +194,10 @@ def test_a_child_peer_stops_when_its_stdin_closes():
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def test_listen_none_is_an_outbound_only_peer():
+    args = cli.build_parser().parse_args(["serve", "--listen", "none", "--no-relay-service"])
+    config = cli.config_from_args(args)
+    assert config.listen_addrs == ()
+    assert config.relay_service is False and config.use_relays is True

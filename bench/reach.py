@@ -1,0 +1,287 @@
+"""A peer behind a real NAT: does it know, and does it get work? `python -m bench.reach --json PATH`
+
+Builds bench/netns.py's topology (root and iptables needed; where the machine cannot, it
+says why and exits 2): public peers A (198.18.0.1, bootstrap) and B (198.18.0.3, the entry
+that clients call) on a public segment, and N (10.77.0.2) behind a masquerading router.
+Three phases, each with fresh peers (tiny-random, policy longest_prefix so that routing
+depends only on the cached prefix):
+
+- no_relay: relays off everywhere, and the home router also refuses N's connections to B
+  (B stands for any peer N holds no connection to: another peer behind NAT, or one whose
+  connection dropped). B cannot dial N: requests whose prefix only N caches are served by
+  B itself.
+- relay: the same network with relays on: N reserves a slot on A, B reaches N through A.
+- direct: relays on, N may dial B: N serves B's requests over its own outbound connection.
+
+Hole punching is not implemented (see docs/joining.md): direct_after_holepunch is false.
+The clients run inside the namespaces (`--client` re-invokes this module there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from libp2p.peer.id import ID
+
+from bench.netns import Nat, NetnsUnavailable, home_behind_nat
+from peer.host import load_or_create_identity
+
+PEER_PORT, HTTP_PORT = 4001, 8000
+READY_TIMEOUT_S = 60.0  # a tiny-random peer loads in seconds; a loaded CI machine is slow
+WAIT_TIMEOUT_S = 30.0  # reachability verdict, summaries: seconds
+MAX_TOKENS = 4
+PREFIX_WORDS = 400  # ~500 tokens: 30+ blocks only N caches
+
+
+def prefix_text(seed: int) -> str:
+    rng = random.Random(seed)
+    words = ["river", "stone", "lantern", "orbit", "meadow", "cipher", "harbor", "quartz",
+             "violet", "ember", "glacier", "tundra", "falcon", "prism", "willow", "saffron"]
+    return " ".join(rng.choice(words) for _ in range(PREFIX_WORDS))
+
+
+# -- clients (run inside a namespace) ---------------------------------------------------
+
+
+def _http(method: str, url: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+    import httpx
+
+    response = httpx.request(method, url, json=body, timeout=60.0)
+    result: dict[str, Any] = response.json()
+    return result
+
+
+def _poll(what: str, fn: Any) -> Any:
+    deadline = time.monotonic() + WAIT_TIMEOUT_S
+    while time.monotonic() < deadline:
+        value = fn()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise SystemExit(f"bench.reach client: not within {WAIT_TIMEOUT_S} s: {what}")
+
+
+def client_home(url: str, prompt: str) -> dict[str, Any]:
+    """N's side: wait for its reachability verdict, then cache the prefix on N."""
+    me = _poll(
+        "N's reachability verdict",
+        lambda: (s := _http("GET", url + "/v1/swarm")["self"])["reachability"] != "unknown"
+        and s,
+    )
+    _http("POST", url + "/v1/completions", {"prompt": prompt, "max_tokens": 1})
+    return {"reachability": me["reachability"], "addrs": me["addrs"]}
+
+
+def client_entry(
+    url: str, holder: str, prompt: str, requests: int, expect_direct: bool
+) -> dict[str, Any]:
+    """B's side: wait until B's table shows N's cached prefix (and, when expected, a
+    direct connection to N), then send the requests."""
+    def holder_view() -> Any:
+        for p in _http("GET", url + "/v1/swarm")["peers"]:
+            direct_ok = not expect_direct or p.get("link") == "direct"
+            if p["peer_id"] == holder and p["cached_blocks"] > 0 and direct_ok:
+                return p
+        return None
+
+    view = _poll("B sees N's cached blocks", holder_view)
+    results = []
+    for i in range(requests):
+        out = _http("POST", url + "/v1/completions",
+                    {"prompt": prompt + f" question {i}", "max_tokens": MAX_TOKENS})
+        ext = out.get("x_prefixswarm", {})
+        results.append({"served_by": ext.get("served_by"), "ttft_s": ext.get("ttft_s"),
+                        "error": out.get("error")})
+    link = next((p.get("link") for p in _http("GET", url + "/v1/swarm")["peers"]
+                 if p["peer_id"] == holder), None)
+    return {"holder_addrs": view["addrs"], "link": link, "results": results}
+
+
+# -- orchestration (root namespace) --------------------------------------------------------
+
+
+class Peers:
+    """Peer processes in namespaces; all stopped (stdin closed, then killed) on exit."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.procs: list[subprocess.Popen[str]] = []
+        self.log_dir = log_dir
+
+    def spawn(self, ns: str, ip: str, name: str, extra: list[str]) -> subprocess.Popen[str]:
+        argv = Nat.run_in(ns, [
+            sys.executable, "-m", "peer.cli", "serve", "--model", "tiny-random",
+            "--listen", f"/ip4/{ip}/tcp/{PEER_PORT}",
+            "--http", f"{ip}:{HTTP_PORT}", "--report", "json", "--exit-with-stdin",
+            "--summary-interval", "0.5", "--policy", "longest_prefix", *extra,
+        ])
+        log = open(self.log_dir / f"{name}.log", "a")  # noqa: SIM115 (closed with the process)
+        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=log, text=True)
+        self.procs.append(proc)
+        return proc
+
+    def wait_up(self, proc: subprocess.Popen[str], name: str) -> dict[str, Any]:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        assert proc.stdout is not None
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"peer {name} exited; see {self.log_dir / name}.log")
+            event = json.loads(line)
+            if event["event"] == "up":
+                # Keep reading its report lines: a full pipe would block the peer.
+                threading.Thread(target=proc.stdout.read, daemon=True).start()
+                return event  # type: ignore[no-any-return]
+        raise RuntimeError(f"peer {name} not up within {READY_TIMEOUT_S} s")
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.stdin:
+                proc.stdin.close()
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.procs.clear()
+
+
+def _client(nat: Nat, ns: str, args: list[str]) -> dict[str, Any]:
+    argv = Nat.run_in(ns, [sys.executable, "-m", "bench.reach", "--client", *args])
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=180, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"client in {ns} failed: {done.stderr.strip()[-2000:]}")
+    return json.loads(done.stdout)  # type: ignore[no-any-return]
+
+
+def _block_b(nat: Nat, on: bool) -> None:
+    rule = ["-i", "lan0", "-d", nat.public_ips[1], "-p", "tcp", "-j", "REJECT",
+            "--reject-with", "tcp-reset"]
+    subprocess.run(Nat.run_in(nat.router, ["iptables", "-I" if on else "-D", "FORWARD", *rule]),
+                   check=True, capture_output=True)
+
+
+def _progress(message: str) -> None:
+    print(f"bench.reach: {time.strftime('%H:%M:%S')} {message}", file=sys.stderr, flush=True)
+
+
+def run_phase(nat: Nat, name: str, *, relays: bool, block_b: bool, requests: int,
+              log_dir: Path, seed: int) -> dict[str, Any]:
+    flags = [] if relays else ["--no-relay-service", "--no-relays"]
+    a_ip, b_ip = nat.public_ips
+    peers = Peers(log_dir)
+    if block_b:
+        _block_b(nat, True)
+    try:
+        _progress(f"phase {name}: starting peers")
+        # A's identity is made first, so all three start at once (each loads the model).
+        key_file = log_dir / f"{name}-A.key"
+        key_file.unlink(missing_ok=True)
+        a_id = ID.from_pubkey(load_or_create_identity(key_file).public_key).to_base58()
+        boot = ["--bootstrap", f"/ip4/{a_ip}/tcp/{PEER_PORT}/p2p/{a_id}"]
+        none = ["--identity", "none"]
+        procs = [
+            peers.spawn(nat.public[0], a_ip, f"{name}-A", [*flags, "--identity", str(key_file)]),
+            peers.spawn(nat.public[1], b_ip, f"{name}-B", [*flags, *none, *boot]),
+            peers.spawn(nat.home, nat.home_ip, f"{name}-N", [*flags, *none, *boot]),
+        ]
+        _a, b, n = (peers.wait_up(p, f"{name}-{x}") for p, x in zip(procs, "ABN", strict=True))
+        prompt = prefix_text(seed)
+        _progress(f"phase {name}: peers up; waiting for N's verdict, caching the prefix on N")
+        home = _client(nat, nat.home, ["home", f"http://{nat.home_ip}:{HTTP_PORT}", prompt])
+        _progress(f"phase {name}: N is {home['reachability']}; requests at B")
+        entry = _client(nat, nat.public[1], [
+            "entry", f"http://{b_ip}:{HTTP_PORT}", prompt, "--holder", n["peer_id"],
+            "--requests", str(requests), *(["--expect-direct"] if not block_b else []),
+        ])
+    finally:
+        peers.stop()
+        if block_b:
+            _block_b(nat, False)
+    served = [r for r in entry["results"] if r["served_by"] == n["peer_id"]]
+    return {
+        "natted_reachability": home["reachability"],
+        "natted_advertised": home["addrs"],
+        "entry_link_to_natted": entry["link"],
+        "requests": len(entry["results"]),
+        "served_by_natted": len(served),
+        "served_by_entry": sum(r["served_by"] == b["peer_id"] for r in entry["results"]),
+        "errors": sum(r["error"] is not None for r in entry["results"]),
+        "ttft_natted_s": [r["ttft_s"] for r in served],
+    }
+
+
+def _median(values: list[float]) -> float | None:
+    return round(statistics.median(values), 4) if values else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.reach", description=__doc__)
+    parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--requests", type=int, default=8, help="requests per phase")
+    parser.add_argument("--client", nargs="+", help=argparse.SUPPRESS)
+    parser.add_argument("--holder", help=argparse.SUPPRESS)
+    parser.add_argument("--expect-direct", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.client:
+        kind, url, prompt = args.client
+        out = (client_home(url, prompt) if kind == "home"
+               else client_entry(url, args.holder, prompt, args.requests, args.expect_direct))
+        print(json.dumps(out))
+        return 0
+    tag = f"{os.getpid() % 100000}"
+    log_dir = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench-reach-{tag}"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    # A SIGTERM (a CI timeout) must still delete the namespaces: make it an exception.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(f"bench.reach: signal {signum}"))
+    try:
+        with home_behind_nat(tag) as nat:
+            phases = {
+                "no_relay": run_phase(nat, "no_relay", relays=False, block_b=True,
+                                      requests=args.requests, log_dir=log_dir, seed=1),
+                "relay": run_phase(nat, "relay", relays=True, block_b=True,
+                                   requests=args.requests, log_dir=log_dir, seed=2),
+                "direct": run_phase(nat, "direct", relays=True, block_b=False,
+                                    requests=args.requests, log_dir=log_dir, seed=3),
+            }
+    except NetnsUnavailable as exc:
+        print(f"bench.reach: cannot build network namespaces here: {exc}", file=sys.stderr)
+        return 2
+    relay = phases["relay"]
+    result = {
+        "natted_peer_knows_unreachable": all(
+            p["natted_reachability"] == "private" for p in phases.values()
+        ),
+        "no_relay_requests_served_by_natted": phases["no_relay"]["served_by_natted"],
+        "relayed_requests_ok": relay["served_by_natted"],
+        "relayed_requests_failed": relay["requests"] - relay["served_by_natted"],
+        "direct_requests_served_by_natted": phases["direct"]["served_by_natted"],
+        "direct_after_holepunch": False,  # no hole punching (docs/joining.md)
+        "ttft_direct_s": _median(phases["direct"]["ttft_natted_s"]),
+        "ttft_relayed_s": _median(relay["ttft_natted_s"]),
+        "phases": phases,
+        "wall_s": round(time.monotonic() - started, 1),
+        "logs": str(log_dir),
+    }
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.json:
+        args.json.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
