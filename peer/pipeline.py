@@ -157,8 +157,12 @@ class Pipeline:
         *,
         request_id: str | None = None,
         timeout_s: float | None = None,
+        cache_salt: bytes | None = None,
     ) -> AsyncGenerator[GenerationChunk | GenerationResult, None]:
         """Chunks as tokens arrive, then one GenerationResult.
+
+        With `cache_salt` the request is private: served here only (never forwarded, so
+        its prompt and salt stay on this peer), over this peer's blocks of the same salt.
 
         Raises InvalidRequest (bad input, before anything runs), Overloaded (this peer
         holds too many requests), DeadlineExceeded or RequestFailed.
@@ -177,6 +181,8 @@ class Pipeline:
             progress = _Progress([], [])
             route: list[Attempt] = []
             candidates = self._rank(tokens, params, start)
+            if cache_salt is not None:
+                candidates = [c for c in candidates if c.is_local]
             for candidate in candidates:
                 remaining = params.max_new_tokens - len(progress.generated)
                 if remaining <= 0:  # the stream broke after the last token, before the result
@@ -192,7 +198,7 @@ class Pipeline:
                 prompt = tokens + progress.generated
                 try:
                     if candidate.is_local:
-                        attempt = self._run_local(prompt, sub_params, progress)
+                        attempt = self._run_local(prompt, sub_params, progress, cache_salt)
                     else:
                         attempt = self._forward(
                             candidate, prompt, sub_params, request_id, deadline, progress
@@ -291,14 +297,19 @@ class Pipeline:
     # -- one attempt each ---------------------------------------------------------------
 
     async def _run_local(
-        self, prompt: list[int], params: SamplingParams, progress: _Progress
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        progress: _Progress,
+        cache_salt: bytes | None = None,
     ) -> AsyncGenerator[GenerationChunk | str, None]:
         try:
             slot = self._admission.admit()
         except Overloaded as exc:
             raise _AttemptFailed(Outcome.REFUSED, str(exc)) from exc
         with slot:
-            agen = self._engine.stream(prompt, params)
+            private = {} if cache_salt is None else {"cache_salt": cache_salt}
+            agen = self._engine.stream(prompt, params, **private)
             async with contextlib.aclosing(agen):
                 async for item in agen:
                     if isinstance(item, TokenEvent):
