@@ -176,3 +176,18 @@ async def test_cache_salt_over_http(nursery, tiny_engine_factory):
                 headers={"content-type": "application/json"},
             )
             assert (r.status_code, r.json()["error"]["param"]) == (400, "cache_salt"), salt
+
+
+async def test_cli_clients_send_the_api_key(nursery, tiny_engine_factory, capsys, monkeypatch):
+    from peer import cli
+
+    monkeypatch.delenv(cli.API_KEY_ENV, raising=False)
+    peer, _ = await start_api(nursery, tiny_engine_factory())
+    url = await peer.start_service(functools.partial(serve_http, api_key=KEY), peer, "127.0.0.1", 0)
+    args = ["generate", "hi", "--url", url, "--max-tokens", "2"]
+    assert await trio.to_thread.run_sync(cli.main, args) == 1
+    assert "error 401" in capsys.readouterr().err
+    assert await trio.to_thread.run_sync(cli.main, [*args, "--api-key", KEY]) == 0
+    monkeypatch.setenv(cli.API_KEY_ENV, KEY)
+    assert await trio.to_thread.run_sync(cli.main, ["status", "--url", url]) == 0
+    assert cli.build_parser().parse_args(["serve"]).api_key == KEY
