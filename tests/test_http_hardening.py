@@ -56,7 +56,8 @@ async def test_lone_surrogates_and_deep_nesting_are_400(nursery, tiny_engine_fac
     assert metrics['prefixswarm_http_requests_total{endpoint="completions",status="400"}'] == 4
 
 
-async def test_unexpected_errors_are_counted_json_500s(nursery, tiny_engine_factory):
+async def test_unexpected_errors_are_counted_json_500s(nursery, tiny_engine_factory,
+                                                      monkeypatch):
     peer, url = await start_api(nursery, tiny_engine_factory())
 
     def broken_encode(prompt: Any) -> list[int]:
@@ -84,7 +85,14 @@ async def test_unexpected_errors_are_counted_json_500s(nursery, tiny_engine_fact
         assert '"internal_error"' in r.text and r.text.rstrip().endswith("data: [DONE]")
         del peer.stream
         metrics = metric_lines((await http.get("/metrics")).text)
+    async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+        monkeypatch.setattr("peer.http.swarm_view", broken_encode)
+        r = await http.get("/v1/swarm")
+        assert (r.status_code, r.json()["error"]["code"]) == (500, "internal_error")
+        monkeypatch.undo()
+        metrics = metric_lines((await http.get("/metrics")).text)
     unexpected = "prefixswarm_http_unexpected_errors_total"
+    assert metrics[f'{unexpected}{{endpoint="swarm",error="RuntimeError"}}'] == 1
     assert metrics[f'{unexpected}{{endpoint="completions",error="RuntimeError"}}'] == 1
     assert metrics[f'{unexpected}{{endpoint="completions",error="KeyError"}}'] == 2
     assert metrics['prefixswarm_http_requests_total{endpoint="completions",status="500"}'] == 3

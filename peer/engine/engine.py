@@ -449,7 +449,9 @@ class Engine:
             output = [operator.index(t) for t in output_ids]
         except TypeError:
             return Verdict(False, 0, "output token ids must be integers", 0)
-        found = check_structure(output, params, self.vocab_size, self._eos, self.decode)
+        found = await trio.to_thread.run_sync(  # stop strings decode every prefix: O(n^2)
+            check_structure, output, params, self.vocab_size, self._eos, self.decode
+        )
         if found is not None:
             return self._verdict(found, 0, 0, start)
         n = len(tokens)
