@@ -215,3 +215,20 @@ async def test_bad_prompt_or_params_are_invalid_requests(tiny_engine):
     with pytest.raises(InvalidRequest):
         await tiny_engine.verify([1, 2], [1], SamplingParams(temperature=-1))
     assert (await tiny_engine.verify([1, 2], ["x"], SamplingParams(max_new_tokens=1))).ok is False
+
+
+def test_bench_verify_runs_and_reports(tmp_path):
+    """The benchmark's command, shrunk to tiny-random: honest answers pass, a lie is caught."""
+    import json
+
+    from bench import verify as bench_verify
+
+    out = tmp_path / "verify.json"
+    args = ["--json", str(out), "--model", "tiny-random", "--runs", "1",
+            "--prompt-tokens", "64", "--answer-tokens", "4"]
+    assert bench_verify.main(args) == 0
+    result = json.loads(out.read_text())
+    for mode in ("greedy", "sampled"):
+        assert result[mode]["honest_all_verified"] and result[mode]["tampered_caught"]
+        assert result[mode]["answer_tokens"] == 4
+        assert result[mode]["verify_cached_s"] > 0
