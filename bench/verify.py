@@ -8,7 +8,8 @@ tokens (greedy, and sampled at temperature 0.7 / top_p 0.9), median over --runs 
                                     without / with the prompt already in the local cache
   verify_cold / verify_cached       time of Engine.verify on the same answer, same states
 Also: whether every honest answer verified, and whether a tampered answer (one token
-replaced by the model's least likely one) was caught at the right index. The sampled
+replaced by the model's least likely one) was caught at the right index, and the chance
+that a uniformly random token at an answer position passes the check. The sampled
 answer uses the first seed whose answer runs to --answer-tokens (the instruct model often
 answers a letter and stops). On shared cores run it with OMP_NUM_THREADS=1.
 Progress goes to stderr; the JSON to --json and stdout.
@@ -33,6 +34,7 @@ import trio
 from bench.engine import DEFAULT_PROMPT_TOKENS, FIRST_TOKEN, pick_prompt
 from peer.engine.engine import Engine, SamplingParams
 from peer.engine.model import DEFAULT_MODEL, LoadedModel, load_model
+from peer.engine.verify import accepted_fraction
 
 DEFAULT_RUNS = 3  # x 2 modes x (2 generations + 2 verifications): minutes on 2 cores
 DEFAULT_ANSWER_TOKENS = 32  # the issue's unit (TOPLOC commits to 32 tokens)
@@ -81,6 +83,18 @@ async def tampered_caught(
     bad = [*answer[:index], int(logits.argmin()), *answer[index + 1 :]]
     verdict = await Engine.from_model(loaded).verify(tokens, bad, params)
     return not verdict.ok and verdict.first_bad_index == index
+
+
+def random_substitute_pass(
+    loaded: LoadedModel, tokens: list[int], answer: list[int], params: SamplingParams
+) -> dict[str, float]:
+    """How often a uniformly random token put at an answer position would pass the check
+    (mean and worst over the positions), from one teacher-forced forward."""
+    with torch.inference_mode():
+        ids = torch.tensor([tokens + answer[:-1]])
+        logits = loaded.model(input_ids=ids, logits_to_keep=len(answer)).logits[0]
+    share = accepted_fraction(logits, params)
+    return {"mean": float(share.mean()), "max": float(share.max())}
 
 
 async def full_length_seed(loaded: LoadedModel, tokens: list[int], params: SamplingParams) -> int:
@@ -132,6 +146,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "ratio_verify_vs_generate_cached": med["verify_cached_s"] / med["generate_cached_s"],
             "honest_all_verified": all(r["verify_cold_ok"] and r["verify_cached_ok"] for r in runs),
             "tampered_caught": await tampered_caught(loaded, tokens, runs[-1]["answer"], params),
+            # the chance that a random token put at an answer position passes the check
+            "random_substitute_pass": await trio.to_thread.run_sync(
+                random_substitute_pass, loaded, tokens, runs[-1]["answer"], params
+            ),
             "samples": [{k: v for k, v in r.items() if k != "answer"} for r in runs],
         }
     return {

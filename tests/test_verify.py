@@ -11,7 +11,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from peer.engine.engine import Engine, InvalidRequest, SamplingParams
-from peer.engine.verify import GREEDY_MAX_LOGPROB_GAP, SAMPLED_MIN_LOGPROB, check_structure
+from peer.engine.verify import (
+    GREEDY_MAX_LOGPROB_GAP,
+    SAMPLED_MIN_LOGPROB,
+    accepted_fraction,
+    check_logits,
+    check_structure,
+)
 
 
 def prompt(n, start=100):
@@ -232,3 +238,18 @@ def test_bench_verify_runs_and_reports(tmp_path):
         assert result[mode]["honest_all_verified"] and result[mode]["tampered_caught"]
         assert result[mode]["answer_tokens"] == 4
         assert result[mode]["verify_cached_s"] > 0
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    seed=st.integers(0, 2**32),
+    scale=st.sampled_from([0.5, 3.0, 12.0]),
+    temperature=st.sampled_from([0.0, 0.5, 1.0]),
+    top_p=st.sampled_from([0.5, 0.9, 1.0]),
+)
+def test_accepted_fraction_counts_what_check_logits_accepts(seed, scale, temperature, top_p):
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(1, 40, generator=gen) * scale
+    params = SamplingParams(temperature=temperature, top_p=top_p)
+    accepted = sum(check_logits(logits, [tok], params) is None for tok in range(40))
+    assert float(accepted_fraction(logits, params)[0]) * 40 == pytest.approx(accepted)
