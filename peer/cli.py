@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import enum
+import functools
 import json
 import math
 import os
@@ -48,6 +49,7 @@ from peer.version import version
 
 __all__ = ["build_parser", "config_from_args", "main", "split_host_port"]
 
+API_KEY_ENV = "PREFIXSWARM_API_KEY"  # the key from the environment keeps it out of `ps`
 DEFAULT_URL = "http://127.0.0.1:8000"
 PEERS_REPORT_INTERVAL_S = 0.5  # how often `--report json` says which peers are known
 JOIN_POLL_S = 0.25  # how often `serve` looks whether the first other peer has arrived
@@ -160,7 +162,8 @@ async def run_serve(args: argparse.Namespace, config: PeerConfig, options: Serve
                 url = None
                 if options.http:
                     host, port = split_host_port(options.http)
-                    url = await peer.start_service(serve_http, peer, host, port)
+                    serve = functools.partial(serve_http, api_key=options.api_key)
+                    url = await peer.start_service(serve, peer, host, port)
                 nursery.start_soon(_watch_join, peer, config)
                 if json_report:
                     _emit(
@@ -225,7 +228,7 @@ def run_generate(args: argparse.Namespace) -> int:
     else:
         path, body["prompt"] = "/v1/completions", prompt
     try:
-        return _stream_generation(args.url, path, body)
+        return _stream_generation(args.url, path, body, _auth(args))
     except httpx.HTTPError as exc:
         _say(f"cannot reach a peer at {args.url}: {exc or type(exc).__name__}")
         return EXIT_FAILURE
@@ -238,13 +241,15 @@ def _error_message(response: Any) -> str:
         return response.text[:200] or response.reason_phrase
 
 
-def _stream_generation(url: str, path: str, body: dict[str, Any]) -> int:
+def _stream_generation(
+    url: str, path: str, body: dict[str, Any], headers: dict[str, str]
+) -> int:
     import httpx
 
     extension: dict[str, Any] = {}
     usage: dict[str, Any] = {}
     with (
-        httpx.Client(base_url=url, timeout=CLIENT_TIMEOUT_S) as client,
+        httpx.Client(base_url=url, timeout=CLIENT_TIMEOUT_S, headers=headers) as client,
         client.stream("POST", path, json=body) as response,
     ):
         if response.status_code != 200:
@@ -315,7 +320,9 @@ def run_status(args: argparse.Namespace) -> int:
     import httpx
 
     try:
-        response = httpx.get(args.url + "/v1/swarm", timeout=CLIENT_TIMEOUT_S)
+        response = httpx.get(
+            args.url + "/v1/swarm", timeout=CLIENT_TIMEOUT_S, headers=_auth(args)
+        )
     except httpx.HTTPError as exc:
         _say(f"cannot reach a peer at {args.url}: {exc or type(exc).__name__}")
         return EXIT_FAILURE
@@ -325,6 +332,10 @@ def run_status(args: argparse.Namespace) -> int:
     view = response.json()
     print(json.dumps(view, indent=2) if args.json else format_status(view))
     return 0
+
+
+def _auth(args: argparse.Namespace) -> dict[str, str]:
+    return {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
 
 
 # -- argument parsing --------------------------------------------------------------------
@@ -341,7 +352,7 @@ def _shown(value: Any) -> str:
 def _metavar(name: str, hint: Any) -> str:
     if name.endswith("addrs") or name == "bootstrap":
         return "MULTIADDR"
-    suffixes = {"_s": "S", "_bytes": "BYTES", "_file": "FILE", "http": "HOST:PORT"}
+    suffixes = {"_s": "S", "_bytes": "BYTES", "_file": "FILE", "http": "HOST:PORT", "_key": "KEY"}
     for suffix, metavar in suffixes.items():
         if name.endswith(suffix):
             return metavar
@@ -369,6 +380,11 @@ def add_setting_flags(parser: argparse.ArgumentParser) -> None:
         if "choices" not in kwargs and hint is not bool:
             kwargs["metavar"] = _metavar(f.name, hint)
         parser.add_argument(flag_for(f.name), **kwargs)
+
+
+def _api_key_option(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV), metavar="KEY",
+                   help=f"{what} (default ${API_KEY_ENV})")
 
 
 def _local_options(p: argparse.ArgumentParser) -> None:
@@ -416,11 +432,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
     gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     gen.add_argument("--model", default=None, help="model name (default: the peer's)")
+    _api_key_option(gen, "the peer's API key")
 
     status = sub.add_parser("status", help="the peer's view of the swarm",
                             formatter_class=defaults)
     status.add_argument("--url", default=DEFAULT_URL, help="a peer's HTTP API")
     status.add_argument("--json", action="store_true", help="the raw /v1/swarm object")
+    _api_key_option(status, "the peer's API key")
 
     local = sub.add_parser("local", help="run N peers on this machine (loopback)",
                            formatter_class=defaults)

@@ -163,6 +163,12 @@ class Metrics:
         )
         ProcessCollector(namespace="", registry=self.registry)  # process_cpu_seconds etc.
         self._collector: _PeerCollector | None = None
+        self.unexpected = Counter(
+            "prefixswarm_http_unexpected_errors",
+            "HTTP requests that failed on a bug (answered 500), by endpoint and exception type",
+            ["endpoint", "error"],
+            registry=self.registry,
+        )
         if snapshot is not None:
             self._collector = _PeerCollector(snapshot)
             self.registry.register(self._collector)
@@ -180,6 +186,10 @@ class Metrics:
 
     def record_request(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint, str(status)).inc()
+
+    def record_unexpected(self, endpoint: str, exc: BaseException) -> None:
+        """Count a request that failed on an error no handler names (a 500)."""
+        self.unexpected.labels(endpoint, type(exc).__name__).inc()
 
     def record_result(self, result: Any, self_id: str) -> None:
         """Count a finished GenerationResult."""

@@ -85,6 +85,8 @@ FIELD_HELP = {
     "http": "serve the HTTP API at HOST:PORT ('' to disable)",
     "log_level": "log level",
     "bootstrap_file": "file of bootstrap multiaddrs, one a line ('#' comments)",
+    "api_key": "require 'Authorization: Bearer KEY' on every HTTP path but /health and the "
+    "page (prefer the variable: a flag shows in `ps`)",
 }
 
 
@@ -107,6 +109,7 @@ class ServeOptions:
     http: str = DEFAULT_HTTP
     log_level: str = "warning"
     bootstrap_file: Path | None = None
+    api_key: str | None = None  # None: the HTTP API is open (it listens on loopback by default)
 
     def __post_init__(self) -> None:
         if self.http:
@@ -302,6 +305,9 @@ def _toml_value(value: Any) -> str:
     return json.dumps(str(value))  # a JSON string is a valid TOML basic string
 
 
+SECRET_FIELDS = frozenset({"api_key"})
+
+
 def to_toml(config: PeerConfig, options: ServeOptions) -> str:
     """The settings in effect as a config file (`serve --print-config`); None: 'none'."""
     lines = []
@@ -309,6 +315,8 @@ def to_toml(config: PeerConfig, options: ServeOptions) -> str:
         for f in dataclasses.fields(obj):
             if f.init:
                 value = getattr(obj, f.name)
+                if f.name in SECRET_FIELDS and value is not None:
+                    value = "(set, not shown)"  # printed configs end up in bug reports
                 shown = '"none"' if value is None else _toml_value(value)
                 lines.append(f"{f.name} = {shown}")
     return "\n".join(lines) + "\n"

@@ -35,6 +35,7 @@ from .requests import (
     sample_token,
 )
 from .speeds import ewma, prefill_speed_sample, warmup_prefill_speed
+from .verify import VERIFY_CHUNK_TOKENS, Finding, Verdict, check_logits, check_structure
 
 PREFILL_CHUNK_TOKENS = 512  # ~1 s of SmolLM2 prefill on 2 cores: the grain of interleaving/cancel
 WARMUP_PROMPT_TOKENS = 64  # enough to measure prefill speed without delaying start-up
@@ -108,6 +109,9 @@ class Engine:
             "cached_tokens": 0,
             "computed_prompt_tokens": 0,
             "generated_tokens": 0,
+            "verifications": 0,
+            "verifications_failed": 0,
+            "verified_tokens": 0,
         }
 
     @classmethod
@@ -186,13 +190,14 @@ class Engine:
 
     # -- queries for the router ----------------------------------------------------------
 
-    def local_match_tokens(self, token_ids: Sequence[int]) -> int:
+    def local_match_tokens(self, token_ids: Sequence[int], cache_salt: bytes | None = None) -> int:
         """Tokens of the longest cached prefix (block-aligned); no side effect."""
-        return self.cache.peek(token_ids)
+        return self.cache.peek(token_ids, salt=cache_salt)
 
-    def _reusable_tokens(self, tokens: Sequence[int]) -> int:
+    def _reusable_tokens(self, tokens: Sequence[int], salt: bytes | None) -> int:
         # At least one prompt token is always computed: its logits give the first token.
-        return min(self.cache.peek(tokens), (len(tokens) - 1) // self.block_size * self.block_size)
+        last = (len(tokens) - 1) // self.block_size * self.block_size
+        return min(self.cache.peek(tokens, salt=salt), last)
 
     def load(self) -> EngineLoad:
         """Queued (uncached) prompt tokens, running requests and measured speeds."""
@@ -288,7 +293,9 @@ class Engine:
         self._decode_tps = ewma(self._decode_tps, 1.0 / (time.perf_counter() - start))
         return nxt
 
-    async def _cache_blocks(self, tokens: Sequence[int], seq: _Sequence, first_block: int) -> None:
+    async def _cache_blocks(
+        self, tokens: Sequence[int], seq: _Sequence, first_block: int, salt: bytes | None = None
+    ) -> None:
         """Insert tokens' full blocks from `first_block` on, with KV copied out of `seq`."""
         end_block = len(tokens) // self.block_size
         if end_block <= first_block:
@@ -300,24 +307,29 @@ class Engine:
             tokens[: end_block * self.block_size],
             lambda b: blocks[b - first_block],  # only called for blocks not cached meanwhile
             trio.current_time(),
+            salt=salt,
         )
 
     # -- requests --------------------------------------------------------------------------
 
     def stream(
-        self, token_ids: Sequence[int], params: SamplingParams
+        self, token_ids: Sequence[int], params: SamplingParams, *, cache_salt: bytes | None = None
     ) -> AsyncGenerator[TokenEvent | Completion, None]:
         """Generate: yields a TokenEvent per token, then one Completion, last.
 
         Validates now (InvalidRequest). Close the iterator (or run it to the end) to
         release the request: `async with contextlib.aclosing(engine.stream(...))`.
+        With `cache_salt` the request is private: it shares cached blocks only with
+        requests of the same salt, and its blocks are never announced.
         """
         tokens = self.validate(token_ids, params)
-        return self._run(tokens, params)
+        return self._run(tokens, params, cache_salt)
 
-    async def generate(self, token_ids: Sequence[int], params: SamplingParams) -> Completion:
+    async def generate(
+        self, token_ids: Sequence[int], params: SamplingParams, *, cache_salt: bytes | None = None
+    ) -> Completion:
         """Generate and return only the Completion."""
-        agen = self.stream(token_ids, params)
+        agen = self.stream(token_ids, params, cache_salt=cache_salt)
         try:
             async for item in agen:
                 if isinstance(item, Completion):
@@ -327,11 +339,11 @@ class Engine:
         raise EngineError("generation ended without a completion")  # unreachable by design
 
     async def _run(
-        self, tokens: list[int], params: SamplingParams
+        self, tokens: list[int], params: SamplingParams, salt: bytes | None = None
     ) -> AsyncGenerator[TokenEvent | Completion, None]:
         start = time.perf_counter()
         n = len(tokens)
-        queued = n - self._reusable_tokens(tokens)
+        queued = n - self._reusable_tokens(tokens, salt)
         self._stats["requests"] += 1
         self._running += 1
         self._queued_prompt_tokens += queued
@@ -347,7 +359,9 @@ class Engine:
                         for observe in self.queue_wait_observers:
                             observe(time.perf_counter() - start)
                         max_blocks = (n - 1) // self.block_size
-                        match = self.cache.match(tokens, trio.current_time(), max_blocks)
+                        match = self.cache.match(
+                            tokens, trio.current_time(), max_blocks, salt=salt
+                        )
                         self.cache.lock(match)
                         pos = match.num_tokens
                         seq = await trio.to_thread.run_sync(
@@ -360,7 +374,8 @@ class Engine:
                     )
                     pos = end
                     if first is not None:
-                        await self._cache_blocks(tokens, seq, match.num_blocks if match else 0)
+                        first_block = match.num_blocks if match else 0
+                        await self._cache_blocks(tokens, seq, first_block, salt)
             assert match is not None and seq is not None
             self._queued_prompt_tokens -= queued
             queued = 0
@@ -390,7 +405,9 @@ class Engine:
                 self._stats["generated_tokens"] += 1
             if self.cache_generated:
                 async with self._limiter:
-                    await self._cache_blocks(tokens + generated[:-1], seq, n // self.block_size)
+                    await self._cache_blocks(
+                        tokens + generated[:-1], seq, n // self.block_size, salt
+                    )
             total = time.perf_counter() - start
             decode_s = total - ttft
             usage = Usage(
@@ -414,6 +431,100 @@ class Engine:
             self._queued_prompt_tokens -= queued
             if match is not None:
                 self.cache.unlock(match)
+
+    # -- verification (peer/engine/verify.py) -------------------------------------------
+
+    async def verify(
+        self,
+        prompt_ids: Sequence[int],
+        output_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        cache_salt: bytes | None = None,
+    ) -> Verdict:
+        """Check another peer's `output_ids` for `prompt_ids` by teacher forcing: one
+        forward over prompt + output, the prompt's cached prefix reused, torch off the
+        event loop. The output's blocks enter the cache only if it verified.
+
+        InvalidRequest for a bad prompt or params (the output itself is what is judged)."""
+        start = time.perf_counter()
+        tokens = self.validate(prompt_ids, params)
+        try:
+            output = [operator.index(t) for t in output_ids]
+        except TypeError:
+            return Verdict(False, 0, "output token ids must be integers", 0)
+        found = await trio.to_thread.run_sync(  # stop strings decode every prefix: O(n^2)
+            check_structure, output, params, self.vocab_size, self._eos, self.decode
+        )
+        if found is not None:
+            return self._verdict(found, 0, 0, start)
+        n = len(tokens)
+        full = tokens + output[:-1]  # the last output token is predicted, never fed
+        match = None
+        pos = 0
+        try:
+            async with self._limiter:
+                max_blocks = (n - 1) // self.block_size  # the last prompt token gives logits
+                match = self.cache.match(tokens, trio.current_time(), max_blocks, salt=cache_salt)
+                self.cache.lock(match)
+                seq = await trio.to_thread.run_sync(
+                    lambda m=match: _Sequence(cache_from_blocks(m.values), 0)
+                )
+            pos = match.num_tokens
+            while found is None and pos < len(full):
+                end = min(len(full), pos + VERIFY_CHUNK_TOKENS)
+                async with self._limiter:
+                    found = await trio.to_thread.run_sync(
+                        self._score_step, seq, full, pos, end, n, output, params
+                    )
+                pos = end
+            limit = len(full) if found is None else min(pos, n)
+            async with self._limiter:
+                await self._cache_blocks(full[:limit], seq, match.num_blocks, cache_salt)
+        except (trio.Cancelled, GeneratorExit, KeyboardInterrupt):
+            raise
+        except Exception as exc:  # torch failure: this verification fails, not the engine
+            raise EngineError(f"verification failed: {type(exc).__name__}: {exc}") from exc
+        finally:
+            if match is not None:
+                self.cache.unlock(match)
+        checked = len(output) if found is None else found.index + 1
+        return self._verdict(found, checked, match.num_tokens, start)
+
+    def _score_step(
+        self,
+        seq: _Sequence,
+        full: list[int],
+        pos: int,
+        end: int,
+        n: int,
+        output: list[int],
+        params: SamplingParams,
+    ) -> Finding | None:
+        """Feed full[pos:end]; check the output tokens its rows predict (worker thread)."""
+        keep = end - max(pos, n - 1)  # rows from the last prompt token on predict outputs
+        with torch.inference_mode():
+            out = self._model(
+                input_ids=torch.tensor([full[pos:end]], dtype=torch.long),
+                cache=seq.cache,
+                use_cache=True,
+                logits_to_keep=max(keep, 1),  # 0 would mean "all rows"
+            )
+        if keep <= 0:
+            return None
+        return check_logits(out.logits[0, -keep:], output, params, max(pos, n - 1) - (n - 1))
+
+    def _verdict(
+        self, found: Finding | None, checked: int, cached: int, start: float
+    ) -> Verdict:
+        self._stats["verifications"] += 1
+        self._stats["verified_tokens"] += checked
+        if found is not None:
+            self._stats["verifications_failed"] += 1
+        elapsed = time.perf_counter() - start
+        if found is None:
+            return Verdict(True, None, "verified", checked, cached, elapsed)
+        return Verdict(False, found.index, found.detail, checked, cached, elapsed)
 
 
 def load_engine(
