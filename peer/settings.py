@@ -169,8 +169,9 @@ def _lower(value: Any) -> Any:
     return value.lower() if isinstance(value, str) else value
 
 
-def _is_optional_path(hint: Any) -> bool:
-    return isinstance(hint, types.UnionType) and set(typing.get_args(hint)) == {Path, type(None)}
+def _is_optional(hint: Any) -> bool:
+    """`X | None`: the word 'none' (or '') stands for None in flags, variables and files."""
+    return isinstance(hint, types.UnionType) and type(None) in typing.get_args(hint)
 
 
 def settings_type(name: str, hint: Any) -> Any:
@@ -179,7 +180,7 @@ def settings_type(name: str, hint: Any) -> Any:
         return ByteSize
     if is_tuple(hint):
         return Annotated[hint, NoDecode, BeforeValidator(_split_words)]
-    if _is_optional_path(hint):
+    if _is_optional(hint):
         return Annotated[hint, BeforeValidator(_none_word)]
     if name == "log_level":
         return Annotated[hint, BeforeValidator(_lower)]

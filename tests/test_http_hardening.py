@@ -198,4 +198,5 @@ async def test_cli_clients_send_the_api_key(nursery, tiny_engine_factory, capsys
     assert await trio.to_thread.run_sync(cli.main, [*args, "--api-key", KEY]) == 0
     monkeypatch.setenv(cli.API_KEY_ENV, KEY)
     assert await trio.to_thread.run_sync(cli.main, ["status", "--url", url]) == 0
-    assert cli.build_parser().parse_args(["serve"]).api_key == KEY
+    serve_args = cli.build_parser().parse_args(["serve", "--identity", "none", "--config", "none"])
+    assert cli.settings_from_args(serve_args)[1].api_key == KEY  # serve reads it as a setting
