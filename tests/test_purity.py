@@ -11,7 +11,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 FORBIDDEN = {"trio", "torch", "libp2p", "transformers", "anyio", "socket", "asyncio"}
-PURE = [*sorted((ROOT / "protocols").glob("*.py")), ROOT / "peer" / "peer_table.py"]
+PURE = [
+    *sorted((ROOT / "protocols").glob("*.py")),
+    ROOT / "peer" / "peer_table.py",
+    *(ROOT / "peer" / "engine" / f"{m}.py" for m in ("api", "scheduler", "radix", "speeds")),
+]
+ENGINE_CORES = [f"peer.engine.{m}" for m in ("api", "scheduler", "radix", "speeds")]
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -45,7 +50,7 @@ def test_importing_the_pure_cores_loads_no_forbidden_package() -> None:
     modules = [f"protocols.{p.stem}" for p in PURE if p.parent.name == "protocols"]
     modules = [m.removesuffix(".__init__") for m in modules]
     code = (
-        f"import sys\nimport {', '.join([*modules, 'peer.peer_table'])}\n"
+        f"import sys\nimport {', '.join([*modules, 'peer.peer_table', *ENGINE_CORES])}\n"
         f"print(sorted({{m.split('.')[0] for m in sys.modules}} & set({sorted(FORBIDDEN)!r})))"
     )
     out = subprocess.run(
