@@ -13,6 +13,7 @@ its stdin closes, so it never outlives the process that started it.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -32,6 +33,7 @@ from peer.config import (
     PeerConfig,
     Policy,
 )
+from peer.engine.api import DEVICES, DTYPES
 from peer.local_swarm import LOCAL_SUMMARY_INTERVAL_S
 
 DEFAULT_HTTP = "127.0.0.1:8000"  # loopback only: the API has no authentication
@@ -72,6 +74,9 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
         summary_interval_s=args.summary_interval,
         policy=Policy(args.policy),
         forward_delay_s=getattr(args, "forward_delay", 0.0),
+        dtype=args.dtype,
+        device=args.device,
+        threads=args.threads,
     )
 
 
@@ -111,7 +116,9 @@ async def run_serve(args: argparse.Namespace, config: PeerConfig) -> None:
                 note = first_use if config.model == DEFAULT_MODEL else ""
                 _say(f"loading model {config.model}{note}...")
             engine = await trio.to_thread.run_sync(  # type: ignore[call-arg]
-                load_engine, config.model, config.cache_bytes, config.block_size,
+                functools.partial(load_engine, dtype=config.dtype, device=config.device,
+                                  threads=config.threads),
+                config.model, config.cache_bytes, config.block_size,
                 abandon_on_cancel=True,  # a signal during loading stops the process at once
             )
             async with open_peer(config, engine=engine) as peer:
@@ -250,6 +257,10 @@ def run_status(args: argparse.Namespace) -> int:
 def _peer_options(p: argparse.ArgumentParser, *, summary_interval: float) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help="alias, checkpoint folder or hub id")
     p.add_argument("--cache-bytes", type=int, default=DEFAULT_CACHE_BYTES, help="KV cache budget")
+    p.add_argument("--dtype", default="float32", choices=DTYPES,
+                   help="weights and KV precision (float16 needs a GPU)")
+    p.add_argument("--device", default="auto", choices=DEVICES)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--policy", default=Policy.COST.value, choices=[x.value for x in Policy])
     p.add_argument("--summary-interval", type=float, default=summary_interval, metavar="S",
                    help="seconds between cache summaries")

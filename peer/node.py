@@ -136,7 +136,8 @@ def _load_engine(config: PeerConfig) -> EngineLike:
     """Load config.model (blocking: seconds to minutes); run it in a worker thread."""
     from peer.engine.engine import load_engine  # torch: import only when a model is needed
 
-    return load_engine(config.model, config.cache_bytes, config.block_size)
+    return load_engine(config.model, config.cache_bytes, config.block_size,
+                       dtype=config.dtype, device=config.device, threads=config.threads)
 
 
 @asynccontextmanager

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 __all__ = [
+    "DEVICES",
+    "DTYPES",
     "MAX_CHAT_MESSAGES",
     "MAX_NEW_TOKENS",
     "MAX_PROMPT_CHARS_PER_TOKEN",
@@ -20,8 +22,8 @@ __all__ = [
     "MAX_TEMPERATURE",
     "Completion",
     "EngineError",
-    "EngineLike",
     "EngineLoad",
+    "EngineProtocol",
     "InvalidRequest",
     "SamplingParams",
     "TokenEvent",
@@ -35,6 +37,8 @@ MAX_TEMPERATURE = 100.0  # beyond this sampling is uniform noise; also rejects i
 MAX_SEED = (1 << 63) - 1  # torch.Generator takes a signed 64-bit seed
 MAX_PROMPT_CHARS_PER_TOKEN = 32  # longer text than this x max_context can't fit: don't tokenize
 MAX_CHAT_MESSAGES = 1024  # bounds the chat-template work for one request
+DTYPES = ("float32", "bfloat16", "float16")  # float16 only off the CPU (see model.py)
+DEVICES = ("auto", "cpu", "cuda", "mps")  # auto: cuda, then mps, then cpu
 
 
 class EngineError(Exception):
@@ -132,7 +136,7 @@ class EngineLoad:
     batch_decode_tokens_per_s: float = 0.0
 
 
-class EngineLike(Protocol):
+class EngineProtocol(Protocol):
     """What the rest of the peer uses of an engine (peer.engine.engine.Engine implements it)."""
 
     model_id: str

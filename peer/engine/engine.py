@@ -69,7 +69,7 @@ class _Request:
     """One request's state. Torch fields (kv, generator) are used only in worker steps."""
 
     def __init__(self, rid: int, tokens: list[int], params: SamplingParams, queued: int,
-                 tracker: StopTracker) -> None:
+                 tracker: StopTracker, device: torch.device) -> None:
         self.rid = rid
         self.tokens = tokens
         self.params = params
@@ -85,7 +85,7 @@ class _Request:
         self.outbox: deque[TokenEvent] = deque()
         self.finish: str | None = None
         self.error: BaseException | None = None
-        self.generator = torch.Generator()
+        self.generator = torch.Generator(device=device)  # where the logits are sampled
         if params.seed is None:
             self.generator.seed()
         else:
@@ -353,8 +353,8 @@ class Engine:
         self, tokens: list[int], params: SamplingParams
     ) -> AsyncGenerator[TokenEvent | Completion, None]:
         queued = len(tokens) - self._reusable_tokens(tokens)
-        req = _Request(self._next_rid, tokens, params, queued, StopTracker(self.tokenizer,
-                                                                           params.stop))
+        tracker = StopTracker(self.tokenizer, params.stop)
+        req = _Request(self._next_rid, tokens, params, queued, tracker, self._runner.device)
         self._next_rid += 1
         self._stats["requests"] += 1
         self._running += 1
