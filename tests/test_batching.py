@@ -215,3 +215,26 @@ async def test_cancelled_request_leaves_the_batch_at_the_next_step(tiny_engine, 
     assert sizes[n_at_cancel:] and all(n == 1 for n in sizes[n_at_cancel + 1 :])
     stats = tiny_engine.statistics()
     assert stats["cancelled_requests"] == 1 and stats["cache_locked_blocks"] == 0
+
+
+async def test_a_prefix_being_read_is_computed_once(tiny_engine_factory):
+    """Requests sharing a prefix that arrive together: the first reads it, the others wait
+    for its blocks and compute only their own tails."""
+    engine = tiny_engine_factory()
+    shared = prompt(64, 300)
+    tails = [prompt(5 + i, 2000 + 100 * i) for i in range(3)]
+    got = {}
+
+    async def one(i):
+        got[i] = await engine.generate(shared + tails[i], GREEDY3)
+
+    async with trio.open_nursery() as nursery:
+        for i in range(3):
+            nursery.start_soon(one, i)
+    assert sorted(g.usage.cached_tokens for g in got.values()) == [0, 64, 64]
+    stats = engine.statistics()
+    assert stats["computed_prompt_tokens"] == 64 + sum(len(t) for t in tails)
+    reference = tiny_engine_factory(cache_bytes=0)
+    for i in range(3):
+        want = await reference.generate(shared + tails[i], GREEDY3)
+        assert got[i].token_ids == want.token_ids

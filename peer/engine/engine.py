@@ -422,16 +422,39 @@ class Engine:
 
     def _admit(self) -> None:
         """Move waiting requests into the batch: match late (earlier requests may have
-        added blocks), lock the match; the KV copy is made in the step's thread."""
+        added blocks), lock the match; the KV copy is made in the step's thread.
+
+        A request whose prompt shares at least one more block with a prompt still being
+        read than the cache holds waits for it: that prompt's blocks are inserted when it
+        is read, and this one then reuses them instead of computing them a second time
+        (requests that share a prefix often arrive together)."""
         now = trio.current_time()
-        for _ in range(admit_count(len(self._waiting), len(self._batch), self.max_running)):
+        free = admit_count(len(self._waiting), len(self._batch), self.max_running)
+        kept: deque[_Request] = deque()
+        while self._waiting:
             req = self._waiting.popleft()
+            if free <= 0 or self._shares_prefill_in_flight(req):
+                kept.append(req)
+                continue
+            free -= 1
             max_blocks = (len(req.tokens) - 1) // self.block_size
             req.match = self.cache.match(req.tokens, now, max_blocks)
             self.cache.lock(req.match)
             req.blocks = list(req.match.values)
             req.pos = req.match.num_tokens
             self._batch[req.rid] = req
+        self._waiting = kept
+
+    def _shares_prefill_in_flight(self, req: _Request) -> bool:
+        if self.cache.capacity_blocks == 0:
+            return False
+        want = self._reusable_tokens(req.tokens) + self.block_size
+        if want > (len(req.tokens) - 1) // self.block_size * self.block_size:
+            return False
+        head = req.tokens[:want]
+        return any(
+            other.prefilling and other.tokens[:want] == head for other in self._batch.values()
+        )
 
     def _plan(self) -> StepPlan:
         decoding = [r.rid for r in self._batch.values() if not r.prefilling]
