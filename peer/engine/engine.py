@@ -13,7 +13,6 @@ blocks.
 
 from __future__ import annotations
 
-import operator
 import time
 from collections import deque
 from collections.abc import AsyncGenerator, Sequence
@@ -25,8 +24,6 @@ import trio
 from protocols.blocks import DEFAULT_BLOCK_SIZE, BlockHasher
 
 from .api import (
-    MAX_CHAT_MESSAGES,
-    MAX_PROMPT_CHARS_PER_TOKEN,
     Completion,
     EngineError,
     EngineLoad,
@@ -37,8 +34,14 @@ from .api import (
 )
 from .kv import DEFAULT_CACHE_BYTES, KVLayout
 from .model import LoadedModel, load_model
-from .radix import Match, RadixCache
-from .requests import StopTracker, sample_token
+from .radix import RadixCache
+from .requests import (
+    RequestState,
+    StopTracker,
+    encode_prompt,
+    sample_token,
+    validate_prompt,
+)
 from .runner import Runner, SeqKV
 from .scheduler import DEFAULT_MAX_RUNNING, DEFAULT_STEP_TOKENS, StepPlan, admit_count, plan_step
 from .speeds import ewma, prefill_speed_sample, warmup_prefill_speed
@@ -63,37 +66,6 @@ WARMUP_DECODE_TOKENS = 4
 # tiny-random peers served 0 of 158 requests).
 SPEED_REFRESH_S = 30.0
 SPEED_REFRESH_MAX_S = 600.0  # an idle peer's re-measurements back off to this (doubling)
-
-
-class _Request:
-    """One request's state. Torch fields (kv, generator) are used only in worker steps."""
-
-    def __init__(self, rid: int, tokens: list[int], params: SamplingParams, queued: int,
-                 tracker: StopTracker, device: torch.device) -> None:
-        self.rid = rid
-        self.tokens = tokens
-        self.params = params
-        self.queued = queued  # uncached prompt tokens counted in the engine's queue
-        self.tracker = tracker
-        self.start = time.perf_counter()
-        self.ttft = 0.0
-        self.match: Match[torch.Tensor] | None = None
-        self.blocks: list[torch.Tensor] | None = None  # matched KV, until `kv` is built
-        self.kv: SeqKV | None = None
-        self.pos = 0  # prompt tokens whose KV is in the sequence
-        self.generated: list[int] = []
-        self.outbox: deque[TokenEvent] = deque()
-        self.finish: str | None = None
-        self.error: BaseException | None = None
-        self.generator = torch.Generator(device=device)  # where the logits are sampled
-        if params.seed is None:
-            self.generator.seed()
-        else:
-            self.generator.manual_seed(params.seed)
-
-    @property
-    def prefilling(self) -> bool:
-        return self.pos < len(self.tokens)
 
 
 class Engine:
@@ -133,8 +105,8 @@ class Engine:
         self.step_tokens = step_tokens
         self.max_running = max_running
         self._eos = frozenset(loaded.eos_token_ids)
-        self._waiting: deque[_Request] = deque()
-        self._batch: dict[int, _Request] = {}  # admitted, unfinished; insertion order = age
+        self._waiting: deque[RequestState] = deque()
+        self._batch: dict[int, RequestState] = {}  # admitted, unfinished; insertion order = age
         self._next_rid = 0
         self._stepping = False  # a step (or a warm-up) is running
         self._step_done = trio.Event()
@@ -189,31 +161,7 @@ class Engine:
 
     def encode_prompt(self, prompt: str | Sequence[dict[str, str]]) -> list[int]:
         """Token ids of a text prompt, or of chat messages through the chat template."""
-        max_chars = self.max_context * MAX_PROMPT_CHARS_PER_TOKEN
-        if isinstance(prompt, str):
-            if len(prompt) > max_chars:
-                raise InvalidRequest(f"prompt has {len(prompt)} characters, limit {max_chars}")
-            return list(self.tokenizer.encode(prompt, add_special_tokens=False))
-        if not isinstance(prompt, Sequence) or not 1 <= len(prompt) <= MAX_CHAT_MESSAGES:
-            raise InvalidRequest(f"chat needs 1 to {MAX_CHAT_MESSAGES} messages")
-        total = 0
-        for m in prompt:
-            if not (
-                isinstance(m, dict)
-                and isinstance(m.get("role"), str)
-                and isinstance(m.get("content"), str)
-            ):
-                raise InvalidRequest("each chat message needs string 'role' and 'content'")
-            total += len(m["content"])
-        if total > max_chars:
-            raise InvalidRequest(f"chat has {total} characters, limit {max_chars}")
-        try:
-            text = self.tokenizer.apply_chat_template(
-                list(prompt), tokenize=False, add_generation_prompt=True
-            )
-        except (ValueError, TypeError, KeyError) as exc:  # jinja errors subclass these or not
-            raise InvalidRequest(f"chat template rejected the messages: {exc}") from exc
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return encode_prompt(self.tokenizer, prompt, self.max_context)
 
     def decode(self, token_ids: Sequence[int]) -> str:
         """Text of token ids, special tokens dropped."""
@@ -221,22 +169,7 @@ class Engine:
 
     def validate(self, token_ids: Sequence[int], params: SamplingParams) -> list[int]:
         """The prompt as a list of ints, or InvalidRequest naming the limit."""
-        params.validate()
-        try:
-            tokens = [operator.index(t) for t in token_ids]
-        except TypeError:
-            raise InvalidRequest("token ids must be integers") from None
-        if not tokens:
-            raise InvalidRequest("the prompt is empty: at least one token is needed")
-        if min(tokens) < 0 or max(tokens) >= self.vocab_size:
-            bad = next(t for t in tokens if not 0 <= t < self.vocab_size)
-            raise InvalidRequest(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
-        if len(tokens) + params.max_new_tokens > self.max_context:
-            raise InvalidRequest(
-                f"prompt ({len(tokens)} tokens) + max_new_tokens ({params.max_new_tokens}) "
-                f"exceeds the model's context of {self.max_context} tokens"
-            )
-        return tokens
+        return validate_prompt(token_ids, params, self.vocab_size, self.max_context)
 
     # -- queries for the router ----------------------------------------------------------
 
@@ -354,7 +287,7 @@ class Engine:
     ) -> AsyncGenerator[TokenEvent | Completion, None]:
         queued = len(tokens) - self._reusable_tokens(tokens)
         tracker = StopTracker(self.tokenizer, params.stop)
-        req = _Request(self._next_rid, tokens, params, queued, tracker, self._runner.device)
+        req = RequestState(self._next_rid, tokens, params, queued, tracker, self._runner.device)
         self._next_rid += 1
         self._stats["requests"] += 1
         self._running += 1
@@ -430,7 +363,7 @@ class Engine:
         (requests that share a prefix often arrive together)."""
         now = trio.current_time()
         free = admit_count(len(self._waiting), len(self._batch), self.max_running)
-        kept: deque[_Request] = deque()
+        kept: deque[RequestState] = deque()
         while self._waiting:
             req = self._waiting.popleft()
             if free <= 0 or self._shares_prefill_in_flight(req):
@@ -445,7 +378,7 @@ class Engine:
             self._batch[req.rid] = req
         self._waiting = kept
 
-    def _shares_prefill_in_flight(self, req: _Request) -> bool:
+    def _shares_prefill_in_flight(self, req: RequestState) -> bool:
         if self.cache.capacity_blocks == 0:
             return False
         want = self._reusable_tokens(req.tokens) + self.block_size
@@ -466,7 +399,7 @@ class Engine:
         plan = self._plan()
         if not plan:
             return
-        work: list[tuple[_Request, list[int], bool]] = []
+        work: list[tuple[RequestState, list[int], bool]] = []
         for rid in plan.decode:
             req = self._batch[rid]
             work.append((req, [req.generated[-1]], True))
@@ -488,7 +421,7 @@ class Engine:
                 await self._cache_generated(done)
 
     def _compute(
-        self, work: list[tuple[_Request, list[int], bool]]
+        self, work: list[tuple[RequestState, list[int], bool]]
     ) -> tuple[dict[int, int], dict[int, list[torch.Tensor]], float]:
         """Worker thread: build new sequences' KV, run the packed forward, sample, and copy
         out the prompt blocks of prompts read to the end."""
@@ -521,7 +454,7 @@ class Engine:
     def _apply(
         self,
         plan: StepPlan,
-        work: list[tuple[_Request, list[int], bool]],
+        work: list[tuple[RequestState, list[int], bool]],
         sampled: dict[int, int],
         blocks: dict[int, list[torch.Tensor]],
         seconds: float,
@@ -561,7 +494,7 @@ class Engine:
             self._decode_tps = ewma(self._decode_tps, 1.0 / seconds)
             self._batch_decode_tps = ewma(self._batch_decode_tps, len(plan.decode) / seconds)
 
-    def _emit(self, req: _Request) -> None:
+    def _emit(self, req: RequestState) -> None:
         """Queue the newest token's event; finish the request on EOS, length or a stop."""
         tok = req.generated[-1]
         finish = None
@@ -590,7 +523,7 @@ class Engine:
             now,
         )
 
-    async def _cache_generated(self, done: list[_Request]) -> None:
+    async def _cache_generated(self, done: list[RequestState]) -> None:
         """Insert the blocks that finished requests' generated tokens completed."""
         spans = []
         for req in done:
