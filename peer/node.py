@@ -28,7 +28,7 @@ from peer.peer_table import PeerTable
 from protocols.ids import provider_key_multihash
 
 if TYPE_CHECKING:  # serving imports torch: only peers with a model load it
-    from peer.engine.engine import SamplingParams
+    from peer.engine.api import SamplingParams
     from peer.pipeline import GenerationChunk, GenerationResult
     from peer.serving import Prompt, Serving
 

@@ -27,7 +27,7 @@ from libp2p.peer.id import ID
 
 from peer.admission import Admission, Overloaded
 from peer.config import PeerConfig
-from peer.engine.engine import Completion, SamplingParams, TokenEvent
+from peer.engine.api import Completion, SamplingParams, TokenEvent
 from peer.host import PeerUnreachable
 from peer.inference import FrameStream, StreamBroken
 from peer.router import Candidate, LocalState, Router

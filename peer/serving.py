@@ -16,7 +16,7 @@ import trio
 
 from peer.admission import Admission
 from peer.config import PeerConfig
-from peer.engine.engine import SamplingParams
+from peer.engine.api import SamplingParams
 from peer.inference import InferenceService
 from peer.pipeline import GenerationChunk, GenerationResult, Pipeline
 from peer.router import Router

@@ -57,3 +57,15 @@ def test_importing_the_pure_cores_loads_no_forbidden_package() -> None:
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
     )
     assert out.stdout.strip() == "[]"
+
+
+def test_the_http_face_pipeline_and_simulator_import_no_torch() -> None:
+    # They use the engine through peer.engine.api; only loading a model imports torch.
+    code = (
+        "import sys\nimport peer.http, peer.pipeline, peer.serving, peer.node, bench.sim.model\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers'}))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "[]"
