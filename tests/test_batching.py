@@ -186,7 +186,7 @@ async def test_waiting_requests_are_admitted_between_steps(tiny_engine_factory):
             await engine._step_done.wait()
     stats = engine.statistics()
     assert stats["max_batch"] == 2 and stats["completed_requests"] == 5
-    assert max(seen_waiting) == 3 and seen_waiting[-1] == 0
+    assert 3 in seen_waiting and seen_waiting[-1] == 0  # 2 admitted, 3 wait, all served
 
 
 async def test_cancelled_request_leaves_the_batch_at_the_next_step(tiny_engine, monkeypatch):
