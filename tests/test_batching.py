@@ -180,7 +180,8 @@ async def test_waiting_requests_are_admitted_between_steps(tiny_engine_factory):
     async with trio.open_nursery() as nursery:
         for i in range(5):
             nursery.start_soon(one, i)
-        await trio.sleep(0)
+        while engine.load().running_requests < 5:  # every request submitted
+            await trio.sleep(0)
         while engine.load().running_requests:
             seen_waiting.append(engine.load().waiting_requests)
             await engine._step_done.wait()
