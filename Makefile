@@ -29,7 +29,8 @@ lint: $(STAMP)
 	$(BIN)/mypy protocols peer/router.py peer/ranking.py peer/peer_table.py peer/config.py \
 		peer/admission.py peer/bloom_sizing.py peer/demo_data.py peer/engine/radix.py \
 		peer/engine/speeds.py peer/trust.py peer/request_log.py peer/settings.py \
-		peer/preflight.py peer/logs.py peer/version.py peer/progress.py peer/reach.py
+		peer/preflight.py peer/logs.py peer/version.py peer/progress.py peer/reach.py \
+		peer/engine/scheduler.py peer/engine/api.py
 
 clean-venv:
 	rm -rf $(VENV)

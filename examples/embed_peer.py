@@ -17,7 +17,7 @@ import contextlib
 import trio
 
 from peer.config import PeerConfig
-from peer.engine.engine import SamplingParams
+from peer.engine.api import SamplingParams
 from peer.http import serve_http
 from peer.node import open_peer
 from peer.pipeline import GenerationChunk

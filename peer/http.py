@@ -34,7 +34,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from peer.admission import Overloaded
-from peer.engine.engine import InvalidRequest, SamplingParams
+from peer.engine.api import InvalidRequest, SamplingParams
 from peer.metrics import CONTENT_TYPE, Metrics
 from peer.openai_schema import (
     MAX_BODY_BYTES,

@@ -20,7 +20,7 @@ import trio
 from libp2p.exceptions import BaseLibp2pError
 
 from peer.admission import Admission, Overloaded
-from peer.engine.engine import (
+from peer.engine.api import (
     Completion,
     EngineError,
     InvalidRequest,

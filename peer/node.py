@@ -30,7 +30,7 @@ from peer.relay import peer_addrs
 from protocols.ids import provider_key_multihash
 
 if TYPE_CHECKING:  # serving imports torch: only peers with a model load it
-    from peer.engine.engine import SamplingParams
+    from peer.engine.api import SamplingParams
     from peer.pipeline import GenerationChunk, GenerationResult
     from peer.serving import Prompt, Serving
 
@@ -151,7 +151,8 @@ def _load_engine(config: PeerConfig) -> EngineLike:
     """Load config.model (blocking: seconds to minutes); run it in a worker thread."""
     from peer.engine.engine import load_engine  # torch: import only when a model is needed
 
-    return load_engine(config.model, config.cache_bytes, config.block_size)
+    return load_engine(config.model, config.cache_bytes, config.block_size,
+                       dtype=config.dtype, device=config.device, threads=config.threads)
 
 
 def _note_peer(table: PeerTable, host: SwarmHost, peer_id: str, rtt_s: float) -> bool:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from peer.engine.engine import InvalidRequest, SamplingParams
+from peer.engine.api import InvalidRequest, SamplingParams
 
 MAX_BODY_BYTES = 4 << 20  # the longest prompt the engine accepts, JSON-escaped, fits easily
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions

@@ -22,7 +22,7 @@ import trio
 
 from peer.admission import Admission, Overloaded
 from peer.config import PeerConfig
-from peer.engine.engine import InvalidRequest, SamplingParams
+from peer.engine.api import InvalidRequest, SamplingParams
 from peer.inference import InferenceService
 from peer.pipeline import (
     DeadlineExceeded,

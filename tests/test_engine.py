@@ -9,16 +9,16 @@ import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from peer.engine.api import MAX_NEW_TOKENS
 from peer.engine.engine import (
     Completion,
     InvalidRequest,
     SamplingParams,
     TokenEvent,
 )
-from peer.engine.kv import KVLayout, blocks_from_cache, cache_from_blocks
+from peer.engine.kv import KVLayout
 from peer.engine.model import ModelLoadError, load_model
 from peer.engine.radix import EventKind
-from peer.engine.requests import MAX_NEW_TOKENS
 
 GREEDY4 = SamplingParams(max_new_tokens=4)
 GREEDY3 = SamplingParams(max_new_tokens=3)
@@ -205,16 +205,16 @@ async def test_bad_requests_are_rejected_and_engine_keeps_serving(tiny_engine, t
 async def test_a_failing_step_fails_the_request_not_the_engine(tiny_engine, monkeypatch):
     from peer.engine.engine import EngineError
 
-    real = tiny_engine._forward
+    real = tiny_engine._runner.forward
     calls = []
 
-    def flaky(seq, ids):
-        calls.append(len(ids))
+    def flaky(items, want):
+        calls.append(len(items))
         if len(calls) == 2:  # the first decode step
             raise RuntimeError("simulated out of memory")
-        return real(seq, ids)
+        return real(items, want)
 
-    monkeypatch.setattr(tiny_engine, "_forward", flaky)
+    monkeypatch.setattr(tiny_engine._runner, "forward", flaky)
     with pytest.raises(EngineError, match="simulated out of memory"):
         await tiny_engine.generate(prompt(40), GREEDY4)
     stats = tiny_engine.statistics()
@@ -360,17 +360,21 @@ async def test_kv_blocks_round_trip(tiny_engine):
     assert layout.capacity_blocks(8192 * 3 + 1) == 3
     with pytest.raises(ValueError):
         layout.capacity_blocks(-1)
-    cache = cache_from_blocks([])
-    with torch.inference_mode():
-        tiny_engine._model(input_ids=torch.tensor([prompt(40)]), cache=cache, logits_to_keep=1)
-    blocks = blocks_from_cache(cache, 0, 2, 16)
+    runner = tiny_engine._runner
+    seq = runner.new_kv([], 48)
+    runner.forward([(seq, prompt(40))], [True])
+    blocks = seq.blocks(0, 2, 16)
     assert [tuple(b.shape) for b in blocks] == [(2, 2, 2, 16, 16)] * 2
     assert all(b.is_contiguous() for b in blocks)
-    rebuilt = cache_from_blocks(blocks)
-    assert rebuilt.get_seq_length() == 32
-    assert torch.equal(rebuilt.layers[1].keys, cache.layers[1].keys[:, :, :32])
+    rebuilt = runner.new_kv(blocks, 48)
+    assert rebuilt.length == 32
+    assert torch.equal(rebuilt.data[:, :, :, :32], seq.data[:, :, :, :32])
     with pytest.raises(ValueError, match="40 tokens"):
-        blocks_from_cache(cache, 0, 3, 16)
+        seq.blocks(0, 3, 16)
+    # a sequence rebuilt from blocks continues exactly as the original
+    want = runner.forward([(seq, [7, 8, 9])], [True])
+    runner.forward([(rebuilt, prompt(40)[32:])], [False])
+    assert torch.equal(runner.forward([(rebuilt, [7, 8, 9])], [True]), want)
 
 
 def test_unknown_model_is_a_clear_error(tmp_path):

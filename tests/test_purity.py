@@ -191,12 +191,18 @@ def test_import_time_imports_follow_the_project_and_skip_functions() -> None:
     assert "torch" in {n.split(".")[0] for n in import_time_imports("peer.engine.engine")}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="peer.http loads torch through peer.engine.engine and peer.pipeline until the "
-    "torch-free engine API (issue 13) and the one-way request path (issue 16, item 1) land; "
-    "remove this mark then",
-)
 def test_the_http_face_loads_no_torch() -> None:
     torch = {n for n in import_time_imports("peer.http") if n.split(".")[0] == "torch"}
     assert not torch, f"importing peer.http loads {sorted(torch)}"
+
+
+def test_the_http_face_pipeline_and_simulator_import_no_torch() -> None:
+    # They use the engine through peer.engine.api; only loading a model imports torch.
+    code = (
+        "import sys\nimport peer.http, peer.pipeline, peer.serving, peer.node, bench.sim.model\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers'}))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "[]"

@@ -1,17 +1,17 @@
-"""The local inference engine: one model, a prefix KV cache, generation off the event loop.
+"""The local inference engine: one model, a prefix KV cache, continuous batching off the
+event loop (docs/engine.md).
 
-  radix.py     pure radix tree over token blocks: match, locks, LRU eviction, change events
+  api.py        torch-free: request, sampling and usage types, limits, the engine protocol
+  scheduler.py  pure: what the next batched step computes (decodes + chunked prefill)
+  radix.py      pure radix tree over token blocks: match, locks, LRU eviction, change events
                (no torch: the simulator imports it too)
-  kv.py        per-block KV tensors, the byte budget, rebuilding a transformers cache
-  model.py     loading: aliases smollm2-135m (offline GGUF, converted once) and
-               tiny-random, local checkpoint folders, hub ids
-  speeds.py    pure: how the advertised prefill and decode speeds are measured (the
-               simulator imports it too)
-  requests.py  a request's parameters and limits, the events it yields, sampling and
-               stop strings
-  engine.py    Engine: validate, match, prefill only the uncached suffix, decode, stream,
-               insert; load() and statistics() for the router and metrics
+  speeds.py     pure: how the advertised prefill and decode speeds are measured
+  kv.py         a block's KV shape and bytes, the byte budget in blocks
+  runner.py     the packed forward over all scheduled sequences, per-sequence KV buffers
+  model.py      loading: aliases smollm2-135m (offline GGUF, converted once) and
+               tiny-random, local checkpoint folders, hub ids; dtype, device, threads
+  requests.py   sampling and stop strings
+  engine.py     Engine: validate, admit, step, stream, insert; load() and statistics()
 
-Nothing is imported here, so that `peer.engine.radix` and `peer.engine.speeds` stay free
-of torch.
+Nothing is imported here, so that the pure modules stay free of torch.
 """

@@ -1,16 +1,21 @@
-"""Generation with prefix reuse: match the radix cache, compute only the uncached suffix.
+"""Generation with prefix reuse and continuous batching over the radix cache.
 
-Torch runs off the Trio event loop, one step (a prefill chunk or one decode token) per
-`trio.to_thread.run_sync` call behind a CapacityLimiter(1): requests interleave token by
-token and a cancelled request stops at its next step. The radix tree is touched only on
-the event loop. Matched blocks stay locked for the whole request.
+Requests share one batch: every step is one forward over the next token of every decoding
+request plus prefill chunks of new prompts, within a token budget (scheduler.py), computed
+by runner.py in a worker thread. There is no background task: each request's own task
+either runs the next step for everybody (when no step is running) or waits for the
+running one, then hands out its own new tokens. Admission happens between steps, and a
+cancelled request leaves the batch at the next step. The radix tree is touched only on
+the event loop. Matched blocks stay locked for the whole request. A request still
+computes only its uncached suffix: its sequence buffer starts as a copy of the matched
+blocks.
 """
 
 from __future__ import annotations
 
-import operator
 import time
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections import deque
+from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
 import torch
@@ -18,26 +23,41 @@ import trio
 
 from protocols.blocks import DEFAULT_BLOCK_SIZE, BlockHasher
 
-from .kv import DEFAULT_CACHE_BYTES, KVLayout, blocks_from_cache, cache_from_blocks
-from .model import LoadedModel, load_model
-from .radix import RadixCache
-from .requests import (
-    MAX_CHAT_MESSAGES,
-    MAX_PROMPT_CHARS_PER_TOKEN,
+from .api import (
     Completion,
     EngineError,
     EngineLoad,
     InvalidRequest,
     SamplingParams,
-    StopTracker,
     TokenEvent,
     Usage,
-    sample_token,
 )
+from .kv import DEFAULT_CACHE_BYTES, KVLayout
+from .model import LoadedModel, load_model
+from .radix import RadixCache
+from .requests import (
+    RequestState,
+    StopTracker,
+    encode_prompt,
+    sample_token,
+    validate_prompt,
+)
+from .runner import Runner, SeqKV
+from .scheduler import DEFAULT_MAX_RUNNING, DEFAULT_STEP_TOKENS, StepPlan, admit_count, plan_step
 from .speeds import ewma, prefill_speed_sample, warmup_prefill_speed
-from .verify import VERIFY_CHUNK_TOKENS, Finding, Verdict, check_logits, check_structure
 
-PREFILL_CHUNK_TOKENS = 512  # ~1 s of SmolLM2 prefill on 2 cores: the grain of interleaving/cancel
+__all__ = [
+    "Completion",
+    "Engine",
+    "EngineError",
+    "EngineLoad",
+    "InvalidRequest",
+    "SamplingParams",
+    "TokenEvent",
+    "Usage",
+    "load_engine",
+]
+
 WARMUP_PROMPT_TOKENS = 64  # enough to measure prefill speed without delaying start-up
 WARMUP_DECODE_TOKENS = 4
 # Speeds that no request refreshed for this long are measured again while the engine is
@@ -48,22 +68,8 @@ SPEED_REFRESH_S = 30.0
 SPEED_REFRESH_MAX_S = 600.0  # an idle peer's re-measurements back off to this (doubling)
 
 
-class _Sequence:
-    """Per-request torch state, touched only inside worker-thread steps."""
-
-    __slots__ = ("cache", "generator")
-
-    def __init__(self, cache: Any, seed: int | None) -> None:
-        self.cache = cache
-        self.generator = torch.Generator()
-        if seed is None:
-            self.generator.seed()
-        else:
-            self.generator.manual_seed(seed)
-
-
 class Engine:
-    """One model with a prefix KV cache, serving requests from Trio tasks."""
+    """One model with a prefix KV cache, serving concurrent requests in one batch."""
 
     def __init__(
         self,
@@ -71,7 +77,11 @@ class Engine:
         cache_bytes: int = DEFAULT_CACHE_BYTES,
         block_size: int = DEFAULT_BLOCK_SIZE,
         cache_generated: bool = False,
+        step_tokens: int = DEFAULT_STEP_TOKENS,
+        max_running: int = DEFAULT_MAX_RUNNING,
     ) -> None:
+        if step_tokens < 1 or max_running < 1:
+            raise ValueError("step_tokens and max_running must be >= 1")
         self._loaded = loaded
         self._model = loaded.model
         self.tokenizer = loaded.tokenizer
@@ -84,6 +94,7 @@ class Engine:
         self.layout = KVLayout(
             loaded.num_layers, loaded.num_kv_heads, loaded.head_dim, block_size, itemsize
         )
+        self._runner = Runner(self._model, self.layout)
         self.cache_bytes = cache_bytes
         self.cache: RadixCache[torch.Tensor] = RadixCache(
             block_size, self.layout.capacity_blocks(cache_bytes), self.hasher
@@ -91,14 +102,19 @@ class Engine:
         # Generated tokens' KV comes from one-token decode steps, which may differ from a
         # prefill in the last bits; off by default so cached == uncached stays exact.
         self.cache_generated = cache_generated
+        self.step_tokens = step_tokens
+        self.max_running = max_running
         self._eos = frozenset(loaded.eos_token_ids)
-        self._limiter = trio.CapacityLimiter(1)
-        # Called with each request's wait before its first step (metrics: queue wait).
-        self.queue_wait_observers: list[Callable[[float], None]] = []
+        self._waiting: deque[RequestState] = deque()
+        self._batch: dict[int, RequestState] = {}  # admitted, unfinished; insertion order = age
+        self._next_rid = 0
+        self._stepping = False  # a step (or a warm-up) is running
+        self._step_done = trio.Event()
         self._queued_prompt_tokens = 0
-        self._running = 0
+        self._running = 0  # requests between submission and release
         self._prefill_tps = 0.0
         self._decode_tps = 0.0
+        self._batch_decode_tps = 0.0
         self._speed_samples = 0  # prefill speed samples taken so far
         self._stats = {
             "requests": 0,
@@ -109,9 +125,9 @@ class Engine:
             "cached_tokens": 0,
             "computed_prompt_tokens": 0,
             "generated_tokens": 0,
-            "verifications": 0,
-            "verifications_failed": 0,
-            "verified_tokens": 0,
+            "steps": 0,
+            "step_tokens": 0,
+            "max_batch": 0,
         }
 
     @classmethod
@@ -121,9 +137,11 @@ class Engine:
         cache_bytes: int = DEFAULT_CACHE_BYTES,
         block_size: int = DEFAULT_BLOCK_SIZE,
         cache_generated: bool = False,
+        step_tokens: int = DEFAULT_STEP_TOKENS,
+        max_running: int = DEFAULT_MAX_RUNNING,
     ) -> Engine:
         """An engine with a fresh, empty cache around an already loaded model."""
-        return cls(loaded, cache_bytes, block_size, cache_generated)
+        return cls(loaded, cache_bytes, block_size, cache_generated, step_tokens, max_running)
 
     @classmethod
     async def open(
@@ -131,39 +149,19 @@ class Engine:
         name: str,
         cache_bytes: int = DEFAULT_CACHE_BYTES,
         block_size: int = DEFAULT_BLOCK_SIZE,
+        **load: Any,
     ) -> Engine:
-        """Load `name` in a worker thread (seconds; minutes on first use) and warm it up."""
-        return await trio.to_thread.run_sync(load_engine, name, cache_bytes, block_size)
+        """Load `name` in a worker thread (seconds; minutes on first use) and warm it up.
+        `load` goes to load_model (dtype, device, threads)."""
+        return await trio.to_thread.run_sync(
+            lambda: load_engine(name, cache_bytes, block_size, **load)
+        )
 
     # -- tokens and text -----------------------------------------------------------------
 
     def encode_prompt(self, prompt: str | Sequence[dict[str, str]]) -> list[int]:
         """Token ids of a text prompt, or of chat messages through the chat template."""
-        max_chars = self.max_context * MAX_PROMPT_CHARS_PER_TOKEN
-        if isinstance(prompt, str):
-            if len(prompt) > max_chars:
-                raise InvalidRequest(f"prompt has {len(prompt)} characters, limit {max_chars}")
-            return list(self.tokenizer.encode(prompt, add_special_tokens=False))
-        if not isinstance(prompt, Sequence) or not 1 <= len(prompt) <= MAX_CHAT_MESSAGES:
-            raise InvalidRequest(f"chat needs 1 to {MAX_CHAT_MESSAGES} messages")
-        total = 0
-        for m in prompt:
-            if not (
-                isinstance(m, dict)
-                and isinstance(m.get("role"), str)
-                and isinstance(m.get("content"), str)
-            ):
-                raise InvalidRequest("each chat message needs string 'role' and 'content'")
-            total += len(m["content"])
-        if total > max_chars:
-            raise InvalidRequest(f"chat has {total} characters, limit {max_chars}")
-        try:
-            text = self.tokenizer.apply_chat_template(
-                list(prompt), tokenize=False, add_generation_prompt=True
-            )
-        except (ValueError, TypeError, KeyError) as exc:  # jinja errors subclass these or not
-            raise InvalidRequest(f"chat template rejected the messages: {exc}") from exc
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return encode_prompt(self.tokenizer, prompt, self.max_context)
 
     def decode(self, token_ids: Sequence[int]) -> str:
         """Text of token ids, special tokens dropped."""
@@ -171,47 +169,39 @@ class Engine:
 
     def validate(self, token_ids: Sequence[int], params: SamplingParams) -> list[int]:
         """The prompt as a list of ints, or InvalidRequest naming the limit."""
-        params.validate()
-        try:
-            tokens = [operator.index(t) for t in token_ids]
-        except TypeError:
-            raise InvalidRequest("token ids must be integers") from None
-        if not tokens:
-            raise InvalidRequest("the prompt is empty: at least one token is needed")
-        if min(tokens) < 0 or max(tokens) >= self.vocab_size:
-            bad = next(t for t in tokens if not 0 <= t < self.vocab_size)
-            raise InvalidRequest(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
-        if len(tokens) + params.max_new_tokens > self.max_context:
-            raise InvalidRequest(
-                f"prompt ({len(tokens)} tokens) + max_new_tokens ({params.max_new_tokens}) "
-                f"exceeds the model's context of {self.max_context} tokens"
-            )
-        return tokens
+        return validate_prompt(token_ids, params, self.vocab_size, self.max_context)
 
     # -- queries for the router ----------------------------------------------------------
 
-    def local_match_tokens(self, token_ids: Sequence[int], cache_salt: bytes | None = None) -> int:
+    def local_match_tokens(self, token_ids: Sequence[int]) -> int:
         """Tokens of the longest cached prefix (block-aligned); no side effect."""
-        return self.cache.peek(token_ids, salt=cache_salt)
+        return self.cache.peek(token_ids)
 
-    def _reusable_tokens(self, tokens: Sequence[int], salt: bytes | None) -> int:
+    def _reusable_tokens(self, tokens: Sequence[int]) -> int:
         # At least one prompt token is always computed: its logits give the first token.
-        last = (len(tokens) - 1) // self.block_size * self.block_size
-        return min(self.cache.peek(tokens, salt=salt), last)
+        return min(self.cache.peek(tokens), (len(tokens) - 1) // self.block_size * self.block_size)
 
     def load(self) -> EngineLoad:
-        """Queued (uncached) prompt tokens, running requests and measured speeds."""
+        """Queued (uncached) prompt tokens, running and waiting requests, measured speeds."""
         return EngineLoad(
-            self._queued_prompt_tokens, self._running, self._prefill_tps, self._decode_tps
+            self._queued_prompt_tokens,
+            self._running,
+            self._prefill_tps,
+            self._decode_tps,
+            waiting_requests=len(self._waiting),
+            batch_decode_tokens_per_s=self._batch_decode_tps,
         )
 
     def statistics(self) -> dict[str, int | float]:
         """Request and token counters, speeds, and the cache's statistics (prefixed cache_)."""
         out: dict[str, int | float] = dict(self._stats)
         out["running_requests"] = self._running
+        out["waiting_requests"] = len(self._waiting)
+        out["batch_size"] = len(self._batch)
         out["queued_prompt_tokens"] = self._queued_prompt_tokens
         out["prefill_tokens_per_s"] = self._prefill_tps
         out["decode_tokens_per_s"] = self._decode_tps
+        out["batch_decode_tokens_per_s"] = self._batch_decode_tps
         out["cache_bytes"] = self.cache_bytes
         out["cache_block_bytes"] = self.layout.block_bytes
         for key, value in self.cache.statistics().items():
@@ -219,23 +209,27 @@ class Engine:
         return out
 
     def warmup(self) -> None:
-        """Run short prefills and a few decode steps to seed the speed estimates (blocking)."""
-        params = SamplingParams(max_new_tokens=WARMUP_DECODE_TOKENS)
+        """Run short prefills and a few decode steps to seed the speed estimates (blocking;
+        never while a step runs: refresh_speeds takes the step slot first)."""
         ids = self._warmup_ids(WARMUP_PROMPT_TOKENS)
         for _ in range(2):  # the first pass pays one-time costs; the second is the sample
+            kv = self._runner.new_kv([], WARMUP_PROMPT_TOKENS + WARMUP_DECODE_TOKENS)
+            logits = self._runner.forward([(kv, ids)], [True])
+            tok = int(torch.argmax(logits[0]))
             self._decode_tps = 0.0
-            seq = _Sequence(cache_from_blocks([]), 0)
-            tok = self._prefill_step(seq, ids, params)
-            assert tok is not None
             for _ in range(WARMUP_DECODE_TOKENS):
-                tok = self._decode_step(seq, tok, params)
+                start = time.perf_counter()
+                tok = int(torch.argmax(self._runner.forward([(kv, [tok])], [True])[0]))
+                self._decode_tps = ewma(self._decode_tps, 1.0 / (time.perf_counter() - start))
+        self._batch_decode_tps = self._batch_decode_tps or self._decode_tps
         self._prefill_tps = warmup_prefill_speed(
             self._time_cold_prefill, self._decode_tps, WARMUP_PROMPT_TOKENS, self.max_context // 2
         )
 
     def _time_cold_prefill(self, n: int) -> float:
+        kv = self._runner.new_kv([], n)
         start = time.perf_counter()
-        self._forward(_Sequence(cache_from_blocks([]), 0), self._warmup_ids(n))
+        self._runner.forward([(kv, self._warmup_ids(n))], [True])
         return time.perf_counter() - start
 
     async def refresh_speeds(
@@ -251,85 +245,35 @@ class Engine:
             if self._speed_samples != seen or self._running:
                 wait = interval_s  # requests keep the speeds fresh
             else:
-                async with self._limiter:
+                while self._stepping:
+                    await self._step_done.wait()
+                self._stepping = True
+                try:
                     await trio.to_thread.run_sync(self.warmup)
+                finally:
+                    self._end_step()
                 wait = min(2 * wait, max_interval_s)
             seen = self._speed_samples
 
     def _warmup_ids(self, n: int) -> list[int]:
         return [i % self.vocab_size for i in range(1, n + 1)]
 
-    # -- torch steps (worker thread) -----------------------------------------------------
-
-    def _forward(self, seq: _Sequence, ids: Sequence[int]) -> torch.Tensor:
-        with torch.inference_mode():
-            out = self._model(
-                input_ids=torch.tensor([list(ids)], dtype=torch.long),
-                cache=seq.cache,
-                use_cache=True,
-                logits_to_keep=1,
-            )
-        logits: torch.Tensor = out.logits[0, -1]
-        return logits
-
-    def _prefill_step(
-        self, seq: _Sequence, ids: Sequence[int], params: SamplingParams | None
-    ) -> int | None:
-        """Feed a prompt chunk; on the last chunk (params given) sample the first token."""
-        start = time.perf_counter()
-        logits = self._forward(seq, ids)
-        token = None if params is None else sample_token(logits, params, seq.generator)
-        sample = prefill_speed_sample(
-            len(ids), time.perf_counter() - start, self._decode_tps
-        )
-        if sample is not None:
-            self._prefill_tps = ewma(self._prefill_tps, sample)
-            self._speed_samples += 1
-        return token
-
-    def _decode_step(self, seq: _Sequence, token: int, params: SamplingParams) -> int:
-        start = time.perf_counter()
-        nxt = sample_token(self._forward(seq, (token,)), params, seq.generator)
-        self._decode_tps = ewma(self._decode_tps, 1.0 / (time.perf_counter() - start))
-        return nxt
-
-    async def _cache_blocks(
-        self, tokens: Sequence[int], seq: _Sequence, first_block: int, salt: bytes | None = None
-    ) -> None:
-        """Insert tokens' full blocks from `first_block` on, with KV copied out of `seq`."""
-        end_block = len(tokens) // self.block_size
-        if end_block <= first_block:
-            return
-        blocks = await trio.to_thread.run_sync(
-            blocks_from_cache, seq.cache, first_block, end_block, self.block_size
-        )
-        self.cache.insert(
-            tokens[: end_block * self.block_size],
-            lambda b: blocks[b - first_block],  # only called for blocks not cached meanwhile
-            trio.current_time(),
-            salt=salt,
-        )
-
     # -- requests --------------------------------------------------------------------------
 
     def stream(
-        self, token_ids: Sequence[int], params: SamplingParams, *, cache_salt: bytes | None = None
+        self, token_ids: Sequence[int], params: SamplingParams
     ) -> AsyncGenerator[TokenEvent | Completion, None]:
         """Generate: yields a TokenEvent per token, then one Completion, last.
 
         Validates now (InvalidRequest). Close the iterator (or run it to the end) to
         release the request: `async with contextlib.aclosing(engine.stream(...))`.
-        With `cache_salt` the request is private: it shares cached blocks only with
-        requests of the same salt, and its blocks are never announced.
         """
         tokens = self.validate(token_ids, params)
-        return self._run(tokens, params, cache_salt)
+        return self._run(tokens, params)
 
-    async def generate(
-        self, token_ids: Sequence[int], params: SamplingParams, *, cache_salt: bytes | None = None
-    ) -> Completion:
+    async def generate(self, token_ids: Sequence[int], params: SamplingParams) -> Completion:
         """Generate and return only the Completion."""
-        agen = self.stream(token_ids, params, cache_salt=cache_salt)
+        agen = self.stream(token_ids, params)
         try:
             async for item in agen:
                 if isinstance(item, Completion):
@@ -339,192 +283,264 @@ class Engine:
         raise EngineError("generation ended without a completion")  # unreachable by design
 
     async def _run(
-        self, tokens: list[int], params: SamplingParams, salt: bytes | None = None
+        self, tokens: list[int], params: SamplingParams
     ) -> AsyncGenerator[TokenEvent | Completion, None]:
-        start = time.perf_counter()
-        n = len(tokens)
-        queued = n - self._reusable_tokens(tokens, salt)
+        queued = len(tokens) - self._reusable_tokens(tokens)
+        tracker = StopTracker(self.tokenizer, params.stop)
+        req = RequestState(self._next_rid, tokens, params, queued, tracker, self._runner.device)
+        self._next_rid += 1
         self._stats["requests"] += 1
         self._running += 1
         self._queued_prompt_tokens += queued
-        match = None
+        self._waiting.append(req)
         outcome = "cancelled_requests"
         try:
-            seq: _Sequence | None = None
-            first: int | None = None
-            pos = 0
-            while first is None:
-                async with self._limiter:
-                    if seq is None:  # match late: earlier requests may have added blocks
-                        for observe in self.queue_wait_observers:
-                            observe(time.perf_counter() - start)
-                        max_blocks = (n - 1) // self.block_size
-                        match = self.cache.match(
-                            tokens, trio.current_time(), max_blocks, salt=salt
-                        )
-                        self.cache.lock(match)
-                        pos = match.num_tokens
-                        seq = await trio.to_thread.run_sync(
-                            lambda m=match: _Sequence(cache_from_blocks(m.values), params.seed)
-                        )
-                    end = min(n, pos + PREFILL_CHUNK_TOKENS)
-                    chunk = tokens[pos:end]
-                    first = await trio.to_thread.run_sync(
-                        self._prefill_step, seq, chunk, params if end == n else None
-                    )
-                    pos = end
-                    if first is not None:
-                        first_block = match.num_blocks if match else 0
-                        await self._cache_blocks(tokens, seq, first_block, salt)
-            assert match is not None and seq is not None
-            self._queued_prompt_tokens -= queued
-            queued = 0
-            self._stats["prompt_tokens"] += n
-            self._stats["cached_tokens"] += match.num_tokens
-            self._stats["computed_prompt_tokens"] += n - match.num_tokens
-            ttft = time.perf_counter() - start
-            generated = [first]
-            self._stats["generated_tokens"] += 1
-            tracker = StopTracker(self.tokenizer, params.stop)
-            finish: str | None = None
             while True:
-                tok = generated[-1]
-                if tok in self._eos:
-                    finish = "stop"
-                elif len(generated) >= params.max_new_tokens:
-                    finish = "length"
-                delta, stopped = tracker.push(generated, final=finish is not None)
-                if stopped:
-                    finish = "stop"
-                yield TokenEvent(len(generated) - 1, tok, delta)
-                if finish is not None:
+                while req.outbox:
+                    yield req.outbox.popleft()
+                if req.error is not None:
+                    err = req.error
+                    raise EngineError(f"generation failed: {type(err).__name__}: {err}") from err
+                if req.finish is not None:
                     break
-                async with self._limiter:
-                    nxt = await trio.to_thread.run_sync(self._decode_step, seq, tok, params)
-                generated.append(nxt)
-                self._stats["generated_tokens"] += 1
-            if self.cache_generated:
-                async with self._limiter:
-                    await self._cache_blocks(
-                        tokens + generated[:-1], seq, n // self.block_size, salt
-                    )
-            total = time.perf_counter() - start
-            decode_s = total - ttft
+                await self._advance()
+            total = time.perf_counter() - req.start
+            decode_s = total - req.ttft
+            assert req.match is not None
             usage = Usage(
-                prompt_tokens=n,
-                cached_tokens=match.num_tokens,
-                completion_tokens=len(generated),
-                ttft_s=ttft,
-                decode_tokens_per_s=(len(generated) - 1) / decode_s if decode_s > 0 else 0.0,
+                prompt_tokens=len(tokens),
+                cached_tokens=req.match.num_tokens,
+                completion_tokens=len(req.generated),
+                ttft_s=req.ttft,
+                decode_tokens_per_s=(len(req.generated) - 1) / decode_s if decode_s > 0 else 0.0,
                 total_s=total,
             )
             outcome = "completed_requests"
-            yield Completion(tuple(generated), tracker.text, finish, usage)
-        except (trio.Cancelled, GeneratorExit, KeyboardInterrupt):
+            yield Completion(tuple(req.generated), req.tracker.text, req.finish, usage)
+        except EngineError:
+            outcome = "failed_requests"
             raise
-        except Exception as exc:  # torch or tokenizer failure: this request fails, not the engine
+        except Exception as exc:  # tokenizer failure, say: this request fails, not the engine
             outcome = "failed_requests"
             raise EngineError(f"generation failed: {type(exc).__name__}: {exc}") from exc
         finally:
             self._stats[outcome] += 1
             self._running -= 1
-            self._queued_prompt_tokens -= queued
-            if match is not None:
-                self.cache.unlock(match)
+            self._queued_prompt_tokens -= req.queued
+            req.queued = 0
+            if req in self._waiting:
+                self._waiting.remove(req)
+            self._batch.pop(req.rid, None)  # leaves the batch at the next step
+            if req.match is not None:
+                self.cache.unlock(req.match)
 
-    # -- verification (peer/engine/verify.py) -------------------------------------------
+    # -- steps -------------------------------------------------------------------------------
 
-    async def verify(
-        self,
-        prompt_ids: Sequence[int],
-        output_ids: Sequence[int],
-        params: SamplingParams,
-        *,
-        cache_salt: bytes | None = None,
-    ) -> Verdict:
-        """Check another peer's `output_ids` for `prompt_ids` by teacher forcing: one
-        forward over prompt + output, the prompt's cached prefix reused, torch off the
-        event loop. The output's blocks enter the cache only if it verified.
-
-        InvalidRequest for a bad prompt or params (the output itself is what is judged)."""
-        start = time.perf_counter()
-        tokens = self.validate(prompt_ids, params)
+    async def _advance(self) -> None:
+        """Run the next step for every request, or wait for the one running."""
+        if self._stepping:
+            await self._step_done.wait()
+            return
+        self._stepping = True
         try:
-            output = [operator.index(t) for t in output_ids]
-        except TypeError:
-            return Verdict(False, 0, "output token ids must be integers", 0)
-        found = await trio.to_thread.run_sync(  # stop strings decode every prefix: O(n^2)
-            check_structure, output, params, self.vocab_size, self._eos, self.decode
-        )
-        if found is not None:
-            return self._verdict(found, 0, 0, start)
-        n = len(tokens)
-        full = tokens + output[:-1]  # the last output token is predicted, never fed
-        match = None
-        pos = 0
-        try:
-            async with self._limiter:
-                max_blocks = (n - 1) // self.block_size  # the last prompt token gives logits
-                match = self.cache.match(tokens, trio.current_time(), max_blocks, salt=cache_salt)
-                self.cache.lock(match)
-                seq = await trio.to_thread.run_sync(
-                    lambda m=match: _Sequence(cache_from_blocks(m.values), 0)
-                )
-            pos = match.num_tokens
-            while found is None and pos < len(full):
-                end = min(len(full), pos + VERIFY_CHUNK_TOKENS)
-                async with self._limiter:
-                    found = await trio.to_thread.run_sync(
-                        self._score_step, seq, full, pos, end, n, output, params
-                    )
-                pos = end
-            limit = len(full) if found is None else min(pos, n)
-            async with self._limiter:
-                await self._cache_blocks(full[:limit], seq, match.num_blocks, cache_salt)
-        except (trio.Cancelled, GeneratorExit, KeyboardInterrupt):
-            raise
-        except Exception as exc:  # torch failure: this verification fails, not the engine
-            raise EngineError(f"verification failed: {type(exc).__name__}: {exc}") from exc
+            await trio.lowlevel.checkpoint()  # requests submitted meanwhile join this step
+            await self._step()
         finally:
-            if match is not None:
-                self.cache.unlock(match)
-        checked = len(output) if found is None else found.index + 1
-        return self._verdict(found, checked, match.num_tokens, start)
+            self._end_step()
 
-    def _score_step(
+    def _end_step(self) -> None:
+        self._stepping = False
+        self._step_done.set()
+        self._step_done = trio.Event()
+
+    def _admit(self) -> None:
+        """Move waiting requests into the batch: match late (earlier requests may have
+        added blocks), lock the match; the KV copy is made in the step's thread.
+
+        A request whose prompt shares at least one more block with a prompt still being
+        read than the cache holds waits for it: that prompt's blocks are inserted when it
+        is read, and this one then reuses them instead of computing them a second time
+        (requests that share a prefix often arrive together)."""
+        now = trio.current_time()
+        free = admit_count(len(self._waiting), len(self._batch), self.max_running)
+        kept: deque[RequestState] = deque()
+        while self._waiting:
+            req = self._waiting.popleft()
+            if free <= 0 or self._shares_prefill_in_flight(req):
+                kept.append(req)
+                continue
+            free -= 1
+            max_blocks = (len(req.tokens) - 1) // self.block_size
+            req.match = self.cache.match(req.tokens, now, max_blocks)
+            self.cache.lock(req.match)
+            req.blocks = list(req.match.values)
+            req.pos = req.match.num_tokens
+            self._batch[req.rid] = req
+        self._waiting = kept
+
+    def _shares_prefill_in_flight(self, req: RequestState) -> bool:
+        if self.cache.capacity_blocks == 0:
+            return False
+        want = self._reusable_tokens(req.tokens) + self.block_size
+        if want > (len(req.tokens) - 1) // self.block_size * self.block_size:
+            return False
+        head = req.tokens[:want]
+        return any(
+            other.prefilling and other.tokens[:want] == head for other in self._batch.values()
+        )
+
+    def _plan(self) -> StepPlan:
+        decoding = [r.rid for r in self._batch.values() if not r.prefilling]
+        prefilling = [(r.rid, len(r.tokens) - r.pos) for r in self._batch.values() if r.prefilling]
+        return plan_step(decoding, prefilling, self.step_tokens)
+
+    async def _step(self) -> None:
+        self._admit()
+        plan = self._plan()
+        if not plan:
+            return
+        work: list[tuple[RequestState, list[int], bool]] = []
+        for rid in plan.decode:
+            req = self._batch[rid]
+            work.append((req, [req.generated[-1]], True))
+        for rid, n in plan.prefill:
+            req = self._batch[rid]
+            end = req.pos + n
+            work.append((req, req.tokens[req.pos : end], end == len(req.tokens)))
+        try:
+            sampled, blocks, seconds = await trio.to_thread.run_sync(self._compute, work)
+            self._apply(plan, work, sampled, blocks, seconds)
+        except Exception as exc:  # torch failure: this step's requests fail, not the engine
+            for req, _, _ in work:
+                req.error = exc
+                self._batch.pop(req.rid, None)
+            return
+        if self.cache_generated:
+            done = [req for req, _, _ in work if req.finish is not None and req.kv is not None]
+            if done:
+                await self._cache_generated(done)
+
+    def _compute(
+        self, work: list[tuple[RequestState, list[int], bool]]
+    ) -> tuple[dict[int, int], dict[int, list[torch.Tensor]], float]:
+        """Worker thread: build new sequences' KV, run the packed forward, sample, and copy
+        out the prompt blocks of prompts read to the end."""
+        for req, _, _ in work:
+            if req.kv is None:
+                assert req.blocks is not None
+                capacity = len(req.tokens) + req.params.max_new_tokens
+                req.kv = self._runner.new_kv(req.blocks, capacity)
+                req.blocks = None
+        start = time.perf_counter()
+        items: list[tuple[SeqKV, list[int]]] = []
+        for req, ids, _ in work:
+            assert req.kv is not None
+            items.append((req.kv, ids))
+        logits = self._runner.forward(items, [want for _, _, want in work])
+        sampled: dict[int, int] = {}
+        row = 0
+        for req, _, want in work:
+            if want:
+                sampled[req.rid] = sample_token(logits[row], req.params, req.generator)
+                row += 1
+        seconds = time.perf_counter() - start
+        blocks: dict[int, list[torch.Tensor]] = {}
+        for (req, _, want), (kv, _) in zip(work, items, strict=True):
+            if want and not req.generated and req.match is not None:
+                end_block = len(req.tokens) // self.block_size
+                blocks[req.rid] = kv.blocks(req.match.num_blocks, end_block, self.block_size)
+        return sampled, blocks, seconds
+
+    def _apply(
         self,
-        seq: _Sequence,
-        full: list[int],
-        pos: int,
-        end: int,
-        n: int,
-        output: list[int],
-        params: SamplingParams,
-    ) -> Finding | None:
-        """Feed full[pos:end]; check the output tokens its rows predict (worker thread)."""
-        keep = end - max(pos, n - 1)  # rows from the last prompt token on predict outputs
-        with torch.inference_mode():
-            out = self._model(
-                input_ids=torch.tensor([full[pos:end]], dtype=torch.long),
-                cache=seq.cache,
-                use_cache=True,
-                logits_to_keep=max(keep, 1),  # 0 would mean "all rows"
-            )
-        if keep <= 0:
-            return None
-        return check_logits(out.logits[0, -keep:], output, params, max(pos, n - 1) - (n - 1))
+        plan: StepPlan,
+        work: list[tuple[RequestState, list[int], bool]],
+        sampled: dict[int, int],
+        blocks: dict[int, list[torch.Tensor]],
+        seconds: float,
+    ) -> None:
+        """Event loop: advance every request of the step by its result."""
+        now = trio.current_time()
+        self._stats["steps"] += 1
+        self._stats["step_tokens"] += plan.num_tokens
+        self._stats["max_batch"] = max(self._stats["max_batch"], len(work))
+        for req, ids, _ in work:
+            if self._batch.get(req.rid) is not req:
+                continue  # cancelled during the step
+            if req.prefilling:
+                req.pos += len(ids)
+            if req.rid not in sampled:
+                continue
+            if not req.generated:  # the prompt is read: first token, cache its blocks
+                assert req.match is not None
+                req.ttft = time.perf_counter() - req.start
+                self._queued_prompt_tokens -= req.queued
+                req.queued = 0
+                n = len(req.tokens)
+                self._stats["prompt_tokens"] += n
+                self._stats["cached_tokens"] += req.match.num_tokens
+                self._stats["computed_prompt_tokens"] += n - req.match.num_tokens
+                self._insert(req.tokens, req.match.num_blocks, blocks.get(req.rid, []), now)
+            req.generated.append(sampled[req.rid])
+            self._stats["generated_tokens"] += 1
+            self._emit(req)
+        prefill_tokens = sum(n for _, n in plan.prefill)
+        if prefill_tokens:
+            sample = prefill_speed_sample(prefill_tokens, seconds, self._decode_tps)
+            if sample is not None:
+                self._prefill_tps = ewma(self._prefill_tps, sample)
+                self._speed_samples += 1
+        elif seconds > 0:
+            self._decode_tps = ewma(self._decode_tps, 1.0 / seconds)
+            self._batch_decode_tps = ewma(self._batch_decode_tps, len(plan.decode) / seconds)
 
-    def _verdict(
-        self, found: Finding | None, checked: int, cached: int, start: float
-    ) -> Verdict:
-        self._stats["verifications"] += 1
-        self._stats["verified_tokens"] += checked
-        if found is not None:
-            self._stats["verifications_failed"] += 1
-        elapsed = time.perf_counter() - start
-        if found is None:
-            return Verdict(True, None, "verified", checked, cached, elapsed)
-        return Verdict(False, found.index, found.detail, checked, cached, elapsed)
+    def _emit(self, req: RequestState) -> None:
+        """Queue the newest token's event; finish the request on EOS, length or a stop."""
+        tok = req.generated[-1]
+        finish = None
+        if tok in self._eos:
+            finish = "stop"
+        elif len(req.generated) >= req.params.max_new_tokens:
+            finish = "length"
+        delta, stopped = req.tracker.push(req.generated, final=finish is not None)
+        if stopped:
+            finish = "stop"
+        req.outbox.append(TokenEvent(len(req.generated) - 1, tok, delta))
+        if finish is not None:
+            req.finish = finish
+            self._batch.pop(req.rid, None)
+
+    def _insert(
+        self, tokens: Sequence[int], first_block: int, blocks: list[torch.Tensor], now: float
+    ) -> None:
+        """Insert tokens' full blocks from `first_block` on (values from `blocks`)."""
+        if not blocks:
+            return
+        end = (first_block + len(blocks)) * self.block_size
+        self.cache.insert(
+            tokens[:end],
+            lambda b: blocks[b - first_block],  # only called for blocks not cached meanwhile
+            now,
+        )
+
+    async def _cache_generated(self, done: list[RequestState]) -> None:
+        """Insert the blocks that finished requests' generated tokens completed."""
+        spans = []
+        for req in done:
+            assert req.kv is not None and req.match is not None
+            full = req.tokens + req.generated[:-1]  # the last token was never fed
+            spans.append((full, len(req.tokens) // self.block_size, req.kv))
+
+        def copy() -> list[list[torch.Tensor]]:
+            return [
+                kv.blocks(first, len(full) // self.block_size, self.block_size)
+                for full, first, kv in spans
+            ]
+
+        copies = await trio.to_thread.run_sync(copy)
+        now = trio.current_time()
+        for (full, first, _), blocks in zip(spans, copies, strict=True):
+            self._insert(full, first, blocks, now)
 
 
 def load_engine(
@@ -532,9 +548,11 @@ def load_engine(
     cache_bytes: int = DEFAULT_CACHE_BYTES,
     block_size: int = DEFAULT_BLOCK_SIZE,
     warmup: bool = True,
+    **load: Any,
 ) -> Engine:
-    """Load a model and build its engine. Heavy and blocking: call via trio.to_thread."""
-    engine = Engine(load_model(name), cache_bytes, block_size)
+    """Load a model and build its engine. Heavy and blocking: call via trio.to_thread.
+    `load` goes to load_model (dtype, device, threads)."""
+    engine = Engine(load_model(name, **load), cache_bytes, block_size)
     if warmup:
         engine.warmup()
     return engine

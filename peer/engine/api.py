@@ -1,0 +1,167 @@
+"""The engine's API without torch: request, sampling and usage types, and the protocol an
+engine implements. The HTTP face, the pipeline and the simulator can import this module
+alone (tests/test_purity.py checks that it loads no ML framework).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncGenerator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+__all__ = [
+    "DEVICES",
+    "DTYPES",
+    "MAX_CHAT_MESSAGES",
+    "MAX_NEW_TOKENS",
+    "MAX_PROMPT_CHARS_PER_TOKEN",
+    "MAX_SEED",
+    "MAX_STOP_CHARS",
+    "MAX_STOP_STRINGS",
+    "MAX_TEMPERATURE",
+    "Completion",
+    "EngineError",
+    "EngineLoad",
+    "EngineProtocol",
+    "InvalidRequest",
+    "SamplingParams",
+    "TokenEvent",
+    "Usage",
+]
+
+MAX_NEW_TOKENS = 4096  # ~5 min of SmolLM2 decode on 2 cores: one request can't hold a peer longer
+MAX_STOP_STRINGS = 8  # OpenAI allows 4; bounds the per-token stop-string check
+MAX_STOP_CHARS = 256  # one stop string longer than this is a mistake, not a delimiter
+MAX_TEMPERATURE = 100.0  # beyond this sampling is uniform noise; also rejects inf
+MAX_SEED = (1 << 63) - 1  # torch.Generator takes a signed 64-bit seed
+MAX_PROMPT_CHARS_PER_TOKEN = 32  # longer text than this x max_context can't fit: don't tokenize
+MAX_CHAT_MESSAGES = 1024  # bounds the chat-template work for one request
+DTYPES = ("float32", "bfloat16", "float16")  # float16 only off the CPU (see model.py)
+DEVICES = ("auto", "cpu", "cuda", "mps")  # auto: cuda, then mps, then cpu
+
+
+class EngineError(Exception):
+    """The engine could not serve a request."""
+
+
+class InvalidRequest(EngineError, ValueError):
+    """The request itself is invalid; the message names the limit it broke."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to generate. temperature 0 is greedy; `seed` makes sampling reproducible."""
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+    def validate(self) -> None:
+        """Raise InvalidRequest naming the broken limit."""
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int):
+            raise InvalidRequest(f"max_new_tokens must be an int, got {self.max_new_tokens!r}")
+        if not 1 <= self.max_new_tokens <= MAX_NEW_TOKENS:
+            raise InvalidRequest(
+                f"max_new_tokens must be in [1, {MAX_NEW_TOKENS}], got {self.max_new_tokens}"
+            )
+        if not (math.isfinite(self.temperature) and 0.0 <= self.temperature <= MAX_TEMPERATURE):
+            raise InvalidRequest(
+                f"temperature must be in [0, {MAX_TEMPERATURE}], got {self.temperature}"
+            )
+        if not (math.isfinite(self.top_p) and 0.0 < self.top_p <= 1.0):
+            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None and (
+            isinstance(self.seed, bool)
+            or not isinstance(self.seed, int)
+            or not 0 <= self.seed <= MAX_SEED
+        ):
+            raise InvalidRequest(f"seed must be an int in [0, {MAX_SEED}], got {self.seed!r}")
+        if not isinstance(self.stop, tuple) or len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidRequest(f"stop must be a tuple of at most {MAX_STOP_STRINGS} strings")
+        for s in self.stop:
+            if not isinstance(s, str) or not 1 <= len(s) <= MAX_STOP_CHARS:
+                raise InvalidRequest(
+                    f"each stop string must have 1 to {MAX_STOP_CHARS} characters, got {s!r}"
+                )
+
+
+@dataclass(frozen=True)
+class Usage:
+    """What a request cost. ttft_s counts from submission (queueing included)."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    ttft_s: float
+    decode_tokens_per_s: float
+    total_s: float
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One generated token and the text it adds (may be empty while a stop string is pending)."""
+
+    index: int
+    token_id: int
+    text: str
+
+
+@dataclass(frozen=True)
+class Completion:
+    """The finished request. finish_reason: "stop" (EOS or a stop string) or "length"."""
+
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: str
+    usage: Usage
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """What the router needs: queued work and measured speeds (0.0 = not measured yet).
+
+    decode_tokens_per_s is one stream's speed (1 / step time) at the current batch;
+    batch_decode_tokens_per_s is all streams together; waiting_requests have not been
+    admitted into the batch yet (admission happens between steps).
+    """
+
+    queued_prompt_tokens: int
+    running_requests: int
+    prefill_tokens_per_s: float
+    decode_tokens_per_s: float
+    waiting_requests: int = 0
+    batch_decode_tokens_per_s: float = 0.0
+
+
+class EngineProtocol(Protocol):
+    """What the rest of the peer uses of an engine (peer.engine.engine.Engine implements it)."""
+
+    model_id: str
+    vocab_size: int
+    max_context: int
+    block_size: int
+
+    def encode_prompt(self, prompt: str | Sequence[dict[str, str]]) -> list[int]: ...
+
+    def decode(self, token_ids: Sequence[int]) -> str: ...
+
+    def validate(self, token_ids: Sequence[int], params: SamplingParams) -> list[int]: ...
+
+    def local_match_tokens(self, token_ids: Sequence[int]) -> int: ...
+
+    def load(self) -> EngineLoad: ...
+
+    def statistics(self) -> dict[str, int | float]: ...
+
+    def stream(
+        self, token_ids: Sequence[int], params: SamplingParams
+    ) -> AsyncGenerator[TokenEvent | Completion, None]: ...
+
+    async def generate(self, token_ids: Sequence[int], params: SamplingParams) -> Completion: ...
+
+    async def refresh_speeds(self, interval_s: float = ..., max_interval_s: float = ...) -> None:
+        ...
+

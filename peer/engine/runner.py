@@ -1,0 +1,173 @@
+"""The model runner: one forward over a packed batch of sequences (torch, worker thread).
+
+Every step packs the new tokens of all scheduled sequences into one row,
+``[1, total_tokens]``, with per-token position ids: decodes (one token each) and prefill
+chunks alike. The projections and MLPs then read the weights once for the whole batch,
+which is what makes batching pay on a CPU (and a GPU). Attention is the one part that is
+per sequence: a registered transformers attention function writes each sequence's new K
+and V into that sequence's own buffer (`SeqKV`) and attends over its cached + new tokens
+with transformers' own SDPA function, so each sequence computes exactly what an unbatched
+forward computes (same kernel, same mask rule, same GQA handling).
+
+Outside a packed step (`model.generate`, say) the registered function is plain SDPA with
+SDPA's masks, so the loaded model still serves transformers' own API unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import AttentionInterface, AttentionMaskInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import sdpa_mask
+
+from .kv import KVLayout
+
+ATTENTION_NAME = "prefixswarm_packed"
+_BATCH_KWARG = "prefixswarm_batch"
+
+
+class SeqKV:
+    """One sequence's K and V for every layer: [layers, 2, kv_heads, capacity, head_dim].
+
+    Allocated once at the sequence's final size (prompt + max_new_tokens): untouched pages
+    of a large CPU allocation are not committed, so the unused tail costs address space only.
+    """
+
+    __slots__ = ("data", "length")
+
+    def __init__(self, data: torch.Tensor, length: int) -> None:
+        self.data = data
+        self.length = length
+
+    @property
+    def capacity(self) -> int:
+        return int(self.data.shape[3])
+
+    def blocks(self, first_block: int, end_block: int, block_size: int) -> list[torch.Tensor]:
+        """Private contiguous copies of blocks [first_block, end_block)."""
+        if end_block * block_size > self.length:
+            raise ValueError(
+                f"sequence holds {self.length} tokens, blocks need {end_block * block_size}"
+            )
+        return [
+            self.data[:, :, :, b * block_size : (b + 1) * block_size].clone(
+                memory_format=torch.contiguous_format
+            )
+            for b in range(first_block, end_block)
+        ]
+
+
+@dataclass
+class _Span:
+    start: int  # in the packed row
+    end: int
+    kv: SeqKV
+    pos: int  # tokens already in kv before this step
+    mask: torch.Tensor | None  # [1, 1, n, pos + n] bool for a chunk after cached tokens
+
+
+@dataclass
+class _Batch:
+    spans: list[_Span]
+
+
+def _packed_attention(
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    batch: _Batch | None = kwargs.pop(_BATCH_KWARG, None)
+    if batch is None:  # not a packed step: behave exactly as "sdpa"
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    layer = module.layer_idx
+    outs = []
+    for sp in batch.spans:
+        n = sp.end - sp.start
+        buf = sp.kv.data[layer]
+        buf[0, :, sp.pos : sp.pos + n] = key[0, :, sp.start : sp.end]
+        buf[1, :, sp.pos : sp.pos + n] = value[0, :, sp.start : sp.end]
+        k = buf[0, :, : sp.pos + n].unsqueeze(0)
+        v = buf[1, :, : sp.pos + n].unsqueeze(0)
+        out, _ = sdpa_attention_forward(
+            module, query[:, :, sp.start : sp.end], k, v, sp.mask, **kwargs
+        )
+        outs.append(out)  # [1, n, heads, head_dim]
+    return torch.cat(outs, dim=1) if len(outs) > 1 else outs[0], None
+
+
+AttentionInterface.register(ATTENTION_NAME, _packed_attention)
+AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+
+
+class Runner:
+    """Runs packed forwards of one model; owns no request state."""
+
+    def __init__(self, model: Any, layout: KVLayout) -> None:
+        self.model = model
+        self.layout = layout
+        first = next(model.parameters())
+        self.dtype: torch.dtype = first.dtype
+        self.device: torch.device = first.device
+        model.config._attn_implementation = ATTENTION_NAME  # falls back to SDPA outside steps
+        # A 4-D mask is taken as given: the packed step needs no mask built for the row.
+        self._no_mask = torch.zeros((1, 1, 1, 1), dtype=torch.bool, device=self.device)
+
+    def new_kv(self, blocks: Sequence[torch.Tensor], capacity: int) -> SeqKV:
+        """A sequence buffer of `capacity` tokens starting with the given cached blocks."""
+        lay = self.layout
+        data = torch.empty(
+            (lay.num_layers, 2, lay.num_kv_heads, capacity, lay.head_dim),
+            dtype=self.dtype,
+            device=self.device,
+        )
+        pos = 0
+        for block in blocks:
+            size = int(block.shape[3])
+            data[:, :, :, pos : pos + size] = block
+            pos += size
+        return SeqKV(data, pos)
+
+    def forward(
+        self, items: Sequence[tuple[SeqKV, Sequence[int]]], want: Sequence[bool]
+    ) -> torch.Tensor:
+        """Feed each item's tokens after its cached ones; logits [k, vocab] (float32) of the
+        last token of the items with `want` set, in order. Advances each SeqKV's length."""
+        ids: list[int] = []
+        positions: list[int] = []
+        spans: list[_Span] = []
+        keep: list[int] = []
+        for (kv, tokens), wanted in zip(items, want, strict=True):
+            n = len(tokens)
+            if n == 0 or kv.length + n > kv.capacity:
+                raise ValueError(f"cannot feed {n} tokens at {kv.length}/{kv.capacity} tokens")
+            start = len(ids)
+            ids.extend(tokens)
+            positions.extend(range(kv.length, kv.length + n))
+            mask = None
+            if n > 1 and kv.length > 0:  # chunk after cached tokens: causal, offset by pos
+                q = torch.arange(kv.length, kv.length + n, device=self.device)[:, None]
+                k = torch.arange(kv.length + n, device=self.device)[None, :]
+                mask = (k <= q)[None, None]
+            spans.append(_Span(start, start + n, kv, kv.length, mask))
+            if wanted:
+                keep.append(start + n - 1)
+        with torch.inference_mode():
+            out = self.model(
+                input_ids=torch.tensor([ids], dtype=torch.long, device=self.device),
+                position_ids=torch.tensor([positions], dtype=torch.long, device=self.device),
+                attention_mask=self._no_mask,
+                use_cache=False,
+                logits_to_keep=torch.tensor(keep, dtype=torch.long, device=self.device),
+                **{_BATCH_KWARG: _Batch(spans)},
+            )
+        for sp in spans:
+            sp.kv.length = sp.pos + (sp.end - sp.start)
+        logits: torch.Tensor = out.logits[0].float()
+        return logits
