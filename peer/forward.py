@@ -20,7 +20,7 @@ import trio
 from libp2p.peer.id import ID
 
 from peer.admission import Admission, Overloaded, Slot
-from peer.engine.engine import Completion, SamplingParams, TokenEvent
+from peer.engine.api import Completion, SamplingParams, TokenEvent
 from peer.host import PeerUnreachable
 from peer.inference import FrameStream, StreamBroken
 from peer.peer_table import ForwardCharge

@@ -39,7 +39,7 @@ import trio
 from peer.admission import Admission, Overloaded
 from peer.config import PeerConfig
 from peer.engine.api import EngineError, SamplingParams
-from peer.engine.requests import StopTracker
+from peer.engine.text import StopTracker
 from peer.forward import AttemptFailed, Faulty, LocalAttempt, MovedOn, RemoteAttempt
 from peer.race import AnyAttempt, Race, Racer
 from peer.router import Candidate, LocalState, Router
