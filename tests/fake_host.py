@@ -20,7 +20,7 @@ from libp2p.peer.id import ID
 
 from peer.admission import Admission
 from peer.config import PeerConfig, Policy
-from peer.engine.requests import Completion, EngineLoad, SamplingParams, TokenEvent, Usage
+from peer.engine.api import Completion, EngineLoad, SamplingParams, TokenEvent, Usage
 from peer.peer_table import PeerTable
 from peer.pipeline import Pipeline
 from peer.router import Router

@@ -260,7 +260,7 @@ async def test_without_a_verifier_verification_is_skipped_and_says_so(autojump_c
 async def test_swarm_view_shows_each_peers_trust():
     from types import SimpleNamespace
 
-    from peer.engine.requests import EngineLoad
+    from peer.engine.api import EngineLoad
     from peer.http import swarm_view
 
     swarm = fake_swarm({A: (7, honest()), B: (6, honest())}, PROMPT, trusted=False,

@@ -45,6 +45,7 @@ from .requests import (
 from .runner import Runner, SeqKV
 from .scheduler import DEFAULT_MAX_RUNNING, DEFAULT_STEP_TOKENS, StepPlan, admit_count, plan_step
 from .speeds import ewma, prefill_speed_sample, warmup_prefill_speed
+from .verify import Verdict, verify_output
 
 __all__ = [
     "Completion",
@@ -55,6 +56,7 @@ __all__ = [
     "SamplingParams",
     "TokenEvent",
     "Usage",
+    "Verdict",
     "load_engine",
 ]
 
@@ -108,7 +110,10 @@ class Engine:
         self._waiting: deque[RequestState] = deque()
         self._batch: dict[int, RequestState] = {}  # admitted, unfinished; insertion order = age
         self._next_rid = 0
-        self._stepping = False  # a step (or a warm-up) is running
+        self._stepping = False  # a step is running or waits for the model
+        # Held by a step and by work outside the batch (a warm-up, a verification chunk):
+        # one at a time, and in turn, since trio's Lock hands over in FIFO order.
+        self.model_lock = trio.Lock()
         self._step_done = trio.Event()
         self._queued_prompt_tokens = 0
         self._running = 0  # requests between submission and release
@@ -128,6 +133,9 @@ class Engine:
             "steps": 0,
             "step_tokens": 0,
             "max_batch": 0,
+            "verifications": 0,
+            "verifications_failed": 0,
+            "verified_tokens": 0,
         }
 
     @classmethod
@@ -173,13 +181,14 @@ class Engine:
 
     # -- queries for the router ----------------------------------------------------------
 
-    def local_match_tokens(self, token_ids: Sequence[int]) -> int:
+    def local_match_tokens(self, token_ids: Sequence[int], cache_salt: bytes | None = None) -> int:
         """Tokens of the longest cached prefix (block-aligned); no side effect."""
-        return self.cache.peek(token_ids)
+        return self.cache.peek(token_ids, salt=cache_salt)
 
-    def _reusable_tokens(self, tokens: Sequence[int]) -> int:
+    def _reusable_tokens(self, tokens: Sequence[int], salt: bytes | None) -> int:
         # At least one prompt token is always computed: its logits give the first token.
-        return min(self.cache.peek(tokens), (len(tokens) - 1) // self.block_size * self.block_size)
+        last = (len(tokens) - 1) // self.block_size * self.block_size
+        return min(self.cache.peek(tokens, salt=salt), last)
 
     def load(self) -> EngineLoad:
         """Queued (uncached) prompt tokens, running and waiting requests, measured speeds."""
@@ -210,7 +219,7 @@ class Engine:
 
     def warmup(self) -> None:
         """Run short prefills and a few decode steps to seed the speed estimates (blocking;
-        never while a step runs: refresh_speeds takes the step slot first)."""
+        never while a step runs: refresh_speeds holds model_lock)."""
         ids = self._warmup_ids(WARMUP_PROMPT_TOKENS)
         for _ in range(2):  # the first pass pays one-time costs; the second is the sample
             kv = self._runner.new_kv([], WARMUP_PROMPT_TOKENS + WARMUP_DECODE_TOKENS)
@@ -245,13 +254,8 @@ class Engine:
             if self._speed_samples != seen or self._running:
                 wait = interval_s  # requests keep the speeds fresh
             else:
-                while self._stepping:
-                    await self._step_done.wait()
-                self._stepping = True
-                try:
+                async with self.model_lock:
                     await trio.to_thread.run_sync(self.warmup)
-                finally:
-                    self._end_step()
                 wait = min(2 * wait, max_interval_s)
             seen = self._speed_samples
 
@@ -261,19 +265,23 @@ class Engine:
     # -- requests --------------------------------------------------------------------------
 
     def stream(
-        self, token_ids: Sequence[int], params: SamplingParams
+        self, token_ids: Sequence[int], params: SamplingParams, *, cache_salt: bytes | None = None
     ) -> AsyncGenerator[TokenEvent | Completion, None]:
         """Generate: yields a TokenEvent per token, then one Completion, last.
 
         Validates now (InvalidRequest). Close the iterator (or run it to the end) to
         release the request: `async with contextlib.aclosing(engine.stream(...))`.
+        With `cache_salt` the request is private: it shares cached blocks only with
+        requests of the same salt, and its blocks are never announced.
         """
         tokens = self.validate(token_ids, params)
-        return self._run(tokens, params)
+        return self._run(tokens, params, cache_salt)
 
-    async def generate(self, token_ids: Sequence[int], params: SamplingParams) -> Completion:
+    async def generate(
+        self, token_ids: Sequence[int], params: SamplingParams, *, cache_salt: bytes | None = None
+    ) -> Completion:
         """Generate and return only the Completion."""
-        agen = self.stream(token_ids, params)
+        agen = self.stream(token_ids, params, cache_salt=cache_salt)
         try:
             async for item in agen:
                 if isinstance(item, Completion):
@@ -283,11 +291,12 @@ class Engine:
         raise EngineError("generation ended without a completion")  # unreachable by design
 
     async def _run(
-        self, tokens: list[int], params: SamplingParams
+        self, tokens: list[int], params: SamplingParams, salt: bytes | None
     ) -> AsyncGenerator[TokenEvent | Completion, None]:
-        queued = len(tokens) - self._reusable_tokens(tokens)
+        queued = len(tokens) - self._reusable_tokens(tokens, salt)
         tracker = StopTracker(self.tokenizer, params.stop)
-        req = RequestState(self._next_rid, tokens, params, queued, tracker, self._runner.device)
+        device = self._runner.device
+        req = RequestState(self._next_rid, tokens, params, queued, tracker, device, salt)
         self._next_rid += 1
         self._stats["requests"] += 1
         self._running += 1
@@ -334,6 +343,16 @@ class Engine:
             if req.match is not None:
                 self.cache.unlock(req.match)
 
+    async def verify(
+        self, prompt_ids: Sequence[int], output_ids: Sequence[int], params: SamplingParams,
+        *, cache_salt: bytes | None = None,
+    ) -> Verdict:
+        """Check another peer's `output_ids` for `prompt_ids` by teacher forcing (verify.py),
+        outside the batch, over the prompt's cached prefix; the output's blocks enter the
+        cache only if it verified. InvalidRequest for a bad prompt or params."""
+        tokens = self.validate(prompt_ids, params)
+        return await verify_output(self, tokens, output_ids, params, cache_salt)
+
     # -- steps -------------------------------------------------------------------------------
 
     async def _advance(self) -> None:
@@ -344,7 +363,8 @@ class Engine:
         self._stepping = True
         try:
             await trio.lowlevel.checkpoint()  # requests submitted meanwhile join this step
-            await self._step()
+            async with self.model_lock:  # and those while work outside the batch runs
+                await self._step()
         finally:
             self._end_step()
 
@@ -352,6 +372,7 @@ class Engine:
         self._stepping = False
         self._step_done.set()
         self._step_done = trio.Event()
+
 
     def _admit(self) -> None:
         """Move waiting requests into the batch: match late (earlier requests may have
@@ -371,7 +392,7 @@ class Engine:
                 continue
             free -= 1
             max_blocks = (len(req.tokens) - 1) // self.block_size
-            req.match = self.cache.match(req.tokens, now, max_blocks)
+            req.match = self.cache.match(req.tokens, now, max_blocks, salt=req.salt)
             self.cache.lock(req.match)
             req.blocks = list(req.match.values)
             req.pos = req.match.num_tokens
@@ -381,12 +402,13 @@ class Engine:
     def _shares_prefill_in_flight(self, req: RequestState) -> bool:
         if self.cache.capacity_blocks == 0:
             return False
-        want = self._reusable_tokens(req.tokens) + self.block_size
+        want = self._reusable_tokens(req.tokens, req.salt) + self.block_size
         if want > (len(req.tokens) - 1) // self.block_size * self.block_size:
             return False
         head = req.tokens[:want]
         return any(
-            other.prefilling and other.tokens[:want] == head for other in self._batch.values()
+            other.prefilling and other.salt == req.salt and other.tokens[:want] == head
+            for other in self._batch.values()
         )
 
     def _plan(self) -> StepPlan:
@@ -480,7 +502,8 @@ class Engine:
                 self._stats["prompt_tokens"] += n
                 self._stats["cached_tokens"] += req.match.num_tokens
                 self._stats["computed_prompt_tokens"] += n - req.match.num_tokens
-                self._insert(req.tokens, req.match.num_blocks, blocks.get(req.rid, []), now)
+                first, got = req.match.num_blocks, blocks.get(req.rid, [])
+                self._insert(req.tokens, first, got, now, req.salt)
             req.generated.append(sampled[req.rid])
             self._stats["generated_tokens"] += 1
             self._emit(req)
@@ -510,10 +533,9 @@ class Engine:
             req.finish = finish
             self._batch.pop(req.rid, None)
 
-    def _insert(
-        self, tokens: Sequence[int], first_block: int, blocks: list[torch.Tensor], now: float
-    ) -> None:
-        """Insert tokens' full blocks from `first_block` on (values from `blocks`)."""
+    def _insert(self, tokens: Sequence[int], first_block: int, blocks: list[torch.Tensor],
+                now: float, salt: bytes | None) -> None:
+        """Insert tokens' full blocks from `first_block` on (values from `blocks`), salted."""
         if not blocks:
             return
         end = (first_block + len(blocks)) * self.block_size
@@ -521,6 +543,7 @@ class Engine:
             tokens[:end],
             lambda b: blocks[b - first_block],  # only called for blocks not cached meanwhile
             now,
+            salt=salt,
         )
 
     async def _cache_generated(self, done: list[RequestState]) -> None:
@@ -529,18 +552,18 @@ class Engine:
         for req in done:
             assert req.kv is not None and req.match is not None
             full = req.tokens + req.generated[:-1]  # the last token was never fed
-            spans.append((full, len(req.tokens) // self.block_size, req.kv))
+            spans.append((full, len(req.tokens) // self.block_size, req.kv, req.salt))
 
         def copy() -> list[list[torch.Tensor]]:
             return [
                 kv.blocks(first, len(full) // self.block_size, self.block_size)
-                for full, first, kv in spans
+                for full, first, kv, _ in spans
             ]
 
         copies = await trio.to_thread.run_sync(copy)
         now = trio.current_time()
-        for (full, first, _), blocks in zip(spans, copies, strict=True):
-            self._insert(full, first, blocks, now)
+        for (full, first, _, salt), blocks in zip(spans, copies, strict=True):
+            self._insert(full, first, blocks, now, salt)
 
 
 def load_engine(
