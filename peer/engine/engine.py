@@ -5,8 +5,9 @@ request plus prefill chunks of new prompts, within a token budget (scheduler.py)
 by runner.py in a worker thread. There is no background task: each request's own task
 either runs the next step for everybody (when no step is running) or waits for the
 running one, then hands out its own new tokens. Admission happens between steps, and a
-cancelled request leaves the batch at the next step. The radix tree is touched only on
-the event loop. Matched blocks stay locked for the whole request. A request still
+cancelled request leaves the batch at the next step. Work outside the batch (verify.py's
+chunks, a warm-up) takes the model lock in turn with the steps. The radix tree is touched
+only on the event loop. Matched blocks stay locked for the whole request. A request still
 computes only its uncached suffix: its sequence buffer starts as a copy of the matched
 blocks.
 """
@@ -44,8 +45,9 @@ from .requests import (
 )
 from .runner import Runner, SeqKV
 from .scheduler import DEFAULT_MAX_RUNNING, DEFAULT_STEP_TOKENS, StepPlan, admit_count, plan_step
-from .speeds import ewma, prefill_speed_sample, warmup_prefill_speed
+from .speeds import ewma, prefill_speed_sample
 from .verify import Verdict, verify_output
+from .warmup import measure_speeds
 
 __all__ = [
     "Completion",
@@ -60,8 +62,6 @@ __all__ = [
     "load_engine",
 ]
 
-WARMUP_PROMPT_TOKENS = 64  # enough to measure prefill speed without delaying start-up
-WARMUP_DECODE_TOKENS = 4
 # Speeds that no request refreshed for this long are measured again while the engine is
 # idle. A peer that once measured itself slow (start-up on a busy machine) is sent no work
 # by anyone, itself included, so no request would ever correct it (seen: one of four
@@ -218,28 +218,11 @@ class Engine:
         return out
 
     def warmup(self) -> None:
-        """Run short prefills and a few decode steps to seed the speed estimates (blocking;
-        never while a step runs: refresh_speeds holds model_lock)."""
-        ids = self._warmup_ids(WARMUP_PROMPT_TOKENS)
-        for _ in range(2):  # the first pass pays one-time costs; the second is the sample
-            kv = self._runner.new_kv([], WARMUP_PROMPT_TOKENS + WARMUP_DECODE_TOKENS)
-            logits = self._runner.forward([(kv, ids)], [True])
-            tok = int(torch.argmax(logits[0]))
-            self._decode_tps = 0.0
-            for _ in range(WARMUP_DECODE_TOKENS):
-                start = time.perf_counter()
-                tok = int(torch.argmax(self._runner.forward([(kv, [tok])], [True])[0]))
-                self._decode_tps = ewma(self._decode_tps, 1.0 / (time.perf_counter() - start))
+        """Run short prefills and a few decode steps to seed the speed estimates (blocking,
+        warmup.py; never while a step runs: refresh_speeds holds model_lock)."""
+        speeds = measure_speeds(self._runner, self.vocab_size, self.max_context // 2)
+        self._decode_tps, self._prefill_tps = speeds
         self._batch_decode_tps = self._batch_decode_tps or self._decode_tps
-        self._prefill_tps = warmup_prefill_speed(
-            self._time_cold_prefill, self._decode_tps, WARMUP_PROMPT_TOKENS, self.max_context // 2
-        )
-
-    def _time_cold_prefill(self, n: int) -> float:
-        kv = self._runner.new_kv([], n)
-        start = time.perf_counter()
-        self._runner.forward([(kv, self._warmup_ids(n))], [True])
-        return time.perf_counter() - start
 
     async def refresh_speeds(
         self, interval_s: float = SPEED_REFRESH_S, max_interval_s: float = SPEED_REFRESH_MAX_S
@@ -258,9 +241,6 @@ class Engine:
                     await trio.to_thread.run_sync(self.warmup)
                 wait = min(2 * wait, max_interval_s)
             seen = self._speed_samples
-
-    def _warmup_ids(self, n: int) -> list[int]:
-        return [i % self.vocab_size for i in range(1, n + 1)]
 
     # -- requests --------------------------------------------------------------------------
 
@@ -372,7 +352,6 @@ class Engine:
         self._stepping = False
         self._step_done.set()
         self._step_done = trio.Event()
-
 
     def _admit(self) -> None:
         """Move waiting requests into the batch: match late (earlier requests may have
