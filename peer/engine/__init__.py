@@ -11,7 +11,9 @@ event loop (docs/engine.md).
   model.py      loading: aliases smollm2-135m (offline GGUF, converted once) and
                tiny-random, local checkpoint folders, hub ids; dtype, device, threads
   requests.py   sampling and stop strings
-  engine.py     Engine: validate, admit, step, stream, insert; load() and statistics()
+  warmup.py     the warm-up run that seeds the advertised speeds
+  verify.py     teacher-forced checks of another peer's output, and their driver
+  engine.py     Engine: validate, admit, step, stream, insert, verify; load(), statistics()
 
 Nothing is imported here, so that the pure modules stay free of torch.
 """

@@ -5,8 +5,9 @@ request plus prefill chunks of new prompts, within a token budget (scheduler.py)
 by runner.py in a worker thread. There is no background task: each request's own task
 either runs the next step for everybody (when no step is running) or waits for the
 running one, then hands out its own new tokens. Admission happens between steps, and a
-cancelled request leaves the batch at the next step. The radix tree is touched only on
-the event loop. Matched blocks stay locked for the whole request. A request still
+cancelled request leaves the batch at the next step. Work outside the batch (verify.py's
+chunks, a warm-up) takes the model lock in turn with the steps. The radix tree is touched
+only on the event loop. Matched blocks stay locked for the whole request. A request still
 computes only its uncached suffix: its sequence buffer starts as a copy of the matched
 blocks.
 """
@@ -44,7 +45,9 @@ from .requests import (
 )
 from .runner import Runner, SeqKV
 from .scheduler import DEFAULT_MAX_RUNNING, DEFAULT_STEP_TOKENS, StepPlan, admit_count, plan_step
-from .speeds import ewma, prefill_speed_sample, warmup_prefill_speed
+from .speeds import ewma, prefill_speed_sample
+from .verify import Verdict, verify_output
+from .warmup import measure_speeds
 
 __all__ = [
     "Completion",
@@ -55,11 +58,10 @@ __all__ = [
     "SamplingParams",
     "TokenEvent",
     "Usage",
+    "Verdict",
     "load_engine",
 ]
 
-WARMUP_PROMPT_TOKENS = 64  # enough to measure prefill speed without delaying start-up
-WARMUP_DECODE_TOKENS = 4
 # Speeds that no request refreshed for this long are measured again while the engine is
 # idle. A peer that once measured itself slow (start-up on a busy machine) is sent no work
 # by anyone, itself included, so no request would ever correct it (seen: one of four
@@ -108,7 +110,10 @@ class Engine:
         self._waiting: deque[RequestState] = deque()
         self._batch: dict[int, RequestState] = {}  # admitted, unfinished; insertion order = age
         self._next_rid = 0
-        self._stepping = False  # a step (or a warm-up) is running
+        self._stepping = False  # a step is running or waits for the model
+        # Held by a step and by work outside the batch (a warm-up, a verification chunk):
+        # one at a time, and in turn, since trio's Lock hands over in FIFO order.
+        self.model_lock = trio.Lock()
         self._step_done = trio.Event()
         self._queued_prompt_tokens = 0
         self._running = 0  # requests between submission and release
@@ -128,6 +133,9 @@ class Engine:
             "steps": 0,
             "step_tokens": 0,
             "max_batch": 0,
+            "verifications": 0,
+            "verifications_failed": 0,
+            "verified_tokens": 0,
         }
 
     @classmethod
@@ -173,13 +181,14 @@ class Engine:
 
     # -- queries for the router ----------------------------------------------------------
 
-    def local_match_tokens(self, token_ids: Sequence[int]) -> int:
+    def local_match_tokens(self, token_ids: Sequence[int], cache_salt: bytes | None = None) -> int:
         """Tokens of the longest cached prefix (block-aligned); no side effect."""
-        return self.cache.peek(token_ids)
+        return self.cache.peek(token_ids, salt=cache_salt)
 
-    def _reusable_tokens(self, tokens: Sequence[int]) -> int:
+    def _reusable_tokens(self, tokens: Sequence[int], salt: bytes | None) -> int:
         # At least one prompt token is always computed: its logits give the first token.
-        return min(self.cache.peek(tokens), (len(tokens) - 1) // self.block_size * self.block_size)
+        last = (len(tokens) - 1) // self.block_size * self.block_size
+        return min(self.cache.peek(tokens, salt=salt), last)
 
     def load(self) -> EngineLoad:
         """Queued (uncached) prompt tokens, running and waiting requests, measured speeds."""
@@ -209,28 +218,11 @@ class Engine:
         return out
 
     def warmup(self) -> None:
-        """Run short prefills and a few decode steps to seed the speed estimates (blocking;
-        never while a step runs: refresh_speeds takes the step slot first)."""
-        ids = self._warmup_ids(WARMUP_PROMPT_TOKENS)
-        for _ in range(2):  # the first pass pays one-time costs; the second is the sample
-            kv = self._runner.new_kv([], WARMUP_PROMPT_TOKENS + WARMUP_DECODE_TOKENS)
-            logits = self._runner.forward([(kv, ids)], [True])
-            tok = int(torch.argmax(logits[0]))
-            self._decode_tps = 0.0
-            for _ in range(WARMUP_DECODE_TOKENS):
-                start = time.perf_counter()
-                tok = int(torch.argmax(self._runner.forward([(kv, [tok])], [True])[0]))
-                self._decode_tps = ewma(self._decode_tps, 1.0 / (time.perf_counter() - start))
+        """Run short prefills and a few decode steps to seed the speed estimates (blocking,
+        warmup.py; never while a step runs: refresh_speeds holds model_lock)."""
+        speeds = measure_speeds(self._runner, self.vocab_size, self.max_context // 2)
+        self._decode_tps, self._prefill_tps = speeds
         self._batch_decode_tps = self._batch_decode_tps or self._decode_tps
-        self._prefill_tps = warmup_prefill_speed(
-            self._time_cold_prefill, self._decode_tps, WARMUP_PROMPT_TOKENS, self.max_context // 2
-        )
-
-    def _time_cold_prefill(self, n: int) -> float:
-        kv = self._runner.new_kv([], n)
-        start = time.perf_counter()
-        self._runner.forward([(kv, self._warmup_ids(n))], [True])
-        return time.perf_counter() - start
 
     async def refresh_speeds(
         self, interval_s: float = SPEED_REFRESH_S, max_interval_s: float = SPEED_REFRESH_MAX_S
@@ -245,35 +237,31 @@ class Engine:
             if self._speed_samples != seen or self._running:
                 wait = interval_s  # requests keep the speeds fresh
             else:
-                while self._stepping:
-                    await self._step_done.wait()
-                self._stepping = True
-                try:
+                async with self.model_lock:
                     await trio.to_thread.run_sync(self.warmup)
-                finally:
-                    self._end_step()
                 wait = min(2 * wait, max_interval_s)
             seen = self._speed_samples
-
-    def _warmup_ids(self, n: int) -> list[int]:
-        return [i % self.vocab_size for i in range(1, n + 1)]
 
     # -- requests --------------------------------------------------------------------------
 
     def stream(
-        self, token_ids: Sequence[int], params: SamplingParams
+        self, token_ids: Sequence[int], params: SamplingParams, *, cache_salt: bytes | None = None
     ) -> AsyncGenerator[TokenEvent | Completion, None]:
         """Generate: yields a TokenEvent per token, then one Completion, last.
 
         Validates now (InvalidRequest). Close the iterator (or run it to the end) to
         release the request: `async with contextlib.aclosing(engine.stream(...))`.
+        With `cache_salt` the request is private: it shares cached blocks only with
+        requests of the same salt, and its blocks are never announced.
         """
         tokens = self.validate(token_ids, params)
-        return self._run(tokens, params)
+        return self._run(tokens, params, cache_salt)
 
-    async def generate(self, token_ids: Sequence[int], params: SamplingParams) -> Completion:
+    async def generate(
+        self, token_ids: Sequence[int], params: SamplingParams, *, cache_salt: bytes | None = None
+    ) -> Completion:
         """Generate and return only the Completion."""
-        agen = self.stream(token_ids, params)
+        agen = self.stream(token_ids, params, cache_salt=cache_salt)
         try:
             async for item in agen:
                 if isinstance(item, Completion):
@@ -283,11 +271,12 @@ class Engine:
         raise EngineError("generation ended without a completion")  # unreachable by design
 
     async def _run(
-        self, tokens: list[int], params: SamplingParams
+        self, tokens: list[int], params: SamplingParams, salt: bytes | None
     ) -> AsyncGenerator[TokenEvent | Completion, None]:
-        queued = len(tokens) - self._reusable_tokens(tokens)
+        queued = len(tokens) - self._reusable_tokens(tokens, salt)
         tracker = StopTracker(self.tokenizer, params.stop)
-        req = RequestState(self._next_rid, tokens, params, queued, tracker, self._runner.device)
+        device = self._runner.device
+        req = RequestState(self._next_rid, tokens, params, queued, tracker, device, salt)
         self._next_rid += 1
         self._stats["requests"] += 1
         self._running += 1
@@ -334,6 +323,16 @@ class Engine:
             if req.match is not None:
                 self.cache.unlock(req.match)
 
+    async def verify(
+        self, prompt_ids: Sequence[int], output_ids: Sequence[int], params: SamplingParams,
+        *, cache_salt: bytes | None = None,
+    ) -> Verdict:
+        """Check another peer's `output_ids` for `prompt_ids` by teacher forcing (verify.py),
+        outside the batch, over the prompt's cached prefix; the output's blocks enter the
+        cache only if it verified. InvalidRequest for a bad prompt or params."""
+        tokens = self.validate(prompt_ids, params)
+        return await verify_output(self, tokens, output_ids, params, cache_salt)
+
     # -- steps -------------------------------------------------------------------------------
 
     async def _advance(self) -> None:
@@ -344,7 +343,8 @@ class Engine:
         self._stepping = True
         try:
             await trio.lowlevel.checkpoint()  # requests submitted meanwhile join this step
-            await self._step()
+            async with self.model_lock:  # and those while work outside the batch runs
+                await self._step()
         finally:
             self._end_step()
 
@@ -371,7 +371,7 @@ class Engine:
                 continue
             free -= 1
             max_blocks = (len(req.tokens) - 1) // self.block_size
-            req.match = self.cache.match(req.tokens, now, max_blocks)
+            req.match = self.cache.match(req.tokens, now, max_blocks, salt=req.salt)
             self.cache.lock(req.match)
             req.blocks = list(req.match.values)
             req.pos = req.match.num_tokens
@@ -381,12 +381,13 @@ class Engine:
     def _shares_prefill_in_flight(self, req: RequestState) -> bool:
         if self.cache.capacity_blocks == 0:
             return False
-        want = self._reusable_tokens(req.tokens) + self.block_size
+        want = self._reusable_tokens(req.tokens, req.salt) + self.block_size
         if want > (len(req.tokens) - 1) // self.block_size * self.block_size:
             return False
         head = req.tokens[:want]
         return any(
-            other.prefilling and other.tokens[:want] == head for other in self._batch.values()
+            other.prefilling and other.salt == req.salt and other.tokens[:want] == head
+            for other in self._batch.values()
         )
 
     def _plan(self) -> StepPlan:
@@ -480,7 +481,8 @@ class Engine:
                 self._stats["prompt_tokens"] += n
                 self._stats["cached_tokens"] += req.match.num_tokens
                 self._stats["computed_prompt_tokens"] += n - req.match.num_tokens
-                self._insert(req.tokens, req.match.num_blocks, blocks.get(req.rid, []), now)
+                first, got = req.match.num_blocks, blocks.get(req.rid, [])
+                self._insert(req.tokens, first, got, now, req.salt)
             req.generated.append(sampled[req.rid])
             self._stats["generated_tokens"] += 1
             self._emit(req)
@@ -510,10 +512,9 @@ class Engine:
             req.finish = finish
             self._batch.pop(req.rid, None)
 
-    def _insert(
-        self, tokens: Sequence[int], first_block: int, blocks: list[torch.Tensor], now: float
-    ) -> None:
-        """Insert tokens' full blocks from `first_block` on (values from `blocks`)."""
+    def _insert(self, tokens: Sequence[int], first_block: int, blocks: list[torch.Tensor],
+                now: float, salt: bytes | None) -> None:
+        """Insert tokens' full blocks from `first_block` on (values from `blocks`), salted."""
         if not blocks:
             return
         end = (first_block + len(blocks)) * self.block_size
@@ -521,6 +522,7 @@ class Engine:
             tokens[:end],
             lambda b: blocks[b - first_block],  # only called for blocks not cached meanwhile
             now,
+            salt=salt,
         )
 
     async def _cache_generated(self, done: list[RequestState]) -> None:
@@ -529,18 +531,18 @@ class Engine:
         for req in done:
             assert req.kv is not None and req.match is not None
             full = req.tokens + req.generated[:-1]  # the last token was never fed
-            spans.append((full, len(req.tokens) // self.block_size, req.kv))
+            spans.append((full, len(req.tokens) // self.block_size, req.kv, req.salt))
 
         def copy() -> list[list[torch.Tensor]]:
             return [
                 kv.blocks(first, len(full) // self.block_size, self.block_size)
-                for full, first, kv in spans
+                for full, first, kv, _ in spans
             ]
 
         copies = await trio.to_thread.run_sync(copy)
         now = trio.current_time()
-        for (full, first, _), blocks in zip(spans, copies, strict=True):
-            self._insert(full, first, blocks, now)
+        for (full, first, _, salt), blocks in zip(spans, copies, strict=True):
+            self._insert(full, first, blocks, now, salt)
 
 
 def load_engine(

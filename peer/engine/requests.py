@@ -101,9 +101,10 @@ class RequestState:
     steps; the rest only on the event loop."""
 
     def __init__(self, rid: int, tokens: list[int], params: SamplingParams, queued: int,
-                 tracker: StopTracker, device: torch.device) -> None:
+                 tracker: StopTracker, device: torch.device, salt: bytes | None = None) -> None:
         self.rid = rid
         self.tokens = tokens
+        self.salt = salt  # a private request's cache namespace (radix.py)
         self.params = params
         self.queued = queued  # uncached prompt tokens counted in the engine's queue
         self.tracker = tracker

@@ -135,18 +135,20 @@ class Runner:
         return SeqKV(data, pos)
 
     def forward(
-        self, items: Sequence[tuple[SeqKV, Sequence[int]]], want: Sequence[bool]
+        self, items: Sequence[tuple[SeqKV, Sequence[int]]], want: Sequence[int]
     ) -> torch.Tensor:
         """Feed each item's tokens after its cached ones; logits [k, vocab] (float32) of the
-        last token of the items with `want` set, in order. Advances each SeqKV's length."""
+        last `want` tokens of each item (True: the last one), in order. Advances each
+        SeqKV's length."""
         ids: list[int] = []
         positions: list[int] = []
         spans: list[_Span] = []
         keep: list[int] = []
         for (kv, tokens), wanted in zip(items, want, strict=True):
             n = len(tokens)
-            if n == 0 or kv.length + n > kv.capacity:
-                raise ValueError(f"cannot feed {n} tokens at {kv.length}/{kv.capacity} tokens")
+            if n == 0 or kv.length + n > kv.capacity or not 0 <= wanted <= n:
+                raise ValueError(f"cannot feed {n} tokens at {kv.length}/{kv.capacity} tokens"
+                                 f" with the last {wanted} rows' logits")
             start = len(ids)
             ids.extend(tokens)
             positions.extend(range(kv.length, kv.length + n))
@@ -156,8 +158,7 @@ class Runner:
                 k = torch.arange(kv.length + n, device=self.device)[None, :]
                 mask = (k <= q)[None, None]
             spans.append(_Span(start, start + n, kv, kv.length, mask))
-            if wanted:
-                keep.append(start + n - 1)
+            keep.extend(range(start + n - int(wanted), start + n))
         with torch.inference_mode():
             out = self.model(
                 input_ids=torch.tensor([ids], dtype=torch.long, device=self.device),

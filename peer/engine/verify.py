@@ -11,19 +11,28 @@ distribution at every output position; each token is then checked against it:
                           nothing after an end-of-sequence token, and a stop string only
                           at the end (a shorter answer must end at EOS or a stop string)
 
-Engine.verify (engine.py) runs the forward off the event loop, over the cached prefix;
-this module holds the checks, which need logits but no engine.
+The checks need logits but no engine. verify_output drives them for Engine.verify: the
+forward runs over the prompt's cached prefix in worker-thread chunks outside the batch,
+each holding the engine's model lock, so batch steps run between chunks, never during one.
 """
 
 from __future__ import annotations
 
 import math
+import operator
+import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+import trio
 
-from .requests import SamplingParams
+from .api import EngineError, SamplingParams
+from .runner import Runner, SeqKV
+
+if TYPE_CHECKING:
+    from .engine import Engine
 
 # Hardware, kernels, batch shapes and dtypes change logits in the last bits (fp32 ~1e-5,
 # bf16 up to ~0.05 nats on logits of magnitude ~10-20), so two honest peers can pick
@@ -166,3 +175,73 @@ def accepted_fraction(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
     above = torch.cumsum(p, dim=-1) - p  # ties count against the token here: a lower bound
     ok = (above < params.top_p + NUCLEUS_TOLERANCE) & (sorted_logp >= SAMPLED_MIN_LOGPROB)
     return ok.float().mean(dim=-1)
+
+
+def score_chunk(
+    runner: Runner, kv: SeqKV, full: list[int], end: int, n: int, output: list[int],
+    params: SamplingParams,
+) -> Finding | None:
+    """Worker thread: feed full[kv.length:end], where full is prompt (n tokens) + output
+    but its last token; check the output tokens that the chunk's rows predict."""
+    pos = kv.length
+    first = max(pos, n - 1)  # rows from the last prompt token on predict output tokens
+    keep = max(end - first, 0)
+    logits = runner.forward([(kv, full[pos:end])], [keep])
+    return check_logits(logits, output, params, first - (n - 1)) if keep else None
+
+
+async def verify_output(
+    engine: Engine, tokens: list[int], output_ids: Sequence[int], params: SamplingParams,
+    salt: bytes | None,
+) -> Verdict:
+    """Teacher-force `output_ids` after the validated prompt `tokens` on `engine`; count
+    the verification in its statistics. Caches the prompt's blocks, and the output's only
+    if it verified. EngineError when torch fails."""
+    start = time.perf_counter()
+    try:
+        output = [operator.index(t) for t in output_ids]
+    except TypeError:
+        return _count(engine, Verdict(False, 0, "output token ids must be integers", 0))
+    found = await trio.to_thread.run_sync(  # stop strings decode every prefix: O(n^2)
+        check_structure, output, params, engine.vocab_size, engine._eos, engine.decode
+    )
+    if found is not None:
+        return _count(engine, Verdict(False, found.index, found.detail, 0))
+    n, size = len(tokens), engine.block_size
+    full = tokens + output[:-1]  # the last output token is predicted, never fed
+    max_blocks = (n - 1) // size  # the last prompt token is always fed: it predicts output[0]
+    match = engine.cache.match(tokens, trio.current_time(), max_blocks, salt=salt)
+    engine.cache.lock(match)
+    try:
+        kv: SeqKV | None = None
+        while found is None and (kv is None or kv.length < len(full)):
+            async with engine.model_lock:  # no batch step meanwhile; steps between chunks
+                if kv is None:
+                    kv = await trio.to_thread.run_sync(engine._runner.new_kv, match.values,
+                                                       len(full))
+                end = min(len(full), kv.length + VERIFY_CHUNK_TOKENS)
+                found = await trio.to_thread.run_sync(
+                    score_chunk, engine._runner, kv, full, end, n, output, params
+                )
+        assert kv is not None
+        end_block = (kv.length if found is None else min(kv.length, n)) // size
+        blocks = await trio.to_thread.run_sync(kv.blocks, match.num_blocks, end_block, size)
+        engine._insert(full, match.num_blocks, blocks, trio.current_time(), salt)
+    except Exception as exc:  # torch failure: this verification fails, not the engine
+        raise EngineError(f"verification failed: {type(exc).__name__}: {exc}") from exc
+    finally:
+        engine.cache.unlock(match)
+    checked = len(output) if found is None else found.index + 1
+    elapsed = time.perf_counter() - start
+    if found is None:
+        return _count(engine, Verdict(True, None, "verified", checked, match.num_tokens, elapsed))
+    verdict = Verdict(False, found.index, found.detail, checked, match.num_tokens, elapsed)
+    return _count(engine, verdict)
+
+
+def _count(engine: Engine, verdict: Verdict) -> Verdict:
+    stats = engine._stats
+    stats["verifications"] += 1
+    stats["verifications_failed"] += not verdict.ok
+    stats["verified_tokens"] += verdict.checked_tokens
+    return verdict
