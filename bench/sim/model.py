@@ -59,7 +59,7 @@ from protocols.summary import CacheSummary, encode_summary
 # Mirrors of live-peer constants (the modules that hold them import torch or libp2p).
 GOSSIP_CHANGE_FRACTION = 0.05  # peer/gossip.py CHANGE_FRACTION
 GOSSIP_EARLY_GAP_FRACTION = 0.25  # peer/gossip.py EARLY_GAP_FRACTION
-WARMUP_PROMPT_TOKENS = 64  # peer/engine/engine.py: speeds are seeded by a warm-up run
+WARMUP_PROMPT_TOKENS = 64  # peer/engine/warmup.py: speeds are seeded by a warm-up run
 WARMUP_MAX_PROMPT_TOKENS = 4096  # where the warm-up stops doubling (half a long context)
 
 _EPS = 1e-9  # virtual-time slack for float round-off in the processor-sharing server
