@@ -84,18 +84,22 @@ def client_home(url: str, prompt: str) -> dict[str, Any]:
 
 
 def client_entry(
-    url: str, holder: str, prompt: str, requests: int, expect_direct: bool
+    url: str, holder: str, prompt: str, requests: int, expect_direct: bool,
+    expect_reachable: bool,
 ) -> dict[str, Any]:
     """B's side: wait until B's table shows N's cached prefix (and, when expected, a
     direct connection to N), then send the requests."""
     def holder_view() -> Any:
         for p in _http("GET", url + "/v1/swarm")["peers"]:
             direct_ok = not expect_direct or p.get("link") == "direct"
-            if p["peer_id"] == holder and p["cached_blocks"] > 0 and direct_ok:
+            # Only peers with a measured round trip are routed to: wait for one, unless N
+            # is meant to be unreachable (the phase without relays).
+            routable = not expect_reachable or p.get("rtt_s") is not None
+            if p["peer_id"] == holder and p["cached_blocks"] > 0 and direct_ok and routable:
                 return p
         return None
 
-    view = _poll("B sees N's cached blocks", holder_view)
+    view = _poll("B sees N's cached blocks and measured its round trip", holder_view)
     results = []
     for i in range(requests):
         out = _http("POST", url + "/v1/completions",
@@ -123,7 +127,10 @@ class Peers:
             sys.executable, "-m", "peer.cli", "serve", "--model", "tiny-random",
             "--listen", f"/ip4/{ip}/tcp/{PEER_PORT}",
             "--http", f"{ip}:{HTTP_PORT}", "--report", "json", "--exit-with-stdin",
-            "--summary-interval", "0.5", "--policy", "longest_prefix", *extra,
+            "--summary-interval", "0.5", "--policy", "longest_prefix",
+            # Reach is measured here, not trust: without probation a new peer takes every
+            # request its prefix draws (bench.adversary measures probation).
+            "--probation-requests", "0", *extra,
         ])
         log = open(self.log_dir / f"{name}.log", "a")  # noqa: SIM115 (closed with the process)
         proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -205,6 +212,7 @@ def run_phase(nat: Nat, name: str, *, relays: bool, block_b: bool, requests: int
         entry = _client(nat, nat.public[1], [
             "entry", f"http://{b_ip}:{HTTP_PORT}", prompt, "--holder", n["peer_id"],
             "--requests", str(requests), *(["--expect-direct"] if not block_b else []),
+            *(["--expect-reachable"] if relays or not block_b else []),
         ])
     finally:
         peers.stop()
@@ -234,11 +242,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--client", nargs="+", help=argparse.SUPPRESS)
     parser.add_argument("--holder", help=argparse.SUPPRESS)
     parser.add_argument("--expect-direct", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--expect-reachable", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.client:
         kind, url, prompt = args.client
         out = (client_home(url, prompt) if kind == "home"
-               else client_entry(url, args.holder, prompt, args.requests, args.expect_direct))
+               else client_entry(url, args.holder, prompt, args.requests, args.expect_direct,
+                                args.expect_reachable))
         print(json.dumps(out))
         return 0
     tag = f"{os.getpid() % 100000}"

@@ -44,6 +44,9 @@ BOOTSTRAP_BACKOFF_FIRST_S = 0.25  # first retry soon: the bootstrap peer may be 
 BOOTSTRAP_BACKOFF_MAX_S = 30.0  # keep trying, but at most twice a minute per address
 DIAL_BACKOFF_FIRST_S = 1.0  # a provider that failed once is retried after a second
 DIAL_BACKOFF_MAX_S = 60.0  # ...and at most once a minute once it keeps failing
+# A member reachable only through relays that does not answer (gone, or an identity that
+# never connected anywhere) is pinged ever more rarely: doubling up to every 5 minutes.
+RELAY_PING_BACKOFF_MAX_S = 300.0
 FORGET_AFTER_FAILURES = 3  # consecutive failed dials/pings before a peer is forgotten
 DISCOVERY_INTERVAL_MIN_S = 0.5  # look for providers this often while the swarm changes
 DISCOVERY_INTERVAL_MAX_S = 15.0  # ...backing off to this when nothing new turns up
@@ -99,6 +102,7 @@ class Discovery:
         self._members = members  # peer ids gossip knows: a hint that discovery is not done
         self._candidates: dict[ID, _Candidate] = {}
         self._ping_failures: dict[ID, int] = {}
+        self._relay_ping_failures: dict[ID, int] = {}  # members reachable only via relays
         self._rtts_kept: dict[ID, int] = {}  # per connected peer, for the warm-up cadence
         self._next_ping: dict[ID, float] = {}
         self._bootstrapped = trio.Event()
@@ -296,16 +300,30 @@ class Discovery:
         tick = min(WARMUP_PING_INTERVAL_S, self._liveness_interval_s)
         while True:
             await trio.sleep(tick)
-            connected = set(self._host.connected_peers())
+            connected = set(self._host.connected_peers()) | self._relayed_members()
             for gone in set(self._next_ping).union(self._ping_failures) - connected:
                 self._next_ping.pop(gone, None)  # a reconnected peer warms up again
                 self._rtts_kept.pop(gone, None)
                 self._ping_failures.pop(gone, None)
+                self._relay_ping_failures.pop(gone, None)
             now = trio.current_time()
             async with trio.open_nursery() as nursery:
                 for peer_id in connected:
                     if now >= self._next_ping.get(peer_id, now):
                         nursery.start_soon(self._probe, peer_id)
+
+    def _relayed_members(self) -> set[ID]:
+        """Known members reachable only through relays (behind NAT): pinged like the
+        connected ones, so their round trip is measured and they become candidates."""
+        out: set[ID] = set()
+        for member in self._members():
+            try:
+                peer_id = ID.from_base58(member)
+            except ValueError:
+                continue
+            if self._host.may_relay_to(peer_id):
+                out.add(peer_id)
+        return out
 
     async def _probe(self, peer_id: ID) -> None:
         self._stats["pings"] += 1
@@ -314,6 +332,13 @@ class Discovery:
             rtt = await self._host.ping(peer_id, timeout_s=LIVENESS_TIMEOUT_S)
         except PeerUnreachable as exc:
             self._stats["ping_failures"] += 1
+            if not self._host.is_connected(peer_id):  # a member tried through relays
+                misses = min(self._relay_ping_failures.get(peer_id, 0) + 1, 16)
+                self._relay_ping_failures[peer_id] = misses
+                backoff = min(RELAY_PING_BACKOFF_MAX_S, self._liveness_interval_s * 2**misses)
+                self._next_ping[peer_id] = trio.current_time() + backoff
+                logger.debug("no relayed route to %s (%d in a row): %s", peer_id, misses, exc)
+                return
             failures = self._ping_failures.get(peer_id, 0) + 1
             self._ping_failures[peer_id] = failures
             logger.debug("liveness (%d in a row): %s", failures, exc)
@@ -330,6 +355,7 @@ class Discovery:
             self.poke()
             return
         self._ping_failures.pop(peer_id, None)
+        self._relay_ping_failures.pop(peer_id, None)
         kept = self._rtts_kept.get(peer_id, 0) + self._on_rtt(str(peer_id), rtt)
         self._rtts_kept[peer_id] = kept
         if kept < RTT_WARMUP_SAMPLES:

@@ -48,6 +48,16 @@ class Faulty(AttemptFailed):
         super().__init__("failed", detail)
 
 
+class HedgeLost(AttemptFailed):
+    """A later candidate delivered its first token first: this one was slower than its
+    hedge delay, not stalled (its first-token deadline had not passed). Shown in the
+    route, but neither backed off nor reported to the requests waiting on it: estimates
+    on busy CPUs are off by 2x, and an honest peer must not lose its traffic for that."""
+
+    def __init__(self) -> None:
+        super().__init__("stalled", "hedged: a later candidate answered first")
+
+
 class MovedOn(AttemptFailed):
     """The peer failed for another request while this one waited on its first token:
     already recorded once, not a second failure."""

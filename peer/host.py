@@ -130,6 +130,15 @@ class SwarmHost:
         at = self._relayed_ok.get(peer_id)
         return at is not None and trio.current_time() - at < RELAYED_FRESH_S
 
+    def may_relay_to(self, peer_id: ID) -> bool:
+        """Not connected, but a relay may reach it (a peer behind NAT that reserved relay
+        slots). Liveness pings such members through a relay, so the router measures their
+        round trip like any other peer's; one that never answers is pinged ever more
+        rarely (discovery backs off)."""
+        if self.reach is None or self.is_connected(peer_id):
+            return False
+        return bool(self.reach.relay_candidates(peer_id))
+
     def reachability(self) -> Reachability:
         return self.reach.verdict() if self.reach is not None else Reachability.UNKNOWN
 

@@ -4,10 +4,10 @@ Happy eyeballs (STYLE.md item 5): the router ranks candidates and they race for 
 token. A remote candidate with no first token after its hedge delay (a multiple of the
 router's own TTFT estimate for it, with a floor) gets company: the next candidate starts
 too, and the first to deliver a token wins; the others are cancelled (one that was
-hedged and lost counts as stalled). Each remote candidate's first-token deadline is a
-multiple of that estimate, with a floor, capped by ``forward_first_token_s``. A failure
-or stall is recorded at once: concurrent requests stop choosing that peer, and those
-waiting on its first token move on. A candidate that fails after streaming tokens hands
+hedged and lost shows as stalled, but is not backed off). Each remote candidate's
+first-token deadline is a multiple of that estimate, with a floor, capped by
+``forward_first_token_s``. A failure or stall is recorded at once: concurrent requests
+stop choosing that peer, and those waiting on its first token move on. A candidate that fails after streaming tokens hands
 over to the next with the prompt plus the tokens so far (greedy output stays identical).
 The entry peer itself is always among the candidates, so the request completes if this
 peer can run it. One `RequestFailed` at the end carries every attempt's cause.
@@ -40,7 +40,14 @@ from peer.admission import Admission, Overloaded
 from peer.config import PeerConfig
 from peer.engine.api import EngineError, SamplingParams
 from peer.engine.text import StopTracker
-from peer.forward import AttemptFailed, Faulty, LocalAttempt, MovedOn, RemoteAttempt
+from peer.forward import (
+    AttemptFailed,
+    Faulty,
+    HedgeLost,
+    LocalAttempt,
+    MovedOn,
+    RemoteAttempt,
+)
 from peer.race import AnyAttempt, Race, Racer
 from peer.router import Candidate, LocalState, Router
 from peer.trust import Promote, Quarantine, TrustLedger
@@ -472,11 +479,12 @@ class Pipeline:
             Attempt(peer_id, candidate.is_local, outcome, str(exc), produced, candidate.reason)
         )
         self.stats[f"attempt_{outcome.value}"] += 1
-        if not isinstance(exc, MovedOn):  # that failure was recorded when it happened
+        blamed = not isinstance(exc, (MovedOn, HedgeLost))  # MovedOn: recorded already
+        if blamed:
             self.router.record_outcome(peer_id, False, trio.current_time())
         if isinstance(exc, Faulty):
             self._quarantine(peer_id, str(exc))
-        if outcome is not Outcome.REFUSED and not candidate.is_local:
+        if blamed and outcome is not Outcome.REFUSED and not candidate.is_local:
             self.race.cancel_waiters(peer_id)
         logger.info(
             "%s: %s (%s); trying the next candidate", peer_id, outcome.value, exc

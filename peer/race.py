@@ -4,8 +4,9 @@
 multiple of the router's TTFT estimate, with a floor), the next starts too, at most
 MAX_RACING at once; a failure starts the next at once. The first racer with a token wins
 and the others are cancelled (reset); one that started before the winner was hedged and
-lost, and counts as stalled. Each remote racer's first-token deadline is a multiple of
-its estimate, with a floor, capped by ``forward_first_token_s``.
+lost, and shows as stalled in the route (it is not backed off: see HedgeLost). Each
+remote racer's first-token deadline is a multiple of its estimate, with a floor, capped
+by ``forward_first_token_s``.
 
 Failures are reported through ``on_failed`` the moment they happen; `cancel_waiters`
 lets the pipeline move every request waiting on a failed peer's first token along.
@@ -23,7 +24,7 @@ from typing import Any
 import trio
 
 from peer.config import PeerConfig
-from peer.forward import AttemptFailed, LocalAttempt, MovedOn, RemoteAttempt
+from peer.forward import AttemptFailed, HedgeLost, LocalAttempt, MovedOn, RemoteAttempt
 from peer.router import Candidate
 from peer.trust import TrustLedger
 
@@ -177,8 +178,7 @@ class Race:
             with trio.CancelScope(shield=True):
                 await attempt.aclose()
             if winner and racer.index < winner[0].index:
-                lost = AttemptFailed("stalled", "hedged: a later candidate answered first")
-                self._on_failed(candidate, lost, route)
+                self._on_failed(candidate, HedgeLost(), route)
             raise
         finally:
             self._stop_waiting(peer_id, waiter)

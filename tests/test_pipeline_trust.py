@@ -91,6 +91,8 @@ async def test_a_slow_candidate_is_hedged_and_the_first_token_wins(autojump_cloc
     assert route(result) == [(A, Outcome.STALLED), (B, Outcome.OK)]
     assert list(result.token_ids) == GOOD
     assert swarm.pipeline.statistics()["hedges"] == 1
+    # Slower than its hedge delay is not a stall: A is not backed off for it.
+    assert swarm.pipeline.router.failed_s_ago(A, trio.current_time()) is None
 
 
 async def test_a_hedge_that_loses_is_cancelled_and_not_blamed(autojump_clock):

@@ -35,6 +35,11 @@ def config(listen: tuple[str, ...], bootstrap: tuple[str, ...] = (), **extra: An
     )
 
 
+def rtt_of(entry: Any, other: Any) -> float | None:
+    view = entry.peer.table.get(other.peer.peer_id, trio.current_time())
+    return None if view is None else view.rtt_s
+
+
 async def test_outbound_only_peer_is_served_through_a_relay(nursery, tiny_engine_factory):
     relay = await start_peer(nursery, config(LOOPBACK), tiny_engine_factory())
     boot = tuple(relay.peer.multiaddrs)
@@ -47,9 +52,11 @@ async def test_outbound_only_peer_is_served_through_a_relay(nursery, tiny_engine
     chain = entry.peer.engine.hasher.chain(prompt)
     await wait_until(
         lambda: entry.peer.table.estimate_match(holder.peer.peer_id, chain) >= len(prefix) // 16
-        and holder.peer.host.reach.relayed_addrs() != [],
+        and holder.peer.host.reach.relayed_addrs() != []
+        and rtt_of(entry, holder) is not None,
         timeout_s=20,
-        what="the entry knows the holder's prefix and the holder reserved a relay slot",
+        what="the entry knows the holder's prefix, the holder reserved a relay slot, and "
+        "the entry measured its round trip through the relay (only such peers are routed to)",
     )
     assert holder.peer.reachability == "private"
     assert holder.peer.multiaddrs and all("/p2p-circuit/" in a for a in holder.peer.multiaddrs)
@@ -57,7 +64,6 @@ async def test_outbound_only_peer_is_served_through_a_relay(nursery, tiny_engine
 
     params = SamplingParams(max_new_tokens=8)
     result = await entry.peer.generate(prompt, params)
-
     assert result.served_by == holder.peer.peer_id
     assert result.cached_tokens == len(prefix)
     assert [x.outcome for x in result.route] == [Outcome.OK]

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import Any
 
 import torch
@@ -108,6 +108,8 @@ class Engine:
         self.max_running = max_running
         self._eos = frozenset(loaded.eos_token_ids)
         self._waiting: deque[RequestState] = deque()
+        # Called with each request's wait before its first step (metrics: queue wait).
+        self.queue_wait_observers: list[Callable[[float], None]] = []
         self._batch: dict[int, RequestState] = {}  # admitted, unfinished; insertion order = age
         self._next_rid = 0
         self._stepping = False  # a step is running or waits for the model
@@ -370,6 +372,8 @@ class Engine:
                 kept.append(req)
                 continue
             free -= 1
+            for observe in self.queue_wait_observers:  # metrics: the wait before a first step
+                observe(time.perf_counter() - req.start)
             max_blocks = (len(req.tokens) - 1) // self.block_size
             req.match = self.cache.match(req.tokens, now, max_blocks, salt=req.salt)
             self.cache.lock(req.match)
