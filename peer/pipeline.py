@@ -7,8 +7,9 @@ too, and the first to deliver a token wins; the others are cancelled (one that w
 hedged and lost shows as stalled, but is not backed off). Each remote candidate's
 first-token deadline is a multiple of that estimate, with a floor, capped by
 ``forward_first_token_s``. A failure or stall is recorded at once: concurrent requests
-stop choosing that peer, and those waiting on its first token move on. A candidate that fails after streaming tokens hands
-over to the next with the prompt plus the tokens so far (greedy output stays identical).
+stop choosing that peer, and those waiting on its first token move on. A candidate that
+fails after streaming tokens hands over to the next with the prompt plus the tokens so
+far (greedy output stays identical).
 The entry peer itself is always among the candidates, so the request completes if this
 peer can run it. One `RequestFailed` at the end carries every attempt's cause.
 
