@@ -11,8 +11,8 @@ Modes (issue 11's attacks, each within what an honest peer's validation accepts)
   ids), more of them than max_new_tokens, and a result whose served_by names someone else.
 - wrong_tokens_sampled: the same summary; answers greedy requests honestly and sampled
   ones with plausible-looking wrong tokens: at each step the most likely token outside
-  the request's top_p nucleus (at its temperature), i.e. a token honest sampling never
-  draws, while the text still looks like the model's.
+  the request's top_p nucleus (at its temperature, the nucleus widened by NUCLEUS_MARGIN),
+  i.e. a token honest sampling never draws, while the text still looks like the model's.
 - forged_origins: serves honestly under its own identity, and publishes valid signed
   summaries (attractive ones, as above) of --forged fresh identities that never connect.
 - sybil: --identities peers in this one process (one shared engine), each connected and
@@ -68,6 +68,9 @@ logger = logging.getLogger("bench.rogue")
 POISON_BLOOM_BITS = 1 << 16  # 8 KiB: an ordinary summary size
 POISON_FILL = 0.88  # under the table's 0.9 "too full" bound
 POISON_SPEED = 1e9  # protocols.summary.MAX_TOKENS_PER_S: the largest accepted claim
+# wrong_tokens_sampled: tokens outside the nucleus widened by this much probability mass,
+# beyond any verifier's tolerance for rounding near the cut (peer/engine/verify.py: 0.01).
+NUCLEUS_MARGIN = 0.05
 EXTRA_TOKENS = 8  # wrong_tokens_*: this many tokens beyond max_new_tokens
 STALL_MAX_S = 600.0  # a stalled stream is held at most this long (or the request's deadline)
 READ_TIMEOUT_S = 10.0  # the entry peer sends its request at once
@@ -126,13 +129,13 @@ def wrong_tokens(request: InferRequest, vocab_size: int, rng: random.Random) -> 
 
 
 def out_of_nucleus(logits: Any, temperature: float, top_p: float) -> int:
-    """The most likely token that sampling at (temperature, top_p) can never draw; the
-    least likely token when the nucleus holds the whole vocabulary."""
+    """The most likely token that sampling at (temperature, top_p + NUCLEUS_MARGIN) can
+    never draw; the least likely token when that nucleus holds the whole vocabulary."""
     import torch
 
     probs = torch.softmax(logits.float() / max(temperature, 1e-6), dim=-1)
     sorted_p, order = torch.sort(probs, descending=True)
-    keep = (torch.cumsum(sorted_p, dim=0) - sorted_p) < top_p
+    keep = (torch.cumsum(sorted_p, dim=0) - sorted_p) < top_p + NUCLEUS_MARGIN
     outside = int(keep.sum())
     return int(order[min(outside, len(order) - 1)])
 
