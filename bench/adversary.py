@@ -17,9 +17,9 @@ checkpoint, loaded in this process): greedy, the exact text; sampled with a seed
 sampling is deterministic too, so the reference is the honest seeded text (stricter than a
 probability test: any deviation counts). TTFT is measured by this client (send to first
 text). From each response's route: which peers were tried, so the attempts on rogue
-identities and when they stopped (`requests_until_quarantine`: forwards entry peers sent
-to the liar, counted over all entries, when the liar was no longer tried in the last
-quarter of the requests; null when it still was).
+identities; after the requests, each honest peer's /v1/swarm says what its trust ledger
+holds of them (`requests_until_quarantine`: the forwards all entry peers sent to the liar,
+when at least one ledger quarantined it; null when none did, as on code without one).
 
 The JSON: {"params", "baseline": {...}, "adversaries": {NAME: {...}},
 "quarantine_trials": {...}} (the last from bench.quarantine, in process).
@@ -64,7 +64,7 @@ HONEST_PEERS = 3
 SYBIL_IDENTITIES = 10
 FORGED_IDENTITIES = 40
 READY_TIMEOUT_S = 180.0  # model loading on 2 busy cores
-READY_ROGUE_S = 20.0  # honest peers learn the rogue's summaries within a few intervals
+READY_ROGUE_S = 45.0  # honest peers learn the rogue's summaries within a few intervals
 REQUEST_TIMEOUT_S = 150.0  # one request end to end; a stalled forward costs 30 s on main
 SAMPLED = {"temperature": 0.8, "top_p": 0.9}
 
@@ -252,7 +252,7 @@ def summarise(
         )
         row["rogue_still_tried_in_last_quarter"] = not stopped
     if name in LIARS and rogue is not None:
-        row["requests_until_quarantine"] = sum(attempts.values()) if stopped else None
+        row["requests_until_quarantine"] = None  # set from the ledgers (_add_trust_states)
     if name in ("forged_origins", "sybil") and rogue is not None:
         # None of them ever serves correctly, so every attempt came before it proved itself.
         ids = rogue.forged_ids if name == "forged_origins" else rogue.peer_ids
@@ -300,9 +300,9 @@ async def run_scenario(
                 await rogue.wait_fresh_stats()
             row = summarise(name, outcomes, refs, honest, rogue, args.max_new_tokens)
             if rogue is not None:
-                row["rogue_listed_by_honest_peers"] = [
-                    len(p.known & (set(rogue.peer_ids) | set(rogue.forged_ids))) for p in honest
-                ]
+                fakes = set(rogue.peer_ids) | set(rogue.forged_ids)
+                row["rogue_listed_by_honest_peers"] = [len(p.known & fakes) for p in honest]
+                await _add_trust_states(row, honest, fakes)
             log(
                 f"{name}: ok {row['requests_ok']} failed {row['requests_failed']} wrong "
                 f"{row['wrong_outputs_delivered']} ttft p50 {row['ttft_p50_s']:.3f} s "
@@ -312,6 +312,36 @@ async def run_scenario(
         finally:
             await _stop([*honest, *([rogue] if rogue else [])])  # type: ignore[list-item]
             nursery.cancel_scope.cancel()
+
+
+async def _add_trust_states(
+    row: dict[str, Any], honest: list[PeerProcess], fakes: set[str]
+) -> None:
+    """What each honest peer's trust ledger says of the rogue identities (/v1/swarm; a
+    peer without a ledger says nothing), and requests_until_quarantine from it."""
+    states: Counter[str] = Counter()
+    reasons: set[str] = set()
+    quarantined_by = 0
+    async with httpx.AsyncClient(timeout=10) as client:
+        for peer in honest:
+            try:
+                view = (await client.get(f"{peer.http}/v1/swarm")).json()
+            except (httpx.HTTPError, ValueError):
+                continue
+            trusts = [p.get("trust") for p in view.get("peers", ()) if p["peer_id"] in fakes]
+            quarantined_by += any(t and t["state"] == "quarantined" for t in trusts)
+            for t in filter(None, trusts):
+                states[t["state"]] += 1
+                if t["state"] == "quarantined":
+                    reasons.add(t["reason"][:100])
+    row["rogue_trust_states"] = dict(states)
+    row["quarantine_reasons"] = sorted(reasons)
+    row["quarantined_by_honest_peers"] = quarantined_by
+    if "requests_until_quarantine" in row:
+        # The forwards all entries sent to the liar, when some ledger quarantined it.
+        row["requests_until_quarantine"] = (
+            row["attempts_on_rogue_identities"] if quarantined_by else None
+        )
 
 
 async def _drive(

@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import enum
+import functools
 import json
 import logging
 import math
@@ -95,16 +96,24 @@ ATTRACTIVE_MODES = frozenset(
 # -- pure parts (tests call these) --------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=4)
+def poisoned_bloom(seed: int) -> BloomFilter:
+    """A k=1 filter with POISON_FILL of its bits set at random (built once per seed:
+    ~0.1 s of Python, too slow to redo for every summary of 10 identities)."""
+    rng = random.Random(seed)
+    bits = [rng.random() < POISON_FILL for _ in range(POISON_BLOOM_BITS)]
+    data = bytes(
+        sum(1 << j for j in range(8) if bits[8 * i + j]) for i in range(POISON_BLOOM_BITS // 8)
+    )
+    return BloomFilter.from_bytes(POISON_BLOOM_BITS, 1, data)
+
+
 def poisoned_summary(
     peer_id: str, model_id: str, block_size: int, seq: int, rng: random.Random
 ) -> CacheSummary:
     """A summary every honest table accepts that claims nearly every prefix, no load and
     the fastest speed the format allows."""
-    bits = [rng.random() < POISON_FILL for _ in range(POISON_BLOOM_BITS)]
-    data = bytes(
-        sum(1 << j for j in range(8) if bits[8 * i + j]) for i in range(POISON_BLOOM_BITS // 8)
-    )
-    bloom = BloomFilter.from_bytes(POISON_BLOOM_BITS, 1, data)
+    bloom = poisoned_bloom(rng.randrange(4))
     cached = round(bloom.estimated_count())  # the count that explains this fill exactly
     return CacheSummary(
         peer_id=peer_id,
