@@ -28,7 +28,9 @@ from peer.config import (
     DEFAULT_CACHE_BYTES,
     DEFAULT_IDENTITY_FILE,
     DEFAULT_MODEL,
+    DEFAULT_PROBATION_REQUESTS,
     DEFAULT_SUMMARY_INTERVAL_S,
+    DEFAULT_VERIFY_FRACTION,
     PeerConfig,
     Policy,
 )
@@ -72,6 +74,12 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
         summary_interval_s=args.summary_interval,
         policy=Policy(args.policy),
         forward_delay_s=getattr(args, "forward_delay", 0.0),
+        verify_fraction=getattr(args, "verify_fraction", DEFAULT_VERIFY_FRACTION),
+        probation_requests=getattr(args, "probation_requests", DEFAULT_PROBATION_REQUESTS),
+        quarantine_file=(
+            Path(os.path.expanduser(args.quarantine_file))
+            if getattr(args, "quarantine_file", None) else None
+        ),
     )
 
 
@@ -276,6 +284,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--exit-with-stdin", action="store_true", help="stop when stdin closes")
     serve.add_argument("--forward-delay", type=float, default=0.0, metavar="S",
                        help="benchmarks: add S seconds one-way delay to every forward (WAN)")
+    serve.add_argument("--verify-fraction", type=float, default=DEFAULT_VERIFY_FRACTION,
+                       metavar="F", help="share of forwarded responses verified before delivery")
+    serve.add_argument("--probation-requests", type=int, default=DEFAULT_PROBATION_REQUESTS,
+                       metavar="K", help="verified responses before a new peer is trusted")
+    serve.add_argument("--quarantine-file", default=None, metavar="PATH",
+                       help="quarantined peers (default: quarantine.json next to --identity)")
 
     gen = sub.add_parser("generate", help="send a prompt to a running peer, stream the answer")
     gen.add_argument("prompt", help="the prompt ('-' reads stdin)")

@@ -21,6 +21,17 @@ DEFAULT_FORWARD_TOKEN_GAP_S = 10.0  # a stream silent this long between tokens i
 DEFAULT_REQUEST_TIMEOUT_S = 300.0  # an end-to-end deadline when the client gives none
 DEFAULT_LISTEN = ("/ip4/0.0.0.0/tcp/4001",)  # the conventional libp2p port, all interfaces
 DEFAULT_IDENTITY_FILE = "~/.config/prefixswarm/identity.key"  # persisted ed25519 key, 0600
+# Trust (peer/trust.py has the reasons of the ledger's defaults).
+DEFAULT_VERIFY_FRACTION = 0.1  # 1 - 0.9**50 = 99.5% of always-lying peers caught in 50 forwards
+DEFAULT_PROBATION_REQUESTS = 3  # verified good responses before a new identity is trusted
+DEFAULT_PROBATION_SHARE = 4  # probation peers together get at most 1 request in 4
+QUARANTINE_FILE_NAME = "quarantine.json"  # next to the identity key unless told otherwise
+DEFAULT_FIRST_TOKEN_MULTIPLE = 4.0  # a forward's first-token deadline: 4x its estimated TTFT
+DEFAULT_FIRST_TOKEN_FLOOR_S = 1.0  # ... but at least this: estimates of idle peers are ~10 ms,
+#   and a busy event loop or a GC pause must not read as a stall
+DEFAULT_HEDGE_MULTIPLE = 2.0  # no first token after 2x the estimate: start the next candidate
+DEFAULT_HEDGE_FLOOR_S = 0.1  # ... at the earliest after this: loopback TTFTs are 5-20 ms,
+#   but 50-100 ms on a loaded 2-core machine, and a hedge duplicates the work
 
 MAX_SUMMARY_INTERVAL_S = 600.0  # beyond this a summary says nothing useful about a cache
 MIN_BLOOM_FP_RATE = 1e-4  # protocols/bloom.py's bound: rarer false hits cost more bits than gain
@@ -64,6 +75,14 @@ class PeerConfig:
     request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
     # Test/bench hook: an added one-way delay before each forward, emulating a WAN.
     forward_delay_s: float = 0.0
+    verify_fraction: float = DEFAULT_VERIFY_FRACTION
+    probation_requests: int = DEFAULT_PROBATION_REQUESTS  # 0: no probation
+    probation_share: int = DEFAULT_PROBATION_SHARE
+    quarantine_file: Path | None = None  # None: QUARANTINE_FILE_NAME next to identity_file
+    first_token_multiple: float = DEFAULT_FIRST_TOKEN_MULTIPLE
+    first_token_floor_s: float = DEFAULT_FIRST_TOKEN_FLOOR_S
+    hedge_multiple: float = DEFAULT_HEDGE_MULTIPLE  # 0: no hedging
+    hedge_floor_s: float = DEFAULT_HEDGE_FLOOR_S
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -105,6 +124,26 @@ class PeerConfig:
             )
         if self.forward_delay_s < 0:
             raise ValueError(f"forward_delay_s must be >= 0, got {self.forward_delay_s}")
+        if not 0.0 <= self.verify_fraction <= 1.0:
+            raise ValueError(f"verify_fraction must be in [0, 1], got {self.verify_fraction}")
+        if self.probation_requests < 0 or self.probation_share < 1:
+            raise ValueError(
+                f"probation_requests must be >= 0 and probation_share >= 1, got "
+                f"{self.probation_requests} and {self.probation_share}"
+            )
+        if self.first_token_multiple < 1 or self.first_token_floor_s <= 0:
+            raise ValueError("first_token_multiple must be >= 1 and first_token_floor_s > 0")
+        if self.hedge_multiple < 0 or self.hedge_floor_s < 0:
+            raise ValueError("hedge_multiple and hedge_floor_s must be >= 0")
+
+    @property
+    def quarantine_path(self) -> Path | None:
+        """Where quarantined peers are persisted (None: not persisted)."""
+        if self.quarantine_file is not None:
+            return self.quarantine_file
+        if self.identity_file is None:
+            return None
+        return self.identity_file.with_name(QUARANTINE_FILE_NAME)
 
     @property
     def summary_expiry_s(self) -> float:

@@ -369,6 +369,21 @@ class HttpApi:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE)
 
 
+def trust_view(trust: Any, peer_id: str) -> dict[str, Any] | None:
+    """What this peer's trust ledger holds about ``peer_id`` (None without a ledger)."""
+    if trust is None:
+        return None
+    t = trust.view(peer_id)
+    return {
+        "state": t.state.value,
+        "reason": t.reason,
+        "verified": t.verified,
+        "served": t.served,
+        "discount": round(t.discount, 4),
+        "claims": t.claims.value,
+    }
+
+
 def swarm_view(peer: Any) -> dict[str, Any]:
     """This peer's view of the swarm, as plain JSON: itself, then every peer in its table."""
     now = trio.current_time()
@@ -376,6 +391,7 @@ def swarm_view(peer: Any) -> dict[str, Any]:
     load = engine.load()
     cache = engine.cache
     peers = []
+    trust = peer.serving.trust if getattr(peer, "serving", None) is not None else None
     for view in peer.table.views(now):
         s = view.summary
         peers.append(
@@ -392,6 +408,7 @@ def swarm_view(peer: Any) -> dict[str, Any]:
                 "prefill_tokens_per_s": s.prefill_tokens_per_s,
                 "decode_tokens_per_s": s.decode_tokens_per_s,
                 "forwards_since_summary": view.forwards_since_summary,
+                "trust": trust_view(trust, view.peer_id),
             }
         )
     return {

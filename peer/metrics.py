@@ -76,7 +76,7 @@ class _PeerCollector(Collector):
             labels=["event"],
         )
         for key, value in sorted(pipeline.items()):
-            if key != "entry_in_flight":
+            if key not in ("entry_in_flight", "verification_available"):  # gauges, not events
                 events.add_metric([key], _total(value))
         yield events
 

@@ -1,11 +1,22 @@
 """The entry peer's request path: admit, route, forward or run locally, fall back.
 
-Like happy eyeballs (STYLE.md item 5): the router ranks candidates; each is tried in
-turn until one completes the request. A candidate that fails, refuses or stalls before
-its first token is abandoned for the next; one that fails after streaming tokens hands
+Happy eyeballs (STYLE.md item 5): the router ranks candidates and they race for the first
+token. A remote candidate with no first token after its hedge delay (a multiple of the
+router's own TTFT estimate for it, with a floor) gets company: the next candidate starts
+too, and the first to deliver a token wins; the others are cancelled (one that was
+hedged and lost counts as stalled). Each remote candidate's first-token deadline is a
+multiple of that estimate, with a floor, capped by ``forward_first_token_s``. A failure
+or stall is recorded at once: concurrent requests stop choosing that peer, and those
+waiting on its first token move on. A candidate that fails after streaming tokens hands
 over to the next with the prompt plus the tokens so far (greedy output stays identical).
 The entry peer itself is always among the candidates, so the request completes if this
 peer can run it. One `RequestFailed` at the end carries every attempt's cause.
+
+Remote output is data (peer/forward.py): at most ``max_new_tokens``, ids in the
+vocabulary, text decoded here, ``served_by`` the id of the peer dialed. A response chosen
+for verification (the trust ledger decides: always on probation, else with probability
+``verify_fraction``) is held back until the engine's teacher-forced ``verify`` accepts it;
+a wrong one quarantines the peer, and its verified-good prefix (if any) is kept.
 
 Cancel scopes never span a `yield` here: each await has its own deadline, so a slow
 consumer (an HTTP client) is never blamed for a slow peer, nor the reverse.
@@ -16,37 +27,29 @@ from __future__ import annotations
 import contextlib
 import enum
 import logging
+import math
+import random
 import uuid
-from collections import Counter
-from collections.abc import AsyncGenerator, Sequence
-from dataclasses import dataclass, replace
+from collections import Counter, deque
+from collections.abc import AsyncGenerator, Callable, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import trio
-from libp2p.peer.id import ID
 
 from peer.admission import Admission, Overloaded
 from peer.config import PeerConfig
-from peer.engine.engine import Completion, SamplingParams, TokenEvent
-from peer.host import PeerUnreachable
-from peer.inference import FrameStream, StreamBroken
+from peer.engine.engine import EngineError, SamplingParams
+from peer.engine.requests import StopTracker
+from peer.forward import AttemptFailed, Faulty, LocalAttempt, RemoteAttempt
 from peer.router import Candidate, LocalState, Router
-from protocols.errors import RemoteProtocolError
-from protocols.ids import INFER_PROTOCOL
-from protocols.infer import (
-    MAX_DEADLINE_S,
-    ErrorCode,
-    InferError,
-    InferRequest,
-    InferResult,
-    TokenChunk,
-)
+from peer.trust import Promote, Quarantine, TrustLedger
+from protocols.infer import MAX_DEADLINE_S, InferRequest
 
 logger = logging.getLogger(__name__)
 ROUTE_LOG_CANDIDATES = 3  # the candidates a DEBUG log line explains, best first
 
-# Streams to a peer open within this; the first-token deadline covers the rest.
-STREAM_OPEN_TIMEOUT_S = 10.0
+MAX_RACING = 3  # attempts racing for one request's first token at once (hedging bound)
 # The time left that a forward must at least have: below it, running locally is better.
 MIN_FORWARD_BUDGET_S = 0.05
 
@@ -69,6 +72,7 @@ class Outcome(enum.Enum):
     FAILED = "failed"  # unreachable, broken stream, protocol error
     STALLED = "stalled"  # no first token / no next token in time
     HANDED_OVER = "handed_over"  # failed after streaming tokens; the next one continues
+    WRONG_OUTPUT = "wrong_output"  # verification rejected it: the peer is quarantined
 
 
 @dataclass(frozen=True)
@@ -106,22 +110,44 @@ class GenerationResult:
     route: tuple[Attempt, ...]
 
 
-class _AttemptFailed(Exception):
-    def __init__(self, outcome: Outcome, detail: str) -> None:
-        super().__init__(detail)
-        self.outcome = outcome
+class _WrongOutput(AttemptFailed):
+    def __init__(self, detail: str) -> None:
+        super().__init__(Outcome.WRONG_OUTPUT.value, detail)
+
+
+class _Detokenizer:
+    """The engine's decode() as StopTracker's tokenizer."""
+
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return str(self._engine.decode(token_ids))
 
 
 @dataclass
 class _Progress:
-    """What the request has so far, across attempts."""
+    """What the request has delivered so far, across attempts."""
 
-    generated: list[int]
-    texts: list[str]
+    tracker: StopTracker  # the text, decoded here from every token delivered
+    generated: list[int] = field(default_factory=list)
     first_token_at: float | None = None
     cached_tokens: int | None = None
     served_by: str = ""
     handovers: int = 0  # attempts that streamed tokens and then failed
+
+
+Attempt_ = LocalAttempt | RemoteAttempt
+
+
+@dataclass
+class _Racer:
+    """One candidate racing for the first token."""
+
+    candidate: Candidate
+    attempt: Attempt_
+    index: int  # start order within the race
+    verify: bool = False
 
 
 class Pipeline:
@@ -137,6 +163,9 @@ class Pipeline:
         host: Any,
         admission: Admission,
         self_id: str,
+        trust: TrustLedger | None = None,
+        rng: random.Random | None = None,
+        on_quarantine: Callable[[Quarantine], None] | None = None,
     ) -> None:
         self._config = config
         self._engine = engine
@@ -146,6 +175,19 @@ class Pipeline:
         self._admission = admission
         self._entry = Admission(config.max_queue * 4, name="entry queue")
         self._self_id = self_id
+        self._verify = getattr(engine, "verify", None)  # cache-only engines have none
+        if trust is None:
+            trust = router.trust or TrustLedger(
+                verify_fraction=config.verify_fraction,
+                probation_requests=config.probation_requests,
+                probation_share=config.probation_share,
+                can_verify=self._verify is not None,
+            )
+        self.trust = trust
+        self._rng = rng or random.Random()
+        self._on_quarantine = on_quarantine
+        # Requests waiting on a peer's first token, by peer: cancelled when it fails.
+        self._waiting: dict[str, set[trio.CancelScope]] = {}
         self.stats: Counter[str] = Counter()
 
     # -- the public path ----------------------------------------------------------------
@@ -174,66 +216,52 @@ class Pipeline:
             self.stats["requests"] += 1
             start = trio.current_time()
             deadline = start + (timeout_s or self._config.request_timeout_s)
-            progress = _Progress([], [])
+            progress = _Progress(StopTracker(_Detokenizer(self._engine), params.stop))
             route: list[Attempt] = []
-            candidates = self._rank(tokens, params, start)
-            for candidate in candidates:
+            pending = deque(self._rank(tokens, params, start))
+            while pending:
                 remaining = params.max_new_tokens - len(progress.generated)
                 if remaining <= 0:  # the stream broke after the last token, before the result
                     yield self._result(request_id, tokens, progress, "length", start, route)
                     return
-                left = deadline - trio.current_time()
-                if left <= 0:
+                if deadline - trio.current_time() <= 0:
                     break
-                if not candidate.is_local and left < MIN_FORWARD_BUDGET_S:
-                    continue
-                before = len(progress.generated)
                 sub_params = replace(params, max_new_tokens=remaining)
                 prompt = tokens + progress.generated
+                racer = await self._race(pending, prompt, sub_params, request_id, deadline, route)
+                if racer is None:
+                    continue
+                candidate, attempt = racer.candidate, racer.attempt
+                before = len(progress.generated)
+                finish = "stop"
                 try:
-                    if candidate.is_local:
-                        attempt = self._run_local(prompt, sub_params, progress)
-                    else:
-                        attempt = self._forward(
-                            candidate, prompt, sub_params, request_id, deadline, progress
-                        )
-                    finish = "stop"
-                    async with contextlib.aclosing(attempt) as chunks:
-                        async for item in chunks:
+                    agen = self._deliver(racer, prompt, sub_params, progress)
+                    async with contextlib.aclosing(agen) as items:
+                        async for item in items:
                             if isinstance(item, GenerationChunk):
-                                if progress.first_token_at is None:
-                                    progress.first_token_at = trio.current_time()
                                 yield item
                             else:
                                 finish = item
-                    self.router.record_outcome(candidate.peer_id, True, trio.current_time())
-                    route.append(
-                        Attempt(
-                            candidate.peer_id,
-                            candidate.is_local,
-                            Outcome.OK,
-                            "",
-                            len(progress.generated) - before,
-                        )
-                    )
-                    self.stats["served_local" if candidate.is_local else "served_remote"] += 1
-                    if len(route) > 1:
-                        self.stats["served_after_fallback"] += 1
-                    yield self._result(request_id, tokens, progress, finish, start, route)
-                    return
-                except _AttemptFailed as exc:
+                except AttemptFailed as exc:
                     produced = len(progress.generated) - before
-                    outcome = Outcome.HANDED_OVER if produced else exc.outcome
+                    outcome = Outcome(exc.outcome)
+                    if produced and outcome is not Outcome.WRONG_OUTPUT:
+                        outcome = Outcome.HANDED_OVER
                     progress.handovers += bool(produced)
-                    route.append(
-                        Attempt(candidate.peer_id, candidate.is_local, outcome, str(exc), produced)
-                    )
-                    self.stats[f"attempt_{outcome.value}"] += 1
-                    self.router.record_outcome(candidate.peer_id, False, trio.current_time())
-                    logger.info(
-                        "request %s: %s %s (%s); trying the next candidate",
-                        request_id, candidate.peer_id, outcome.value, exc,
-                    )
+                    self._attempt_failed(candidate, outcome, exc, route, produced)
+                    continue
+                finally:
+                    await attempt.aclose()
+                self._attempt_ok(racer, prompt, before, progress)
+                route.append(
+                    Attempt(candidate.peer_id, candidate.is_local, Outcome.OK, "",
+                            len(progress.generated) - before)
+                )
+                self.stats["served_local" if candidate.is_local else "served_remote"] += 1
+                if len(route) > 1:
+                    self.stats["served_after_fallback"] += 1
+                yield self._result(request_id, tokens, progress, finish, start, route)
+                return
             self.stats["failed"] += 1
             if route and all(a.outcome is Outcome.REFUSED for a in route):
                 raise Overloaded(
@@ -263,6 +291,7 @@ class Pipeline:
     def statistics(self) -> dict[str, int]:
         out = dict(self.stats)
         out["entry_in_flight"] = self._entry.in_flight
+        out["verification_available"] = int(self._verify is not None)
         return out
 
     # -- routing ------------------------------------------------------------------------
@@ -288,46 +317,83 @@ class Pipeline:
             )
         return candidates
 
-    # -- one attempt each ---------------------------------------------------------------
+    def first_token_timeout_s(self, candidate: Candidate) -> float:
+        """A forward's first-token deadline: a multiple of the router's estimate, floored,
+        capped by forward_first_token_s."""
+        config = self._config
+        timeout = max(config.first_token_floor_s, config.first_token_multiple * _ttft(candidate))
+        return min(timeout, config.forward_first_token_s)
 
-    async def _run_local(
-        self, prompt: list[int], params: SamplingParams, progress: _Progress
-    ) -> AsyncGenerator[GenerationChunk | str, None]:
-        try:
-            slot = self._admission.admit()
-        except Overloaded as exc:
-            raise _AttemptFailed(Outcome.REFUSED, str(exc)) from exc
-        with slot:
-            agen = self._engine.stream(prompt, params)
-            async with contextlib.aclosing(agen):
-                async for item in agen:
-                    if isinstance(item, TokenEvent):
-                        progress.generated.append(item.token_id)
-                        progress.texts.append(item.text)
-                        progress.served_by = self._self_id
-                        yield GenerationChunk((item.token_id,), item.text, self._self_id)
-                    elif isinstance(item, Completion):
-                        if progress.cached_tokens is None:
-                            progress.cached_tokens = item.usage.cached_tokens
-                        yield item.finish_reason
+    def hedge_delay_s(self, candidate: Candidate) -> float:
+        """How long a candidate races alone before the next one starts (inf: never)."""
+        config = self._config
+        if candidate.is_local or config.hedge_multiple <= 0:
+            return math.inf  # this peer's own estimate is exact; hedging it doubles work
+        return max(config.hedge_floor_s, config.hedge_multiple * _ttft(candidate))
 
-    async def _forward(
+    # -- the race for the first token -----------------------------------------------------
+
+    async def _race(
+        self,
+        pending: deque[Candidate],
+        prompt: list[int],
+        params: SamplingParams,
+        request_id: str,
+        deadline: float,
+        route: list[Attempt],
+    ) -> _Racer | None:
+        """Start candidates from ``pending``, hedging, until one has a first token."""
+        winner: list[_Racer] = []
+        running: list[_Racer] = []
+        wake = [trio.Event()]  # set when a racer fails: the next one starts at once
+        async with trio.open_nursery() as nursery:
+            index = 0
+            while pending and not winner:
+                if len(running) >= MAX_RACING:
+                    await wake[0].wait()
+                    wake[0] = trio.Event()
+                    continue
+                candidate = pending.popleft()
+                left = deadline - trio.current_time()
+                if left <= 0:
+                    pending.clear()
+                    break
+                if not candidate.is_local and left < MIN_FORWARD_BUDGET_S:
+                    continue
+                try:
+                    attempt = self._attempt(candidate, prompt, params, request_id, deadline)
+                except AttemptFailed as exc:
+                    self._attempt_failed(candidate, Outcome(exc.outcome), exc, route, 0)
+                    continue
+                racer = _Racer(candidate, attempt, index)
+                index += 1
+                running.append(racer)
+                wake[0] = trio.Event()
+                nursery.start_soon(
+                    self._open, racer, deadline, winner, running, wake, nursery.cancel_scope, route
+                )
+                with trio.move_on_after(self.hedge_delay_s(candidate)):
+                    await wake[0].wait()
+                if not wake[0].is_set() and not winner and pending:
+                    self.stats["hedges"] += 1
+        return winner[0] if winner else None
+
+    def _attempt(
         self,
         candidate: Candidate,
         prompt: list[int],
         params: SamplingParams,
         request_id: str,
         deadline: float,
-        progress: _Progress,
-    ) -> AsyncGenerator[GenerationChunk | str, None]:
-        peer_id = candidate.peer_id
-        now = trio.current_time()
+    ) -> Attempt_:
+        if candidate.is_local:
+            return LocalAttempt(self._engine, self._admission, prompt, params)
         try:
             request = InferRequest(
                 request_id=request_id,
                 prompt_token_ids=tuple(prompt),
                 max_new_tokens=params.max_new_tokens,
-                deadline_s=min(deadline - now, MAX_DEADLINE_S),
+                deadline_s=min(deadline - trio.current_time(), MAX_DEADLINE_S),
                 temperature=params.temperature,
                 top_p=params.top_p,
                 seed=params.seed,
@@ -335,67 +401,203 @@ class Pipeline:
                 hops=1,
             )
         except ValueError as exc:  # the engine accepts more than the wire carries
-            raise _AttemptFailed(Outcome.FAILED, f"cannot be forwarded: {exc}") from exc
-        charge = self._table.record_forward(peer_id, len(prompt), now)
+            raise AttemptFailed("failed", f"cannot be forwarded: {exc}") from exc
         self.stats["forwards"] += 1
-        first_deadline = min(deadline, now + self._config.forward_first_token_s)
-        frames: FrameStream | None = None
-        got_first = False
-        try:
-            with trio.fail_at(first_deadline):
-                if self._config.forward_delay_s:  # emulated WAN: the request's one-way trip
-                    await trio.sleep(self._config.forward_delay_s)
-                stream = await self._host.new_stream(
-                    ID.from_base58(peer_id), [INFER_PROTOCOL], timeout_s=STREAM_OPEN_TIMEOUT_S
-                )
-                frames = FrameStream(stream, self._engine.vocab_size)
-                await frames.send(request)
-            while True:
-                gap_deadline = (
-                    min(deadline, trio.current_time() + self._config.forward_token_gap_s)
-                    if got_first
-                    else first_deadline
-                )
-                with trio.fail_at(gap_deadline):
-                    message = await frames.receive_response()
-                    if not got_first and self._config.forward_delay_s:
-                        await trio.sleep(self._config.forward_delay_s)  # the reply's trip
-                if isinstance(message, TokenChunk):
-                    if message.token_ids and not got_first:
-                        got_first = True
-                        if charge is not None:
-                            self._table.forward_prefilled(charge)
-                    progress.generated.extend(message.token_ids)
-                    progress.texts.append(message.text)
-                    progress.served_by = peer_id
-                    yield GenerationChunk(message.token_ids, message.text, peer_id)
-                elif isinstance(message, InferResult):
-                    if progress.cached_tokens is None:
-                        progress.cached_tokens = message.cached_tokens
-                    progress.served_by = message.served_by
-                    yield message.finish_reason.value
-                    return
-                else:
-                    raise self._remote_error(message)
-        except trio.TooSlowError as exc:
-            raise _AttemptFailed(Outcome.STALLED, "no token before the deadline") from exc
-        except (StreamBroken, RemoteProtocolError) as exc:
-            raise _AttemptFailed(Outcome.FAILED, str(exc)) from exc
-        except PeerUnreachable as exc:
-            raise _AttemptFailed(Outcome.FAILED, str(exc)) from exc
-        finally:
-            if charge is not None:
-                self._table.forward_ended(charge, prefilled=got_first)
-            if frames is not None:
-                await frames.reset()  # done or abandoned: the serving peer stops either way
+        return RemoteAttempt(
+            host=self._host,
+            table=self._table,
+            peer_id=candidate.peer_id,
+            request=request,
+            vocab_size=self._engine.vocab_size,
+            gap_s=self._config.forward_token_gap_s,
+            deadline=deadline,
+            delay_s=self._config.forward_delay_s,
+        )
 
-    def _remote_error(self, error: InferError) -> Exception:
-        if error.code is ErrorCode.INVALID_REQUEST:
-            # Validated here with the same rules: the peer disagrees, so it is faulty.
-            return _AttemptFailed(Outcome.FAILED, f"peer rejected a valid request: {error.message}")
-        if error.code is ErrorCode.DEADLINE:
-            return _AttemptFailed(Outcome.STALLED, f"peer ran out of time: {error.message}")
-        return _AttemptFailed(Outcome.REFUSED, f"{error.code.value}: {error.message}")
+    async def _open(
+        self,
+        racer: _Racer,
+        deadline: float,
+        winner: list[_Racer],
+        running: list[_Racer],
+        wake: list[trio.Event],
+        race_scope: trio.CancelScope,
+        route: list[Attempt],
+    ) -> None:
+        """Open one racer's attempt; the first with a token wins and ends the race."""
+        candidate, attempt = racer.candidate, racer.attempt
+        peer_id = candidate.peer_id
+        timeout = math.inf if candidate.is_local else self.first_token_timeout_s(candidate)
+        waiter = trio.CancelScope()
+        if not candidate.is_local:
+            self._waiting.setdefault(peer_id, set()).add(waiter)
+        try:
+            with trio.move_on_at(min(deadline, trio.current_time() + timeout)) as timer:
+                with waiter:
+                    await attempt.open()
+            if waiter.cancelled_caught:
+                raise AttemptFailed("stalled", "failed meanwhile for a concurrent request")
+            if timer.cancelled_caught:
+                raise AttemptFailed("stalled", f"no first token in {timeout:.3f} s")
+        except AttemptFailed as exc:
+            running.remove(racer)
+            await attempt.aclose()
+            self._attempt_failed(candidate, Outcome(exc.outcome), exc, route, 0)
+            wake[0].set()
+            return
+        except trio.Cancelled:  # another racer won
+            running.remove(racer)
+            with trio.CancelScope(shield=True):
+                await attempt.aclose()
+            if winner and racer.index < winner[0].index:
+                exc = AttemptFailed("stalled", "hedged: a later candidate answered first")
+                self._attempt_failed(candidate, Outcome.STALLED, exc, route, 0)
+            raise
+        finally:
+            self._stop_waiting(peer_id, waiter)
+        running.remove(racer)
+        if winner:  # another one won in the same instant
+            await attempt.aclose()
+            return
+        racer.verify = not candidate.is_local and self.trust.should_verify(peer_id, self._rng)
+        winner.append(racer)
+        race_scope.cancel()
+
+    def _stop_waiting(self, peer_id: str, waiter: trio.CancelScope) -> None:
+        waiters = self._waiting.get(peer_id)
+        if waiters is not None:
+            waiters.discard(waiter)
+            if not waiters:
+                del self._waiting[peer_id]
+
+    # -- delivery ---------------------------------------------------------------------------
+
+    async def _deliver(
+        self, racer: _Racer, prompt: list[int], params: SamplingParams, progress: _Progress
+    ) -> AsyncGenerator[GenerationChunk | str, None]:
+        """The winner's tokens to the client (after verification if chosen), then the
+        finish reason."""
+        attempt = racer.attempt
+        served_by = self._self_id if attempt.is_local else racer.candidate.peer_id
+        if not racer.verify:
+            if not attempt.is_local:
+                self.stats["responses_unverified"] += 1
+            tokens: list[int] | str = attempt.first
+            while not isinstance(tokens, str):
+                yield self._emit(tokens, progress, served_by)
+                tokens = await attempt.next_tokens()
+            finish = tokens
+        else:
+            output = list(attempt.first)
+            while not isinstance(more := await attempt.next_tokens(), str):
+                output.extend(more)
+            finish = more
+            good = await self._verified_prefix(prompt, output, params, served_by)
+            if good is not None:
+                if good:
+                    yield self._emit(good, progress, served_by)
+                raise _WrongOutput(f"verification failed after {len(good)} good tokens")
+            yield self._emit(output, progress, served_by)
+        if progress.cached_tokens is None:
+            progress.cached_tokens = attempt.cached_tokens
+        before = progress.tracker.text
+        progress.tracker.push(progress.generated, final=True)
+        rest = progress.tracker.text[len(before):]
+        if rest:  # text held back while it might have been the start of a stop string
+            yield GenerationChunk((), rest, served_by)
+        yield finish
+
+    async def _verified_prefix(
+        self, prompt: list[int], output: list[int], params: SamplingParams, peer_id: str
+    ) -> list[int] | None:
+        """None if ``output`` verifies; else its good prefix (the peer is quarantined)."""
+        if self._verify is None:
+            raise AttemptFailed("failed", "no verifier")  # should_verify is False without one
+        try:
+            verdict = await self._verify(prompt, output, params)
+        except (EngineError, ValueError, RuntimeError) as exc:
+            self.stats["verification_errors"] += 1
+            raise AttemptFailed("failed", f"could not verify: {exc}") from exc
+        self.stats["responses_verified"] += 1
+        if verdict.ok:
+            return None
+        self.stats["verification_failed"] += 1
+        self._quarantine(peer_id, f"wrong output: {verdict.detail}")
+        bad = verdict.first_bad_index
+        return output[:bad] if bad is not None and 0 <= bad <= len(output) else []
+
+    def _emit(self, tokens: list[int], progress: _Progress, served_by: str) -> GenerationChunk:
+        progress.generated.extend(tokens)
+        delta, _ = progress.tracker.push(progress.generated, final=False)
+        progress.served_by = served_by
+        if progress.first_token_at is None:
+            progress.first_token_at = trio.current_time()
+        return GenerationChunk(tuple(tokens), delta, served_by)
+
+    # -- outcomes -------------------------------------------------------------------------------
+
+    def _attempt_ok(
+        self, racer: _Racer, prompt: list[int], before: int, progress: _Progress
+    ) -> None:
+        peer_id = racer.candidate.peer_id
+        self.router.record_outcome(peer_id, True, trio.current_time())
+        attempt = racer.attempt
+        if not isinstance(attempt, RemoteAttempt):
+            return
+        action = self.trust.record_served(peer_id, verified=racer.verify)
+        if isinstance(action, Promote):
+            logger.info("peer %s passed probation (%d verified)", peer_id, action.verified)
+        cached = attempt.cached_tokens
+        block = self._engine.block_size
+        if cached is not None:
+            chain = self._engine.hasher.chain(prompt)
+            claimed = self._table.estimate_match(peer_id, chain) * block
+            self.trust.record_claim(peer_id, min(claimed, (len(prompt) - 1) // block * block),
+                                    cached)
+        prefill = decode = None
+        if attempt.sent_at is not None and attempt.first_at is not None and cached is not None:
+            ttft = attempt.first_at - attempt.sent_at
+            if ttft > 0 and len(prompt) > cached:
+                prefill = (len(prompt) - cached) / ttft
+        produced = len(progress.generated) - before
+        if attempt.first_at is not None and attempt.last_at is not None and produced > 1:
+            span = attempt.last_at - attempt.first_at
+            decode = (produced - 1) / span if span > 0 else None
+        self.trust.record_speeds(peer_id, prefill, decode)
+
+    def _attempt_failed(
+        self,
+        candidate: Candidate,
+        outcome: Outcome,
+        exc: AttemptFailed,
+        route: list[Attempt],
+        produced: int,
+    ) -> None:
+        """Record a failed attempt at once: the router backs off, and requests waiting on
+        the same peer's first token move on."""
+        peer_id = candidate.peer_id
+        route.append(Attempt(peer_id, candidate.is_local, outcome, str(exc), produced))
+        self.stats[f"attempt_{outcome.value}"] += 1
+        self.router.record_outcome(peer_id, False, trio.current_time())
+        if isinstance(exc, Faulty):
+            self._quarantine(peer_id, str(exc))
+        if outcome is not Outcome.REFUSED and not candidate.is_local:
+            for waiter in self._waiting.pop(peer_id, ()):
+                waiter.cancel()
+        logger.info(
+            "%s: %s (%s); trying the next candidate", peer_id, outcome.value, exc
+        )
+
+    def _quarantine(self, peer_id: str, reason: str) -> None:
+        action = self.trust.quarantine(peer_id, reason, trio.current_time())
+        if action is None:
+            return
+        self.stats["quarantined"] += 1
+        logger.warning("peer %s quarantined: %s", peer_id, reason)
+        for waiter in self._waiting.pop(peer_id, ()):
+            waiter.cancel()
+        if self._on_quarantine is not None:
+            self._on_quarantine(action)
 
     def _result(
         self,
@@ -407,11 +609,8 @@ class Pipeline:
         route: list[Attempt],
     ) -> GenerationResult:
         end = trio.current_time()
-        if progress.handovers:
-            # Text re-decoded as a whole, so a character split across peers is not garbled.
-            text = self._engine.decode(progress.generated)
-        else:
-            text = "".join(progress.texts)
+        progress.tracker.push(progress.generated, final=True)
+        text = progress.tracker.text  # decoded here as a whole, cut at a stop string
         return GenerationResult(
             request_id=request_id,
             token_ids=tuple(progress.generated),
@@ -425,3 +624,9 @@ class Pipeline:
             served_by=progress.served_by,
             route=tuple(route),
         )
+
+
+def _ttft(candidate: Candidate) -> float:
+    """The router's estimate of a candidate's time to first token."""
+    cost = candidate.cost
+    return cost.network_s + cost.queue_s + cost.prefill_s

@@ -10,7 +10,13 @@ load (their prompt tokens to its queue until their first token, one running stre
 until they end), so a burst does not all land on one stale favourite. A remote match
 comes from its Bloom summary (walk until the first miss); the local match is exact.
 Unknown round-trip times and speeds take priors. A peer that failed recently is ranked
-after the entry peer.
+after the entry peer, for a backoff that doubles with each consecutive failure.
+
+With a `TrustLedger` (peer/trust.py) and ``require_rtt`` (what a serving peer uses), only
+peers that proved reachable (a round trip measured here) and are not quarantined are
+candidates; claimed matches are multiplied by the ledger's discount, advertised speeds are
+capped by what was observed, and peers on probation get at most one request in
+``probation_share``, one probation peer per request.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from peer.ranking import (
     rank_estimates,
     swarm_busy,
 )
+from peer.trust import TrustLedger
 
 __all__ = [
     "COPY_CHARGE",
@@ -62,6 +69,8 @@ DEFAULT_RTT_PRIOR_S = 0.050  # unmeasured peer: a same-continent WAN round trip;
 DEFAULT_PREFILL_TOKENS_PER_S = 500.0  # SmolLM2-135M on 2 CPU cores: ~1 s for 512 tokens
 DEFAULT_DECODE_TOKENS_PER_S = 15.0  # SmolLM2-135M on 2 CPU cores: 60-80 ms a token
 FAILURE_BACKOFF_S = 10.0  # a peer that failed is tried only after the entry peer this long
+MAX_FAILURE_BACKOFF_S = 600.0  # the backoff doubles per consecutive failure up to this: a
+#   peer that keeps stalling costs a try every 10 minutes, not every 10 s
 MAX_TRACKED_FAILURES = 4096  # bounds the failure memory; far above any peer table's size
 MAX_BLOCK_SIZE = 1024  # the bound PeerConfig.block_size has
 
@@ -75,6 +84,9 @@ class RouterStatistics(NamedTuple):
     first_remote: int
     failures_recorded: int
     successes_recorded: int
+    unproven_skipped: int = 0  # candidates left out: no round trip measured yet
+    quarantined_skipped: int = 0
+    probation_held_back: int = 0  # probation peers left out of a request (not its turn)
 
 
 class Router:
@@ -90,6 +102,8 @@ class Router:
         default_prefill_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_S,
         default_decode_tokens_per_s: float = DEFAULT_DECODE_TOKENS_PER_S,
         failure_backoff_s: float = FAILURE_BACKOFF_S,
+        trust: TrustLedger | None = None,
+        require_rtt: bool = False,
     ) -> None:
         if not isinstance(policy, Policy):
             raise ValueError(f"policy must be a Policy, got {policy!r}")
@@ -107,6 +121,12 @@ class Router:
         self._default_decode = default_decode_tokens_per_s
         self._failure_backoff_s = failure_backoff_s
         self._failed_at: dict[str, float] = {}
+        self._fail_streak: dict[str, int] = {}  # consecutive failures, per peer in _failed_at
+        self.trust = trust
+        self._require_rtt = require_rtt
+        self._unproven = 0
+        self._quarantined = 0
+        self._held_back = 0
         self._last_choice: str | None = None
         self._ranks = 0
         self._first_local = 0
@@ -189,11 +209,27 @@ class Router:
             policy, (local_e,), prompt_tokens, max_new_tokens, busy, best_match
         )[0]
         suspects: list[Candidate] = []
+        trust = self.trust
+        probation: list[Candidate] = []
         for peer_id, summary, rtt, forwards, forwarded_tokens, match_blocks in rows:
             if peer_id == local_id:
                 continue  # the table never holds us; a shell mistake must not duplicate us
+            if rtt is None and self._require_rtt:
+                self._unproven += 1  # never completed a ping with us: not a candidate
+                continue
             prefill_s = summary.prefill_tokens_per_s
             decode_s = summary.decode_tokens_per_s
+            if trust is not None:
+                if not trust.routable(peer_id):
+                    self._quarantined += 1
+                    continue
+                factor = trust.claim_factor(peer_id)
+                if factor < 1.0:
+                    match_blocks = int(match_blocks * factor)
+                if prefill_s > 0 and decode_s > 0:
+                    prefill_s, decode_s = trust.cap_speeds(
+                        peer_id, prefill_s, decode_s, prefill_prior, decode_prior
+                    )
             speeds_known = prefill_s > 0 and decode_s > 0
             prefill = as_measured_here(prefill_s, prefill_prior)
             decode = as_measured_here(decode_s, decode_prior)
@@ -225,36 +261,67 @@ class Router:
                 (peer_id, False, match_blocks, match_tokens, cost_s + decode_time, queue_s,
                  policy, e, prompt_tokens, max_new_tokens),
             )
-            if failed_s_ago is None:
+            if trust is not None and trust.on_probation(peer_id):
+                probation.append(candidate)
+            elif failed_s_ago is None:
                 healthy.append(candidate)
             else:
                 suspects.append(candidate)
+        if probation and trust is not None:
+            self._admit_probation(trust, probation, healthy, suspects)
         return healthy, suspects
 
+    def _admit_probation(
+        self,
+        trust: TrustLedger,
+        probation: list[Candidate],
+        healthy: list[Candidate],
+        suspects: list[Candidate],
+    ) -> None:
+        """On its turn, the cheapest probation peer (healthy or not) joins the candidates."""
+        if not trust.probation_turn():
+            self._held_back += len(probation)
+            return
+        best = min(probation, key=lambda c: (c.estimate.failed_s_ago is not None, c.cost_s))
+        self._held_back += len(probation) - 1
+        (healthy if best.estimate.failed_s_ago is None else suspects).append(best)
+        healthy[1:] = sorted(healthy[1:], key=operator.itemgetter(0))  # local first, then by id
+        suspects.sort(key=operator.itemgetter(0))
+
     def record_outcome(self, peer_id: str, ok: bool, now: float) -> None:
-        """What came of trying ``peer_id``: a failure ranks it after self for a while."""
+        """What came of trying ``peer_id``: a failure ranks it after self for a while
+        (``failure_backoff_s``, doubled per consecutive failure up to MAX_FAILURE_BACKOFF_S)."""
         if ok:
             self._successes += 1
             self._failed_at.pop(peer_id, None)
+            self._fail_streak.pop(peer_id, None)
             return
         self._failures += 1
         self._failed_at.pop(peer_id, None)  # re-insert: the dict stays ordered by time
         self._failed_at[peer_id] = now
+        self._fail_streak[peer_id] = self._fail_streak.get(peer_id, 0) + 1
         self._forget_failures(now)
+
+    def backoff_s(self, peer_id: str) -> float:
+        """How long after its last failure ``peer_id`` ranks after the entry peer."""
+        streak = self._fail_streak.get(peer_id, 1)
+        return min(self._failure_backoff_s * 2.0 ** min(streak - 1, 30), MAX_FAILURE_BACKOFF_S)
 
     def failed_s_ago(self, peer_id: str, now: float) -> float | None:
         """Seconds since ``peer_id`` last failed, if within the backoff; else None."""
         at = self._failed_at.get(peer_id)
-        if at is None or now - at >= self._failure_backoff_s:
+        if at is None or now - at >= self.backoff_s(peer_id):
             return None
         return now - at
 
     def _forget_failures(self, now: float) -> None:
+        longest = max(self._failure_backoff_s, MAX_FAILURE_BACKOFF_S)
         while self._failed_at:
             peer_id, at = next(iter(self._failed_at.items()))
-            if now - at < self._failure_backoff_s and len(self._failed_at) <= MAX_TRACKED_FAILURES:
+            if now - at < longest and len(self._failed_at) <= MAX_TRACKED_FAILURES:
                 break
             del self._failed_at[peer_id]
+            self._fail_streak.pop(peer_id, None)
 
     def local_estimate(self, local: LocalState) -> PeerEstimate:
         """The entry peer as a candidate: exact match, live load, no network."""
@@ -280,5 +347,8 @@ class Router:
             self._ranks - self._first_local,
             self._failures,
             self._successes,
+            self._unproven,
+            self._quarantined,
+            self._held_back,
         )
 

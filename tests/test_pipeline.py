@@ -42,6 +42,10 @@ def config(bootstrap: Sequence[str] = (), **overrides: Any) -> PeerConfig:
         summary_interval_s=0.5,
         forward_first_token_s=5.0,
         forward_token_gap_s=5.0,
+        # These tests route by cache on a shared CPU; tests/test_pipeline_trust.py covers
+        # probation and hedging under a virtual clock.
+        probation_requests=0,
+        hedge_multiple=0.0,
     )
     fields.update(overrides)
     return PeerConfig(**fields)
@@ -62,6 +66,12 @@ async def start_swarm(
         ),
         timeout_s=20,
         what="every peer knows every other",
+    )
+    await wait_until(  # only peers that answered a ping are candidates
+        lambda: all(v.rtt_s is not None for p in peers for v in p.peer.table.views(
+            trio.current_time())),
+        timeout_s=20,
+        what="every peer measured a round trip to every other",
     )
     return peers
 

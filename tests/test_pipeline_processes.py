@@ -32,13 +32,15 @@ async def test_a_stalled_peer_is_abandoned_at_the_deadline(nursery, tiny_engine_
                 policy=Policy.LONGEST_PREFIX,
                 summary_interval_s=5.0,  # the stopped peer stays in the table for 15 s
                 forward_first_token_s=FIRST_TOKEN_DEADLINE_S,
+                first_token_floor_s=FIRST_TOKEN_DEADLINE_S,  # the estimate's multiple is less
             ),
             tiny_engine_factory(),
         )
         await wait_until(
-            lambda: entry.peer.table.get(stalled.peer_id, trio.current_time()) is not None,
+            lambda: getattr(entry.peer.table.get(stalled.peer_id, trio.current_time()),
+                            "rtt_s", None) is not None,
             timeout_s=30,
-            what="the entry peer knows the other process",
+            what="the entry peer knows the other process and measured a round trip",
         )
         prompt = tokens(200, seed=21)
 

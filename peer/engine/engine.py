@@ -35,6 +35,7 @@ from .requests import (
     sample_token,
 )
 from .speeds import ewma, prefill_speed_sample, warmup_prefill_speed
+from .verify import VERIFY_CHUNK_TOKENS, Finding, Verdict, check_logits, check_structure
 
 PREFILL_CHUNK_TOKENS = 512  # ~1 s of SmolLM2 prefill on 2 cores: the grain of interleaving/cancel
 WARMUP_PROMPT_TOKENS = 64  # enough to measure prefill speed without delaying start-up
@@ -106,6 +107,9 @@ class Engine:
             "cached_tokens": 0,
             "computed_prompt_tokens": 0,
             "generated_tokens": 0,
+            "verifications": 0,
+            "verifications_failed": 0,
+            "verified_tokens": 0,
         }
 
     @classmethod
@@ -410,6 +414,93 @@ class Engine:
             self._queued_prompt_tokens -= queued
             if match is not None:
                 self.cache.unlock(match)
+
+    # -- verification (peer/engine/verify.py) -------------------------------------------
+
+    async def verify(
+        self, prompt_ids: Sequence[int], output_ids: Sequence[int], params: SamplingParams
+    ) -> Verdict:
+        """Check another peer's `output_ids` for `prompt_ids` by teacher forcing: one
+        forward over prompt + output, the prompt's cached prefix reused, torch off the
+        event loop. The output's blocks enter the cache only if it verified.
+
+        InvalidRequest for a bad prompt or params (the output itself is what is judged)."""
+        start = time.perf_counter()
+        tokens = self.validate(prompt_ids, params)
+        try:
+            output = [operator.index(t) for t in output_ids]
+        except TypeError:
+            return Verdict(False, 0, "output token ids must be integers", 0)
+        found = check_structure(output, params, self.vocab_size, self._eos, self.decode)
+        if found is not None:
+            return self._verdict(found, 0, 0, start)
+        n = len(tokens)
+        full = tokens + output[:-1]  # the last output token is predicted, never fed
+        match = None
+        pos = 0
+        try:
+            async with self._limiter:
+                max_blocks = (n - 1) // self.block_size  # the last prompt token gives logits
+                match = self.cache.match(tokens, trio.current_time(), max_blocks)
+                self.cache.lock(match)
+                seq = await trio.to_thread.run_sync(
+                    lambda m=match: _Sequence(cache_from_blocks(m.values), 0)
+                )
+            pos = match.num_tokens
+            while found is None and pos < len(full):
+                end = min(len(full), pos + VERIFY_CHUNK_TOKENS)
+                async with self._limiter:
+                    found = await trio.to_thread.run_sync(
+                        self._score_step, seq, full, pos, end, n, output, params
+                    )
+                pos = end
+            limit = len(full) if found is None else min(pos, n)
+            async with self._limiter:
+                await self._cache_blocks(full[:limit], seq, match.num_blocks)
+        except (trio.Cancelled, GeneratorExit, KeyboardInterrupt):
+            raise
+        except Exception as exc:  # torch failure: this verification fails, not the engine
+            raise EngineError(f"verification failed: {type(exc).__name__}: {exc}") from exc
+        finally:
+            if match is not None:
+                self.cache.unlock(match)
+        checked = len(output) if found is None else found.index + 1
+        return self._verdict(found, checked, match.num_tokens, start)
+
+    def _score_step(
+        self,
+        seq: _Sequence,
+        full: list[int],
+        pos: int,
+        end: int,
+        n: int,
+        output: list[int],
+        params: SamplingParams,
+    ) -> Finding | None:
+        """Feed full[pos:end]; check the output tokens its rows predict (worker thread)."""
+        keep = end - max(pos, n - 1)  # rows from the last prompt token on predict outputs
+        with torch.inference_mode():
+            out = self._model(
+                input_ids=torch.tensor([full[pos:end]], dtype=torch.long),
+                cache=seq.cache,
+                use_cache=True,
+                logits_to_keep=max(keep, 1),  # 0 would mean "all rows"
+            )
+        if keep <= 0:
+            return None
+        return check_logits(out.logits[0, -keep:], output, params, max(pos, n - 1) - (n - 1))
+
+    def _verdict(
+        self, found: Finding | None, checked: int, cached: int, start: float
+    ) -> Verdict:
+        self._stats["verifications"] += 1
+        self._stats["verified_tokens"] += checked
+        if found is not None:
+            self._stats["verifications_failed"] += 1
+        elapsed = time.perf_counter() - start
+        if found is None:
+            return Verdict(True, None, "verified", checked, cached, elapsed)
+        return Verdict(False, found.index, found.detail, checked, cached, elapsed)
 
 
 def load_engine(

@@ -1,0 +1,153 @@
+"""Teacher-forced verification of another peer's output (issue 11, item 2).
+
+One forward over prompt + output (a prefill, not a decode loop) gives the model's
+distribution at every output position; each token is then checked against it:
+
+  greedy (temperature 0)  the token is the argmax, or within GREEDY_MAX_LOGPROB_GAP of it
+  sampled                 the token lies in the request's top_p nucleus (up to
+                          NUCLEUS_TOLERANCE) and its probability at the request's
+                          temperature is at least SAMPLED_MIN_LOGPROB
+  structure               no more than max_new_tokens tokens, ids inside the vocabulary,
+                          nothing after an end-of-sequence token, and a stop string only
+                          at the end (a shorter answer must end at EOS or a stop string)
+
+Engine.verify (engine.py) runs the forward off the event loop, over the cached prefix;
+this module holds the checks, which need logits but no engine.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .requests import SamplingParams
+
+# Hardware, kernels, batch shapes and dtypes change logits in the last bits (fp32 ~1e-5,
+# bf16 up to ~0.05 nats on logits of magnitude ~10-20), so two honest peers can pick
+# different argmaxes at a near tie. A token this close to the best one is accepted: a
+# liar gains nothing by choosing among near-equal tokens.
+GREEDY_MAX_LOGPROB_GAP = 0.1
+# A sampled token's log-probability must be at least this (prob 1e-9). An honest sampler
+# draws tokens below it with total probability at most vocab x 1e-9 (5e-5 per token for a
+# 49k vocabulary, in the worst case of every other token sitting just below it), while
+# tokens a language model deems nonsense sit tens of nats lower.
+SAMPLED_MIN_LOGPROB = math.log(1e-9)
+# top_p cuts the sorted distribution at a cumulative mass; small logit differences move
+# that mass slightly, so the cut is widened by this much.
+NUCLEUS_TOLERANCE = 0.01
+# Rows of logits computed per forward chunk: bounds the logits tensor (256 x 49k fp32 =
+# 50 MB for SmolLM2) and is the grain at which a verification yields to other requests.
+VERIFY_CHUNK_TOKENS = 256
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The result of verifying one output.
+
+    first_bad_index: the first output position that fails (a token, or where the answer
+    should have stopped or should have gone on), None when ok. checked_tokens: output
+    tokens re-scored. cached_tokens: prompt tokens taken from the local cache.
+    """
+
+    ok: bool
+    first_bad_index: int | None
+    detail: str
+    checked_tokens: int
+    cached_tokens: int = 0
+    elapsed_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Finding:
+    """A failed check: where and why."""
+
+    index: int
+    detail: str
+
+
+def check_structure(
+    output_ids: Sequence[int],
+    params: SamplingParams,
+    vocab_size: int,
+    eos_ids: Collection[int],
+    decode: Callable[[Sequence[int]], str],
+) -> Finding | None:
+    """Checks that need no logits: length, vocabulary, EOS and stop-string positions."""
+    if not output_ids:
+        return Finding(0, "the output is empty (at least one token is always generated)")
+    for i, tok in enumerate(output_ids):
+        if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < vocab_size:
+            return Finding(i, f"token {tok!r} is outside the vocabulary [0, {vocab_size})")
+    if len(output_ids) > params.max_new_tokens:
+        return Finding(
+            params.max_new_tokens,
+            f"{len(output_ids)} tokens exceed max_new_tokens={params.max_new_tokens}",
+        )
+    for i, tok in enumerate(output_ids[:-1]):
+        if tok in eos_ids:
+            return Finding(i + 1, f"tokens follow the end-of-sequence token at {i}")
+    if params.stop:
+        for end in range(1, len(output_ids)):
+            text = decode(output_ids[:end])
+            hit = next((s for s in params.stop if s in text), None)
+            if hit is not None:
+                return Finding(end, f"tokens follow stop string {hit!r}")
+    ended = output_ids[-1] in eos_ids or (
+        bool(params.stop) and any(s in decode(output_ids) for s in params.stop)
+    )
+    if len(output_ids) < params.max_new_tokens and not ended:
+        return Finding(
+            len(output_ids),
+            f"the output stops after {len(output_ids)} of {params.max_new_tokens} tokens "
+            "without an end-of-sequence token or a stop string",
+        )
+    return None
+
+
+def check_logits(
+    logits: torch.Tensor, output_ids: Sequence[int], params: SamplingParams, offset: int = 0
+) -> Finding | None:
+    """Check output_ids[offset:offset + rows] against `logits` [rows, vocab], where row r
+    is the model's prediction for output token offset + r. The first failure, or None."""
+    rows = logits.shape[0]
+    targets = torch.tensor(list(output_ids[offset : offset + rows]), dtype=torch.long)
+    if params.temperature == 0.0:
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        gaps = logp.max(dim=-1).values - logp.gather(1, targets[:, None])[:, 0]
+        bad = torch.nonzero(gaps > GREEDY_MAX_LOGPROB_GAP)
+        if len(bad):
+            r = int(bad[0, 0])
+            return Finding(
+                offset + r,
+                f"token {int(targets[r])} is not the greedy choice: its log-probability is "
+                f"{float(gaps[r]):.3f} below the best token {int(logp[r].argmax())} "
+                f"(tolerance {GREEDY_MAX_LOGPROB_GAP})",
+            )
+        return None
+    logp = torch.log_softmax(logits.float() / params.temperature, dim=-1)
+    token_logp = logp.gather(1, targets[:, None])[:, 0]
+    probs = logp.exp()
+    # Mass of the tokens strictly more likely than this one: the nucleus cut a sampler
+    # applies before it (ties count in the token's favour).
+    above = (probs * (probs > token_logp.exp()[:, None])).sum(dim=-1)
+    low = token_logp < SAMPLED_MIN_LOGPROB
+    outside = above >= params.top_p + NUCLEUS_TOLERANCE
+    bad = torch.nonzero(low | outside)
+    if not len(bad):
+        return None
+    r = int(bad[0, 0])
+    if bool(low[r]):
+        detail = (
+            f"token {int(targets[r])} has probability {math.exp(float(token_logp[r])):.3g} at "
+            f"temperature {params.temperature}, below the floor "
+            f"{math.exp(SAMPLED_MIN_LOGPROB):.0e}"
+        )
+    else:
+        detail = (
+            f"token {int(targets[r])} lies outside the top_p={params.top_p} nucleus (tokens "
+            f"above it hold {float(above[r]):.3f} of the mass, tolerance {NUCLEUS_TOLERANCE})"
+        )
+    return Finding(offset + r, detail)

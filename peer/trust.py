@@ -1,0 +1,365 @@
+"""The trust ledger: what each remote peer claimed, what it delivered, and what follows (pure).
+
+Fed by method calls (time and randomness are parameters), it decides and returns actions;
+the pipeline acts on them (STYLE 3):
+
+- **Probation.** A peer first seen is on PROBATION: every one of its responses is verified
+  (when this peer can verify) and, while other candidates exist, probation peers together
+  get at most one request in ``probation_share`` (`probation_turn`). After
+  ``probation_requests`` verified good responses it is TRUSTED (`Promote`). Fresh
+  identities therefore buy a bounded share of traffic, all of it checked.
+- **Verification.** A trusted peer's forwarded response is verified with probability
+  ``verify_fraction`` (`should_verify`); a failed verdict quarantines it (`Quarantine`).
+- **Quarantine** is final: the peer is never routed to again. Records carry the reason and
+  are exported (`quarantine_records`) for the shell to persist and reload at start.
+- **Claims.** Each forward's Bloom-estimated match is compared with the cached tokens the
+  peer reported (`record_claim`). An honest filter overshoots a claim with about the
+  false-positive rate (plus stale summaries); `excess` grows by one per overshooting claim
+  and falls by ``OVERSHOOT_ALLOWANCE`` per claim. Past ``EXCESS_GRACE`` the discount factor
+  the router multiplies claimed matches by halves per unit of excess (DISCOUNTED); under
+  ``IGNORE_BELOW`` the claims count as nothing (IGNORED).
+- **Speeds.** What a peer advertises is capped at ``SPEED_SLACK`` times the best this peer
+  observed of it (`record_speeds`), or at this peer's own speed before any observation.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import math
+import random
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+__all__ = [
+    "DEFAULT_PROBATION_REQUESTS",
+    "DEFAULT_PROBATION_SHARE",
+    "DEFAULT_VERIFY_FRACTION",
+    "ClaimsState",
+    "PeerTrust",
+    "Promote",
+    "Quarantine",
+    "QuarantineRecord",
+    "TrustLedger",
+    "TrustState",
+    "dump_quarantine",
+    "parse_quarantine",
+]
+
+# Defaults and bounds, each with its reason.
+DEFAULT_VERIFY_FRACTION = 0.1  # an always-lying trusted peer is caught within 50 forwards
+#   with probability 1 - 0.9**50 = 99.5% (the target is >= 95%, which needs f >= 0.06)
+DEFAULT_PROBATION_REQUESTS = 3  # verified good responses before a new identity is trusted
+DEFAULT_PROBATION_SHARE = 4  # probation peers together get at most 1 request in 4
+OVERSHOOT_ALLOWANCE = 0.1  # honest overshoots per claim: the Bloom false-positive rate
+#   (1% by default) plus summaries gone stale by evictions since they were sent
+EXCESS_GRACE = 2.0  # unexplained overshoots tolerated before any discount
+DISCOUNT_PER_EXCESS = 0.5  # the claim factor halves per unexplained overshoot past the grace
+IGNORE_BELOW = 0.1  # a factor under this: the peer's claims are ignored (factor 0)
+SPEED_SLACK = 2.0  # observed speeds vary ~2x on shared CPUs (ranking.SPEED_NOISE_FACTOR)
+SPEED_WINDOW = 8  # observations of a peer's speeds kept (the best of them caps its claims)
+MAX_TRACKED_PEERS = 4096  # non-quarantined peers remembered; far above MAX_PEERS (256)
+MAX_QUARANTINED = 65_536  # quarantine records kept (a Sybil flood cannot grow it further)
+MAX_REASON_CHARS = 300  # a reason is a sentence for the operator, not a transcript
+MAX_PEER_ID_CHARS = 128  # base58 ed25519 ids are ~52 characters
+
+
+class TrustState(enum.StrEnum):
+    PROBATION = "probation"
+    TRUSTED = "trusted"
+    QUARANTINED = "quarantined"
+
+
+class ClaimsState(enum.StrEnum):
+    BELIEVED = "believed"
+    DISCOUNTED = "discounted"
+    IGNORED = "ignored"
+
+
+class Quarantine(NamedTuple):
+    """Action: never route to ``peer_id`` again; persist the record."""
+
+    peer_id: str
+    reason: str
+    at: float
+
+
+class Promote(NamedTuple):
+    """Action (for the log): ``peer_id`` passed probation."""
+
+    peer_id: str
+    verified: int
+
+
+class QuarantineRecord(NamedTuple):
+    peer_id: str
+    reason: str
+    at: float  # the shell's clock when quarantined (wall time when persisted)
+
+
+class PeerTrust(NamedTuple):
+    """A snapshot of the ledger's view of one peer (for /v1/swarm and logs)."""
+
+    state: TrustState
+    reason: str
+    verified: int  # verified good responses
+    served: int  # responses delivered (verified or not)
+    discount: float  # the factor the router multiplies claimed matches by
+    claims: ClaimsState
+    claims_checked: int
+    overshoots: int
+    observed_prefill_tokens_per_s: float  # 0 until observed
+    observed_decode_tokens_per_s: float
+
+
+@dataclass
+class _Peer:
+    verified: int = 0
+    served: int = 0
+    trusted: bool = False
+    claims_checked: int = 0
+    overshoots: int = 0
+    excess: float = 0.0
+    prefill: deque[float] = field(default_factory=lambda: deque(maxlen=SPEED_WINDOW))
+    decode: deque[float] = field(default_factory=lambda: deque(maxlen=SPEED_WINDOW))
+
+
+def _check_fraction(name: str, value: float) -> None:
+    if not (math.isfinite(value) and 0.0 <= value <= 1.0):
+        raise ValueError(f"{name} must be in [0, 1], got {value}")
+
+
+class TrustLedger:
+    """Per-peer trust, claims and observed speeds; returns Quarantine / Promote actions."""
+
+    def __init__(
+        self,
+        *,
+        verify_fraction: float = DEFAULT_VERIFY_FRACTION,
+        probation_requests: int = DEFAULT_PROBATION_REQUESTS,
+        probation_share: int = DEFAULT_PROBATION_SHARE,
+        can_verify: bool = True,
+        quarantined: Iterable[QuarantineRecord] = (),
+    ) -> None:
+        _check_fraction("verify_fraction", verify_fraction)
+        if probation_requests < 0:
+            raise ValueError(f"probation_requests must be >= 0, got {probation_requests}")
+        if probation_share < 1:
+            raise ValueError(f"probation_share must be >= 1, got {probation_share}")
+        self.verify_fraction = verify_fraction
+        self.probation_requests = probation_requests
+        self.probation_share = probation_share
+        self.can_verify = can_verify
+        self._peers: dict[str, _Peer] = {}
+        self._quarantined: dict[str, QuarantineRecord] = {}
+        self._since_probation_turn = probation_share  # the first request may take a turn
+        self._counts: dict[str, int] = {}
+        for record in quarantined:
+            self._keep_quarantine(record)
+
+    # -- queries the router asks ----------------------------------------------------------
+
+    def routable(self, peer_id: str) -> bool:
+        return peer_id not in self._quarantined
+
+    def on_probation(self, peer_id: str) -> bool:
+        if peer_id in self._quarantined or self.probation_requests == 0:
+            return False
+        peer = self._peers.get(peer_id)
+        return peer is None or not peer.trusted
+
+    def claim_factor(self, peer_id: str) -> float:
+        """What the router multiplies the peer's claimed (Bloom) match by: 1, less, or 0."""
+        peer = self._peers.get(peer_id)
+        if peer is None:
+            return 1.0
+        return _factor(peer.excess)
+
+    def cap_speeds(
+        self, peer_id: str, prefill: float, decode: float, own_prefill: float, own_decode: float
+    ) -> tuple[float, float]:
+        """Advertised speeds bounded by SPEED_SLACK x the best observed (else by ours)."""
+        peer = self._peers.get(peer_id)
+        cap_p = SPEED_SLACK * max(peer.prefill) if peer and peer.prefill else own_prefill
+        cap_d = SPEED_SLACK * max(peer.decode) if peer and peer.decode else own_decode
+        capped = (min(prefill, cap_p), min(decode, cap_d))
+        if capped != (prefill, decode):
+            self._count("speeds_capped")
+        return capped
+
+    def probation_turn(self) -> bool:
+        """Whether this request may go to a probation peer (one in probation_share).
+
+        Ask once per request that has probation candidates besides others."""
+        if self._since_probation_turn + 1 >= self.probation_share:
+            self._since_probation_turn = 0
+            self._count("probation_turns")
+            return True
+        self._since_probation_turn += 1
+        self._count("probation_held_back")
+        return False
+
+    def should_verify(self, peer_id: str, rng: random.Random) -> bool:
+        """Whether to verify this response of ``peer_id`` before delivering any of it."""
+        if not self.can_verify:
+            return False
+        if self.on_probation(peer_id):
+            return True
+        return rng.random() < self.verify_fraction
+
+    # -- what happened -----------------------------------------------------------------------
+
+    def record_claim(self, peer_id: str, claimed_tokens: int, cached_tokens: int) -> ClaimsState:
+        """A forward whose summary claimed ``claimed_tokens`` cached came back with
+        ``cached_tokens`` reported: an overshoot if it got fewer than claimed."""
+        if claimed_tokens < 0 or cached_tokens < 0:
+            raise ValueError("token counts must be >= 0")
+        peer = self._peer(peer_id)
+        if claimed_tokens > 0:
+            peer.claims_checked += 1
+            if cached_tokens < claimed_tokens:
+                peer.overshoots += 1
+                peer.excess += 1.0
+                self._count("claims_overshot")
+            peer.excess = max(0.0, peer.excess - OVERSHOOT_ALLOWANCE)
+        return _claims_state(peer.excess)
+
+    def record_speeds(
+        self, peer_id: str, prefill_tokens_per_s: float | None, decode_tokens_per_s: float | None
+    ) -> None:
+        """Speeds measured here of a forward to ``peer_id`` (None: not measurable)."""
+        peer = self._peer(peer_id)
+        for value, window in ((prefill_tokens_per_s, peer.prefill), (decode_tokens_per_s,
+                                                                       peer.decode)):
+            if value is not None and math.isfinite(value) and value > 0:
+                window.append(value)
+
+    def record_served(self, peer_id: str, *, verified: bool) -> Promote | None:
+        """A response of ``peer_id`` was delivered, verified good or unverified."""
+        if peer_id in self._quarantined:
+            return None
+        peer = self._peer(peer_id)
+        peer.served += 1
+        if verified:
+            peer.verified += 1
+            self._count("verified_ok")
+        passes = peer.verified if self.can_verify else peer.served
+        if not peer.trusted and passes >= self.probation_requests:
+            peer.trusted = True
+            self._count("promoted")
+            return Promote(peer_id, peer.verified)
+        return None
+
+    def quarantine(self, peer_id: str, reason: str, now: float) -> Quarantine | None:
+        """Quarantine ``peer_id`` for ``reason``; None if it already is."""
+        if not math.isfinite(now):
+            raise ValueError(f"now must be finite, got {now}")
+        if peer_id in self._quarantined:
+            return None
+        record = QuarantineRecord(peer_id, reason[:MAX_REASON_CHARS], now)
+        self._keep_quarantine(record)
+        self._peers.pop(peer_id, None)
+        self._count("quarantined")
+        return Quarantine(*record)
+
+    def _keep_quarantine(self, record: QuarantineRecord) -> None:
+        self._quarantined[record.peer_id] = record
+        while len(self._quarantined) > MAX_QUARANTINED:
+            del self._quarantined[next(iter(self._quarantined))]
+
+    def _peer(self, peer_id: str) -> _Peer:
+        peer = self._peers.get(peer_id)
+        if peer is None:
+            peer = self._peers[peer_id] = _Peer()
+            while len(self._peers) > MAX_TRACKED_PEERS:
+                del self._peers[next(iter(self._peers))]
+        return peer
+
+    def _count(self, key: str) -> None:
+        self._counts[key] = self._counts.get(key, 0) + 1
+
+    # -- views ------------------------------------------------------------------------------
+
+    def view(self, peer_id: str) -> PeerTrust:
+        record = self._quarantined.get(peer_id)
+        peer = self._peers.get(peer_id) or _Peer()
+        if record is not None:
+            state, reason = TrustState.QUARANTINED, record.reason
+        elif self.on_probation(peer_id):
+            state, reason = TrustState.PROBATION, "new identity"
+        else:
+            state, reason = TrustState.TRUSTED, ""
+        return PeerTrust(
+            state,
+            reason,
+            peer.verified,
+            peer.served,
+            0.0 if record else _factor(peer.excess),
+            _claims_state(peer.excess),
+            peer.claims_checked,
+            peer.overshoots,
+            max(peer.prefill, default=0.0),
+            max(peer.decode, default=0.0),
+        )
+
+    def quarantine_records(self) -> list[QuarantineRecord]:
+        return list(self._quarantined.values())
+
+    def statistics(self) -> dict[str, int]:
+        stats = dict(sorted(self._counts.items()))
+        stats["peers_tracked"] = len(self._peers)
+        stats["peers_quarantined"] = len(self._quarantined)
+        stats["peers_trusted"] = sum(p.trusted for p in self._peers.values())
+        return stats
+
+
+def _factor(excess: float) -> float:
+    if excess <= EXCESS_GRACE:
+        return 1.0
+    factor: float = DISCOUNT_PER_EXCESS ** (excess - EXCESS_GRACE)
+    return factor if factor >= IGNORE_BELOW else 0.0
+
+
+def _claims_state(excess: float) -> ClaimsState:
+    factor = _factor(excess)
+    if factor >= 1.0:
+        return ClaimsState.BELIEVED
+    return ClaimsState.DISCOUNTED if factor > 0 else ClaimsState.IGNORED
+
+
+# -- persistence format (the shell reads and writes the file) -------------------------------
+
+
+def dump_quarantine(records: Iterable[QuarantineRecord]) -> str:
+    """The quarantine file's JSON text."""
+    return json.dumps(
+        {"version": 1, "quarantined": [r._asdict() for r in records]}, indent=1, sort_keys=True
+    )
+
+
+def parse_quarantine(text: str) -> list[QuarantineRecord]:
+    """Records from a quarantine file's text; ValueError naming what is wrong."""
+    try:
+        obj = json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as exc:
+        raise ValueError(f"not JSON: {exc}") from exc
+    if not isinstance(obj, Mapping) or obj.get("version") != 1:
+        raise ValueError("expected an object with version 1")
+    items = obj.get("quarantined")
+    if not isinstance(items, list) or len(items) > MAX_QUARANTINED:
+        raise ValueError(f"quarantined must be a list of at most {MAX_QUARANTINED} records")
+    records = []
+    for item in items:
+        if not isinstance(item, Mapping):
+            raise ValueError(f"a record must be an object, got {item!r:.80}")
+        peer_id, reason, at = item.get("peer_id"), item.get("reason"), item.get("at")
+        if not (isinstance(peer_id, str) and 0 < len(peer_id) <= MAX_PEER_ID_CHARS):
+            raise ValueError(f"bad peer_id in {item!r:.120}")
+        if not isinstance(reason, str) or not isinstance(at, int | float) or isinstance(at, bool):
+            raise ValueError(f"bad reason or time in {item!r:.120}")
+        if not math.isfinite(at):
+            raise ValueError(f"bad time in {item!r:.120}")
+        records.append(QuarantineRecord(peer_id, reason[:MAX_REASON_CHARS], float(at)))
+    return records

@@ -1,0 +1,308 @@
+"""The pipeline's defences against hostile or slow peers, on a scripted fake host under a
+virtual clock (like trio's happy-eyeballs tests): exact times, exact routes."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+
+from peer.engine.engine import SamplingParams
+from peer.pipeline import GenerationChunk, Outcome
+from peer.trust import TrustState
+from tests.fake_host import (
+    SELF,
+    STALL,
+    CacheOnlyVerifier,
+    Step,
+    answer,
+    fake_swarm,
+    honest,
+    new_peer_id,
+    reference,
+)
+
+A, B, C = new_peer_id(1), new_peer_id(2), new_peer_id(3)
+PROMPT = list(range(100, 132))  # 8 blocks of 4
+N = 6
+PARAMS = SamplingParams(max_new_tokens=N)
+GOOD = reference(PROMPT, N)
+
+
+def stall(request):
+    return [STALL]
+
+
+def wrong(request):
+    return answer(request, [(t + 1) % 1000 for t in reference(request.prompt_token_ids,
+                                                              request.max_new_tokens)])
+
+
+async def collect(pipeline, params=PARAMS, prompt=PROMPT):
+    chunks, result = [], None
+    async for item in pipeline.stream(prompt, params):
+        if isinstance(item, GenerationChunk):
+            chunks.append(item)
+        else:
+            result = item
+    return chunks, result
+
+
+def route(result):
+    return [(a.peer_id, a.outcome) for a in result.route]
+
+
+async def test_a_stall_costs_the_deadline_from_the_estimate_not_the_fixed_one(autojump_clock):
+    swarm = fake_swarm({A: (7, stall), B: (6, honest())}, PROMPT)
+    ranked = swarm.pipeline._rank(PROMPT, PARAMS, 0.0)
+    assert [c.peer_id for c in ranked] == [A, B, SELF]
+    timeout = swarm.pipeline.first_token_timeout_s(ranked[0])
+    assert timeout == 1.0  # the floor: 4x an estimate of ~10 ms is less
+    _, result = await collect(swarm.pipeline)
+    assert swarm.host.dials == [(0.0, A), (1.0, B)]  # not forward_first_token_s (30 s)
+    assert route(result) == [(A, Outcome.STALLED), (B, Outcome.OK)]
+    assert list(result.token_ids) == GOOD
+    assert result.ttft_s == pytest.approx(1.01)
+
+
+async def test_a_far_peer_gets_a_multiple_of_its_estimate(autojump_clock):
+    swarm = fake_swarm({A: (7, stall), B: (6, honest())}, PROMPT, rtt_s={A: 0.5})
+    a = swarm.pipeline._rank(PROMPT, PARAMS, 0.0)
+    a = next(c for c in a if c.peer_id == A)
+    cost = a.cost
+    expected = 4.0 * (cost.network_s + cost.queue_s + cost.prefill_s)
+    assert 1.0 < expected < 30.0
+    await collect(swarm.pipeline)
+    assert swarm.host.dials[1][1] == B
+    assert swarm.host.dials[1][0] == pytest.approx(expected)
+
+
+async def test_a_slow_candidate_is_hedged_and_the_first_token_wins(autojump_clock):
+    slow = honest(ttft_s=0.5)
+    swarm = fake_swarm({A: (7, slow), B: (6, honest(ttft_s=0.02))}, PROMPT,
+                       hedge_multiple=2.0, hedge_floor_s=0.1)
+    ranked = swarm.pipeline._rank(PROMPT, PARAMS, 0.0)
+    assert swarm.pipeline.hedge_delay_s(ranked[0]) == 0.1
+    chunks, result = await collect(swarm.pipeline)
+    assert swarm.host.dials == [(0.0, A), (0.1, B)]
+    assert result.ttft_s == pytest.approx(0.12)
+    assert (pytest.approx(0.12), A) in swarm.host.resets  # the loser is cancelled at once
+    assert {c.served_by for c in chunks} == {B}
+    assert route(result) == [(A, Outcome.STALLED), (B, Outcome.OK)]
+    assert list(result.token_ids) == GOOD
+    assert swarm.pipeline.statistics()["hedges"] == 1
+
+
+async def test_a_hedge_that_loses_is_cancelled_and_not_blamed(autojump_clock):
+    swarm = fake_swarm({A: (7, honest(ttft_s=0.15)), B: (6, honest(ttft_s=0.5))}, PROMPT,
+                       hedge_multiple=2.0, hedge_floor_s=0.1)
+    _, result = await collect(swarm.pipeline)
+    assert swarm.host.dials == [(0.0, A), (0.1, B)]
+    assert result.served_by == A and result.ttft_s == pytest.approx(0.15)
+    assert (pytest.approx(0.15), B) in swarm.host.resets
+    assert route(result) == [(A, Outcome.OK)]
+
+
+async def test_a_failure_is_seen_by_concurrent_requests_at_once(autojump_clock):
+    def breaks_later(request):
+        if request.request_id == "first":
+            return [Step(0.3, None)]  # the stream breaks at t = 0.3
+        return [STALL]
+
+    swarm = fake_swarm({A: (7, breaks_later), B: (6, honest())}, PROMPT)
+    results = {}
+
+    async def run(request_id, at):
+        await trio.sleep(at)
+        async for item in swarm.pipeline.stream(PROMPT, PARAMS, request_id=request_id):
+            if not isinstance(item, GenerationChunk):
+                results[request_id] = item
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(run, "first", 0.0)
+        nursery.start_soon(run, "second", 0.2)  # waits on A's first token when A fails
+        nursery.start_soon(run, "third", 0.4)  # arrives after: A is not its first choice
+    assert swarm.host.dials[:4] == [(0.0, A), (0.2, A), (0.3, B), (0.3, B)]
+    assert route(results["second"])[0] == (A, Outcome.STALLED)
+    assert results["second"].ttft_s == pytest.approx(0.11)  # not the 1 s deadline
+    assert swarm.host.dials[4] == (0.4, B)
+    assert [a.peer_id for a in results["third"].route] == [B]
+
+
+async def test_wrong_tokens_are_caught_at_fraction_one_and_never_delivered(autojump_clock):
+    swarm = fake_swarm({A: (7, wrong), B: (6, honest())}, PROMPT, verify_fraction=1.0)
+    chunks, result = await collect(swarm.pipeline)
+    assert all(c.served_by == B for c in chunks)
+    assert [t for c in chunks for t in c.token_ids] == GOOD
+    assert list(result.token_ids) == GOOD and result.served_by == B
+    assert route(result) == [(A, Outcome.WRONG_OUTPUT), (B, Outcome.OK)]
+    assert not swarm.trust.routable(A)
+    assert "wrong output" in swarm.trust.view(A).reason
+    _, again = await collect(swarm.pipeline)
+    assert A not in [a.peer_id for a in again.route]  # quarantined: never routed again
+
+
+async def test_a_verified_good_prefix_is_kept(autojump_clock):
+    def bad_from_3(request):
+        out = reference(request.prompt_token_ids, request.max_new_tokens)
+        return answer(request, out[:3] + [(t + 1) % 1000 for t in out[3:]])
+
+    swarm = fake_swarm({A: (7, bad_from_3), B: (6, honest())}, PROMPT, verify_fraction=1.0)
+    _, result = await collect(swarm.pipeline)
+    assert list(result.token_ids) == GOOD
+    assert result.route[0].outcome is Outcome.WRONG_OUTPUT and result.route[0].tokens == 3
+    b_request = next(r for t, p, r in swarm.host.requests if p == B)
+    assert list(b_request.prompt_token_ids) == PROMPT + GOOD[:3]
+    assert b_request.max_new_tokens == N - 3
+
+
+async def test_excess_tokens_are_cut_and_the_peer_quarantined(autojump_clock):
+    def too_many(request):
+        return answer(request, reference(request.prompt_token_ids, request.max_new_tokens + 5))
+
+    swarm = fake_swarm({A: (7, too_many), B: (6, honest())}, PROMPT)
+    chunks, result = await collect(swarm.pipeline)
+    delivered = [t for c in chunks for t in c.token_ids]
+    assert delivered == GOOD and list(result.token_ids) == GOOD
+    assert result.completion_tokens == N
+    assert not swarm.trust.routable(A)
+    assert "more than the 6 asked for" in swarm.trust.view(A).reason
+
+
+async def test_text_and_served_by_are_this_peers_own(autojump_clock):
+    def forger(request):
+        out = reference(request.prompt_token_ids, request.max_new_tokens)
+        return answer(request, out, served_by="12D3KooWsomeoneelse", text="EVIL")
+
+    swarm = fake_swarm({A: (7, forger)}, PROMPT)
+    chunks, result = await collect(swarm.pipeline)
+    assert result.served_by == A and {c.served_by for c in chunks} == {A}
+    assert result.text == swarm.engine.decode(GOOD)
+    assert "EVIL" not in "".join(c.text for c in chunks)
+
+
+async def test_out_of_vocabulary_ids_fail_the_attempt(autojump_clock):
+    swarm = fake_swarm({A: (7, honest()), B: (6, honest())}, PROMPT)
+    swarm.host.scripts[A] = lambda request: [Step(0.01, _OOV)]
+    _, result = await collect(swarm.pipeline)
+    assert route(result)[0] == (A, Outcome.FAILED)
+    assert list(result.token_ids) == GOOD
+
+
+class _RawChunk:
+    """A chunk frame that the typed TokenChunk would refuse to build (id 5000 >= 1000)."""
+
+    def to_wire(self):
+        return {"t": "chunk", "tokens": [5000], "text": ""}
+
+
+_OOV = _RawChunk()
+
+
+async def test_unproven_origins_are_never_dialed(autojump_clock):
+    swarm = fake_swarm({A: (8, honest()), B: (6, honest())}, PROMPT, rtt_s={A: None})
+    await collect(swarm.pipeline)
+    assert swarm.host.dialed() == [B]
+    assert swarm.pipeline.router.statistics().unproven_skipped == 1
+
+
+async def test_probation_share_is_bounded_and_every_probation_response_verified(
+    autojump_clock,
+):
+    swarm = fake_swarm({A: (7, honest())}, PROMPT, trusted=False, probation_requests=3,
+                       probation_share=4, verify_fraction=0.0)
+    served_by = []
+    for _ in range(12):
+        _, result = await collect(swarm.pipeline)
+        assert list(result.token_ids) == GOOD
+        served_by.append(result.served_by)
+    # Probation: requests 1, 5 and 9 (one in 4), each verified; trusted after the third.
+    assert [i + 1 for i, p in enumerate(served_by) if p == A] == [1, 5, 9, 10, 11, 12]
+    assert len(swarm.engine.verified) == 3  # trusted at fraction 0: no more verification
+    assert swarm.trust.view(A).state is TrustState.TRUSTED
+
+
+async def test_claims_that_overshoot_are_discounted_until_the_peer_is_not_preferred(
+    autojump_clock,
+):
+    # A claims 8 blocks (a poisoned filter) but reports 0 cached; B claims 6 and has them.
+    swarm = fake_swarm({A: (8, honest(cached=0)), B: (6, honest(cached=24))}, PROMPT)
+    firsts = []
+    for _ in range(8):
+        _, result = await collect(swarm.pipeline)
+        firsts.append(result.route[0].peer_id)
+    assert firsts[0] == A
+    assert firsts[-1] == B
+    assert swarm.trust.claim_factor(A) < 1.0
+    assert swarm.trust.claim_factor(B) == 1.0
+
+
+async def test_without_a_verifier_verification_is_skipped_and_says_so(autojump_clock):
+    swarm = fake_swarm({A: (7, wrong)}, PROMPT, engine=CacheOnlyVerifier(),
+                       verify_fraction=1.0)
+    await collect(swarm.pipeline)
+    stats = swarm.pipeline.statistics()
+    assert stats["verification_available"] == 0
+    assert stats["responses_unverified"] == 1
+
+
+async def test_swarm_view_shows_each_peers_trust():
+    from types import SimpleNamespace
+
+    from peer.engine.requests import EngineLoad
+    from peer.http import swarm_view
+
+    swarm = fake_swarm({A: (7, honest()), B: (6, honest())}, PROMPT, trusted=False,
+                       probation_requests=3)
+    swarm.trust.quarantine(B, "wrong output: token 2", 0.0)
+    swarm.trust.record_served(A, verified=True)
+    engine = SimpleNamespace(
+        load=lambda: EngineLoad(0, 0, 0.0, 0.0), cache=SimpleNamespace(num_blocks=0,
+        capacity_blocks=1), model_id="m", block_size=4,
+    )
+    peer = SimpleNamespace(
+        engine=engine, table=swarm.table, serving=SimpleNamespace(trust=swarm.trust),
+        peer_id=SELF, multiaddrs=[], config=SimpleNamespace(policy=SimpleNamespace(value="cost")),
+    )
+    view = {p["peer_id"]: p["trust"] for p in swarm_view(peer)["peers"]}
+    assert view[A] == {"state": "probation", "reason": "new identity", "verified": 1,
+                       "served": 1, "discount": 1.0, "claims": "believed"}
+    assert view[B]["state"] == "quarantined" and view[B]["reason"] == "wrong output: token 2"
+    assert view[B]["discount"] == 0.0
+
+
+async def test_quarantine_is_persisted_next_to_the_identity_and_reloaded(
+    tmp_path, autojump_clock
+):
+    import json
+
+    from peer.serving import Serving
+    from tests.fake_host import FakeEngine, fake_config, fake_peers
+
+    config = fake_config(identity_file=tmp_path / "identity.key", verify_fraction=1.0,
+                         probation_requests=0)
+    engine = FakeEngine()
+    table, host = fake_peers({A: (7, wrong)}, PROMPT, engine)
+    serving = Serving(config=config, engine=engine, table=table, host=host, self_id=SELF)
+    result = await serving.generate(PROMPT, PARAMS)
+    assert list(result.token_ids) == GOOD
+    saved = json.loads((tmp_path / "quarantine.json").read_text())
+    assert [r["peer_id"] for r in saved["quarantined"]] == [A]
+    assert saved["quarantined"][0]["reason"].startswith("wrong output")
+
+    # A restart: the new ledger loads the file; A is never dialed again.
+    table, host = fake_peers({A: (7, honest())}, PROMPT, engine)
+    restarted = Serving(config=config, engine=engine, table=table, host=host, self_id=SELF)
+    assert not restarted.trust.routable(A)
+    await restarted.generate(PROMPT, PARAMS)
+    assert host.dials == []
+    assert restarted.statistics()["trust"]["peers_quarantined"] == 1
+
+
+async def test_an_unreadable_quarantine_file_is_a_clear_error(tmp_path):
+    from peer.serving import Serving
+    from tests.fake_host import FakeEngine, FakeHost, fake_config
+
+    (tmp_path / "quarantine.json").write_text("{not json")
+    config = fake_config(identity_file=tmp_path / "identity.key")
+    with pytest.raises(ValueError, match="quarantine file"):
+        Serving(config=config, engine=FakeEngine(), table=None, host=FakeHost(), self_id=SELF)

@@ -1,0 +1,217 @@
+"""Teacher-forced verification (Engine.verify) on the tiny-random model: honest outputs
+pass, a changed token fails at its index, another model's output fails, structure lies
+(too long, after EOS, after a stop string, cut short) fail, the cache is reused and the
+output enters it only when it verified."""
+
+import dataclasses
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from peer.engine.engine import Engine, InvalidRequest, SamplingParams
+from peer.engine.verify import GREEDY_MAX_LOGPROB_GAP, SAMPLED_MIN_LOGPROB, check_structure
+
+
+def prompt(n, start=100):
+    return [start + 7 * i % 5000 for i in range(n)]
+
+
+def logprobs_at(model, tokens, temperature=1.0):
+    """Log-probabilities of the next token after `tokens`, computed without the engine."""
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([tokens])).logits[0, -1]
+    return torch.log_softmax(logits.float() / temperature, dim=-1)
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    tokens=st.lists(st.integers(0, 49151), min_size=1, max_size=60),
+    n_out=st.integers(1, 24),
+    temperature=st.sampled_from([0.0, 0.3, 0.7, 1.0, 1.5]),
+    top_p=st.sampled_from([0.3, 0.8, 0.95, 1.0]),
+    seed=st.integers(0, 2**32),
+    warm=st.booleans(),
+)
+def test_honest_outputs_verify(tiny_engine_factory, tokens, n_out, temperature, top_p, seed,
+                               warm):
+    """Greedy and sampled answers of the same model pass, cached prompt or not."""
+    import trio
+
+    params = SamplingParams(max_new_tokens=n_out, temperature=temperature, top_p=top_p, seed=seed)
+    server = tiny_engine_factory()
+    checker = tiny_engine_factory()
+
+    async def run():
+        done = await server.generate(tokens, params)
+        if warm:
+            await checker.generate(tokens, SamplingParams(max_new_tokens=1))
+        return done, await checker.verify(tokens, list(done.token_ids), params)
+
+    done, verdict = trio.run(run)
+    assert verdict.ok, verdict.detail
+    assert verdict.first_bad_index is None
+    assert verdict.checked_tokens == len(done.token_ids)
+
+
+async def test_many_sampled_seeds_verify(tiny_engine):
+    p = prompt(40)
+    for seed in range(30):
+        params = SamplingParams(max_new_tokens=8, temperature=0.8, top_p=0.9, seed=seed)
+        done = await tiny_engine.generate(p, params)
+        verdict = await tiny_engine.verify(p, list(done.token_ids), params)
+        assert verdict.ok, (seed, verdict.detail)
+
+
+@pytest.mark.parametrize("index", [0, 5, 15])
+async def test_a_changed_greedy_token_fails_at_its_index(tiny_engine, tiny_model, index):
+    p = prompt(40)
+    params = SamplingParams(max_new_tokens=16)
+    out = list((await tiny_engine.generate(p, params)).token_ids)
+    logp = logprobs_at(tiny_model.model, p + out[:index])
+    out[index] = int(logp.argmin())  # the least likely token: far beyond the tolerance
+    verdict = await tiny_engine.verify(p, out, params)
+    assert not verdict.ok
+    assert verdict.first_bad_index == index
+    assert "greedy" in verdict.detail
+    assert verdict.checked_tokens == index + 1
+
+
+async def test_a_near_tie_is_tolerated(tiny_engine, tiny_model):
+    """A second-best token within GREEDY_MAX_LOGPROB_GAP of the best passes; beyond it fails."""
+    p = prompt(40)
+    params = SamplingParams(max_new_tokens=1)
+    logp = logprobs_at(tiny_model.model, p)
+    top2 = torch.topk(logp, 2)
+    gap = float(top2.values[0] - top2.values[1])
+    verdict = await tiny_engine.verify(p, [int(top2.indices[1])], params)
+    assert verdict.ok == (gap <= GREEDY_MAX_LOGPROB_GAP)
+    assert (await tiny_engine.verify(p, [int(top2.indices[0])], params)).ok
+
+
+async def test_an_unlikely_sampled_token_fails(tiny_engine, tiny_model):
+    p = prompt(40)
+    params = SamplingParams(max_new_tokens=8, temperature=0.3, seed=1)
+    out = list((await tiny_engine.generate(p, params)).token_ids)
+    logp = logprobs_at(tiny_model.model, p + out[:3], temperature=0.3)
+    out[3] = int(logp.argmin())
+    assert float(logp.min()) < SAMPLED_MIN_LOGPROB  # the premise: the floor can catch it
+    verdict = await tiny_engine.verify(p, out, params)
+    assert (verdict.ok, verdict.first_bad_index) == (False, 3)
+    assert "below the floor" in verdict.detail
+
+
+async def test_a_token_outside_the_nucleus_fails(tiny_engine, tiny_model):
+    p = prompt(40)
+    params = SamplingParams(max_new_tokens=4, temperature=1.0, top_p=0.2, seed=1)
+    out = list((await tiny_engine.generate(p, params)).token_ids)
+    logp = logprobs_at(tiny_model.model, p + out[:2])
+    order = torch.argsort(logp, descending=True)
+    out[2] = int(order[len(order) // 2])  # a median token: above the floor, outside top 20%
+    verdict = await tiny_engine.verify(p, out, params)
+    assert (verdict.ok, verdict.first_bad_index) == (False, 2)
+    assert "nucleus" in verdict.detail
+
+
+def other_model(tiny_model, seed):
+    from transformers import LlamaForCausalLM
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(tiny_model.model.config)
+    model.eval()
+    return dataclasses.replace(tiny_model, model=model)
+
+
+async def test_another_models_output_fails(tiny_engine, tiny_model):
+    liar = Engine.from_model(other_model(tiny_model, 7), cache_bytes=1 << 20)
+    for start in (100, 900, 4000):
+        p = prompt(33, start)
+        for params in (SamplingParams(max_new_tokens=16),
+                       SamplingParams(max_new_tokens=16, temperature=0.3, seed=start)):
+            out = list((await liar.generate(p, params)).token_ids)
+            verdict = await tiny_engine.verify(p, out, params)
+            assert not verdict.ok, (start, params)
+
+
+async def test_structure_lies_fail(tiny_engine_factory, tiny_model):
+    eos = 7
+    engine = Engine.from_model(dataclasses.replace(tiny_model, eos_token_ids=(eos,)), 1 << 20)
+    p = prompt(20)
+    greedy = SamplingParams(max_new_tokens=4)
+    out = list((await engine.generate(p, greedy)).token_ids)
+    assert eos not in out  # the premise of the next checks
+    too_long = await engine.verify(p, [*out, 1], SamplingParams(max_new_tokens=4))
+    assert (too_long.ok, too_long.first_bad_index) == (False, 4)
+    short = await engine.verify(p, out[:2], greedy)
+    assert (short.ok, short.first_bad_index) == (False, 2)
+    assert "without an end-of-sequence" in short.detail
+    after_eos = await engine.verify(p, [out[0], eos, out[1]], greedy)
+    assert (after_eos.ok, after_eos.first_bad_index) == (False, 2)
+    empty = await engine.verify(p, [], greedy)
+    assert (empty.ok, empty.first_bad_index) == (False, 0)
+    outside = await engine.verify(p, [out[0], 10**9], greedy)
+    assert (outside.ok, outside.first_bad_index) == (False, 1)
+
+
+def test_stop_strings_must_end_the_output(tiny_model):
+    decode = lambda ids: "".join(chr(97 + i) for i in ids)  # noqa: E731  token i -> a letter
+    params = SamplingParams(max_new_tokens=8, stop=("cd",))
+    assert check_structure([0, 1, 2, 3], params, 26, (), decode) is None  # "abcd": ends at stop
+    late = check_structure([2, 3, 4, 5], params, 26, (), decode)  # "cdef": 2 tokens too many
+    assert late is not None and late.index == 2
+    cut = check_structure([0, 1], params, 26, (), decode)  # "ab": neither stop nor length
+    assert cut is not None and cut.index == 2
+    assert check_structure([0] * 8, params, 26, (), decode) is None  # length reached
+
+
+async def test_verify_reuses_the_cache_and_caches_only_verified_output(tiny_engine, tiny_model):
+    p = prompt(40)  # 2 full blocks
+    params = SamplingParams(max_new_tokens=24)
+    out = list((await tiny_engine.generate(p, params)).token_ids)
+    assert tiny_engine.local_match_tokens(p + out) == 32
+    logp = logprobs_at(tiny_model.model, p + out[:2])
+    bad = [*out[:2], int(logp.argmin()), *out[3:]]
+    verdict = await tiny_engine.verify(p, bad, params)
+    assert (verdict.ok, verdict.cached_tokens) == (False, 32)
+    assert tiny_engine.local_match_tokens(p + bad) == 32  # the lie did not enter the cache
+    verdict = await tiny_engine.verify(p, out, params)
+    assert (verdict.ok, verdict.cached_tokens) == (True, 32)
+    assert tiny_engine.local_match_tokens(p + out) == 48  # (40 + 23 fed) // 16 blocks
+    stats = tiny_engine.statistics()
+    assert (stats["verifications"], stats["verifications_failed"]) == (2, 1)
+
+
+async def test_verified_blocks_equal_generated_ones(tiny_engine_factory):
+    """The KV a verification caches is a prefill's: later requests reuse it exactly."""
+    p = prompt(40)
+    params = SamplingParams(max_new_tokens=24)
+    reference = tiny_engine_factory(cache_bytes=0)
+    out = list((await reference.generate(p, params)).token_ids)
+    engine = tiny_engine_factory()
+    assert (await engine.verify(p, out, params)).ok
+    follow = p + out + prompt(5, 7)
+    params = SamplingParams(max_new_tokens=8)
+    cached = await engine.generate(follow, params)
+    assert cached.usage.cached_tokens == 48
+    assert cached.token_ids == (await reference.generate(follow, params)).token_ids
+
+
+async def test_long_outputs_verify_in_chunks(tiny_engine, tiny_model):
+    p = prompt(300)
+    params = SamplingParams(max_new_tokens=600)
+    out = list((await tiny_engine.generate(p, params)).token_ids)
+    verdict = await tiny_engine.verify(p, out, params)
+    assert verdict.ok and verdict.checked_tokens == 600
+    out[550] = int(logprobs_at(tiny_model.model, p + out[:550]).argmin())
+    verdict = await tiny_engine.verify(p, out, params)
+    assert (verdict.ok, verdict.first_bad_index) == (False, 550)
+
+
+async def test_bad_prompt_or_params_are_invalid_requests(tiny_engine):
+    with pytest.raises(InvalidRequest):
+        await tiny_engine.verify([], [1], SamplingParams())
+    with pytest.raises(InvalidRequest):
+        await tiny_engine.verify([1, 2], [1], SamplingParams(temperature=-1))
+    assert (await tiny_engine.verify([1, 2], ["x"], SamplingParams(max_new_tokens=1))).ok is False
