@@ -355,7 +355,7 @@ async def run(args: argparse.Namespace) -> None:
     )
     forged_ids: list[str] = []
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async with contextlib.AsyncExitStack() as stack, trio.open_nursery() as nursery:
+        async with trio.open_nursery() as nursery, contextlib.AsyncExitStack() as stack:
 
             async def stop_on_signal() -> None:
                 async for _ in signals:

@@ -208,3 +208,18 @@ def test_bench_json_rows_have_the_issue_keys() -> None:
             assert row["rogue_still_tried_in_last_quarter"] is False
         if name in ("forged_origins", "sybil"):
             assert "requests_before_proven_per_identity" in row
+
+
+def test_quarantine_trials_catch_both_liars_through_the_pipeline() -> None:
+    from bench.quarantine import LIARS as QUARANTINE_LIARS
+    from bench.quarantine import quarantine_trials_sync
+
+    out = quarantine_trials_sync(trials=3, seed=1)
+    for driver in ("ledger", "pipeline"):
+        for liar in QUARANTINE_LIARS:
+            row = out[driver][liar]
+            assert row["never_quarantined"] == 0
+            assert row["forwards_until_quarantine_max"] >= 1
+    # A new identity lies on its first forward and is verified then (probation).
+    assert out["pipeline"]["always"]["forwards_until_quarantine_max"] == 1
+    assert out["pipeline"]["always"]["wrong_outputs_delivered_before_quarantine_max"] == 0
