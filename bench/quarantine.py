@@ -179,11 +179,6 @@ def quarantine_trials_sync(
     return out
 
 
-async def quarantine_trials(trials: int, seed: int = 0) -> dict[str, Any]:
-    """bench.adversary's entry point (the trials are synchronous and take milliseconds)."""
-    return quarantine_trials_sync(trials, seed)
-
-
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.quarantine",
                                 description=__doc__.split("\n")[0])
