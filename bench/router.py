@@ -40,6 +40,7 @@ from peer.config import Policy
 from peer.gossip import summary_bloom
 from peer.peer_table import PeerTable
 from peer.router import LocalState, Router
+from peer.trust import TrustLedger
 from protocols.summary import CacheSummary
 
 MODEL_ID = "bench-model"
@@ -97,6 +98,17 @@ def build_table(
 LOCAL = LocalState("12D3KooWbenchLocal", 256, 500, 1, 800.0, 20.0)
 
 
+def _trusting(table: PeerTable) -> TrustLedger:
+    """A ledger that passed every peer of ``table`` through probation and observed it."""
+    ledger = TrustLedger()
+    for view in table.views(0.0):
+        for _ in range(ledger.probation_requests):
+            ledger.record_served(view.peer_id, verified=True)
+        ledger.record_speeds(view.peer_id, 2000.0, 40.0)
+        ledger.record_claim(view.peer_id, 64, 64)
+    return ledger
+
+
 def measure(
     router: Router, table: PeerTable, prompts: list[list[int]], iterations: int
 ) -> tuple[list[float], list[float], list[float]]:
@@ -136,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--policy", type=Policy, default=Policy.COST,
                         choices=list(Policy), metavar="{" + ",".join(p.value for p in Policy) + "}")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--trust", action="store_true",
+                        help="route under a trust ledger (every peer trusted, speeds observed)")
     args = parser.parse_args(argv)
 
     rng = random.Random(args.seed)
@@ -171,7 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     # cold ones; a new prompt's suffix is held by nobody.
     held = warm_prompts + cold_prompts
     table = build_table(args.peers, held, random.Random(args.seed), (FILLER_BLOCKS,))
-    router = Router(args.policy, random.Random(0), block_size=BLOCK_SIZE)
+    router = Router(args.policy, random.Random(0), block_size=BLOCK_SIZE,
+                    trust=_trusting(table) if args.trust else None, require_rtt=args.trust)
+    results["trust"] = args.trust
     measure(router, table, warm_prompts, args.prompts)  # warm up the interpreter
     for label, prompts, iterations in (
         ("new", new_prompts, args.iterations),

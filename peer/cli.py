@@ -13,6 +13,7 @@ its stdin closes, so it never outlives the process that started it.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -36,7 +37,8 @@ from peer.config import (
 )
 from peer.local_swarm import LOCAL_SUMMARY_INTERVAL_S
 
-DEFAULT_HTTP = "127.0.0.1:8000"  # loopback only: the API has no authentication
+DEFAULT_HTTP = "127.0.0.1:8000"  # loopback only: without --api-key the API is open
+API_KEY_ENV = "PREFIXSWARM_API_KEY"  # the key from the environment keeps it out of `ps`
 DEFAULT_URL = "http://127.0.0.1:8000"
 PEERS_REPORT_INTERVAL_S = 0.5  # how often `--report json` says which peers are known
 CLIENT_TIMEOUT_S = 600.0  # generate/status: a long prompt on a slow CPU takes minutes
@@ -126,7 +128,8 @@ async def run_serve(args: argparse.Namespace, config: PeerConfig) -> None:
                 url = None
                 if args.http:
                     host, port = split_host_port(args.http)
-                    url = await peer.start_service(serve_http, peer, host, port)
+                    serve = functools.partial(serve_http, api_key=args.api_key or None)
+                    url = await peer.start_service(serve, peer, host, port)
                 if json_report:
                     _emit(
                         {
@@ -173,7 +176,9 @@ def run_generate(args: argparse.Namespace) -> int:
     extension: dict[str, Any] = {}
     usage: dict[str, Any] = {}
     with (
-        httpx.Client(base_url=args.url, timeout=CLIENT_TIMEOUT_S) as client,
+        httpx.Client(
+            base_url=args.url, timeout=CLIENT_TIMEOUT_S, headers=_auth(args)
+        ) as client,
         client.stream("POST", path, json=body) as response,
     ):
         if response.status_code != 200:
@@ -218,7 +223,7 @@ def _address(addrs: list[str]) -> str:
 def format_status(view: dict[str, Any]) -> str:
     """The /v1/swarm object as a readable table: this peer first, then the others."""
     me = view["self"]
-    header = ["PEER", "ADDRESS", "RTT", "LOAD", "CACHED BLOCKS", "SUMMARY AGE"]
+    header = ["PEER", "ADDRESS", "RTT", "LOAD", "CACHED BLOCKS", "SUMMARY AGE", "TRUST"]
     rows = [header]
 
     def load(p: dict[str, Any]) -> str:
@@ -226,13 +231,14 @@ def format_status(view: dict[str, Any]) -> str:
 
     rows.append(
         [me["peer_id"] + " (this)", _address(me["addrs"]), "-", load(me),
-         f"{me['cached_blocks']}/{me['capacity_blocks']}", "-"]
+         f"{me['cached_blocks']}/{me['capacity_blocks']}", "-", "-"]
     )
     for p in view["peers"]:
         rtt = "?" if p["rtt_s"] is None else f"{p['rtt_s'] * 1000:.1f} ms"
         rows.append(
             [p["peer_id"], _address(p["addrs"]), rtt, load(p),
-             f"~{p['cached_blocks']}/{p['capacity_blocks']}", f"{p['summary_age_s']:.1f} s"]
+             f"~{p['cached_blocks']}/{p['capacity_blocks']}", f"{p['summary_age_s']:.1f} s",
+             (p.get("trust") or {}).get("state", "-")]
         )
     title = f"model {me['model']}, policy {me['policy']}, {len(view['peers']) + 1} peers"
     return title + "\n" + _table(rows)
@@ -242,7 +248,9 @@ def run_status(args: argparse.Namespace) -> int:
     import httpx
 
     try:
-        response = httpx.get(args.url + "/v1/swarm", timeout=CLIENT_TIMEOUT_S)
+        response = httpx.get(
+            args.url + "/v1/swarm", timeout=CLIENT_TIMEOUT_S, headers=_auth(args)
+        )
     except httpx.HTTPError as exc:
         print(f"cannot reach a peer at {args.url}: {exc}", file=sys.stderr)
         return 1
@@ -252,7 +260,16 @@ def run_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _auth(args: argparse.Namespace) -> dict[str, str]:
+    return {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+
+
 # -- argument parsing --------------------------------------------------------------------
+
+
+def _api_key_option(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV), metavar="KEY",
+                   help=f"{what} (default ${API_KEY_ENV})")
 
 
 def _peer_options(p: argparse.ArgumentParser, *, summary_interval: float) -> None:
@@ -280,6 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="ed25519 key file, created if missing ('none': ephemeral)")
     serve.add_argument("--http", default=DEFAULT_HTTP, metavar="HOST:PORT",
                        help="serve the HTTP API here ('' to disable)")
+    _api_key_option(serve, "require 'Authorization: Bearer KEY' on every path but /health")
     serve.add_argument("--report", choices=["text", "json"], default="text")
     serve.add_argument("--exit-with-stdin", action="store_true", help="stop when stdin closes")
     serve.add_argument("--forward-delay", type=float, default=0.0, metavar="S",
@@ -298,10 +316,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--model", default=None)
+    _api_key_option(gen, "the peer's API key")
 
     status = sub.add_parser("status", help="the peer's view of the swarm")
     status.add_argument("--url", default=DEFAULT_URL)
     status.add_argument("--json", action="store_true")
+    _api_key_option(status, "the peer's API key")
 
     local = sub.add_parser("local", help="run N peers on this machine (loopback)")
     _peer_options(local, summary_interval=LOCAL_SUMMARY_INTERVAL_S)

@@ -48,14 +48,23 @@ class Faulty(AttemptFailed):
         super().__init__("failed", detail)
 
 
+class MovedOn(AttemptFailed):
+    """The peer failed for another request while this one waited on its first token:
+    already recorded once, not a second failure."""
+
+    def __init__(self) -> None:
+        super().__init__("stalled", "failed meanwhile for a concurrent request")
+
+
 class LocalAttempt:
     """The request on this peer's own engine, through the shared engine admission."""
 
     is_local = True
 
     def __init__(self, engine: Any, admission: Admission, prompt: list[int],
-                 params: SamplingParams) -> None:
+                 params: SamplingParams, cache_salt: bytes | None = None) -> None:
         self._engine = engine
+        self._cache_salt = cache_salt
         self._admission = admission
         self._prompt = prompt
         self._params = params
@@ -69,7 +78,8 @@ class LocalAttempt:
             self._slot = self._admission.admit()
         except Overloaded as exc:
             raise AttemptFailed("refused", str(exc)) from exc
-        self._agen = self._engine.stream(self._prompt, self._params)
+        private = {} if self._cache_salt is None else {"cache_salt": self._cache_salt}
+        self._agen = self._engine.stream(self._prompt, self._params, **private)
         first = await self.next_tokens()
         if isinstance(first, str):
             raise AttemptFailed("failed", "the engine finished without a token")

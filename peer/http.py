@@ -12,7 +12,9 @@ route). A client that disconnects cancels its request everywhere along the route
 
 from __future__ import annotations
 
+import hmac
 import json
+import logging
 import math
 import time
 import uuid
@@ -36,6 +38,7 @@ from peer.openai_schema import (
     MAX_BODY_BYTES,
     ApiError,
     parse_body,
+    parse_cache_salt,
     parse_params,
     parse_prompt,
     usage,
@@ -45,6 +48,20 @@ from peer.pipeline import DeadlineExceeded, GenerationChunk, GenerationResult, R
 SERVED_BY_HEADER = "x-prefixswarm-served-by"
 ENTRY_HEADER = "x-prefixswarm-entry"
 CLIENT_CLOSED = 499  # status recorded (never sent) when the client went away mid-request
+# Bursts of new connections beyond the accept queue get resets: 300 at once overflowed
+# hypercorn's default of 100; 1024 gave none (the kernel caps it at net.core.somaxconn).
+LISTEN_BACKLOG = 1024
+OPEN_PATHS = frozenset({"/health"})  # answered without the API key: liveness probes
+MAX_API_KEY_CHARS = 1024  # a bound on what is compared; real keys are ~50 characters
+
+logger = logging.getLogger(__name__)
+
+
+def _internal_error(exc: BaseException) -> ApiError:
+    return ApiError(
+        500, f"internal error ({type(exc).__name__}); it was logged and counted",
+        type="server_error", code="internal_error",
+    )
 
 
 def error_for(exc: BaseException) -> ApiError:
@@ -95,6 +112,7 @@ class _Job:
     token_ids: list[int]
     params: SamplingParams
     request_id: str
+    cache_salt: bytes | None = None  # a private request: see docs/operations.md
 
 
 def _sse(obj: Any) -> bytes:
@@ -114,6 +132,7 @@ class GenerationResponse:
         self._job = job
         self._created = int(time.time())  # the OpenAI "created" field: wall clock by contract
         self.status = 200
+        self._started = False  # http.response.start was sent
         self._complete = False  # the last body part is being sent or was sent
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
@@ -129,13 +148,30 @@ class GenerationResponse:
             nursery.start_soon(watch_disconnect)
             try:
                 await self._respond(send)
+            except Exception as exc:  # a bug: answer a 500 (or end the stream), count it
+                logger.exception("request %s failed unexpectedly", self._job.request_id)
+                self._api.metrics.record_unexpected(self._job.endpoint, exc)
+                await self._send_unexpected(send, exc)
             finally:
                 nursery.cancel_scope.cancel()
         self._api.metrics.record_request(self._job.endpoint, self.status)
 
+    async def _send_unexpected(self, send: Any, exc: BaseException) -> None:
+        error = _internal_error(exc)
+        if not self._started:
+            self._job = replace(self._job, stream=False)  # one JSON error body
+            headers = {"content-type": "application/json"}
+            await self._start(send, 500, headers, json.dumps(error.body()).encode())
+        elif not self._complete:  # a stream whose headers are out: an error event ends it
+            self._complete = True
+            body = _sse(error.body()) + _sse("[DONE]")
+            await send({"type": "http.response.body", "body": body, "more_body": False})
+            self.status = 500
+
     async def _start(self, send: Any, status: int, headers: dict[str, str], body: bytes) -> None:
         self.status = status
         raw = [(k.lower().encode(), v.encode()) for k, v in headers.items()]
+        self._started = True
         await send({"type": "http.response.start", "status": status, "headers": raw})
         self._complete = not self._job.stream
         await send({"type": "http.response.body", "body": body, "more_body": self._job.stream})
@@ -149,7 +185,8 @@ class GenerationResponse:
 
     async def _respond(self, send: Any) -> None:
         job, api = self._job, self._api
-        agen = api.peer.stream(job.token_ids, job.params, request_id=job.request_id)
+        extra = {} if job.cache_salt is None else {"cache_salt": job.cache_salt}
+        agen = api.peer.stream(job.token_ids, job.params, request_id=job.request_id, **extra)
         async with aclosing(agen):
             try:
                 first = await agen.__anext__()
@@ -273,8 +310,13 @@ def _usage(result: GenerationResult) -> dict[str, Any]:
 class HttpApi:
     """The Starlette application of one peer (`.app`), with its metrics."""
 
-    def __init__(self, peer: Any, *, model_alias: str | None = None) -> None:
+    def __init__(
+        self, peer: Any, *, model_alias: str | None = None, api_key: str | None = None
+    ) -> None:
+        if api_key is not None and not 1 <= len(api_key) <= MAX_API_KEY_CHARS:
+            raise ValueError(f"the API key must have 1 to {MAX_API_KEY_CHARS} characters")
         self.peer = peer
+        self._api_key = None if api_key is None else f"Bearer {api_key}".encode()
         self.model_id: str = peer.engine.model_id
         alias = model_alias if model_alias is not None else peer.config.model
         self.model_names = tuple(dict.fromkeys([self.model_id, alias]))
@@ -289,8 +331,26 @@ class HttpApi:
                 Route("/v1/swarm", self.swarm, methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
                 Route("/metrics", self.prometheus, methods=["GET"]),
-            ]
+            ],
+            exception_handlers={Exception: self._unexpected},
         )
+        self.app.add_middleware(_CheckKey, api=self)  # type: ignore[arg-type]
+
+    def authorized(self, scope: Any) -> bool:
+        """Whether a request may pass: no key configured, an open path, or the right key."""
+        if self._api_key is None or scope.get("path") in OPEN_PATHS:
+            return True
+        given = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), b"")
+        return hmac.compare_digest(given[: MAX_API_KEY_CHARS + 16], self._api_key)
+
+    async def _unexpected(self, request: Request, exc: Exception) -> JSONResponse:
+        """A bug in a handler: a JSON 500, logged and counted in /metrics."""
+        logger.exception("%s %s failed unexpectedly", request.method, request.url.path)
+        endpoint = request.url.path.rsplit("/", 1)[-1] or "root"
+        self.metrics.record_unexpected(endpoint, exc)
+        self.metrics.record_request(endpoint, 500)
+        error = _internal_error(exc)
+        return JSONResponse(error.body(), status_code=500, headers=error.headers)
 
     def _endpoint(self, name: str, *, chat: bool) -> Callable[[Request], Awaitable[Any]]:
         async def endpoint(request: Request) -> Any:
@@ -298,8 +358,12 @@ class HttpApi:
                 return GenerationResponse(self, await self._job(name, request, chat))
             except _REQUEST_ERRORS as exc:
                 error = error_for(exc)
-                self.metrics.record_request(name, error.status)
-                return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+            except Exception as exc:  # a bug (e.g. in the tokenizer): a counted JSON 500
+                logger.exception("parsing a %s request failed unexpectedly", name)
+                self.metrics.record_unexpected(name, exc)
+                error = _internal_error(exc)
+            self.metrics.record_request(name, error.status)
+            return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
         return endpoint
 
@@ -316,6 +380,7 @@ class HttpApi:
             )
         params = parse_params(body, chat)
         prompt = parse_prompt(body, chat)
+        cache_salt = parse_cache_salt(body)
         serving = self.peer.serving
         if serving is None:
             raise ApiError(503, "this peer has no model loaded", type="server_error")
@@ -339,6 +404,7 @@ class HttpApi:
             token_ids=token_ids,
             params=params,
             request_id=uuid.uuid4().hex,
+            cache_salt=cache_salt,
         )
 
     async def models(self, request: Request) -> JSONResponse:
@@ -382,6 +448,26 @@ def trust_view(trust: Any, peer_id: str) -> dict[str, Any] | None:
         "discount": round(t.discount, 4),
         "claims": t.claims.value,
     }
+
+
+class _CheckKey:
+    """ASGI middleware: without the right `Authorization: Bearer KEY`, a 401 error object."""
+
+    def __init__(self, app: Any, api: HttpApi) -> None:
+        self._app = app
+        self._api = api
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or self._api.authorized(scope):
+            await self._app(scope, receive, send)
+            return
+        self._api.metrics.record_request("unauthorized", 401)
+        error = ApiError(
+            401, "a valid API key is required: send 'Authorization: Bearer KEY'",
+            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"},
+        )
+        response = JSONResponse(error.body(), status_code=401, headers=error.headers)
+        await response(scope, receive, send)
 
 
 def swarm_view(peer: Any) -> dict[str, Any]:
@@ -429,21 +515,31 @@ def swarm_view(peer: Any) -> dict[str, Any]:
     }
 
 
+def hypercorn_config(host: str, port: int) -> HypercornConfig:
+    """How hypercorn serves the API: bind, quiet logs, backlog, shutdown grace."""
+    config = HypercornConfig()
+    config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
+    config.accesslog = None
+    config.errorlog = None
+    config.backlog = LISTEN_BACKLOG
+    config.graceful_timeout = 1.0  # in-flight requests get this long when the peer stops
+    return config
+
+
 async def serve_http(
     peer: Any,
     host: str = "127.0.0.1",
     port: int = 8000,
     *,
     model_alias: str | None = None,
+    api_key: str | None = None,
     task_status: Any = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve the peer's HTTP API until cancelled; reports the bound URL (port 0 works)."""
-    config = HypercornConfig()
-    config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
-    config.accesslog = None
-    config.errorlog = None
-    config.graceful_timeout = 1.0  # in-flight requests get this long when the peer stops
-    api = HttpApi(peer, model_alias=model_alias)
+    """Serve the peer's HTTP API until cancelled; reports the bound URL (port 0 works).
+
+    With `api_key`, every path but /health needs `Authorization: Bearer <api_key>`."""
+    config = hypercorn_config(host, port)
+    api = HttpApi(peer, model_alias=model_alias, api_key=api_key)
 
     async def serve(*, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         await hypercorn_serve(api.app, config, task_status=task_status)  # type: ignore[arg-type]

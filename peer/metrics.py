@@ -116,11 +116,21 @@ class Metrics:
             ["where"],
             registry=self.registry,
         )
+        self.unexpected = Counter(
+            "prefixswarm_http_unexpected_errors",
+            "HTTP requests that failed on a bug (answered 500), by endpoint and exception type",
+            ["endpoint", "error"],
+            registry=self.registry,
+        )
         if snapshot is not None:
             self.registry.register(_PeerCollector(snapshot))
 
     def record_request(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint, str(status)).inc()
+
+    def record_unexpected(self, endpoint: str, exc: BaseException) -> None:
+        """Count a request that failed on an error no handler names (a 500)."""
+        self.unexpected.labels(endpoint, type(exc).__name__).inc()
 
     def record_result(self, result: Any, self_id: str) -> None:
         """Count a finished GenerationResult."""

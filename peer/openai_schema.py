@@ -16,6 +16,8 @@ MAX_BODY_BYTES = 4 << 20  # the longest prompt the engine accepts, JSON-escaped,
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 DEFAULT_CHAT_MAX_TOKENS = 256  # OpenAI's is "until the context is full": too long on a CPU
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; pass 0 for greedy (reproducible) answers
+RETRY_AFTER_S = 1  # a 429 or 503 without a better estimate: clients retry after a second
+MAX_CACHE_SALT_CHARS = 256  # vLLM's cache_salt is an opaque string; longer is a mistake
 # Options that would change the answer's meaning: refused unless at their default.
 # Other unknown options (user, metadata, penalties at 0, ...) are ignored, as vLLM does.
 _UNSUPPORTED_DEFAULTS: dict[str, tuple[Any, ...]] = {
@@ -41,7 +43,9 @@ class ApiError(Exception):
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.type = status, message, type
-        self.param, self.code, self.headers = param, code, headers or {}
+        self.param, self.code, self.headers = param, code, dict(headers or {})
+        if status in (429, 503) and "retry-after" not in {k.lower() for k in self.headers}:
+            self.headers["Retry-After"] = str(RETRY_AFTER_S)  # every 429 and 503 says when
 
     def body(self) -> dict[str, Any]:
         return {
@@ -67,6 +71,31 @@ def _integer(body: dict[str, Any], name: str) -> int | None:
     return value
 
 
+def _text(value: str, param: str) -> str:
+    """`value` if it is valid Unicode text (JSON admits lone surrogates such as "\\ud800")."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ApiError(
+            400, f"'{param}' is not valid Unicode text: {exc.reason} at {exc.start}", param=param,
+            code="invalid_value",
+        ) from None
+    return value
+
+
+def parse_cache_salt(body: dict[str, Any]) -> bytes | None:
+    """The request's `cache_salt` (vLLM's extension: a private cache namespace), or None."""
+    salt = body.get("cache_salt")
+    if salt is None:
+        return None
+    if not isinstance(salt, str) or not 1 <= len(salt) <= MAX_CACHE_SALT_CHARS:
+        raise ApiError(
+            400, f"'cache_salt' must be a string of 1 to {MAX_CACHE_SALT_CHARS} characters",
+            param="cache_salt", code="invalid_value",
+        )
+    return _text(salt, "cache_salt").encode("utf-8")
+
+
 def parse_params(body: dict[str, Any], chat: bool) -> SamplingParams:
     """SamplingParams from OpenAI fields; ApiError(400) naming the bad parameter."""
     for name, defaults in _UNSUPPORTED_DEFAULTS.items():
@@ -84,9 +113,9 @@ def parse_params(body: dict[str, Any], chat: bool) -> SamplingParams:
     if stop is None:
         stops: tuple[str, ...] = ()
     elif isinstance(stop, str):
-        stops = (stop,)
+        stops = (_text(stop, "stop"),)
     elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        stops = tuple(stop)
+        stops = tuple(_text(s, "stop") for s in stop)
     else:
         raise ApiError(400, "'stop' must be a string or a list of strings", param="stop")
     params = SamplingParams(
@@ -121,13 +150,14 @@ def parse_prompt(body: dict[str, Any], chat: bool) -> str | list[dict[str, str]]
                 content = "".join(str(p.get("text", "")) for p in content)
             if not isinstance(content, str):
                 raise ApiError(400, "each message needs text 'content'", param="messages")
-            out.append({"role": m["role"], "content": content})
+            role = _text(m["role"], "messages")
+            out.append({"role": role, "content": _text(content, "messages")})
         return out
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]
     if isinstance(prompt, str):
-        return prompt
+        return _text(prompt, "prompt")
     if isinstance(prompt, list) and all(
         isinstance(t, int) and not isinstance(t, bool) for t in prompt
     ):
@@ -143,6 +173,8 @@ def parse_body(data: bytes) -> dict[str, Any]:
         body = json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ApiError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from exc
+    except RecursionError:  # the C decoder recurses once per nesting level
+        raise ApiError(400, "the body's JSON is nested too deeply", code="invalid_json") from None
     if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object", code="invalid_json")
     return body

@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import enum
 import logging
-import math
 import random
 import uuid
 from collections import Counter, deque
@@ -41,17 +40,20 @@ from peer.admission import Admission, Overloaded
 from peer.config import PeerConfig
 from peer.engine.engine import EngineError, SamplingParams
 from peer.engine.requests import StopTracker
-from peer.forward import AttemptFailed, Faulty, LocalAttempt, RemoteAttempt
+from peer.forward import AttemptFailed, Faulty, LocalAttempt, MovedOn, RemoteAttempt
+from peer.race import AnyAttempt, Race, Racer
 from peer.router import Candidate, LocalState, Router
 from peer.trust import Promote, Quarantine, TrustLedger
 from protocols.infer import MAX_DEADLINE_S, InferRequest
 
 logger = logging.getLogger(__name__)
 ROUTE_LOG_CANDIDATES = 3  # the candidates a DEBUG log line explains, best first
+# A forward's speeds are observed (they cap what the peer advertises) only when compute
+# dominates the round trips and overheads in its timing: a cache hit that computes 3
+# tokens in 10 ms says nothing of the peer's prefill speed.
+MIN_OBSERVED_PREFILL_TOKENS = 64
+MIN_OBSERVED_DECODE_TOKENS = 8
 
-MAX_RACING = 3  # attempts racing for one request's first token at once (hedging bound)
-# The time left that a forward must at least have: below it, running locally is better.
-MIN_FORWARD_BUDGET_S = 0.05
 
 
 class RequestFailed(Exception):
@@ -137,19 +139,6 @@ class _Progress:
     handovers: int = 0  # attempts that streamed tokens and then failed
 
 
-Attempt_ = LocalAttempt | RemoteAttempt
-
-
-@dataclass
-class _Racer:
-    """One candidate racing for the first token."""
-
-    candidate: Candidate
-    attempt: Attempt_
-    index: int  # start order within the race
-    verify: bool = False
-
-
 class Pipeline:
     """Entry-side routing of requests over the swarm."""
 
@@ -186,9 +175,17 @@ class Pipeline:
         self.trust = trust
         self._rng = rng or random.Random()
         self._on_quarantine = on_quarantine
-        # Requests waiting on a peer's first token, by peer: cancelled when it fails.
-        self._waiting: dict[str, set[trio.CancelScope]] = {}
         self.stats: Counter[str] = Counter()
+        self.race = Race(
+            config=config,
+            trust=trust,
+            rng=self._rng,
+            stats=self.stats,
+            make_attempt=self._attempt,
+            on_failed=lambda c, exc, route: self._attempt_failed(
+                c, Outcome(exc.outcome), exc, route, 0
+            ),
+        )
 
     # -- the public path ----------------------------------------------------------------
 
@@ -199,8 +196,12 @@ class Pipeline:
         *,
         request_id: str | None = None,
         timeout_s: float | None = None,
+        cache_salt: bytes | None = None,
     ) -> AsyncGenerator[GenerationChunk | GenerationResult, None]:
         """Chunks as tokens arrive, then one GenerationResult.
+
+        With `cache_salt` the request is private: served here only (never forwarded, so
+        its prompt and salt stay on this peer), over this peer's blocks of the same salt.
 
         Raises InvalidRequest (bad input, before anything runs), Overloaded (this peer
         holds too many requests), DeadlineExceeded or RequestFailed.
@@ -219,16 +220,21 @@ class Pipeline:
             progress = _Progress(StopTracker(_Detokenizer(self._engine), params.stop))
             route: list[Attempt] = []
             pending = deque(self._rank(tokens, params, start))
-            while pending:
+            if cache_salt is not None:
+                pending = deque(c for c in pending if c.is_local)
+            while True:
                 remaining = params.max_new_tokens - len(progress.generated)
                 if remaining <= 0:  # the stream broke after the last token, before the result
                     yield self._result(request_id, tokens, progress, "length", start, route)
                     return
-                if deadline - trio.current_time() <= 0:
+                if not pending or deadline - trio.current_time() <= 0:
                     break
                 sub_params = replace(params, max_new_tokens=remaining)
                 prompt = tokens + progress.generated
-                racer = await self._race(pending, prompt, sub_params, request_id, deadline, route)
+                racer = await self.race.run(
+                    pending, prompt, sub_params, request_id, deadline, route,
+                    cache_salt=cache_salt,
+                )
                 if racer is None:
                     continue
                 candidate, attempt = racer.candidate, racer.attempt
@@ -317,67 +323,6 @@ class Pipeline:
             )
         return candidates
 
-    def first_token_timeout_s(self, candidate: Candidate) -> float:
-        """A forward's first-token deadline: a multiple of the router's estimate, floored,
-        capped by forward_first_token_s."""
-        config = self._config
-        timeout = max(config.first_token_floor_s, config.first_token_multiple * _ttft(candidate))
-        return min(timeout, config.forward_first_token_s)
-
-    def hedge_delay_s(self, candidate: Candidate) -> float:
-        """How long a candidate races alone before the next one starts (inf: never)."""
-        config = self._config
-        if candidate.is_local or config.hedge_multiple <= 0:
-            return math.inf  # this peer's own estimate is exact; hedging it doubles work
-        return max(config.hedge_floor_s, config.hedge_multiple * _ttft(candidate))
-
-    # -- the race for the first token -----------------------------------------------------
-
-    async def _race(
-        self,
-        pending: deque[Candidate],
-        prompt: list[int],
-        params: SamplingParams,
-        request_id: str,
-        deadline: float,
-        route: list[Attempt],
-    ) -> _Racer | None:
-        """Start candidates from ``pending``, hedging, until one has a first token."""
-        winner: list[_Racer] = []
-        running: list[_Racer] = []
-        wake = [trio.Event()]  # set when a racer fails: the next one starts at once
-        async with trio.open_nursery() as nursery:
-            index = 0
-            while pending and not winner:
-                if len(running) >= MAX_RACING:
-                    await wake[0].wait()
-                    wake[0] = trio.Event()
-                    continue
-                candidate = pending.popleft()
-                left = deadline - trio.current_time()
-                if left <= 0:
-                    pending.clear()
-                    break
-                if not candidate.is_local and left < MIN_FORWARD_BUDGET_S:
-                    continue
-                try:
-                    attempt = self._attempt(candidate, prompt, params, request_id, deadline)
-                except AttemptFailed as exc:
-                    self._attempt_failed(candidate, Outcome(exc.outcome), exc, route, 0)
-                    continue
-                racer = _Racer(candidate, attempt, index)
-                index += 1
-                running.append(racer)
-                wake[0] = trio.Event()
-                nursery.start_soon(
-                    self._open, racer, deadline, winner, running, wake, nursery.cancel_scope, route
-                )
-                with trio.move_on_after(self.hedge_delay_s(candidate)):
-                    await wake[0].wait()
-                if not wake[0].is_set() and not winner and pending:
-                    self.stats["hedges"] += 1
-        return winner[0] if winner else None
-
     def _attempt(
         self,
         candidate: Candidate,
@@ -385,9 +330,10 @@ class Pipeline:
         params: SamplingParams,
         request_id: str,
         deadline: float,
-    ) -> Attempt_:
+        cache_salt: bytes | None = None,
+    ) -> AnyAttempt:
         if candidate.is_local:
-            return LocalAttempt(self._engine, self._admission, prompt, params)
+            return LocalAttempt(self._engine, self._admission, prompt, params, cache_salt)
         try:
             request = InferRequest(
                 request_id=request_id,
@@ -414,66 +360,10 @@ class Pipeline:
             delay_s=self._config.forward_delay_s,
         )
 
-    async def _open(
-        self,
-        racer: _Racer,
-        deadline: float,
-        winner: list[_Racer],
-        running: list[_Racer],
-        wake: list[trio.Event],
-        race_scope: trio.CancelScope,
-        route: list[Attempt],
-    ) -> None:
-        """Open one racer's attempt; the first with a token wins and ends the race."""
-        candidate, attempt = racer.candidate, racer.attempt
-        peer_id = candidate.peer_id
-        timeout = math.inf if candidate.is_local else self.first_token_timeout_s(candidate)
-        waiter = trio.CancelScope()
-        if not candidate.is_local:
-            self._waiting.setdefault(peer_id, set()).add(waiter)
-        try:
-            with trio.move_on_at(min(deadline, trio.current_time() + timeout)) as timer:
-                with waiter:
-                    await attempt.open()
-            if waiter.cancelled_caught:
-                raise AttemptFailed("stalled", "failed meanwhile for a concurrent request")
-            if timer.cancelled_caught:
-                raise AttemptFailed("stalled", f"no first token in {timeout:.3f} s")
-        except AttemptFailed as exc:
-            running.remove(racer)
-            await attempt.aclose()
-            self._attempt_failed(candidate, Outcome(exc.outcome), exc, route, 0)
-            wake[0].set()
-            return
-        except trio.Cancelled:  # another racer won
-            running.remove(racer)
-            with trio.CancelScope(shield=True):
-                await attempt.aclose()
-            if winner and racer.index < winner[0].index:
-                exc = AttemptFailed("stalled", "hedged: a later candidate answered first")
-                self._attempt_failed(candidate, Outcome.STALLED, exc, route, 0)
-            raise
-        finally:
-            self._stop_waiting(peer_id, waiter)
-        running.remove(racer)
-        if winner:  # another one won in the same instant
-            await attempt.aclose()
-            return
-        racer.verify = not candidate.is_local and self.trust.should_verify(peer_id, self._rng)
-        winner.append(racer)
-        race_scope.cancel()
-
-    def _stop_waiting(self, peer_id: str, waiter: trio.CancelScope) -> None:
-        waiters = self._waiting.get(peer_id)
-        if waiters is not None:
-            waiters.discard(waiter)
-            if not waiters:
-                del self._waiting[peer_id]
-
     # -- delivery ---------------------------------------------------------------------------
 
     async def _deliver(
-        self, racer: _Racer, prompt: list[int], params: SamplingParams, progress: _Progress
+        self, racer: Racer, prompt: list[int], params: SamplingParams, progress: _Progress
     ) -> AsyncGenerator[GenerationChunk | str, None]:
         """The winner's tokens to the client (after verification if chosen), then the
         finish reason."""
@@ -537,7 +427,7 @@ class Pipeline:
     # -- outcomes -------------------------------------------------------------------------------
 
     def _attempt_ok(
-        self, racer: _Racer, prompt: list[int], before: int, progress: _Progress
+        self, racer: Racer, prompt: list[int], before: int, progress: _Progress
     ) -> None:
         peer_id = racer.candidate.peer_id
         self.router.record_outcome(peer_id, True, trio.current_time())
@@ -557,10 +447,11 @@ class Pipeline:
         prefill = decode = None
         if attempt.sent_at is not None and attempt.first_at is not None and cached is not None:
             ttft = attempt.first_at - attempt.sent_at
-            if ttft > 0 and len(prompt) > cached:
+            if ttft > 0 and len(prompt) - cached >= MIN_OBSERVED_PREFILL_TOKENS:
                 prefill = (len(prompt) - cached) / ttft
         produced = len(progress.generated) - before
-        if attempt.first_at is not None and attempt.last_at is not None and produced > 1:
+        if (attempt.first_at is not None and attempt.last_at is not None
+                and produced >= MIN_OBSERVED_DECODE_TOKENS):
             span = attempt.last_at - attempt.first_at
             decode = (produced - 1) / span if span > 0 else None
         self.trust.record_speeds(peer_id, prefill, decode)
@@ -578,12 +469,12 @@ class Pipeline:
         peer_id = candidate.peer_id
         route.append(Attempt(peer_id, candidate.is_local, outcome, str(exc), produced))
         self.stats[f"attempt_{outcome.value}"] += 1
-        self.router.record_outcome(peer_id, False, trio.current_time())
+        if not isinstance(exc, MovedOn):  # that failure was recorded when it happened
+            self.router.record_outcome(peer_id, False, trio.current_time())
         if isinstance(exc, Faulty):
             self._quarantine(peer_id, str(exc))
         if outcome is not Outcome.REFUSED and not candidate.is_local:
-            for waiter in self._waiting.pop(peer_id, ()):
-                waiter.cancel()
+            self.race.cancel_waiters(peer_id)
         logger.info(
             "%s: %s (%s); trying the next candidate", peer_id, outcome.value, exc
         )
@@ -594,8 +485,7 @@ class Pipeline:
             return
         self.stats["quarantined"] += 1
         logger.warning("peer %s quarantined: %s", peer_id, reason)
-        for waiter in self._waiting.pop(peer_id, ()):
-            waiter.cancel()
+        self.race.cancel_waiters(peer_id)
         if self._on_quarantine is not None:
             self._on_quarantine(action)
 
@@ -624,9 +514,3 @@ class Pipeline:
             served_by=progress.served_by,
             route=tuple(route),
         )
-
-
-def _ttft(candidate: Candidate) -> float:
-    """The router's estimate of a candidate's time to first token."""
-    cost = candidate.cost
-    return cost.network_s + cost.queue_s + cost.prefill_s

@@ -219,17 +219,19 @@ class Router:
                 continue
             prefill_s = summary.prefill_tokens_per_s
             decode_s = summary.decode_tokens_per_s
+            on_probation = False
             if trust is not None:
-                if not trust.routable(peer_id):
+                standing = trust.routing(peer_id)
+                if standing is None:
                     self._quarantined += 1
                     continue
-                factor = trust.claim_factor(peer_id)
+                on_probation, factor, prefill_cap, decode_cap = standing
                 if factor < 1.0:
                     match_blocks = int(match_blocks * factor)
                 if prefill_s > 0 and decode_s > 0:
-                    prefill_s, decode_s = trust.cap_speeds(
-                        peer_id, prefill_s, decode_s, prefill_prior, decode_prior
-                    )
+                    # Advertised speeds count up to what was observed (else up to ours).
+                    prefill_s = min(prefill_s, prefill_cap or prefill_prior)
+                    decode_s = min(decode_s, decode_cap or decode_prior)
             speeds_known = prefill_s > 0 and decode_s > 0
             prefill = as_measured_here(prefill_s, prefill_prior)
             decode = as_measured_here(decode_s, decode_prior)
@@ -261,7 +263,7 @@ class Router:
                 (peer_id, False, match_blocks, match_tokens, cost_s + decode_time, queue_s,
                  policy, e, prompt_tokens, max_new_tokens),
             )
-            if trust is not None and trust.on_probation(peer_id):
+            if on_probation:
                 probation.append(candidate)
             elif failed_s_ago is None:
                 healthy.append(candidate)

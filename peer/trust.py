@@ -42,6 +42,7 @@ __all__ = [
     "Promote",
     "Quarantine",
     "QuarantineRecord",
+    "RoutingTrust",
     "TrustLedger",
     "TrustState",
     "dump_quarantine",
@@ -99,6 +100,15 @@ class QuarantineRecord(NamedTuple):
     at: float  # the shell's clock when quarantined (wall time when persisted)
 
 
+class RoutingTrust(NamedTuple):
+    """What a routing decision reads about one peer (`TrustLedger.routing`)."""
+
+    probation: bool
+    factor: float  # claim_factor
+    prefill_cap: float  # 0: never observed (the router caps at this peer's own speed)
+    decode_cap: float
+
+
 class PeerTrust(NamedTuple):
     """A snapshot of the ledger's view of one peer (for /v1/swarm and logs)."""
 
@@ -124,6 +134,7 @@ class _Peer:
     excess: float = 0.0
     prefill: deque[float] = field(default_factory=lambda: deque(maxlen=SPEED_WINDOW))
     decode: deque[float] = field(default_factory=lambda: deque(maxlen=SPEED_WINDOW))
+    routing: RoutingTrust | None = None  # kept current for the router (None: recompute)
 
 
 def _check_fraction(name: str, value: float) -> None:
@@ -155,6 +166,7 @@ class TrustLedger:
         self._peers: dict[str, _Peer] = {}
         self._quarantined: dict[str, QuarantineRecord] = {}
         self._since_probation_turn = probation_share  # the first request may take a turn
+        self._unknown = RoutingTrust(probation_requests > 0, 1.0, 0.0, 0.0)
         self._counts: dict[str, int] = {}
         for record in quarantined:
             self._keep_quarantine(record)
@@ -177,6 +189,22 @@ class TrustLedger:
             return 1.0
         return _factor(peer.excess)
 
+    def routing(self, peer_id: str) -> RoutingTrust | None:
+        """Everything the router needs about ``peer_id`` at once; None if quarantined."""
+        if peer_id in self._quarantined:
+            return None
+        peer = self._peers.get(peer_id)
+        if peer is None:
+            return self._unknown
+        if peer.routing is None:
+            peer.routing = RoutingTrust(
+                not peer.trusted and self.probation_requests > 0,
+                _factor(peer.excess),
+                SPEED_SLACK * max(peer.prefill, default=0.0),
+                SPEED_SLACK * max(peer.decode, default=0.0),
+            )
+        return peer.routing
+
     def cap_speeds(
         self, peer_id: str, prefill: float, decode: float, own_prefill: float, own_decode: float
     ) -> tuple[float, float]:
@@ -184,10 +212,7 @@ class TrustLedger:
         peer = self._peers.get(peer_id)
         cap_p = SPEED_SLACK * max(peer.prefill) if peer and peer.prefill else own_prefill
         cap_d = SPEED_SLACK * max(peer.decode) if peer and peer.decode else own_decode
-        capped = (min(prefill, cap_p), min(decode, cap_d))
-        if capped != (prefill, decode):
-            self._count("speeds_capped")
-        return capped
+        return min(prefill, cap_p), min(decode, cap_d)
 
     def probation_turn(self) -> bool:
         """Whether this request may go to a probation peer (one in probation_share).
@@ -217,6 +242,7 @@ class TrustLedger:
         if claimed_tokens < 0 or cached_tokens < 0:
             raise ValueError("token counts must be >= 0")
         peer = self._peer(peer_id)
+        peer.routing = None
         if claimed_tokens > 0:
             peer.claims_checked += 1
             if cached_tokens < claimed_tokens:
@@ -231,6 +257,7 @@ class TrustLedger:
     ) -> None:
         """Speeds measured here of a forward to ``peer_id`` (None: not measurable)."""
         peer = self._peer(peer_id)
+        peer.routing = None
         for value, window in ((prefill_tokens_per_s, peer.prefill), (decode_tokens_per_s,
                                                                        peer.decode)):
             if value is not None and math.isfinite(value) and value > 0:
@@ -248,6 +275,7 @@ class TrustLedger:
         passes = peer.verified if self.can_verify else peer.served
         if not peer.trusted and passes >= self.probation_requests:
             peer.trusted = True
+            peer.routing = None
             self._count("promoted")
             return Promote(peer_id, peer.verified)
         return None

@@ -17,6 +17,8 @@ DEFAULT_BLOCK_SIZE = 16  # vLLM/SGLang's granularity: fine enough to reuse, coar
 MAX_BLOCK_SIZE = 1024  # a bound on one hash input; larger blocks would rarely be full
 MAX_TOKEN_ID = 0xFFFF_FFFF  # token ids are hashed as uint32 little-endian
 _SEED_DOMAIN = b"prefixswarm/blocks/1"  # versioned, so a future scheme never collides
+_SALT_DOMAIN = b"prefixswarm/cache-salt/1"
+MAX_SALT_BYTES = 1024  # a cache salt is an opaque secret; hashed once per request
 
 
 class BlockHasher:
@@ -50,16 +52,27 @@ class BlockHasher:
         """The chain's starting value: the 'previous hash' of the first block."""
         return self._seed
 
+    def salted_seed(self, salt: bytes) -> int:
+        """The chain's starting value for a private request: keyed by `salt`, so nobody
+        without the salt can compute (or match) the hashes of its blocks."""
+        if not isinstance(salt, bytes) or not 1 <= len(salt) <= MAX_SALT_BYTES:
+            raise ValueError(f"a cache salt is 1 to {MAX_SALT_BYTES} bytes")
+        key = hashlib.blake2b(salt, digest_size=32, person=b"prefixswarm-salt").digest()
+        digest = hashlib.blake2b(_SALT_DOMAIN + self._seed_bytes, key=key, digest_size=8)
+        return int.from_bytes(digest.digest(), "little")
+
     def num_full_blocks(self, num_tokens: int) -> int:
         """How many full blocks `num_tokens` tokens make."""
         return num_tokens // self._block_size
 
-    def chain(self, tokens: Sequence[int]) -> list[int]:
-        """One 64-bit hash per FULL block of `tokens`; a trailing partial block is ignored."""
+    def chain(self, tokens: Sequence[int], salt: bytes | None = None) -> list[int]:
+        """One 64-bit hash per FULL block of `tokens`; a trailing partial block is ignored.
+
+        With a `salt`, the chain starts from `salted_seed(salt)` (a private request)."""
         bs = self._block_size
         n_blocks = len(tokens) // bs
         out: list[int] = []
-        prev = self._seed_bytes
+        prev = self._seed_bytes if salt is None else self.salted_seed(salt).to_bytes(8, "little")
         fmt = f"<{bs}I"
         for b in range(n_blocks):
             block = tokens[b * bs : (b + 1) * bs]

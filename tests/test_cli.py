@@ -61,7 +61,8 @@ def test_format_status_table():
                  "capacity_blocks": 100, "running_requests": 0, "queued_prompt_tokens": 0},
         "peers": [{"peer_id": "12D3Other", "addrs": ["/ip4/127.0.0.1/tcp/2"], "rtt_s": 0.0012,
                    "summary_age_s": 0.4, "cached_blocks": 7, "capacity_blocks": 100,
-                   "running_requests": 1, "queued_prompt_tokens": 48}],
+                   "running_requests": 1, "queued_prompt_tokens": 48,
+                   "trust": {"state": "probation"}}],
     }
     lines = cli.format_status(view).splitlines()
     assert lines[0] == "model tiny-random, policy cost, 2 peers"
@@ -70,6 +71,7 @@ def test_format_status_table():
     assert "/ip4/127.0.0.1/tcp/1 " in lines[2] and "/p2p/" not in lines[2]
     assert "1.2 ms" in lines[3] and "~7/100" in lines[3] and "0.4 s" in lines[3]
     assert "1 run, 48 tok queued" in lines[3]
+    assert lines[3].split()[-1] == "probation"
 
 
 async def test_generate_and_status_commands(nursery, tiny_engine_factory, capsys):

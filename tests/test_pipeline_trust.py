@@ -13,6 +13,7 @@ from tests.fake_host import (
     SELF,
     STALL,
     CacheOnlyVerifier,
+    FakeEngine,
     Step,
     answer,
     fake_swarm,
@@ -55,7 +56,7 @@ async def test_a_stall_costs_the_deadline_from_the_estimate_not_the_fixed_one(au
     swarm = fake_swarm({A: (7, stall), B: (6, honest())}, PROMPT)
     ranked = swarm.pipeline._rank(PROMPT, PARAMS, 0.0)
     assert [c.peer_id for c in ranked] == [A, B, SELF]
-    timeout = swarm.pipeline.first_token_timeout_s(ranked[0])
+    timeout = swarm.pipeline.race.first_token_timeout_s(ranked[0])
     assert timeout == 1.0  # the floor: 4x an estimate of ~10 ms is less
     _, result = await collect(swarm.pipeline)
     assert swarm.host.dials == [(0.0, A), (1.0, B)]  # not forward_first_token_s (30 s)
@@ -81,7 +82,7 @@ async def test_a_slow_candidate_is_hedged_and_the_first_token_wins(autojump_cloc
     swarm = fake_swarm({A: (7, slow), B: (6, honest(ttft_s=0.02))}, PROMPT,
                        hedge_multiple=2.0, hedge_floor_s=0.1)
     ranked = swarm.pipeline._rank(PROMPT, PARAMS, 0.0)
-    assert swarm.pipeline.hedge_delay_s(ranked[0]) == 0.1
+    assert swarm.pipeline.race.hedge_delay_s(ranked[0]) == 0.1
     chunks, result = await collect(swarm.pipeline)
     assert swarm.host.dials == [(0.0, A), (0.1, B)]
     assert result.ttft_s == pytest.approx(0.12)
@@ -126,6 +127,17 @@ async def test_a_failure_is_seen_by_concurrent_requests_at_once(autojump_clock):
     assert results["second"].ttft_s == pytest.approx(0.11)  # not the 1 s deadline
     assert swarm.host.dials[4] == (0.4, B)
     assert [a.peer_id for a in results["third"].route] == [B]
+    assert swarm.pipeline.router.backoff_s(A) == 10.0  # one failure, recorded once
+
+
+async def test_speeds_observed_on_a_forward_cap_the_advertised_ones(autojump_clock):
+    prompt = list(range(100, 300))  # 200 tokens, none cached there: compute dominates
+    swarm = fake_swarm({A: (1, honest(ttft_s=0.5, gap_s=0.1))}, prompt)
+    await collect(swarm.pipeline, SamplingParams(max_new_tokens=10), prompt)
+    view = swarm.trust.view(A)
+    assert view.observed_prefill_tokens_per_s == pytest.approx(200 / 0.5)
+    assert view.observed_decode_tokens_per_s == pytest.approx(9 / 0.9)
+    assert swarm.trust.cap_speeds(A, 1e9, 1e9, 1.0, 1.0) == pytest.approx((800.0, 20.0))
 
 
 async def test_wrong_tokens_are_caught_at_fraction_one_and_never_delivered(autojump_clock):
@@ -306,3 +318,28 @@ async def test_an_unreadable_quarantine_file_is_a_clear_error(tmp_path):
     config = fake_config(identity_file=tmp_path / "identity.key")
     with pytest.raises(ValueError, match="quarantine file"):
         Serving(config=config, engine=FakeEngine(), table=None, host=FakeHost(), self_id=SELF)
+
+
+async def test_a_private_request_is_never_forwarded(autojump_clock):
+    salts = []
+
+    class SaltedEngine(FakeEngine):
+        def stream(self, prompt, params, cache_salt=None):
+            salts.append(cache_salt)
+            return super().stream(prompt, params)
+
+    swarm = fake_swarm({A: (7, honest())}, PROMPT, engine=SaltedEngine())
+    items = [i async for i in swarm.pipeline.stream(PROMPT, PARAMS, cache_salt=b"salt")]
+    assert swarm.host.dials == [] and salts == [b"salt"]
+    assert list(items[-1].token_ids) == GOOD
+
+
+async def test_all_tokens_before_a_fault_complete_the_request(autojump_clock):
+    def one_too_many(request):
+        return answer(request, reference(request.prompt_token_ids, request.max_new_tokens + 1))
+
+    swarm = fake_swarm({A: (7, one_too_many)}, PROMPT, engine=FakeEngine(ttft_s=100.0))
+    _, result = await collect(swarm.pipeline)
+    assert list(result.token_ids) == GOOD and result.finish_reason == "length"
+    assert route(result) == [(A, Outcome.HANDED_OVER)]  # this peer never had to run it
+    assert not swarm.trust.routable(A)

@@ -143,3 +143,27 @@ def test_records_are_bounded():
 def test_bad_fraction_is_rejected(bad):
     with pytest.raises(ValueError):
         TrustLedger(verify_fraction=bad)
+
+
+@given(st.integers(1, 10), st.integers(1, 200))
+@settings(max_examples=100, deadline=None)
+def test_probation_turns_are_at_most_one_in_any_n_consecutive_requests(share, requests):
+    ledger = TrustLedger(probation_share=share)
+    turns = [ledger.probation_turn() for _ in range(requests)]
+    for i in range(len(turns)):
+        assert sum(turns[i : i + share]) <= 1
+    assert sum(turns) == -(-requests // share)  # and exactly that many
+
+
+def test_routing_view_follows_every_change_and_hides_the_quarantined():
+    ledger = TrustLedger(probation_requests=1)
+    assert ledger.routing("p") == (True, 1.0, 0.0, 0.0)
+    ledger.record_served("p", verified=True)
+    ledger.record_speeds("p", 100.0, 10.0)
+    assert ledger.routing("p") == (False, 1.0, 200.0, 20.0)
+    for _ in range(5):
+        ledger.record_claim("p", 64, 0)
+    assert ledger.routing("p").factor == ledger.claim_factor("p") < 1.0
+    ledger.quarantine("p", "x", 0.0)
+    ledger.record_claim("p", 64, 0)  # a late report about it changes nothing
+    assert ledger.routing("p") is None

@@ -188,13 +188,14 @@ class Engine:
 
     # -- queries for the router ----------------------------------------------------------
 
-    def local_match_tokens(self, token_ids: Sequence[int]) -> int:
+    def local_match_tokens(self, token_ids: Sequence[int], cache_salt: bytes | None = None) -> int:
         """Tokens of the longest cached prefix (block-aligned); no side effect."""
-        return self.cache.peek(token_ids)
+        return self.cache.peek(token_ids, salt=cache_salt)
 
-    def _reusable_tokens(self, tokens: Sequence[int]) -> int:
+    def _reusable_tokens(self, tokens: Sequence[int], salt: bytes | None) -> int:
         # At least one prompt token is always computed: its logits give the first token.
-        return min(self.cache.peek(tokens), (len(tokens) - 1) // self.block_size * self.block_size)
+        last = (len(tokens) - 1) // self.block_size * self.block_size
+        return min(self.cache.peek(tokens, salt=salt), last)
 
     def load(self) -> EngineLoad:
         """Queued (uncached) prompt tokens, running requests and measured speeds."""
@@ -290,7 +291,9 @@ class Engine:
         self._decode_tps = ewma(self._decode_tps, 1.0 / (time.perf_counter() - start))
         return nxt
 
-    async def _cache_blocks(self, tokens: Sequence[int], seq: _Sequence, first_block: int) -> None:
+    async def _cache_blocks(
+        self, tokens: Sequence[int], seq: _Sequence, first_block: int, salt: bytes | None = None
+    ) -> None:
         """Insert tokens' full blocks from `first_block` on, with KV copied out of `seq`."""
         end_block = len(tokens) // self.block_size
         if end_block <= first_block:
@@ -302,24 +305,29 @@ class Engine:
             tokens[: end_block * self.block_size],
             lambda b: blocks[b - first_block],  # only called for blocks not cached meanwhile
             trio.current_time(),
+            salt=salt,
         )
 
     # -- requests --------------------------------------------------------------------------
 
     def stream(
-        self, token_ids: Sequence[int], params: SamplingParams
+        self, token_ids: Sequence[int], params: SamplingParams, *, cache_salt: bytes | None = None
     ) -> AsyncGenerator[TokenEvent | Completion, None]:
         """Generate: yields a TokenEvent per token, then one Completion, last.
 
         Validates now (InvalidRequest). Close the iterator (or run it to the end) to
         release the request: `async with contextlib.aclosing(engine.stream(...))`.
+        With `cache_salt` the request is private: it shares cached blocks only with
+        requests of the same salt, and its blocks are never announced.
         """
         tokens = self.validate(token_ids, params)
-        return self._run(tokens, params)
+        return self._run(tokens, params, cache_salt)
 
-    async def generate(self, token_ids: Sequence[int], params: SamplingParams) -> Completion:
+    async def generate(
+        self, token_ids: Sequence[int], params: SamplingParams, *, cache_salt: bytes | None = None
+    ) -> Completion:
         """Generate and return only the Completion."""
-        agen = self.stream(token_ids, params)
+        agen = self.stream(token_ids, params, cache_salt=cache_salt)
         try:
             async for item in agen:
                 if isinstance(item, Completion):
@@ -329,11 +337,11 @@ class Engine:
         raise EngineError("generation ended without a completion")  # unreachable by design
 
     async def _run(
-        self, tokens: list[int], params: SamplingParams
+        self, tokens: list[int], params: SamplingParams, salt: bytes | None = None
     ) -> AsyncGenerator[TokenEvent | Completion, None]:
         start = time.perf_counter()
         n = len(tokens)
-        queued = n - self._reusable_tokens(tokens)
+        queued = n - self._reusable_tokens(tokens, salt)
         self._stats["requests"] += 1
         self._running += 1
         self._queued_prompt_tokens += queued
@@ -347,7 +355,9 @@ class Engine:
                 async with self._limiter:
                     if seq is None:  # match late: earlier requests may have added blocks
                         max_blocks = (n - 1) // self.block_size
-                        match = self.cache.match(tokens, trio.current_time(), max_blocks)
+                        match = self.cache.match(
+                            tokens, trio.current_time(), max_blocks, salt=salt
+                        )
                         self.cache.lock(match)
                         pos = match.num_tokens
                         seq = await trio.to_thread.run_sync(
@@ -360,7 +370,8 @@ class Engine:
                     )
                     pos = end
                     if first is not None:
-                        await self._cache_blocks(tokens, seq, match.num_blocks if match else 0)
+                        first_block = match.num_blocks if match else 0
+                        await self._cache_blocks(tokens, seq, first_block, salt)
             assert match is not None and seq is not None
             self._queued_prompt_tokens -= queued
             queued = 0
@@ -390,7 +401,9 @@ class Engine:
                 self._stats["generated_tokens"] += 1
             if self.cache_generated:
                 async with self._limiter:
-                    await self._cache_blocks(tokens + generated[:-1], seq, n // self.block_size)
+                    await self._cache_blocks(
+                        tokens + generated[:-1], seq, n // self.block_size, salt
+                    )
             total = time.perf_counter() - start
             decode_s = total - ttft
             usage = Usage(
@@ -418,7 +431,12 @@ class Engine:
     # -- verification (peer/engine/verify.py) -------------------------------------------
 
     async def verify(
-        self, prompt_ids: Sequence[int], output_ids: Sequence[int], params: SamplingParams
+        self,
+        prompt_ids: Sequence[int],
+        output_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        cache_salt: bytes | None = None,
     ) -> Verdict:
         """Check another peer's `output_ids` for `prompt_ids` by teacher forcing: one
         forward over prompt + output, the prompt's cached prefix reused, torch off the
@@ -431,7 +449,9 @@ class Engine:
             output = [operator.index(t) for t in output_ids]
         except TypeError:
             return Verdict(False, 0, "output token ids must be integers", 0)
-        found = check_structure(output, params, self.vocab_size, self._eos, self.decode)
+        found = await trio.to_thread.run_sync(  # stop strings decode every prefix: O(n^2)
+            check_structure, output, params, self.vocab_size, self._eos, self.decode
+        )
         if found is not None:
             return self._verdict(found, 0, 0, start)
         n = len(tokens)
@@ -441,7 +461,7 @@ class Engine:
         try:
             async with self._limiter:
                 max_blocks = (n - 1) // self.block_size  # the last prompt token gives logits
-                match = self.cache.match(tokens, trio.current_time(), max_blocks)
+                match = self.cache.match(tokens, trio.current_time(), max_blocks, salt=cache_salt)
                 self.cache.lock(match)
                 seq = await trio.to_thread.run_sync(
                     lambda m=match: _Sequence(cache_from_blocks(m.values), 0)
@@ -456,7 +476,7 @@ class Engine:
                 pos = end
             limit = len(full) if found is None else min(pos, n)
             async with self._limiter:
-                await self._cache_blocks(full[:limit], seq, match.num_blocks)
+                await self._cache_blocks(full[:limit], seq, match.num_blocks, cache_salt)
         except (trio.Cancelled, GeneratorExit, KeyboardInterrupt):
             raise
         except Exception as exc:  # torch failure: this verification fails, not the engine

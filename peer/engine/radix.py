@@ -7,6 +7,11 @@ node also keeps its chain hash (protocols.blocks) for the gossip summaries.
 
 Eviction removes unlocked leaves, least recently used first, so the cache always holds
 whole prefixes. Stored and removed block hashes go to an outbox read by `drain_events()`.
+
+Private requests pass a `salt`: their blocks hang under a root of their own (so only a
+request with the same salt matches them), their chain hashes start from the salted seed,
+and they produce no events and are left out of `cached_hashes()`: the gossip summary,
+built from those, never advertises them.
 """
 
 from __future__ import annotations
@@ -45,7 +50,9 @@ class CacheEvent:
 class _Node(Generic[V]):
     """One cached block. Internal; reached from outside only as an opaque handle in a Match."""
 
-    __slots__ = ("block_hash", "children", "key", "last_access", "lock_ref", "parent", "value")
+    __slots__ = (
+        "block_hash", "children", "key", "last_access", "lock_ref", "parent", "private", "value"
+    )
 
     def __init__(
         self,
@@ -54,8 +61,10 @@ class _Node(Generic[V]):
         value: V | None,
         block_hash: int,
         now: float,
+        private: bool = False,
     ) -> None:
         self.key = key
+        self.private = private  # under a salted root: never announced
         self.parent = parent
         self.value = value
         self.block_hash = block_hash
@@ -104,6 +113,9 @@ class RadixCache(Generic[V]):
         self._capacity = capacity_blocks
         self._hasher = hasher
         self._root: _Node[V] = _Node((), None, None, hasher.seed, 0.0)
+        # One root per cache salt that has blocks; an emptied salted root is dropped, so
+        # there are never more salted roots than blocks.
+        self._salted: dict[bytes, _Node[V]] = {}
         self._num_blocks = 0
         self._locked_blocks = 0  # nodes with lock_ref > 0
         self._events: deque[CacheEvent] = deque()
@@ -142,13 +154,32 @@ class RadixCache(Generic[V]):
 
     # -- queries ----------------------------------------------------------------------
 
-    def _walk(self, tokens: Sequence[int], max_blocks: int | None) -> list[_Node[V]]:
+    def _root_for(self, salt: bytes | None, create: bool) -> _Node[V] | None:
+        if salt is None:
+            return self._root
+        root = self._salted.get(salt)
+        if root is None and create:
+            root = _Node((), None, None, self._hasher.salted_seed(salt), 0.0, private=True)
+            self._salted[salt] = root
+        return root
+
+    def _drop_if_empty(self, root: _Node[V]) -> None:
+        if root.private and not root.children:
+            salt = next(k for k, r in self._salted.items() if r is root)
+            del self._salted[salt]
+
+    def _walk(
+        self, tokens: Sequence[int], max_blocks: int | None, salt: bytes | None = None
+    ) -> list[_Node[V]]:
         bs = self._block_size
         limit = len(tokens) // bs
         if max_blocks is not None:
             limit = min(limit, max(0, max_blocks))
         path: list[_Node[V]] = []
-        node = self._root
+        root = self._root_for(salt, create=False)
+        if root is None:
+            return path
+        node = root
         for b in range(limit):
             child = node.children.get(tuple(tokens[b * bs : (b + 1) * bs]))
             if child is None:
@@ -157,9 +188,17 @@ class RadixCache(Generic[V]):
             node = child
         return path
 
-    def match(self, tokens: Sequence[int], now: float, max_blocks: int | None = None) -> Match[V]:
-        """The longest cached prefix of `tokens` (at most `max_blocks` blocks); marks it used."""
-        path = self._walk(tokens, max_blocks)
+    def match(
+        self,
+        tokens: Sequence[int],
+        now: float,
+        max_blocks: int | None = None,
+        *,
+        salt: bytes | None = None,
+    ) -> Match[V]:
+        """The longest cached prefix of `tokens` (at most `max_blocks` blocks) among blocks
+        stored with the same `salt`; marks it used."""
+        path = self._walk(tokens, max_blocks, salt)
         for node in path:
             node.last_access = now
         self._stats["match_queries"] += 1
@@ -173,12 +212,12 @@ class RadixCache(Generic[V]):
             nodes=tuple(path),
         )
 
-    def peek(self, tokens: Sequence[int]) -> int:
+    def peek(self, tokens: Sequence[int], *, salt: bytes | None = None) -> int:
         """Tokens of the longest cached prefix, with no side effect (for routing estimates)."""
-        return len(self._walk(tokens, None)) * self._block_size
+        return len(self._walk(tokens, None, salt)) * self._block_size
 
     def cached_hashes(self) -> Iterator[int]:
-        """The chain hash of every cached block."""
+        """The chain hash of every cached public block (private ones are never announced)."""
         stack = list(self._root.children.values())
         while stack:
             node = stack.pop()
@@ -211,17 +250,20 @@ class RadixCache(Generic[V]):
         tokens: Sequence[int],
         values: Sequence[V] | Callable[[int], V],
         now: float,
+        *,
+        salt: bytes | None = None,
     ) -> InsertResult:
         """Cache every full block of `tokens`, evicting LRU unlocked leaves to make room.
 
         `values` gives block i's value, as a sequence indexed by block or as a function of
         the block index; a function is called only for blocks not cached yet. Blocks that do
-        not fit even after eviction are not stored (counted in `dropped_blocks`).
+        not fit even after eviction are not stored (counted in `dropped_blocks`). With a
+        `salt` the blocks are private: matched only with that salt, never announced.
         """
         n_blocks = len(tokens) // self._block_size
         if not callable(values) and len(values) < n_blocks:
             raise ValueError(f"{n_blocks} full blocks but only {len(values)} values")
-        path = self._walk(tokens, None)
+        path = self._walk(tokens, None, salt)
         for node in path:
             node.last_access = now
         existing = len(path)
@@ -237,18 +279,20 @@ class RadixCache(Generic[V]):
                 self.unlock(guard)
         room = max(0, self._capacity - self._num_blocks)
         to_store = min(wanted, room)
-        parent = path[-1] if path else self._root
+        parent = path[-1] if path else self._root_for(salt, create=to_store > 0)
         bs = self._block_size
         stored: list[int] = []
         for b in range(existing, existing + to_store):
             key = tuple(tokens[b * bs : (b + 1) * bs])
             value = values(b) if callable(values) else values[b]
+            assert parent is not None  # _root_for created it: something is stored
             block_hash = self._hasher.extend(parent.block_hash, key)  # the root holds the seed
-            node = _Node(key, parent, value, block_hash, now)
+            node = _Node(key, parent, value, block_hash, now, private=salt is not None)
             parent.children[key] = node
             parent = node
             stored.append(block_hash)
-            self._emit(CacheEvent(EventKind.STORED, block_hash))
+            if salt is None:
+                self._emit(CacheEvent(EventKind.STORED, block_hash))
         self._num_blocks += to_store
         self._stats["inserted_blocks"] += to_store
         self._stats["dropped_blocks"] += wanted - to_store if wanted > 0 else 0
@@ -268,6 +312,8 @@ class RadixCache(Generic[V]):
             return []
         heap: list[tuple[float, int, _Node[V]]] = []
         stack = list(self._root.children.values())
+        for root in self._salted.values():
+            stack.extend(root.children.values())
         while stack:
             node = stack.pop()
             if node.children:
@@ -285,8 +331,11 @@ class RadixCache(Generic[V]):
             node.value = None  # release the stored tensor now
             self._num_blocks -= 1
             evicted.append(node.block_hash)
-            self._emit(CacheEvent(EventKind.REMOVED, node.block_hash))
-            if parent is not self._root and not parent.children and parent.lock_ref == 0:
+            if not node.private:
+                self._emit(CacheEvent(EventKind.REMOVED, node.block_hash))
+            if parent.parent is None:  # a root: the public one stays, a salted one goes
+                self._drop_if_empty(parent)
+            elif not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, (parent.last_access, next(self._tiebreak), parent))
         self._stats["evicted_blocks"] += len(evicted)
         return evicted

@@ -1,0 +1,97 @@
+"""Private requests (a `cache_salt`): salted block hashes, separate cache namespaces, never
+in the gossip summary; unsalted behaviour unchanged."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from peer.engine.engine import SamplingParams
+from peer.engine.radix import RadixCache
+from peer.gossip import build_summary
+from protocols.blocks import BlockHasher
+from protocols.bloom import BloomFilter
+
+BS = 2
+SALT_A = b"alice's secret"
+SALT_B = b"bob's secret"
+
+
+def make(capacity: int = 64) -> RadixCache[int]:
+    return RadixCache(BS, capacity, BlockHasher("test-model", BS))
+
+
+def test_salted_chains_differ_per_salt_and_from_the_public_chain():
+    hasher = BlockHasher("m", 4)
+    tokens = list(range(12))
+    public = hasher.chain(tokens)
+    a, b = hasher.chain(tokens, SALT_A), hasher.chain(tokens, SALT_B)
+    assert len({*public, *a, *b}) == 9
+    assert a == hasher.chain(tokens, SALT_A)  # deterministic: same salt, same hashes
+    assert hasher.chain(tokens) == public  # unsalted unchanged
+    with pytest.raises(ValueError):
+        hasher.salted_seed(b"")
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, 3), min_size=2, max_size=10), st.binary(min_size=1, max_size=8))
+def test_salted_blocks_match_only_with_their_salt(tokens, salt):
+    cache = make()
+    cache.insert(tokens, lambda b: b, 0.0, salt=salt)
+    full = len(tokens) // BS * BS
+    assert cache.peek(tokens, salt=salt) == full
+    assert cache.peek(tokens) == 0
+    assert cache.peek(tokens, salt=salt + b"x") == 0
+    assert list(cache.cached_hashes()) == []
+    assert cache.drain_events() == []
+    assert cache.num_blocks == full // BS
+
+
+def test_same_salt_shares_different_salt_does_not_unsalted_unchanged():
+    cache = make()
+    shared = [1, 2, 3, 4, 5, 6]
+    cache.insert([*shared, 7, 8], lambda b: b, 0.0, salt=SALT_A)
+    m = cache.match([*shared, 9, 9], 1.0, salt=SALT_A)
+    assert m.num_tokens == 6
+    assert m.hashes == tuple(cache.hasher.chain(shared, SALT_A))
+    assert cache.match(shared, 1.0, salt=SALT_B).num_tokens == 0
+    assert cache.match(shared, 1.0).num_tokens == 0
+    result = cache.insert(shared, lambda b: b, 2.0)  # the same tokens, public
+    assert result.stored_hashes == tuple(cache.hasher.chain(shared))
+    assert set(cache.cached_hashes()) == set(cache.hasher.chain(shared))
+    assert cache.num_blocks == 4 + 3
+
+
+def test_private_blocks_are_evicted_silently_and_their_root_goes():
+    cache = make(capacity=3)
+    cache.insert([1, 2, 3, 4], lambda b: b, 0.0, salt=SALT_A)
+    cache.drain_events()
+    cache.insert([5, 6, 7, 8], lambda b: b, 1.0)  # evicts the LRU private leaf
+    events = cache.drain_events()
+    assert [e.kind.value for e in events] == ["stored", "stored"]
+    assert cache.num_blocks == 3
+    cache.insert([9, 9, 9, 9], lambda b: b, 2.0)  # evicts the rest of the private chain
+    assert cache.peek([1, 2, 3, 4], salt=SALT_A) == 0
+    assert cache._salted == {}  # no empty salted roots are kept
+    assert cache.statistics()["num_blocks"] == 3
+
+
+async def test_engine_private_requests_share_cache_only_per_salt(tiny_engine):
+    prompt = [100 + 7 * i % 5000 for i in range(40)]
+    params = SamplingParams(max_new_tokens=3)
+    first = await tiny_engine.generate(prompt, params, cache_salt=SALT_A)
+    again = await tiny_engine.generate(prompt, params, cache_salt=SALT_A)
+    other = await tiny_engine.generate(prompt, params, cache_salt=SALT_B)
+    public = await tiny_engine.generate(prompt, params)
+    assert [c.usage.cached_tokens for c in (first, again, other, public)] == [0, 32, 0, 0]
+    assert first.token_ids == again.token_ids == other.token_ids == public.token_ids
+    assert tiny_engine.local_match_tokens(prompt, SALT_A) == 32
+    # Only the public request's blocks reach the gossip summary.
+    summary = build_summary(tiny_engine, peer_id="p", seq=1, fp_rate=0.01)
+    bloom = BloomFilter.from_bytes(summary.bloom_bits, summary.bloom_hashes, summary.bloom)
+    public_hashes = tiny_engine.hasher.chain(prompt)
+    assert all(h in bloom for h in public_hashes)
+    for salt in (SALT_A, SALT_B):
+        assert not any(h in bloom for h in tiny_engine.hasher.chain(prompt, salt))
+    assert set(tiny_engine.cache.cached_hashes()) == set(public_hashes)
