@@ -28,6 +28,8 @@ The JSON: {"params", "baseline": {...}, "adversaries": {NAME: {...}},
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 import shlex
 import statistics
@@ -299,6 +301,13 @@ async def run_scenario(
             if rogue is not None:
                 await rogue.wait_fresh_stats()
             row = summarise(name, outcomes, refs, honest, rogue, args.max_new_tokens)
+            if args.outcomes:
+                with open(args.outcomes, "a") as out:
+                    for o in sorted(outcomes, key=lambda o: o.index):
+                        line = {"scenario": name, **dataclasses.asdict(o),
+                                "reference": refs[o.index],
+                                "rogue": bool(rogue) and o.served_by in rogue.peer_ids}
+                        out.write(json.dumps(line) + "\n")
             if rogue is not None:
                 fakes = set(rogue.peer_ids) | set(rogue.forged_ids)
                 row["rogue_listed_by_honest_peers"] = [len(p.known & fakes) for p in honest]
@@ -425,6 +434,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="also run this many in-process quarantine trials (bench.quarantine)")
     p.add_argument("--peer-log", default=os.devnull, help="peers' stderr goes here")
     p.add_argument("--peer-log-level", default="ERROR")
+    p.add_argument("--outcomes", help="append every request's outcome here (JSON lines)")
     args = p.parse_args(argv)
     args.scenarios = [x for x in args.scenarios.split(",") if x]
     unknown = set(args.scenarios) - set(SCENARIOS)
