@@ -243,6 +243,7 @@ def summarise(
         ),
         "served_by_unknown_peer": sum(o.served_by not in swarm_ids for o in ok),
         "fallbacks": sum(len(o.route) > 1 for o in ok),
+        "served_by_another_peer": sum(o.served_by != o.entry for o in ok),  # forwarded
     }
     if rogue is not None:
         row["rogue_ids"] = len(rogue.peer_ids) + len(rogue.forged_ids)
