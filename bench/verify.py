@@ -8,7 +8,10 @@ tokens (greedy, and sampled at temperature 0.7 / top_p 0.9), median over --runs 
                                     without / with the prompt already in the local cache
   verify_cold / verify_cached       time of Engine.verify on the same answer, same states
 Also: whether every honest answer verified, and whether a tampered answer (one token
-replaced by the model's least likely one) was caught at the right index.
+replaced by the model's least likely one) was caught at the right index, and the chance
+that a uniformly random token at an answer position passes the check. The sampled
+answer uses the first seed whose answer runs to --answer-tokens (the instruct model often
+answers a letter and stops). On shared cores run it with OMP_NUM_THREADS=1.
 Progress goes to stderr; the JSON to --json and stdout.
 """
 
@@ -21,6 +24,7 @@ import platform
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +34,11 @@ import trio
 from bench.engine import DEFAULT_PROMPT_TOKENS, FIRST_TOKEN, pick_prompt
 from peer.engine.engine import Engine, SamplingParams
 from peer.engine.model import DEFAULT_MODEL, LoadedModel, load_model
+from peer.engine.verify import accepted_fraction
 
 DEFAULT_RUNS = 3  # x 2 modes x (2 generations + 2 verifications): minutes on 2 cores
 DEFAULT_ANSWER_TOKENS = 32  # the issue's unit (TOPLOC commits to 32 tokens)
+MAX_SEED_TRIES = 32  # cached-prompt generations spent looking for a full-length sample
 
 
 def log(msg: str) -> None:
@@ -69,13 +75,37 @@ async def one_run(
 async def tampered_caught(
     loaded: LoadedModel, tokens: list[int], answer: list[int], params: SamplingParams
 ) -> bool:
-    """Replace the middle token by the least likely one; is it caught at that index?"""
-    index = len(answer) // 2
+    """Replace a middle token (never the last, which may be EOS) by the least likely one;
+    is it caught at that index?"""
+    index = (len(answer) - 1) // 2
     with torch.inference_mode():
         logits = loaded.model(input_ids=torch.tensor([tokens + answer[:index]])).logits[0, -1]
     bad = [*answer[:index], int(logits.argmin()), *answer[index + 1 :]]
     verdict = await Engine.from_model(loaded).verify(tokens, bad, params)
     return not verdict.ok and verdict.first_bad_index == index
+
+
+def random_substitute_pass(
+    loaded: LoadedModel, tokens: list[int], answer: list[int], params: SamplingParams
+) -> dict[str, float]:
+    """How often a uniformly random token put at an answer position would pass the check
+    (mean and worst over the positions), from one teacher-forced forward."""
+    with torch.inference_mode():
+        ids = torch.tensor([tokens + answer[:-1]])
+        logits = loaded.model(input_ids=ids, logits_to_keep=len(answer)).logits[0]
+    share = accepted_fraction(logits, params)
+    return {"mean": float(share.mean()), "max": float(share.max())}
+
+
+async def full_length_seed(loaded: LoadedModel, tokens: list[int], params: SamplingParams) -> int:
+    """The first seed whose sampled answer runs to max_new_tokens (an instruct model often
+    answers an MMLU prompt with a letter and EOS): the cost is measured on a full answer."""
+    engine = Engine.from_model(loaded)
+    for seed in range(MAX_SEED_TRIES):
+        done = await engine.generate(tokens, replace(params, seed=seed))
+        if len(done.token_ids) == params.max_new_tokens:
+            return seed
+    raise RuntimeError(f"no seed below {MAX_SEED_TRIES} gives a full-length sampled answer")
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -87,10 +117,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     log(f"prompt: MMLU 5-shot '{subject}', {len(tokens)} tokens")
     modes = {
         "greedy": SamplingParams(max_new_tokens=args.answer_tokens),
-        "sampled": SamplingParams(
-            max_new_tokens=args.answer_tokens, temperature=0.7, top_p=0.9, seed=1
-        ),
+        "sampled": SamplingParams(max_new_tokens=args.answer_tokens, temperature=0.7, top_p=0.9),
     }
+    modes["sampled"] = replace(
+        modes["sampled"], seed=await full_length_seed(loaded, tokens, modes["sampled"])
+    )
+    log(f"sampled: seed {modes['sampled'].seed} gives a full-length answer")
     results: dict[str, Any] = {}
     for mode, params in modes.items():
         runs = []
@@ -106,12 +138,18 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             for k in ("generate_cold_s", "generate_cached_s", "verify_cold_s", "verify_cached_s")
         }
         results[mode] = {
+            "params": {"temperature": params.temperature, "top_p": params.top_p,
+                       "seed": params.seed},
             **med,
             "answer_tokens": runs[-1]["answer_tokens"],
             "ratio_verify_vs_generate_cold": med["verify_cold_s"] / med["generate_cold_s"],
             "ratio_verify_vs_generate_cached": med["verify_cached_s"] / med["generate_cached_s"],
             "honest_all_verified": all(r["verify_cold_ok"] and r["verify_cached_ok"] for r in runs),
             "tampered_caught": await tampered_caught(loaded, tokens, runs[-1]["answer"], params),
+            # the chance that a random token put at an answer position passes the check
+            "random_substitute_pass": await trio.to_thread.run_sync(
+                random_substitute_pass, loaded, tokens, runs[-1]["answer"], params
+            ),
             "samples": [{k: v for k, v in r.items() if k != "answer"} for r in runs],
         }
     return {

@@ -334,7 +334,7 @@ class HttpApi:
             ],
             exception_handlers={Exception: self._unexpected},
         )
-        self.app.add_middleware(_CheckKey, api=self)  # type: ignore[arg-type]
+        self.app.add_middleware(_CheckKey, api=self)
 
     def authorized(self, scope: Any) -> bool:
         """Whether a request may pass: no key configured, an open path, or the right key."""

@@ -95,3 +95,29 @@ async def test_engine_private_requests_share_cache_only_per_salt(tiny_engine):
     for salt in (SALT_A, SALT_B):
         assert not any(h in bloom for h in tiny_engine.hasher.chain(prompt, salt))
     assert set(tiny_engine.cache.cached_hashes()) == set(public_hashes)
+
+
+async def test_a_private_request_is_served_by_the_entry_even_when_a_peer_holds_its_prefix(
+    nursery, tiny_engine_factory
+):
+    from peer.pipeline import Outcome
+    from tests.test_pipeline import reference, start_swarm, tokens, wait_for_match
+
+    a, b = await start_swarm(nursery, [tiny_engine_factory() for _ in range(2)])
+    prefix = tokens(640, seed=1)
+    prompt = prefix + tokens(20, seed=2)
+    await b.peer.engine.generate(prefix + tokens(9, seed=3), SamplingParams(max_new_tokens=1))
+    await wait_for_match(a, b, prompt, len(prefix) // 16)
+    params = SamplingParams(max_new_tokens=6)
+    public = await a.peer.generate(prompt, params)
+    assert public.served_by == b.peer.peer_id  # the premise: b is the router's choice
+
+    private = await a.peer.generate(prompt, params, cache_salt=SALT_A)
+
+    assert private.served_by == a.peer.peer_id
+    assert [(x.peer_id, x.outcome) for x in private.route] == [(a.peer.peer_id, Outcome.OK)]
+    assert private.token_ids == await reference(tiny_engine_factory, prompt, params)
+    again = await a.peer.generate(prompt, params, cache_salt=SALT_A)
+    assert again.cached_tokens == 656  # its own private blocks, on a
+    assert not any(h in set(a.peer.engine.cache.cached_hashes())
+                   for h in a.peer.engine.hasher.chain(prompt, SALT_A))

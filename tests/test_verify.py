@@ -11,7 +11,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from peer.engine.engine import Engine, InvalidRequest, SamplingParams
-from peer.engine.verify import GREEDY_MAX_LOGPROB_GAP, SAMPLED_MIN_LOGPROB, check_structure
+from peer.engine.verify import (
+    GREEDY_MAX_LOGPROB_GAP,
+    SAMPLED_MIN_LOGPROB,
+    accepted_fraction,
+    check_logits,
+    check_structure,
+)
 
 
 def prompt(n, start=100):
@@ -215,3 +221,35 @@ async def test_bad_prompt_or_params_are_invalid_requests(tiny_engine):
     with pytest.raises(InvalidRequest):
         await tiny_engine.verify([1, 2], [1], SamplingParams(temperature=-1))
     assert (await tiny_engine.verify([1, 2], ["x"], SamplingParams(max_new_tokens=1))).ok is False
+
+
+def test_bench_verify_runs_and_reports(tmp_path):
+    """The benchmark's command, shrunk to tiny-random: honest answers pass, a lie is caught."""
+    import json
+
+    from bench import verify as bench_verify
+
+    out = tmp_path / "verify.json"
+    args = ["--json", str(out), "--model", "tiny-random", "--runs", "1",
+            "--prompt-tokens", "64", "--answer-tokens", "4"]
+    assert bench_verify.main(args) == 0
+    result = json.loads(out.read_text())
+    for mode in ("greedy", "sampled"):
+        assert result[mode]["honest_all_verified"] and result[mode]["tampered_caught"]
+        assert result[mode]["answer_tokens"] == 4
+        assert result[mode]["verify_cached_s"] > 0
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    seed=st.integers(0, 2**32),
+    scale=st.sampled_from([0.5, 3.0, 12.0]),
+    temperature=st.sampled_from([0.0, 0.5, 1.0]),
+    top_p=st.sampled_from([0.5, 0.9, 1.0]),
+)
+def test_accepted_fraction_counts_what_check_logits_accepts(seed, scale, temperature, top_p):
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(1, 40, generator=gen) * scale
+    params = SamplingParams(temperature=temperature, top_p=top_p)
+    accepted = sum(check_logits(logits, [tok], params) is None for tok in range(40))
+    assert float(accepted_fraction(logits, params)[0]) * 40 == pytest.approx(accepted)

@@ -151,3 +151,18 @@ def check_logits(
             f"above it hold {float(above[r]):.3f} of the mass, tolerance {NUCLEUS_TOLERANCE})"
         )
     return Finding(offset + r, detail)
+
+
+def accepted_fraction(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Per row of `logits` [rows, vocab]: the share of the vocabulary that check_logits
+    would accept there, i.e. the chance that a uniformly random substitute passes."""
+    if params.temperature == 0.0:
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        near = logp >= logp.max(dim=-1, keepdim=True).values - GREEDY_MAX_LOGPROB_GAP
+        return near.float().mean(dim=-1)
+    logp = torch.log_softmax(logits.float() / params.temperature, dim=-1)
+    sorted_logp, _ = torch.sort(logp, dim=-1, descending=True)
+    p = sorted_logp.exp()
+    above = torch.cumsum(p, dim=-1) - p  # ties count against the token here: a lower bound
+    ok = (above < params.top_p + NUCLEUS_TOLERANCE) & (sorted_logp >= SAMPLED_MIN_LOGPROB)
+    return ok.float().mean(dim=-1)
