@@ -15,11 +15,14 @@ turn, `--concurrency` at a time, streamed. Greedy requests, except under
 Wrong outputs are counted against a reference computed here by the honest model (the same
 checkpoint, loaded in this process): greedy, the exact text; sampled with a seed, honest
 sampling is deterministic too, so the reference is the honest seeded text (stricter than a
-probability test: any deviation counts). TTFT is measured by this client (send to first
-text). From each response's route: which peers were tried, so the attempts on rogue
-identities; after the requests, each honest peer's /v1/swarm says what its trust ledger
-holds of them (`requests_until_quarantine`: the forwards all entry peers sent to the liar,
-when at least one ledger quarantined it; null when none did, as on code without one).
+probability test). An output is wrong when it differs and a rogue identity contributed
+tokens to it (by the entry's route); one that differs though only honest peers served it
+(a seeded draw at a near tie over a cached prefix, a re-seeded handover) is counted apart.
+TTFT is measured by this client (send to first text). Each response's route says which
+peers were tried (the attempts on rogue identities). After the requests, each honest
+peer's /v1/swarm says what its trust ledger holds of the rogue identities:
+`requests_until_quarantine` is the forwards all entry peers sent to the liar when at
+least one ledger quarantined it, null when none did (as on code without a ledger).
 
 The JSON: {"params", "baseline": {...}, "adversaries": {NAME: {...}},
 "quarantine_trials": {...}} (the last from bench.quarantine, in process).
@@ -215,9 +218,17 @@ def summarise(
 ) -> dict[str, Any]:
     ok = sorted((o for o in outcomes if o.ok), key=lambda o: o.index)
     ttft = [o.ttft_s for o in ok]
-    wrong = [o for o in ok if o.text != refs[o.index]]
     swarm_ids = {p.peer_id for p in honest} | set(rogue.peer_ids if rogue else ())
     fake_ids = set(rogue.peer_ids if rogue else ()) | set(rogue.forged_ids if rogue else ())
+    differs = [o for o in ok if o.text != refs[o.index]]
+    # Wrong: differs from the honest reference and a rogue identity contributed tokens
+    # (the route is the entry's own account). Honest peers differ too, rarely: a seeded
+    # sample over a cached prefix can draw another token at a near tie, and a handover
+    # re-seeds the sampler; those are counted apart.
+    wrong = [
+        o for o in differs
+        if any(a["peer_id"] in fake_ids and a.get("tokens", 0) > 0 for a in o.route)
+    ]
     attempts: Counter[str] = Counter()
     last_touch = -1
     for position, o in enumerate(ok):
@@ -235,6 +246,7 @@ def summarise(
         "ttft_p99_s": percentile(ttft, 0.99),
         "ttft_mean_s": statistics.fmean(ttft) if ttft else float("nan"),
         "wrong_outputs_delivered": len(wrong),
+        "differs_from_reference_served_honestly": len(differs) - len(wrong),
         "over_max_tokens_delivered": sum(o.completion_tokens > max_tokens for o in ok),
         # served_by must name the peer whose stream produced the last tokens
         "served_by_not_the_server": sum(

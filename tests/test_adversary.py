@@ -186,11 +186,12 @@ def test_bench_json_rows_have_the_issue_keys() -> None:
     rogue = types.SimpleNamespace(
         peer_ids=["R"], forged_ids=[], received={"R": 1}, answered={}
     )
-    route_rogue = [{"peer_id": "R"}, {"peer_id": "H0"}]
+    route_rogue = [{"peer_id": "R", "tokens": 0}, {"peer_id": "H0", "tokens": 8}]
+    rogue_served = [{"peer_id": "R", "tokens": 8}]
     outcomes = [
         Outcome(0, True, "H0", text="ok", served_by="H0", ttft_s=0.1, route=route_rogue),
-        Outcome(1, True, "H1", text="bad", served_by="H1", ttft_s=0.2, route=[{"peer_id": "H1"}]),
-        Outcome(2, True, "H2", text="ok", served_by="H2", ttft_s=0.3, route=[{"peer_id": "H2"}]),
+        Outcome(1, True, "H1", text="bad", served_by="R", ttft_s=0.2, route=rogue_served),
+        Outcome(2, True, "H2", text="odd", served_by="H2", ttft_s=0.3, route=[{"peer_id": "H2"}]),
         Outcome(3, True, "H0", text="ok", served_by="H0", ttft_s=0.3, route=[{"peer_id": "H0"}]),
         Outcome(4, False, "H1", error="boom"),
     ]
@@ -202,10 +203,11 @@ def test_bench_json_rows_have_the_issue_keys() -> None:
                     "wrong_outputs_delivered"):
             assert key in row
         assert (row["requests_ok"], row["requests_failed"]) == (4, 1)
-        assert row["wrong_outputs_delivered"] == 1
+        # index 1: a rogue's tokens, wrong; index 2 differs but only H2 served it
+        assert row["wrong_outputs_delivered"] == (0 if name == "baseline" else 1)
+        assert row["differs_from_reference_served_honestly"] == (2 if name == "baseline" else 1)
         if name in LIARS:
             assert row["requests_until_quarantine"] is None  # until a ledger says otherwise
-            assert row["rogue_still_tried_in_last_quarter"] is False
         if name in ("forged_origins", "sybil"):
             assert "requests_before_proven_per_identity" in row
 
