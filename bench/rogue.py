@@ -8,7 +8,7 @@ Modes (issue 11's attacks, each within what an honest peer's validation accepts)
   its bits set, a cached-block count that matches that fill, zero load, 10^9 tokens/s),
   then holds every inference stream it is given without answering.
 - wrong_tokens_greedy: the same summary; answers every forward with wrong tokens (random
-  ids), more of them than max_new_tokens, and a result whose served_by names someone else.
+  ids), more of them than max_new_tokens, and a result whose served_by names the entry.
 - wrong_tokens_sampled: the same summary; answers greedy requests honestly and sampled
   ones with plausible-looking wrong tokens: at each step the most likely token outside
   the request's top_p nucleus (at its temperature, the nucleus widened by NUCLEUS_MARGIN),
