@@ -26,7 +26,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -97,10 +97,22 @@ class Outcome:
     error: str = ""
 
 
-async def _send(
-    client: httpx.AsyncClient, peer: PeerProcess, request: TokenRequest, model: str
-) -> Outcome:
-    body = {
+@dataclass
+class Streamed:
+    """What one streamed completion delivered (times from time.perf_counter)."""
+
+    start: float
+    end: float = 0.0
+    first: float | None = None  # the first event with choices
+    texts: list[str] = field(default_factory=list)
+    usage: dict[str, Any] = field(default_factory=dict)
+    extension: dict[str, Any] = field(default_factory=dict)  # x_prefixswarm
+    error: str = ""
+
+
+def completion_body(request: TokenRequest, model: str) -> dict[str, Any]:
+    """A greedy, streamed /v1/completions body for `request` (prompt as token ids)."""
+    return {
         "model": model,
         "prompt": list(request.prefix + request.suffix),
         "max_tokens": request.max_new_tokens,
@@ -108,38 +120,56 @@ async def _send(
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    start = time.perf_counter()
-    first: float | None = None
-    usage: dict[str, Any] = {}
-    extension: dict[str, Any] = {}
+
+
+async def stream_completion(
+    client: httpx.AsyncClient, url: str, body: dict[str, Any], timeout_s: float
+) -> Streamed:
+    """POST a streaming /v1/completions body; every failure becomes `error`."""
+    out = Streamed(start=time.perf_counter())
     try:
-        with trio.fail_after(REQUEST_TIMEOUT_S):
-            async with client.stream("POST", f"{peer.http}/v1/completions", json=body) as r:
+        with trio.fail_after(timeout_s):
+            async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
                 if r.status_code != 200:
                     text = (await r.aread()).decode(errors="replace")
-                    return Outcome(False, peer.peer_id, error=f"HTTP {r.status_code}: {text}")
+                    out.error = f"HTTP {r.status_code}: {text}"
+                    return out
                 async for line in r.aiter_lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
                     event = json.loads(line[6:])
                     if "error" in event:
-                        return Outcome(False, peer.peer_id, error=str(event["error"]))
-                    if first is None and event.get("choices"):
-                        first = time.perf_counter()
-                    usage = event.get("usage") or usage
-                    extension = event.get("x_prefixswarm") or extension
+                        out.error = str(event["error"])
+                        return out
+                    if out.first is None and event.get("choices"):
+                        out.first = time.perf_counter()
+                    out.texts += [c.get("text") or "" for c in event.get("choices", ())]
+                    out.usage = event.get("usage") or out.usage
+                    out.extension = event.get("x_prefixswarm") or out.extension
     except (httpx.HTTPError, trio.TooSlowError, ValueError) as exc:
-        return Outcome(False, peer.peer_id, error=f"{type(exc).__name__}: {exc}")
-    end = time.perf_counter()
-    if first is None or not usage:
-        return Outcome(False, peer.peer_id, error="stream ended without tokens or usage")
-    served_by = extension.get("served_by", "")
+        out.error = f"{type(exc).__name__}: {exc}"
+        return out
+    out.end = time.perf_counter()
+    if out.first is None or not out.usage:
+        out.error = "stream ended without tokens or usage"
+    return out
+
+
+async def _send(
+    client: httpx.AsyncClient, peer: PeerProcess, request: TokenRequest, model: str
+) -> Outcome:
+    got = await stream_completion(client, peer.http, completion_body(request, model),
+                                  REQUEST_TIMEOUT_S)
+    if got.error or got.first is None:
+        return Outcome(False, peer.peer_id, error=got.error)
+    usage = got.usage
+    served_by = got.extension.get("served_by", "")
     return Outcome(
         True,
         peer.peer_id,
         served_by=served_by,
-        ttft_s=first - start,
-        e2e_s=end - start,
+        ttft_s=got.first - got.start,
+        e2e_s=got.end - got.start,
         prompt_tokens=usage["prompt_tokens"],
         cached_tokens=usage["prompt_tokens_details"]["cached_tokens"],
         forwarded=served_by != peer.peer_id,
@@ -297,13 +327,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+def run_main(main_async: Any, args: argparse.Namespace) -> None:
+    """Run `main_async(args)`; write and print its JSON to args.json (bench.swarm,
+    bench.adversary)."""
     result = trio.run(main_async, args)
     text = json.dumps(result, indent=2)
     with open(args.json, "w") as out:
         out.write(text + "\n")
     print(text)
+
+
+def main(argv: list[str] | None = None) -> None:
+    run_main(main_async, parse_args(argv))
 
 
 if __name__ == "__main__":
