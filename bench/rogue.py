@@ -281,19 +281,17 @@ class Rogue:
         engine = self.engine
 
         def run() -> list[int]:
-            from peer.engine.engine import _Sequence
-            from peer.engine.kv import cache_from_blocks
-
-            seq = _Sequence(cache_from_blocks([]), 0)
-            logits = engine._forward(seq, request.prompt_token_ids)
+            runner = engine._runner  # the engine's own model runner: a bench tool's shortcut
+            kv = runner.new_kv([], len(request.prompt_token_ids) + request.max_new_tokens)
+            logits = runner.forward([(kv, list(request.prompt_token_ids))], [True])[0]
             out: list[int] = []
             for _ in range(request.max_new_tokens):
                 token = out_of_nucleus(logits, request.temperature, request.top_p)
                 out.append(token)
-                logits = engine._forward(seq, (token,))
+                logits = runner.forward([(kv, [token])], [True])[0]
             return out
 
-        async with engine._limiter:
+        async with engine.model_lock:  # never while a batch step runs the model
             tokens: list[int] = await trio.to_thread.run_sync(run)
         return tokens
 

@@ -182,7 +182,7 @@ async def test_wrong_tokens_sampled_is_honest_on_greedy_and_implausible_when_sam
 def test_bench_json_rows_have_the_issue_keys() -> None:
     args = parse_args(["--json", "/dev/null"])
     assert args.scenarios == list(SCENARIOS)
-    honest = [PeerProcess(process=None, peer_id=f"H{i}") for i in range(3)]  # type: ignore[arg-type]
+    honest = [PeerProcess(i + 1, process=None, log_path=None, peer_id=f"H{i}") for i in range(3)]  # type: ignore[arg-type]
     rogue = types.SimpleNamespace(
         peer_ids=["R"], forged_ids=[], received={"R": 1}, answered={}
     )
