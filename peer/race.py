@@ -43,6 +43,7 @@ class Racer:
     attempt: AnyAttempt
     index: int  # start order within the race
     verify: bool = False  # the trust ledger chose its response for verification
+    failed: bool = False  # failed on its own (not merely cancelled because another won)
 
 
 def estimated_ttft_s(candidate: Candidate) -> float:
@@ -107,6 +108,7 @@ class Race:
         ``attempt_options`` go to ``make_attempt``."""
         winner: list[Racer] = []
         running: list[Racer] = []
+        started: list[Racer] = []
         wake = [trio.Event()]  # set when a racer fails: the next one starts at once
         async with trio.open_nursery() as nursery:
             index = 0
@@ -132,6 +134,7 @@ class Race:
                 racer = Racer(candidate, attempt, index)
                 index += 1
                 running.append(racer)
+                started.append(racer)
                 wake[0] = trio.Event()
                 nursery.start_soon(
                     self._open, racer, deadline, winner, running, wake, nursery.cancel_scope, route
@@ -140,6 +143,12 @@ class Race:
                     await wake[0].wait()
                 if not wake[0].is_set() and not winner and pending:
                     self._stats["hedges"] += 1
+        if winner:
+            # Racers cancelled because another won did not fail: should the winner fail
+            # later (a wrong answer, a broken stream), they are tried again, in their
+            # order; above all this peer itself, always the last resort.
+            others = [r.candidate for r in started if r is not winner[0] and not r.failed]
+            pending.extendleft(reversed(others))
         return winner[0] if winner else None
 
     async def _open(
@@ -168,6 +177,7 @@ class Race:
             if timer.cancelled_caught:
                 raise AttemptFailed("stalled", f"no first token in {timeout:.3f} s")
         except AttemptFailed as exc:
+            racer.failed = True
             running.remove(racer)
             await attempt.aclose()
             self._on_failed(candidate, exc, route)

@@ -155,6 +155,21 @@ async def test_wrong_tokens_are_caught_at_fraction_one_and_never_delivered(autoj
     assert A not in [a.peer_id for a in again.route]  # quarantined: never routed again
 
 
+async def test_a_hedge_cancelled_by_a_liar_that_won_is_tried_again(autojump_clock):
+    # A answers first (0.2 s) but wrongly; this peer's own run, started as a hedge at
+    # 0.1 s, was cancelled when A won: it must still complete the request.
+    def fast_liar(request):
+        out = reference(request.prompt_token_ids, request.max_new_tokens)
+        return answer(request, [(t + 1) % 1000 for t in out], ttft_s=0.2)
+
+    swarm = fake_swarm({A: (7, fast_liar)}, PROMPT, engine=FakeEngine(ttft_s=0.5),
+                       verify_fraction=1.0, hedge_multiple=2.0, hedge_floor_s=0.1)
+    chunks, result = await collect(swarm.pipeline)
+    assert list(result.token_ids) == GOOD and result.served_by == SELF
+    assert route(result)[0] == (A, Outcome.WRONG_OUTPUT) and route(result)[-1][1] is Outcome.OK
+    assert all(c.served_by == SELF for c in chunks)
+
+
 async def test_a_verified_good_prefix_is_kept(autojump_clock):
     def bad_from_3(request):
         out = reference(request.prompt_token_ids, request.max_new_tokens)
