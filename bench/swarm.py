@@ -21,6 +21,7 @@ import dataclasses
 import json
 import os
 import random
+import shlex
 import statistics
 import sys
 import time
@@ -72,6 +73,7 @@ async def _spawn(
         "--cache-bytes", str(args.cache_bytes),
         "--summary-interval", str(args.summary_interval),
         "--report", "json", "--exit-with-stdin", "--log-level", args.peer_log_level,
+        *shlex.split(args.peer_args),
     ]
     if args.delay_ms:
         cmd += ["--forward-delay", str(args.delay_ms / 1000)]
@@ -315,6 +317,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--summary-interval", type=float, default=1.0)
     p.add_argument("--peer-log", default=os.devnull, help="peers' stderr goes here")
     p.add_argument("--outcomes", help="append every request's outcome here (JSON lines)")
+    p.add_argument("--peer-args", default="",
+                   help="more `serve` flags for every peer, e.g. \"--probation-requests 0\"")
     p.add_argument("--peer-log-level", default="ERROR",
                    help="the peers' log level (DEBUG logs every routing decision)")
     args = p.parse_args(argv)

@@ -76,6 +76,9 @@ def child_command(
         "--log-level", options.log_level,
         "--report", "json",
         "--exit-with-stdin",
+        # These peers are this operator's own processes on this machine, not strangers:
+        # no probation among them (they still verify verify_fraction of what they forward).
+        "--probation-requests", "0",
     ]
     if bootstrap:
         cmd += ["--bootstrap", *bootstrap]
