@@ -129,8 +129,10 @@ class Peers:
             "--http", f"{ip}:{HTTP_PORT}", "--report", "json", "--exit-with-stdin",
             "--summary-interval", "0.5", "--policy", "longest_prefix",
             # Reach is measured here, not trust: without probation a new peer takes every
-            # request its prefix draws (bench.adversary measures probation).
-            "--probation-requests", "0", *extra,
+            # request its prefix draws, and without verification the entry never computes
+            # (and so caches) the prefix itself, which would pull later requests home
+            # (bench.adversary measures both).
+            "--probation-requests", "0", "--verify-fraction", "0", *extra,
         ])
         log = open(self.log_dir / f"{name}.log", "a")  # noqa: SIM115 (closed with the process)
         proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
