@@ -106,6 +106,44 @@ class _PeerCollector(Collector):
             if key not in ("entry_in_flight", "verification_available"):  # gauges, not events
                 events.add_metric([key], _total(value))
         yield events
+        reach = stats.get("reach")
+        if reach:
+            yield from _reach_metrics(reach)
+
+
+# Reach figures that are levels, not counts of events (peer/relay.py's statistics()).
+REACH_GAUGES = {
+    "reservations_held_for_others": "Relay slots this peer holds for peers behind NAT",
+    "circuits_open": "Relayed circuits open through this peer now",
+}
+
+
+def _reach_metrics(reach: dict[str, Any]) -> Iterator[Metric]:
+    """Reachability verdict, relay slots and circuits, and relay/dial-back events."""
+    verdict = GaugeMetricFamily(
+        "prefixswarm_reachability",
+        "1 for this peer's reachability verdict (public: others dial it; private: behind NAT)",
+        labels=["verdict"],
+    )
+    for state in ("public", "private", "unknown"):
+        verdict.add_metric([state], float(reach.get("reachability") == state))
+    yield verdict
+    yield GaugeMetricFamily(
+        "prefixswarm_relays_reserved", "Relays this peer reserved a slot on (behind NAT)",
+        value=len(reach.get("relays") or ()),
+    )
+    for key, help_text in REACH_GAUGES.items():
+        if key in reach:
+            yield GaugeMetricFamily(f"prefixswarm_relay_{key}", help_text, value=reach[key])
+    events = CounterMetricFamily(
+        "prefixswarm_relay_events",
+        "Relay and dial-back events (circuits, reservations, relayed streams, bytes moved, ...)",
+        labels=["event"],
+    )
+    for key, value in sorted(reach.items()):
+        if key not in REACH_GAUGES and isinstance(value, int) and not isinstance(value, bool):
+            events.add_metric([key], value)
+    yield events
 
 
 class Metrics:

@@ -4,12 +4,14 @@ volunteer behind NAT) are served through a relay; a reachable peer learns it is 
 from __future__ import annotations
 
 import random
+import re
 from typing import Any
 
 import trio
 
 from peer.config import PeerConfig
 from peer.engine.engine import SamplingParams
+from peer.metrics import Metrics
 from peer.pipeline import Outcome
 from tests.helpers_swarm import start_peer, wait_until
 
@@ -71,6 +73,16 @@ async def test_outbound_only_peer_is_served_through_a_relay(nursery, tiny_engine
     assert result.token_ids == reference.token_ids
     stats = relay.peer.host.reach.statistics()
     assert stats["circuits"] >= 1 and stats["reservations_granted"] >= 1
+    # ...and operators see them in /metrics, with the NATed peer's verdict.
+    exported = Metrics(relay.peer.statistics).render().decode()
+    assert 'prefixswarm_relay_events_total{event="circuits"}' in exported
+    granted = re.search(r'prefixswarm_relay_events_total\{event="reservations_granted"\} (\S+)',
+                        exported)
+    assert granted is not None and float(granted.group(1)) >= 1
+    holder_metrics = Metrics(holder.peer.statistics).render().decode()
+    assert 'prefixswarm_reachability{verdict="private"} 1.0' in holder_metrics
+    reserved = re.search(r"^prefixswarm_relays_reserved (\S+)$", holder_metrics, re.M)
+    assert reserved is not None and float(reserved.group(1)) >= 1
     assert entry.peer.link_to(holder.peer.peer_id) == "relayed"
     # Addresses land in the peer table (/v1/swarm shows them): the relay's, as dialled.
     await wait_until(
