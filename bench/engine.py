@@ -26,7 +26,6 @@ Progress goes to stderr; the JSON to --json and stdout.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import resource
@@ -39,6 +38,7 @@ from typing import Any
 import torch
 import trio
 
+from bench.report import emit_json
 from bench.stats import percentile
 from peer.demo_data import NUM_SHOTS, by_subject, five_shot_prompt, load_mmlu
 from peer.engine.engine import Engine, SamplingParams
@@ -339,11 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("sweep levels, --sweep-new-tokens, --sweep-subjects, "
                      "--sweep-per-subject must be >= 1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    result = trio.run(run, args)
-    text = json.dumps(result, indent=2)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(text + "\n")
-    print(text)
+    emit_json(trio.run(run, args), args.json)
     return 0
 
 

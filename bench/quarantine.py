@@ -26,10 +26,10 @@ outputs reached the client before: the price of verifying a fraction only.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 from typing import Any
 
+from bench.report import emit_json
 from bench.swarm import percentile
 from peer.trust import DEFAULT_VERIFY_FRACTION, TrustLedger
 
@@ -190,10 +190,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.trials < 1:
         p.error("--trials must be positive")
     result = quarantine_trials_sync(args.trials, args.seed, args.verify_fraction)
-    text = json.dumps(result, indent=2)
-    with open(args.json, "w") as out:
-        out.write(text + "\n")
-    print(text)
+    emit_json(result, args.json)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ from typing import Any
 from libp2p.peer.id import ID
 
 from bench.netns import Nat, NetnsUnavailable, home_behind_nat
+from bench.report import emit_json
 from peer.host import load_or_create_identity
 
 PEER_PORT, HTTP_PORT = 4001, 8000
@@ -288,10 +289,7 @@ def main(argv: list[str] | None = None) -> int:
         "wall_s": round(time.monotonic() - started, 1),
         "logs": str(log_dir),
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json:
-        args.json.write_text(text + "\n")
+    emit_json(result, args.json)
     return 0
 
 

@@ -34,6 +34,7 @@ from typing import Any
 import httpx
 import trio
 
+from bench.report import emit_json
 from bench.stats import cov, percentile
 from bench.workloads import TokenRequest, load_tokenized_mmlu, mmlu_requests
 from peer.processes import (
@@ -334,11 +335,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def run_main(main_async: Any, args: argparse.Namespace) -> None:
     """Run `main_async(args)`; write and print its JSON to args.json (bench.swarm,
     bench.adversary)."""
-    result = trio.run(main_async, args)
-    text = json.dumps(result, indent=2)
-    with open(args.json, "w") as out:
-        out.write(text + "\n")
-    print(text)
+    emit_json(trio.run(main_async, args), args.json)
 
 
 def main(argv: list[str] | None = None) -> None:

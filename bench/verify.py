@@ -18,7 +18,6 @@ Progress goes to stderr; the JSON to --json and stdout.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -32,6 +31,7 @@ import torch
 import trio
 
 from bench.engine import DEFAULT_PROMPT_TOKENS, FIRST_TOKEN, pick_prompt
+from bench.report import emit_json
 from peer.engine.engine import Engine, SamplingParams
 from peer.engine.model import DEFAULT_MODEL, LoadedModel, load_model
 from peer.engine.verify import accepted_fraction
@@ -188,10 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.runs < 1 or args.prompt_tokens < 32 or args.answer_tokens < 2:
         parser.error("--runs must be >= 1, --prompt-tokens >= 32, --answer-tokens >= 2")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    text = json.dumps(trio.run(run, args), indent=2)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(text + "\n")
-    print(text)
+    emit_json(trio.run(run, args), args.json)
     return 0
 
 

@@ -22,7 +22,6 @@ tokens over the request's whole time), and how many responses were verified.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -31,6 +30,7 @@ from typing import Any
 
 import trio
 
+from bench.report import emit_json
 from bench.swarm import percentile
 from bench.workloads import load_tokenized_mmlu
 from peer.config import DEFAULT_VERIFY_FRACTION, PeerConfig, Policy
@@ -168,11 +168,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--max-prompt-tokens", type=int, default=1024)
     args = p.parse_args(argv)
-    result = trio.run(run, args)
-    text = json.dumps(result, indent=2)
-    with open(args.json, "w") as out:
-        out.write(text + "\n")
-    print(text)
+    emit_json(trio.run(run, args), args.json)
 
 
 if __name__ == "__main__":

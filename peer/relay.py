@@ -113,11 +113,12 @@ async def _close(stream: Any) -> None:
         scope.shield = True
         try:
             await stream.close()
-        except Exception:  # already reset by the other side
+        except Exception as exc:  # a stranger's stream: reset, EOF, closed; muxers vary
+            logger.debug("closing relayed stream (%r); resetting it", exc)
             try:
                 await stream.reset()
-            except Exception as exc:  # nothing left to clean up
-                logger.debug("closing relayed stream: %s", exc)
+            except Exception as exc2:  # nothing left to clean up
+                logger.debug("resetting relayed stream: %r", exc2)
 
 
 class Reach:
@@ -513,13 +514,15 @@ async def _dial_back(libp2p: Any, ip: str, port: int, expected: ID) -> bool:
     with trio.move_on_after(DIALBACK_DIAL_TIMEOUT_S):
         try:
             raw = await TCP().dial(multiaddr.Multiaddr(f"/{family}/{ip}/tcp/{port}"))
-        except Exception:  # refused, unreachable: not dialable there
+        except Exception as exc:  # refused, unreachable, bad address: not dialable there
+            logger.debug("dial-back to %s:%d: %r", ip, port, exc)
             return False
         try:
             upgrader = libp2p.get_network().upgrader
             secured = await upgrader.upgrade_security(raw, True, expected)
             return bool(secured.get_remote_peer() == expected)
-        except Exception:  # wrong peer or no libp2p there
+        except Exception as exc:  # wrong peer, or whatever a stranger answers a handshake with
+            logger.debug("dial-back handshake with %s:%d: %r", ip, port, exc)
             return False
         finally:
             with trio.CancelScope(shield=True), trio.move_on_after(1.0):
