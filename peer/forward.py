@@ -193,6 +193,12 @@ class RemoteAttempt:
                         self.last_at = trio.current_time()
                         return tokens
                 elif isinstance(message, InferResult):
+                    sent = len(self._request.prompt_token_ids)
+                    if message.cached_tokens > sent:  # reaches the client as usage: checked
+                        raise Faulty(
+                            f"claims {message.cached_tokens} cached tokens of a {sent}-token "
+                            "prompt"
+                        )
                     self.cached_tokens = message.cached_tokens
                     self._finished = True
                     return message.finish_reason.value

@@ -3,6 +3,8 @@ virtual clock (like trio's happy-eyeballs tests): exact times, exact routes."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import trio
 
@@ -207,6 +209,22 @@ async def test_text_and_served_by_are_this_peers_own(autojump_clock):
     assert result.served_by == A and {c.served_by for c in chunks} == {A}
     assert result.text == swarm.engine.decode(GOOD)
     assert "EVIL" not in "".join(c.text for c in chunks)
+
+
+async def test_cached_tokens_beyond_the_prompt_are_a_fault_not_a_usage_figure(
+    autojump_clock,
+):
+    def inflates(request):
+        steps = honest()(request)
+        result = steps[-1].frame
+        big = len(request.prompt_token_ids) + 1000
+        return [*steps[:-1], Step(0.0, replace(result, prompt_tokens=big, cached_tokens=big))]
+
+    swarm = fake_swarm({A: (7, inflates), B: (6, honest())}, PROMPT)
+    _, result = await collect(swarm.pipeline)
+    assert list(result.token_ids) == GOOD
+    assert result.cached_tokens <= len(PROMPT)
+    assert not swarm.trust.routable(A) and "cached tokens" in swarm.trust.view(A).reason
 
 
 async def test_out_of_vocabulary_ids_fail_the_attempt(autojump_clock):
