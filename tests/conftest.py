@@ -10,6 +10,7 @@ runners             (function) a peer.processes supervisor for children started 
                     repository root; they all stop when the test ends.
 """
 
+import logging
 import os
 from pathlib import Path
 
@@ -18,6 +19,19 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
 
 TINY_CACHE_BYTES = 8 << 20  # 1024 tiny-random blocks of 16 tokens: room for every test prompt
+
+
+@pytest.fixture(autouse=True)
+def _root_logging_restored():
+    """A test that sets up logging (the CLI does) must not leave a handler bound to a
+    captured stream pytest closes: later tests' log lines would fail to print."""
+    root = logging.getLogger()
+    level, before = root.level, set(root.handlers)
+    yield
+    root.setLevel(level)
+    for handler in list(root.handlers):  # pytest's own capture handlers come and go itself
+        if handler not in before and not type(handler).__module__.startswith("_pytest"):
+            root.removeHandler(handler)
 
 
 @pytest.fixture(scope="session")

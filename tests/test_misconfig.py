@@ -255,7 +255,7 @@ def test_log_lines_have_timestamps_and_libp2p_noise_is_dropped(capsys, level):
         logging.getLogger("libp2p.network").error("a real libp2p error")
     finally:
         library.setLevel(saved)
-        logging.basicConfig(force=True)
+        # conftest's autouse fixture removes the handler bound to capsys's stream
     lines = capsys.readouterr().err.splitlines()
     stamp = r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z "
     assert all(re.match(stamp, line) for line in lines)

@@ -41,11 +41,14 @@ def config(bootstrap: Sequence[str] = (), **overrides: Any) -> PeerConfig:
         identity_file=None,
         summary_interval_s=0.5,
         forward_first_token_s=5.0,
+        first_token_floor_s=5.0,  # the default 1 s floor stalls honest peers on a busy CI CPU
         forward_token_gap_s=5.0,
         # These tests route by cache on a shared CPU; tests/test_pipeline_trust.py covers
-        # probation and hedging under a virtual clock.
+        # probation, hedging and verification under a virtual clock. A verified response
+        # arrives whole after its check, so a random 1 in 10 would break the stream tests.
         probation_requests=0,
         hedge_multiple=0.0,
+        verify_fraction=0.0,
     )
     fields.update(overrides)
     return PeerConfig(**fields)
