@@ -171,7 +171,15 @@ def claim_prefix(entry: RunningPeer, liar: RunningPeer, prompt: list[int]) -> No
 async def test_killing_the_serving_peer_mid_stream_completes_elsewhere(
     nursery, tiny_engine_factory
 ):
-    a, b = await start_pair_with_slow_b(nursery, tiny_engine_factory)
+    # Summaries every 2 s: b's stays live 6 s, however slow a loaded machine makes the
+    # warm-up, the wait and the request (at 0.5 s it expired after 1.5 s, and a ran the
+    # request from the start). tests/test_pipeline_virtual.py times the hand-over exactly.
+    a, b = await start_swarm(
+        nursery,
+        [tiny_engine_factory(), SlowEngine(tiny_engine_factory(), 0.02)],
+        policy=Policy.LONGEST_PREFIX,
+        summary_interval_s=2.0,
+    )
     prefix = tokens(320, seed=5)
     prompt = prefix + tokens(10, seed=6)
     await b.peer.engine.generate([*prefix, 7], SamplingParams(max_new_tokens=1))
@@ -195,35 +203,6 @@ async def test_killing_the_serving_peer_mid_stream_completes_elsewhere(
     assert result.route[0].tokens >= 5
     assert result.served_by == a.peer.peer_id
     assert result.token_ids == await reference(tiny_engine_factory, prompt, params)
-
-
-async def test_a_forward_counts_on_its_target_only_while_it_is_in_flight(
-    nursery, tiny_engine_factory
-):
-    a, b = await start_pair_with_slow_b(nursery, tiny_engine_factory)
-    prompt = tokens(100, seed=8)
-    claim_prefix(a, b, prompt)  # forged newest seq: b's own summaries cannot reset the counts
-
-    def load_on_b() -> tuple[int, int]:
-        view = a.peer.table.get(b.peer.peer_id, trio.current_time())
-        assert view is not None
-        return view.forwards_since_summary, view.forwarded_prompt_tokens
-
-    seen: list[tuple[int, int]] = []
-    result: GenerationResult | None = None
-    params = SamplingParams(max_new_tokens=10)
-    async with contextlib.aclosing(a.peer.serving.stream(prompt, params)) as items:
-        async for item in items:
-            if isinstance(item, GenerationChunk):
-                seen.append(load_on_b())
-            else:
-                result = item
-
-    assert result is not None and result.served_by == b.peer.peer_id
-    # Running there from the first token to the last, its prompt no longer queued...
-    assert set(seen) == {(1, 0)}
-    # ...and nothing once it is over, long before b's next summary.
-    assert load_on_b() == (0, 0)
 
 
 async def test_full_admission_queue_is_a_clear_error_not_a_hang(nursery, tiny_engine_factory):
