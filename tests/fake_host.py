@@ -87,7 +87,9 @@ class FakeEngine:
     def decode(self, token_ids: Sequence[int]) -> str:
         return "".join(f"<{t}>" for t in token_ids)
 
-    async def stream(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[Any]:
+    async def stream(
+        self, prompt: Sequence[int], params: SamplingParams, *, cache_salt: bytes | None = None
+    ) -> AsyncIterator[Any]:
         await trio.sleep(self.ttft_s)
         out = reference(prompt, params.max_new_tokens)
         for i, token in enumerate(out):

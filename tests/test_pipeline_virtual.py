@@ -144,3 +144,29 @@ async def test_a_full_engine_queue_and_no_other_peer_is_overloaded_at_once(autoj
             await run(swarm, params, request_id="second")
         assert trio.current_time() == pytest.approx(1.0)
         nursery.cancel_scope.cancel()
+
+
+async def test_a_request_is_validated_once_on_its_way_down(autojump_clock):
+    from peer.serving import Serving
+    from tests.fake_host import fake_config, fake_peers
+
+    class CountingEngine(FakeEngine):
+        validations = 0
+
+        def validate(self, token_ids, params):
+            self.validations += 1
+            return super().validate(token_ids, params)
+
+    engine = CountingEngine()
+    table, host = fake_peers({A: (7, honest())}, PROMPT, engine)
+    serving = Serving(config=fake_config(), engine=engine, table=table, host=host, self_id=SELF)
+    prepared = serving.prepare(PROMPT, SamplingParams(max_new_tokens=4), request_id="r1")
+    assert engine.validations == 1
+    assert (prepared.request_id, prepared.token_ids) == ("r1", tuple(PROMPT))
+    items = [item async for item in serving.run(prepared)]
+    assert engine.validations == 1  # the pipeline trusts the prepared request
+    assert items[-1].served_by == A and list(items[-1].token_ids) == reference(PROMPT, 4)
+    # Forwarded as the same parameters, converted at the wire edge only.
+    (_, _, forwarded) = host.requests[0]
+    assert (forwarded.request_id, forwarded.max_new_tokens, forwarded.hops) == ("r1", 4, 1)
+    assert serving.requests.statistics()["ok"] == 1
