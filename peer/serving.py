@@ -17,7 +17,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
 
@@ -30,6 +30,7 @@ from peer.generation import (
     GenerationItem,
     GenerationRequest,
     GenerationResult,
+    GenerationService,
     Prompt,
     RequestFailed,
 )
@@ -248,6 +249,12 @@ class Serving:
             "trust": self.trust.statistics(),
             "requests": self.requests.statistics(),
         }
+
+
+if TYPE_CHECKING:  # make lint checks that Serving implements the service's Protocol
+
+    def _is_a_generation_service(serving: Serving) -> GenerationService:
+        return serving
 
 
 def load_quarantine(path: Path | None) -> list[QuarantineRecord]:
