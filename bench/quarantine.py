@@ -69,6 +69,7 @@ async def pipeline_trial(liar: str, verify_fraction: float, seed: str) -> tuple[
     that reached the client before it)."""
     from peer.admission import Admission
     from peer.engine.requests import SamplingParams
+    from peer.generation import GenerationRequest
     from peer.pipeline import Pipeline
     from peer.router import Router
     from tests.fake_host import (
@@ -117,8 +118,8 @@ async def pipeline_trial(liar: str, verify_fraction: float, seed: str) -> tuple[
     params = SamplingParams(max_new_tokens=6)
     good = reference(prompt, 6)
     wrong = 0
-    for _ in range(MAX_PIPELINE_REQUESTS):
-        result = await pipeline.generate(prompt, params)
+    for n in range(MAX_PIPELINE_REQUESTS):
+        result = await pipeline.generate(GenerationRequest(f"request-{n}", tuple(prompt), params))
         wrong += list(result.token_ids) != good
         if not trust.routable(liar_id):
             return lying_forwards, wrong

@@ -13,8 +13,8 @@ own (the remote's text and `served_by` are never used).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncGenerator
-from typing import Any
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Protocol
 
 import trio
 from libp2p.peer.id import ID
@@ -22,14 +22,56 @@ from libp2p.peer.id import ID
 from peer.admission import Admission, Overloaded, Slot
 from peer.engine.api import Completion, SamplingParams, TokenEvent
 from peer.host import PeerUnreachable
-from peer.inference import FrameStream, StreamBroken
-from peer.peer_table import ForwardCharge
+from peer.inference import FrameStream, StreamBroken, StreamLike
+from peer.peer_table import ForwardCharge, PeerTable
 from protocols.errors import RemoteProtocolError
 from protocols.ids import INFER_PROTOCOL
-from protocols.infer import ErrorCode, InferError, InferRequest, InferResult, TokenChunk
+from protocols.infer import (
+    MAX_DEADLINE_S,
+    ErrorCode,
+    InferError,
+    InferRequest,
+    InferResult,
+    TokenChunk,
+)
 
 # Streams to a peer open within this; the first-token deadline covers the rest.
 STREAM_OPEN_TIMEOUT_S = 10.0
+
+
+class LocalEngine(Protocol):
+    """What a local attempt uses of this peer's engine."""
+
+    def stream(
+        self, token_ids: Sequence[int], params: SamplingParams, *, cache_salt: bytes | None = ...
+    ) -> AsyncIterator[TokenEvent | Completion]: ...
+
+
+class StreamOpener(Protocol):
+    """What a forward uses of the libp2p host (peer.host.SwarmHost; tests/fake_host.py)."""
+
+    async def new_stream(
+        self, peer_id: ID, protocols: Sequence[str], *, timeout_s: float = ...
+    ) -> StreamLike: ...
+
+
+def infer_request(
+    request_id: str, prompt: Sequence[int], params: SamplingParams, time_left_s: float
+) -> InferRequest:
+    """A forward's wire form: the one place SamplingParams become InferRequest fields
+    (peer/inference.py turns them back on the serving peer). ValueError if the wire
+    cannot carry it (its bounds differ from the engine's)."""
+    return InferRequest(
+        request_id=request_id,
+        prompt_token_ids=tuple(prompt),
+        max_new_tokens=params.max_new_tokens,
+        deadline_s=min(time_left_s, MAX_DEADLINE_S),
+        temperature=params.temperature,
+        top_p=params.top_p,
+        seed=params.seed,
+        stop=params.stop,
+        hops=1,
+    )
 
 
 class AttemptFailed(Exception):
@@ -71,7 +113,7 @@ class LocalAttempt:
 
     is_local = True
 
-    def __init__(self, engine: Any, admission: Admission, prompt: list[int],
+    def __init__(self, engine: LocalEngine, admission: Admission, prompt: list[int],
                  params: SamplingParams, cache_salt: bytes | None = None) -> None:
         self._engine = engine
         self._cache_salt = cache_salt
@@ -79,7 +121,7 @@ class LocalAttempt:
         self._prompt = prompt
         self._params = params
         self._slot: Slot | None = None
-        self._agen: AsyncGenerator[Any, None] | None = None
+        self._agen: AsyncIterator[TokenEvent | Completion] | None = None
         self.cached_tokens: int | None = None
         self.first: list[int] = []
 
@@ -106,35 +148,45 @@ class LocalAttempt:
         raise AttemptFailed("failed", "the engine ended without a completion")
 
     async def aclose(self) -> None:
-        if self._agen is not None:
+        aclose = getattr(self._agen, "aclose", None)  # an async generator's, to release it
+        if aclose is not None:
             with trio.CancelScope(shield=True):
-                await self._agen.aclose()
+                await aclose()
         if self._slot is not None:
             self._slot.release()
             self._slot = None
 
 
 class RemoteAttempt:
-    """The request forwarded to ``peer_id`` over /prefixswarm/infer (one stream)."""
+    """The request forwarded to ``peer_id`` over /prefixswarm/infer (one stream).
+
+    Raises AttemptFailed at once if the wire cannot carry the request."""
 
     is_local = False
 
     def __init__(
         self,
         *,
-        host: Any,
-        table: Any,
+        host: StreamOpener,
+        table: PeerTable,
         peer_id: str,
-        request: InferRequest,
+        request_id: str,
+        prompt: Sequence[int],
+        params: SamplingParams,
         vocab_size: int,
         gap_s: float,
         deadline: float = float("inf"),
         delay_s: float = 0.0,
     ) -> None:
+        try:
+            self._request = infer_request(
+                request_id, prompt, params, deadline - trio.current_time()
+            )
+        except ValueError as exc:  # the engine accepts more than the wire carries
+            raise AttemptFailed("failed", f"cannot be forwarded: {exc}") from exc
         self._host = host
         self._table = table
         self.peer_id = peer_id
-        self._request = request
         self._vocab_size = vocab_size
         self._gap_s = gap_s
         self._deadline = deadline  # the request's end-to-end deadline
@@ -215,7 +267,7 @@ class RemoteAttempt:
         return list(chunk.token_ids)
 
     @contextlib.contextmanager
-    def _errors(self) -> Any:
+    def _errors(self) -> Iterator[None]:
         try:
             yield
         except trio.TooSlowError as exc:

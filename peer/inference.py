@@ -125,7 +125,8 @@ def finish_reason(text: str) -> FinishReason:
 
 
 class EngineLike(Protocol):
-    vocab_size: int
+    @property
+    def vocab_size(self) -> int: ...
 
     def stream(self, token_ids: Any, params: SamplingParams) -> Any: ...
 

@@ -14,7 +14,7 @@ import logging
 import random
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import trio
 from libp2p.kad_dht.kad_dht import KadDHT
@@ -29,10 +29,11 @@ from peer.peer_table import PeerTable
 from peer.relay import peer_addrs
 from protocols.ids import provider_key_multihash
 
-if TYPE_CHECKING:  # serving imports torch: only peers with a model load it
+if TYPE_CHECKING:  # serving is imported only by peers with a model
     from peer.engine.api import SamplingParams
-    from peer.pipeline import GenerationChunk, GenerationResult
-    from peer.serving import Prompt, Serving
+    from peer.generation import GenerationChunk, GenerationResult, Prompt
+    from peer.request_log import CacheSample, RequestLog
+    from peer.serving import Serving
 
 logger = logging.getLogger(__name__)
 
@@ -104,24 +105,80 @@ class Peer:
         """Run `fn(*args)` in the peer's nursery; it is cancelled when the peer closes."""
         self._nursery.start_soon(fn, *args)
 
+    # -- what the faces use (peer/http.py's HttpPeer) ------------------------------------
+
+    @property
+    def model_id(self) -> str:
+        return self.engine.model_id
+
+    @property
+    def max_context(self) -> int:
+        """The model's context window (an AttributeError on a cache-only engine)."""
+        return int(self.engine.max_context)  # type: ignore[attr-defined]
+
+    @property
+    def generation(self) -> Serving | None:
+        """The peer's GenerationService (peer/generation.py); None on a cache-only engine."""
+        return self.serving
+
+    @property
+    def request_log(self) -> RequestLog | None:
+        """The last requests that entered here and ended (None without serving)."""
+        return self.serving.requests if self.serving is not None else None
+
+    def observe_queue_wait(self, observe: Callable[[float], None]) -> None:
+        """Call ``observe(seconds)`` with each request's wait for the engine's first step
+        (engines without a queue never call it)."""
+        observers = getattr(self.engine, "queue_wait_observers", None)
+        if observers is not None:
+            observers.append(observe)
+
+    def cache_sample(self, now: float) -> CacheSample:
+        """The engine's prefix-cache counters and size now (for the page's history)."""
+        from peer.views import cache_sample
+
+        return cache_sample(self.engine, now)
+
+    def swarm_view(self) -> dict[str, Any]:
+        """This peer's view of the swarm as plain JSON (GET /v1/swarm)."""
+        from peer.views import swarm_view
+
+        return swarm_view(self)
+
     def _serving(self) -> Serving:
         if self.serving is None:
             raise RuntimeError("this peer runs a cache-only engine: it cannot generate")
         return self.serving
 
     async def generate(
-        self, prompt: Prompt, params: SamplingParams | None = None, **kwargs: Any
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        cache_salt: bytes | None = None,
+        timeout_s: float | None = None,
     ) -> GenerationResult:
         """Complete `prompt` (text, chat messages or token ids) on the best peer.
 
         Raises InvalidRequest, Overloaded, DeadlineExceeded or RequestFailed."""
-        return await self._serving().generate(prompt, params, **kwargs)
+        return await self._serving().generate(
+            prompt, params, request_id=request_id, cache_salt=cache_salt, timeout_s=timeout_s
+        )
 
     def stream(
-        self, prompt: Prompt, params: SamplingParams | None = None, **kwargs: Any
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        cache_salt: bytes | None = None,
+        timeout_s: float | None = None,
     ) -> AsyncGenerator[GenerationChunk | GenerationResult, None]:
         """Like generate(), as chunks then the result; close it (aclosing) when done."""
-        return self._serving().stream(prompt, params, **kwargs)
+        return self._serving().stream(
+            prompt, params, request_id=request_id, cache_salt=cache_salt, timeout_s=timeout_s
+        )
 
     def statistics(self) -> dict[str, Any]:
         """Membership and gossip counters (a snapshot; plain JSON types)."""
@@ -214,10 +271,11 @@ async def open_peer(config: PeerConfig, engine: EngineLike | None = None) -> Asy
                 await nursery.start(LanDiscovery(host, on_connect=discovery.poke).run)
             serving = None
             if callable(getattr(engine, "stream", None)):  # a cache-only engine cannot serve
-                from peer.serving import Serving
+                from peer.serving import Serving, ServingEngine
 
                 serving = Serving(
-                    config=config, engine=engine, table=table, host=host, self_id=self_id
+                    config=config, engine=cast("ServingEngine", engine), table=table, host=host,
+                    self_id=self_id,
                 )
                 await nursery.start(serving.serve, host.libp2p)
             refresh = getattr(engine, "refresh_speeds", None)

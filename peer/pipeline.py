@@ -26,33 +26,54 @@ consumer (an HTTP client) is never blamed for a slow peer, nor the reverse.
 from __future__ import annotations
 
 import contextlib
-import enum
 import logging
 import random
-import uuid
 from collections import Counter, deque
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Protocol
 
 import trio
 
 from peer.admission import Admission, Overloaded
 from peer.config import PeerConfig
-from peer.engine.api import EngineError, SamplingParams
+from peer.engine.api import EngineError, EngineLoad, SamplingParams
 from peer.engine.text import StopTracker
 from peer.forward import (
     AttemptFailed,
     Faulty,
     HedgeLost,
     LocalAttempt,
+    LocalEngine,
     MovedOn,
     RemoteAttempt,
+    StreamOpener,
 )
+from peer.generation import (
+    Attempt,
+    DeadlineExceeded,
+    GenerationChunk,
+    GenerationRequest,
+    GenerationResult,
+    Outcome,
+    RequestFailed,
+)
+from peer.peer_table import PeerTable
 from peer.race import AnyAttempt, Race, Racer
 from peer.router import Candidate, LocalState, Router
 from peer.trust import Promote, Quarantine, TrustLedger
-from protocols.infer import MAX_DEADLINE_S, InferRequest
+from protocols.blocks import BlockHasher
+
+__all__ = [  # the request's types live in peer/generation.py; importable here as before
+    "Attempt",
+    "DeadlineExceeded",
+    "GenerationChunk",
+    "GenerationResult",
+    "Outcome",
+    "Pipeline",
+    "PipelineEngine",
+    "RequestFailed",
+]
 
 logger = logging.getLogger(__name__)
 ROUTE_LOG_CANDIDATES = 3  # the candidates a DEBUG log line explains, best first
@@ -64,61 +85,24 @@ MIN_OBSERVED_DECODE_TOKENS = 8
 
 
 
-class RequestFailed(Exception):
-    """No candidate completed the request; `attempts` says what happened with each."""
+class PipelineEngine(LocalEngine, Protocol):
+    """What the pipeline uses of this peer's engine (peer.engine.engine.Engine; tests'
+    FakeEngine). An optional ``verify`` (teacher-forced check) enables verification."""
 
-    def __init__(self, message: str, attempts: Sequence[Attempt]) -> None:
-        super().__init__(message)
-        self.attempts = tuple(attempts)
+    @property
+    def block_size(self) -> int: ...
 
+    @property
+    def vocab_size(self) -> int: ...
 
-class DeadlineExceeded(RequestFailed):
-    """The request's end-to-end deadline passed."""
+    @property
+    def hasher(self) -> BlockHasher: ...
 
+    def load(self) -> EngineLoad: ...
 
-class Outcome(enum.Enum):
-    OK = "ok"
-    REFUSED = "refused"  # the peer answered with a retryable error (e.g. overloaded)
-    FAILED = "failed"  # unreachable, broken stream, protocol error
-    STALLED = "stalled"  # no first token / no next token in time
-    HANDED_OVER = "handed_over"  # failed after streaming tokens; the next one continues
-    WRONG_OUTPUT = "wrong_output"  # verification rejected it: the peer is quarantined
+    def local_match_tokens(self, token_ids: Sequence[int]) -> int: ...
 
-
-@dataclass(frozen=True)
-class Attempt:
-    peer_id: str
-    is_local: bool
-    outcome: Outcome
-    detail: str
-    tokens: int  # tokens this attempt contributed
-    reason: str = ""  # the router's account of why it was a candidate (Candidate.reason)
-
-
-@dataclass(frozen=True)
-class GenerationChunk:
-    """Tokens produced since the last chunk and their text."""
-
-    token_ids: tuple[int, ...]
-    text: str
-    served_by: str
-
-
-@dataclass(frozen=True)
-class GenerationResult:
-    """A finished request, whichever peer(s) served it."""
-
-    request_id: str
-    token_ids: tuple[int, ...]
-    text: str
-    finish_reason: str
-    prompt_tokens: int
-    cached_tokens: int  # reused by the peer that computed the prompt's first token
-    completion_tokens: int
-    ttft_s: float  # at the entry peer, from admission to the first token
-    total_s: float
-    served_by: str  # the peer that produced the last token
-    route: tuple[Attempt, ...]
+    def decode(self, token_ids: Sequence[int]) -> str: ...
 
 
 class _WrongOutput(AttemptFailed):
@@ -129,7 +113,7 @@ class _WrongOutput(AttemptFailed):
 class _Detokenizer:
     """The engine's decode() as StopTracker's tokenizer."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: PipelineEngine) -> None:
         self._engine = engine
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -155,10 +139,10 @@ class Pipeline:
         self,
         *,
         config: PeerConfig,
-        engine: Any,
+        engine: PipelineEngine,
         router: Router,
-        table: Any,
-        host: Any,
+        table: PeerTable,
+        host: StreamOpener,
         admission: Admission,
         self_id: str,
         trust: TrustLedger | None = None,
@@ -199,24 +183,20 @@ class Pipeline:
     # -- the public path ----------------------------------------------------------------
 
     async def stream(
-        self,
-        token_ids: Sequence[int],
-        params: SamplingParams,
-        *,
-        request_id: str | None = None,
-        timeout_s: float | None = None,
-        cache_salt: bytes | None = None,
+        self, request: GenerationRequest
     ) -> AsyncGenerator[GenerationChunk | GenerationResult, None]:
-        """Chunks as tokens arrive, then one GenerationResult.
+        """Chunks as tokens arrive, then one GenerationResult, for a request validated
+        already (peer/serving.py's `prepare`).
 
-        With `cache_salt` the request is private: served here only (never forwarded, so
+        A request with a `cache_salt` is private: served here only (never forwarded, so
         its prompt and salt stay on this peer), over this peer's blocks of the same salt.
 
-        Raises InvalidRequest (bad input, before anything runs), Overloaded (this peer
-        holds too many requests), DeadlineExceeded or RequestFailed.
+        Raises Overloaded (this peer holds too many requests), DeadlineExceeded or
+        RequestFailed.
         """
-        tokens = self._engine.validate(token_ids, params)
-        request_id = request_id or uuid.uuid4().hex
+        tokens = list(request.token_ids)
+        params, request_id, cache_salt = request.params, request.request_id, request.cache_salt
+        timeout_s = request.timeout_s
         try:
             slot = self._entry.admit()
         except Overloaded:
@@ -294,10 +274,8 @@ class Pipeline:
                 route,
             )
 
-    async def generate(
-        self, token_ids: Sequence[int], params: SamplingParams, **kwargs: Any
-    ) -> GenerationResult:
-        async with contextlib.aclosing(self.stream(token_ids, params, **kwargs)) as items:
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        async with contextlib.aclosing(self.stream(request)) as items:
             async for item in items:
                 if isinstance(item, GenerationResult):
                     return item
@@ -343,31 +321,20 @@ class Pipeline:
     ) -> AnyAttempt:
         if candidate.is_local:
             return LocalAttempt(self._engine, self._admission, prompt, params, cache_salt)
-        try:
-            request = InferRequest(
-                request_id=request_id,
-                prompt_token_ids=tuple(prompt),
-                max_new_tokens=params.max_new_tokens,
-                deadline_s=min(deadline - trio.current_time(), MAX_DEADLINE_S),
-                temperature=params.temperature,
-                top_p=params.top_p,
-                seed=params.seed,
-                stop=params.stop,
-                hops=1,
-            )
-        except ValueError as exc:  # the engine accepts more than the wire carries
-            raise AttemptFailed("failed", f"cannot be forwarded: {exc}") from exc
-        self.stats["forwards"] += 1
-        return RemoteAttempt(
+        attempt = RemoteAttempt(  # AttemptFailed if the wire cannot carry it
             host=self._host,
             table=self._table,
             peer_id=candidate.peer_id,
-            request=request,
+            request_id=request_id,
+            prompt=prompt,
+            params=params,
             vocab_size=self._engine.vocab_size,
             gap_s=self._config.forward_token_gap_s,
             deadline=deadline,
             delay_s=self._config.forward_delay_s,
         )
+        self.stats["forwards"] += 1
+        return attempt
 
     # -- delivery ---------------------------------------------------------------------------
 

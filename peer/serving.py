@@ -3,7 +3,8 @@
 One `Admission` bounds the local engine's queue for requests from anywhere; the
 `InferenceService` answers forwarded requests; the `Pipeline` routes this peer's own
 requests through the `Router`; the `RequestLog` keeps the last ones that ended, with
-their routes. `Peer.generate()` and the HTTP API call `Serving`.
+their routes. `Serving` is the peer's `GenerationService` (peer/generation.py): the HTTP
+face and `Peer.generate()` call `prepare` once, then `run`.
 """
 
 from __future__ import annotations
@@ -16,21 +17,26 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
 
 from peer.admission import Admission, Overloaded
 from peer.config import PeerConfig
-from peer.engine.api import InvalidRequest, SamplingParams
-from peer.inference import InferenceService
-from peer.pipeline import (
+from peer.engine.api import SamplingParams
+from peer.forward import StreamOpener
+from peer.generation import (
     DeadlineExceeded,
-    GenerationChunk,
+    GenerationItem,
+    GenerationRequest,
     GenerationResult,
-    Pipeline,
+    GenerationService,
+    Prompt,
     RequestFailed,
 )
+from peer.inference import InferenceService
+from peer.peer_table import PeerTable
+from peer.pipeline import Pipeline, PipelineEngine
 from peer.request_log import RequestLog, RequestOutcome, RequestRecord, route_of
 from peer.router import Router
 from peer.trust import (
@@ -43,19 +49,30 @@ from peer.trust import (
 
 logger = logging.getLogger(__name__)
 
-Prompt = str | Sequence[dict[str, str]] | Sequence[int]
+__all__ = ["Prompt", "Serving", "ServingEngine", "load_quarantine"]
+
+
+class ServingEngine(PipelineEngine, Protocol):
+    """What serving uses of this peer's engine, beyond the pipeline's needs."""
+
+    @property
+    def max_context(self) -> int: ...
+
+    def encode_prompt(self, prompt: str | Sequence[dict[str, str]]) -> list[int]: ...
+
+    def validate(self, token_ids: Sequence[int], params: SamplingParams) -> list[int]: ...
 
 
 class Serving:
-    """Requests in and out of one peer."""
+    """Requests in and out of one peer: its GenerationService."""
 
     def __init__(
         self,
         *,
         config: PeerConfig,
-        engine: Any,
-        table: Any,
-        host: Any,
+        engine: ServingEngine,
+        table: PeerTable,
+        host: StreamOpener,
         self_id: str,
         rng: random.Random | None = None,
     ) -> None:
@@ -117,37 +134,52 @@ class Serving:
         """Answer forwarded requests until cancelled."""
         await self.inference.serve(libp2p_host, task_status=task_status)
 
+    @property
+    def max_context(self) -> int:
+        return self.engine.max_context
+
     def encode(self, prompt: Prompt) -> list[int]:
         """Token ids of a text prompt, of chat messages (chat template), or ids as given."""
         if isinstance(prompt, str):
-            return self.engine.encode_prompt(prompt)  # type: ignore[no-any-return]
+            return self.engine.encode_prompt(prompt)
         items = list(prompt)
         if items and all(isinstance(t, dict) for t in items):
-            return self.engine.encode_prompt(items)  # type: ignore[no-any-return]
-        return items  # type: ignore[return-value]  # token ids: the engine validates them
+            return self.engine.encode_prompt(items)  # type: ignore[arg-type]
+        return items  # type: ignore[return-value]  # token ids: validate() checks them
 
-    async def stream(
-        self, prompt: Prompt, params: SamplingParams | None = None, **kwargs: Any
-    ) -> AsyncGenerator[GenerationChunk | GenerationResult, None]:
+    def prepare(
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        *,
+        request_id: str | None = None,
+        cache_salt: bytes | None = None,
+        timeout_s: float | None = None,
+    ) -> GenerationRequest:
+        """The request checked once, here: tokenised, ids in the vocabulary, sampling
+        limits, prompt + max_new_tokens within the context (InvalidRequest, or its
+        ContextTooLong, otherwise)."""
+        tokens = self.engine.validate(self.encode(prompt), params)
+        return GenerationRequest(
+            request_id=request_id or uuid.uuid4().hex,
+            token_ids=tuple(tokens),
+            params=params,
+            cache_salt=cache_salt,
+            timeout_s=timeout_s,
+        )
+
+    async def run(self, request: GenerationRequest) -> AsyncGenerator[GenerationItem, None]:
         """Chunks as they are generated, then the GenerationResult (see Pipeline.stream).
 
-        Every request that gets past validation ends in `self.requests`."""
-        tokens = self.encode(prompt)
-        request_id = kwargs.pop("request_id", None) or uuid.uuid4().hex
-        agen = self.pipeline.stream(
-            tokens, params or SamplingParams(), request_id=request_id, **kwargs
-        )
+        Every request run ends in `self.requests`."""
         ended = False
         try:
-            async with contextlib.aclosing(agen):
-                async for item in agen:
+            async with contextlib.aclosing(self.pipeline.stream(request)) as items:
+                async for item in items:
                     if isinstance(item, GenerationResult):
                         self.requests.record(_ok_record(item, trio.current_time()))
                         ended = True
                     yield item
-        except InvalidRequest:
-            ended = True  # bad input: nothing was routed, nothing to show
-            raise
         except (RequestFailed, Overloaded) as exc:
             outcome = (
                 RequestOutcome.DEADLINE if isinstance(exc, DeadlineExceeded)
@@ -157,7 +189,7 @@ class Serving:
             ended = True
             self.requests.record(
                 RequestRecord(
-                    request_id, trio.current_time(), outcome, len(tokens),
+                    request.request_id, trio.current_time(), outcome, len(request.token_ids),
                     route=route_of(getattr(exc, "attempts", ())), error=str(exc),
                 )
             )
@@ -166,14 +198,43 @@ class Serving:
             if not ended:  # cancelled, or closed by its consumer before the end
                 self.requests.record(
                     RequestRecord(
-                        request_id, trio.current_time(), RequestOutcome.CANCELLED, len(tokens)
+                        request.request_id, trio.current_time(), RequestOutcome.CANCELLED,
+                        len(request.token_ids),
                     )
                 )
 
+    async def stream(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        cache_salt: bytes | None = None,
+        timeout_s: float | None = None,
+    ) -> AsyncGenerator[GenerationItem, None]:
+        """prepare() then run(): for programs and tests holding a prompt. Raises
+        InvalidRequest before anything runs."""
+        request = self.prepare(
+            prompt, params or SamplingParams(), request_id=request_id, cache_salt=cache_salt,
+            timeout_s=timeout_s,
+        )
+        async with contextlib.aclosing(self.run(request)) as items:
+            async for item in items:
+                yield item
+
     async def generate(
-        self, prompt: Prompt, params: SamplingParams | None = None, **kwargs: Any
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        cache_salt: bytes | None = None,
+        timeout_s: float | None = None,
     ) -> GenerationResult:
-        async with contextlib.aclosing(self.stream(prompt, params, **kwargs)) as items:
+        agen = self.stream(
+            prompt, params, request_id=request_id, cache_salt=cache_salt, timeout_s=timeout_s
+        )
+        async with contextlib.aclosing(agen) as items:
             async for item in items:
                 if isinstance(item, GenerationResult):
                     return item
@@ -188,6 +249,12 @@ class Serving:
             "trust": self.trust.statistics(),
             "requests": self.requests.statistics(),
         }
+
+
+if TYPE_CHECKING:  # make lint checks that Serving implements the service's Protocol
+
+    def _is_a_generation_service(serving: Serving) -> GenerationService:
+        return serving
 
 
 def load_quarantine(path: Path | None) -> list[QuarantineRecord]:

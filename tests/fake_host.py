@@ -21,6 +21,7 @@ from libp2p.peer.id import ID
 from peer.admission import Admission
 from peer.config import PeerConfig, Policy
 from peer.engine.api import Completion, EngineLoad, SamplingParams, TokenEvent, Usage
+from peer.generation import GenerationRequest
 from peer.peer_table import PeerTable
 from peer.pipeline import Pipeline
 from peer.router import Router
@@ -86,7 +87,9 @@ class FakeEngine:
     def decode(self, token_ids: Sequence[int]) -> str:
         return "".join(f"<{t}>" for t in token_ids)
 
-    async def stream(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[Any]:
+    async def stream(
+        self, prompt: Sequence[int], params: SamplingParams, *, cache_salt: bytes | None = None
+    ) -> AsyncIterator[Any]:
         await trio.sleep(self.ttft_s)
         out = reference(prompt, params.max_new_tokens)
         for i, token in enumerate(out):
@@ -210,6 +213,16 @@ class FakeHost:
 
 
 # -- a pipeline over all of it ----------------------------------------------------------------
+
+
+def request(
+    prompt: Sequence[int], params: SamplingParams, *, request_id: str = "request",
+    cache_salt: bytes | None = None, timeout_s: float | None = None,
+) -> GenerationRequest:
+    """What Serving.prepare would hand the pipeline (the fake engine validates nothing)."""
+    params.validate()
+    return GenerationRequest(request_id, tuple(prompt), params, cache_salt, timeout_s)
+
 
 SELF = new_peer_id(0)
 

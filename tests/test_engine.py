@@ -2,6 +2,7 @@
 
 import dataclasses
 from contextlib import aclosing
+from typing import Any
 
 import pytest
 import torch
@@ -410,23 +411,30 @@ async def test_open_loads_in_a_thread_and_measures_speed():
     assert engine.statistics()["requests"] == 0  # warm-up is not a request
 
 
-async def test_idle_engine_measures_stale_speeds_again_backing_off(tiny_engine):
-    # Real time (the warm-up runs in a thread, which an autojump clock would outrun).
+async def test_idle_engine_measures_stale_speeds_again(tiny_engine):
+    # Real time: the warm-up runs in a worker thread (the schedule is timed below).
     tiny_engine._prefill_tps = tiny_engine._decode_tps = 1.0  # once measured on a busy box
-    warmups = 0
-    original = tiny_engine.warmup
-
-    def counting() -> None:
-        nonlocal warmups
-        warmups += 1
-        original()
-
-    tiny_engine.warmup = counting
     async with trio.open_nursery() as nursery:
         nursery.start_soon(tiny_engine.refresh_speeds, 0.05, 0.4)
-        await trio.sleep(1.0)
+        with trio.fail_after(30):
+            while tiny_engine.load().prefill_tokens_per_s == 1.0:
+                await trio.sleep(0.01)  # (a thread's result: no event to wait on)
         nursery.cancel_scope.cancel()
-    load = tiny_engine.load()
-    assert load.prefill_tokens_per_s > 100 and load.decode_tokens_per_s > 10
-    # Waits of 0.05, 0.1, 0.2, 0.4, 0.4 s: about 4 in a second, not 20.
-    assert 2 <= warmups <= 6, warmups
+    load = tiny_engine.load()  # measured again: far above the stale 1 token/s
+    assert load.prefill_tokens_per_s > 10 and load.decode_tokens_per_s > 10
+
+
+async def test_an_idle_engine_backs_off_its_warm_ups(tiny_engine, autojump_clock, monkeypatch):
+    warmups: list[float] = []
+    tiny_engine.warmup = lambda: warmups.append(trio.current_time())
+
+    async def in_this_thread(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        return fn(*args)  # a thread would let the autojump clock run ahead of it
+
+    monkeypatch.setattr(trio.to_thread, "run_sync", in_this_thread)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(tiny_engine.refresh_speeds, 0.05, 0.4)
+        await trio.sleep(1.6)
+        nursery.cancel_scope.cancel()
+    # Waits of 0.05, 0.1, 0.2, 0.4, then 0.4 s: 6 warm-ups in 1.6 s, not 32.
+    assert warmups == pytest.approx([0.05, 0.15, 0.35, 0.75, 1.15, 1.55])

@@ -63,12 +63,12 @@ async def test_unexpected_errors_are_counted_json_500s(nursery, tiny_engine_fact
     def broken_encode(prompt: Any) -> list[int]:
         raise RuntimeError("a bug in the tokenizer")
 
-    async def broken_stream(*args: Any, **kwargs: Any) -> Any:
-        async for item in real_stream(*args, **kwargs):
+    async def broken_run(*args: Any, **kwargs: Any) -> Any:
+        async for item in real_run(*args, **kwargs):
             yield item
             raise KeyError("a bug after the first token")
 
-    real_stream = peer.stream
+    real_run = peer.serving.run
     async with httpx.AsyncClient(base_url=url, timeout=30) as http:
         peer.serving.encode = broken_encode
         r = await http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
@@ -76,17 +76,17 @@ async def test_unexpected_errors_are_counted_json_500s(nursery, tiny_engine_fact
         assert r.json()["error"]["code"] == "internal_error"
         assert "RuntimeError" in r.json()["error"]["message"]
         del peer.serving.encode
-        peer.stream = broken_stream
+        peer.serving.run = broken_run
         r = await http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4})
         assert (r.status_code, r.json()["error"]["code"]) == (500, "internal_error")
         body = {"prompt": PROMPT, "max_tokens": 4, "stream": True}
         r = await http.post("/v1/completions", json=body)
         assert r.status_code == 200  # the headers went out with the first token
         assert '"internal_error"' in r.text and r.text.rstrip().endswith("data: [DONE]")
-        del peer.stream
+        del peer.serving.run
         metrics = metric_lines((await http.get("/metrics")).text)
     async with httpx.AsyncClient(base_url=url, timeout=30) as http:
-        monkeypatch.setattr("peer.http.swarm_view", broken_encode)
+        monkeypatch.setattr(peer, "swarm_view", lambda: broken_encode(None))
         r = await http.get("/v1/swarm")
         assert (r.status_code, r.json()["error"]["code"]) == (500, "internal_error")
         monkeypatch.undo()

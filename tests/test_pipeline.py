@@ -174,7 +174,19 @@ def claim_prefix(entry: RunningPeer, liar: RunningPeer, prompt: list[int]) -> No
 async def test_killing_the_serving_peer_mid_stream_completes_elsewhere(
     nursery, tiny_engine_factory
 ):
-    a, b = await start_pair_with_slow_b(nursery, tiny_engine_factory)
+    # On a loaded machine, b must stay a's first choice and answer in time: summaries
+    # every 2 s keep b's live 6 s (at 0.5 s it expired after 1.5 s, and a ran the request
+    # from the start), and b's first token may take 30 s (the default floor of 1 s over an
+    # estimate of 0.08 s marked b stalled, and once at a load average of 19 even 5 s did).
+    # tests/test_pipeline_virtual.py times the hand-over exactly.
+    a, b = await start_swarm(
+        nursery,
+        [tiny_engine_factory(), SlowEngine(tiny_engine_factory(), 0.02)],
+        policy=Policy.LONGEST_PREFIX,
+        summary_interval_s=2.0,
+        forward_first_token_s=30.0,
+        first_token_floor_s=30.0,
+    )
     prefix = tokens(320, seed=5)
     prompt = prefix + tokens(10, seed=6)
     await b.peer.engine.generate([*prefix, 7], SamplingParams(max_new_tokens=1))
@@ -198,35 +210,6 @@ async def test_killing_the_serving_peer_mid_stream_completes_elsewhere(
     assert result.route[0].tokens >= 5
     assert result.served_by == a.peer.peer_id
     assert result.token_ids == await reference(tiny_engine_factory, prompt, params)
-
-
-async def test_a_forward_counts_on_its_target_only_while_it_is_in_flight(
-    nursery, tiny_engine_factory
-):
-    a, b = await start_pair_with_slow_b(nursery, tiny_engine_factory)
-    prompt = tokens(100, seed=8)
-    claim_prefix(a, b, prompt)  # forged newest seq: b's own summaries cannot reset the counts
-
-    def load_on_b() -> tuple[int, int]:
-        view = a.peer.table.get(b.peer.peer_id, trio.current_time())
-        assert view is not None
-        return view.forwards_since_summary, view.forwarded_prompt_tokens
-
-    seen: list[tuple[int, int]] = []
-    result: GenerationResult | None = None
-    params = SamplingParams(max_new_tokens=10)
-    async with contextlib.aclosing(a.peer.serving.stream(prompt, params)) as items:
-        async for item in items:
-            if isinstance(item, GenerationChunk):
-                seen.append(load_on_b())
-            else:
-                result = item
-
-    assert result is not None and result.served_by == b.peer.peer_id
-    # Running there from the first token to the last, its prompt no longer queued...
-    assert set(seen) == {(1, 0)}
-    # ...and nothing once it is over, long before b's next summary.
-    assert load_on_b() == (0, 0)
 
 
 async def test_full_admission_queue_is_a_clear_error_not_a_hang(nursery, tiny_engine_factory):

@@ -22,6 +22,7 @@ from tests.fake_host import (
     honest,
     new_peer_id,
     reference,
+    request,
 )
 
 A, B, C = new_peer_id(1), new_peer_id(2), new_peer_id(3)
@@ -42,7 +43,7 @@ def wrong(request):
 
 async def collect(pipeline, params=PARAMS, prompt=PROMPT):
     chunks, result = [], None
-    async for item in pipeline.stream(prompt, params):
+    async for item in pipeline.stream(request(prompt, params)):
         if isinstance(item, GenerationChunk):
             chunks.append(item)
         else:
@@ -118,7 +119,7 @@ async def test_a_failure_is_seen_by_concurrent_requests_at_once(autojump_clock):
 
     async def run(request_id, at):
         await trio.sleep(at)
-        async for item in swarm.pipeline.stream(PROMPT, PARAMS, request_id=request_id):
+        async for item in swarm.pipeline.stream(request(PROMPT, PARAMS, request_id=request_id)):
             if not isinstance(item, GenerationChunk):
                 results[request_id] = item
 
@@ -296,7 +297,7 @@ async def test_swarm_view_shows_each_peers_trust():
     from types import SimpleNamespace
 
     from peer.engine.api import EngineLoad
-    from peer.http import swarm_view
+    from peer.views import swarm_view
 
     swarm = fake_swarm({A: (7, honest()), B: (6, honest())}, PROMPT, trusted=False,
                        probation_requests=3)
@@ -364,7 +365,8 @@ async def test_a_private_request_is_never_forwarded(autojump_clock):
             return super().stream(prompt, params)
 
     swarm = fake_swarm({A: (7, honest())}, PROMPT, engine=SaltedEngine())
-    items = [i async for i in swarm.pipeline.stream(PROMPT, PARAMS, cache_salt=b"salt")]
+    private = request(PROMPT, PARAMS, cache_salt=b"salt")
+    items = [i async for i in swarm.pipeline.stream(private)]
     assert swarm.host.dials == [] and salts == [b"salt"]
     assert list(items[-1].token_ids) == GOOD
 

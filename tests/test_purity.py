@@ -206,3 +206,22 @@ def test_the_http_face_pipeline_and_simulator_import_no_torch() -> None:
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
     )
     assert out.stdout.strip() == "[]"
+
+
+FACE_FILES = ["peer/http.py", "peer/http_response.py", "peer/http_auth.py", "peer/web/routes.py"]
+# What the HTTP face and the page may import of the project: the generation service and
+# its types, the FacePeer protocol, and their own parts. Not the engine, the table, the
+# pipeline or the node: they reach a peer only through FacePeer (issue 16, item 1).
+FACE_MAY_IMPORT = {
+    "peer.admission", "peer.engine.api", "peer.face", "peer.generation", "peer.http_auth",
+    "peer.http_response", "peer.metrics", "peer.openai_schema", "peer.request_log",
+    "peer.version", "peer.web.routes",
+}
+
+
+@pytest.mark.parametrize("name", FACE_FILES)
+def test_the_http_face_reaches_the_peer_only_through_its_protocols(name: str) -> None:
+    path = ROOT / name
+    package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
+    used = project_modules(imported_modules(path, package))
+    assert used <= FACE_MAY_IMPORT, f"{name} imports {sorted(used - FACE_MAY_IMPORT)}"

@@ -21,6 +21,7 @@ __all__ = [
     "MAX_STOP_STRINGS",
     "MAX_TEMPERATURE",
     "Completion",
+    "ContextTooLong",
     "EngineError",
     "EngineLoad",
     "EngineProtocol",
@@ -47,6 +48,19 @@ class EngineError(Exception):
 
 class InvalidRequest(EngineError, ValueError):
     """The request itself is invalid; the message names the limit it broke."""
+
+
+class ContextTooLong(InvalidRequest):
+    """The prompt plus max_new_tokens do not fit the model's context window."""
+
+    def __init__(self, prompt_tokens: int, max_new_tokens: int, context: int) -> None:
+        super().__init__(
+            f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) "
+            f"exceeds the model's context of {context} tokens"
+        )
+        self.prompt_tokens = prompt_tokens
+        self.max_new_tokens = max_new_tokens
+        self.context = context
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ import torch
 from .api import (
     MAX_CHAT_MESSAGES,
     MAX_PROMPT_CHARS_PER_TOKEN,
+    ContextTooLong,
     InvalidRequest,
     SamplingParams,
     TokenEvent,
@@ -77,10 +78,7 @@ def validate_prompt(
         bad = next(t for t in tokens if not 0 <= t < vocab_size)
         raise InvalidRequest(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
     if len(tokens) + params.max_new_tokens > max_context:
-        raise InvalidRequest(
-            f"prompt ({len(tokens)} tokens) + max_new_tokens ({params.max_new_tokens}) "
-            f"exceeds the model's context of {max_context} tokens"
-        )
+        raise ContextTooLong(len(tokens), params.max_new_tokens, max_context)
     return tokens
 
 

@@ -18,7 +18,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from peer.request_log import CacheHistory, CacheSample
+from peer.face import FacePeer
+from peer.metrics import Metrics
+from peer.request_log import CacheHistory
 
 ASSETS = {  # name -> media type; the only files served
     "index.html": "text/html; charset=utf-8",
@@ -68,16 +70,7 @@ async def web_asset(request: Request) -> Response:
     return _asset_response(name)
 
 
-def cache_sample(engine: Any, now: float) -> CacheSample:
-    stats = engine.statistics() if hasattr(engine, "statistics") else {}
-    cache = engine.cache
-    return CacheSample(
-        now, int(stats.get("prompt_tokens", 0)), int(stats.get("cached_tokens", 0)),
-        int(cache.num_blocks), int(cache.capacity_blocks),
-    )
-
-
-def activity_view(peer: Any, history: CacheHistory | None = None) -> dict[str, Any]:
+def activity_view(peer: FacePeer, history: CacheHistory | None = None) -> dict[str, Any]:
     """This peer's request counters, its engine's prefix hits, and its recent requests."""
     stats = peer.statistics()
     serving = stats.get("serving") or {}
@@ -86,7 +79,7 @@ def activity_view(peer: Any, history: CacheHistory | None = None) -> dict[str, A
     engine = stats.get("engine") or {}
     prompt = int(engine.get("prompt_tokens", 0))
     cached = int(engine.get("cached_tokens", 0))
-    log = getattr(peer.serving, "requests", None)
+    log = peer.request_log
     now = trio.current_time()
     return {
         "peer_id": peer.peer_id,
@@ -110,11 +103,12 @@ def activity_view(peer: Any, history: CacheHistory | None = None) -> dict[str, A
 
 
 class Page:
-    """The page of an HttpApi (`api.peer`, `api.metrics`): `.routes`, and the history
-    that `sample_forever` keeps (run it in the server's nursery)."""
+    """The page of a peer's HTTP API: `.routes`, and the history that `sample_forever`
+    keeps (run it in the server's nursery)."""
 
-    def __init__(self, api: Any) -> None:
-        self._api = api
+    def __init__(self, peer: FacePeer, metrics: Metrics) -> None:
+        self._peer = peer
+        self._metrics = metrics
         self.history = CacheHistory()
         self.routes = [
             Route("/", index, methods=["GET"]),
@@ -123,12 +117,12 @@ class Page:
         ]
 
     async def requests(self, request: Request) -> JSONResponse:
-        self._api.metrics.record_request("requests", 200)
-        return JSONResponse(activity_view(self._api.peer, self.history))
+        self._metrics.record_request("requests", 200)
+        return JSONResponse(activity_view(self._peer, self.history))
 
     async def sample_forever(self) -> None:
         """A sample of the engine's cache every summary interval, until cancelled."""
-        peer = self._api.peer
+        peer = self._peer
         while True:
-            self.history.add(cache_sample(peer.engine, trio.current_time()))
+            self.history.add(peer.cache_sample(trio.current_time()))
             await trio.sleep(peer.config.summary_interval_s)
