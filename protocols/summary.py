@@ -25,13 +25,13 @@ from protocols.framing import decode_cbor, encode_cbor
 from protocols.ids import validate_model_id
 
 __all__ = [
+    "BATCH_FIELDS",
     "MAX_BLOCK_SIZE",
     "MAX_COUNT",
     "MAX_PEER_ID_CHARS",
     "MAX_SEQ",
     "MAX_SUMMARY_BYTES",
     "MAX_TOKENS_PER_S",
-    "BATCH_FIELDS",
     "SUMMARY_VERSION",
     "CacheSummary",
     "decode_summary",

@@ -201,6 +201,8 @@ class Engine:
             self._decode_tps,
             waiting_requests=len(self._waiting),
             batch_decode_tokens_per_s=self._batch_decode_tps,
+            batch_slots=self.max_running,
+            step_tokens=self.step_tokens,
         )
 
     def statistics(self) -> dict[str, int | float]:
