@@ -218,9 +218,7 @@ class Router:
                 self._unproven += 1  # never completed a ping with us: not a candidate
                 continue
             prefill_s = summary.prefill_tokens_per_s
-            decode_s = single_stream_decode(
-                summary.decode_tokens_per_s, summary.batch_decode_tokens_per_s
-            )
+            decode_s = summary.decode_tokens_per_s
             on_probation = False
             if trust is not None:
                 standing = trust.routing(peer_id)
@@ -235,6 +233,11 @@ class Router:
                     prefill_s = min(prefill_s, prefill_cap or prefill_prior)
                     decode_s = min(decode_s, decode_cap or decode_prior)
             speeds_known = prefill_s > 0 and decode_s > 0
+            if summary.batch_decode_tokens_per_s > summary.decode_tokens_per_s > 0:
+                # One stream's speed at its batch (capped like the advertised one, since
+                # what we observe is a stream's) to a lone stream's: the cost model's unit.
+                batch = summary.batch_decode_tokens_per_s / summary.decode_tokens_per_s
+                decode_s = single_stream_decode(decode_s, decode_s * batch)
             prefill = as_measured_here(prefill_s, prefill_prior)
             decode = as_measured_here(decode_s, decode_prior)
             queued = summary.queued_prompt_tokens + forwarded_tokens
