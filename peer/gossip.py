@@ -51,6 +51,14 @@ class LoadLike(Protocol):
     def prefill_tokens_per_s(self) -> float: ...
     @property
     def decode_tokens_per_s(self) -> float: ...
+    @property
+    def waiting_requests(self) -> int: ...
+    @property
+    def batch_slots(self) -> int: ...
+    @property
+    def batch_decode_tokens_per_s(self) -> float: ...
+    @property
+    def step_tokens(self) -> int: ...
 
 
 class CacheLike(Protocol):
@@ -104,6 +112,10 @@ def build_summary(
         running_requests=load.running_requests,
         prefill_tokens_per_s=load.prefill_tokens_per_s,
         decode_tokens_per_s=load.decode_tokens_per_s,
+        waiting_requests=load.waiting_requests,
+        batch_slots=load.batch_slots,
+        batch_decode_tokens_per_s=load.batch_decode_tokens_per_s,
+        step_tokens=load.step_tokens,
     )
 
 

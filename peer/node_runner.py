@@ -49,6 +49,10 @@ class CacheOnlyLoad:
     running_requests: int = 0
     prefill_tokens_per_s: float = 0.0
     decode_tokens_per_s: float = 0.0
+    waiting_requests: int = 0
+    batch_slots: int = 0  # does not batch
+    batch_decode_tokens_per_s: float = 0.0
+    step_tokens: int = 0
 
 
 class CacheOnlyEngine:

@@ -298,6 +298,9 @@ class Pipeline:
             load.running_requests,
             load.prefill_tokens_per_s,
             load.decode_tokens_per_s,
+            load.batch_decode_tokens_per_s,
+            load.batch_slots,
+            load.step_tokens,
         )
         chain = self._engine.hasher.chain(tokens)
         candidates: list[Candidate] = self.router.rank(

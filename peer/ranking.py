@@ -5,30 +5,45 @@ Pure and fast: ``rank_estimates`` orders ``PeerEstimate`` records under a ``Poli
 simulator feeds them with exact matches, so both measure one code.
 
 The cost model (policy COST), in seconds, for a peer with match ``m`` of ``p`` prompt
-tokens and ``n`` new tokens::
+tokens and ``n`` new tokens; ``estimate_cost`` is its only copy::
 
     network  = ROUND_TRIPS_PER_FORWARD * rtt                (0 for the entry peer itself)
     queue    = queued_prompt_tokens / prefill_speed         (prefill work ahead of ours)
-             + running_requests * n / decode_speed          (decode shared with running streams)
+             + share * n / decode_speed                     (what the running streams cost us)
+             + chunk_steps * batch_step_s                   (batching: prefill chunks ride steps)
     prefill  = (max(p - m, 1)                               (only the uncached suffix)
                 + COPY_CHARGE * (b - m))                    (a prefix copied from elsewhere)
                / prefill_speed * (1 + busy)
-    decode   = n / decode_speed
+    decode   = n / decode_speed                             (one stream alone)
 
 ``b`` is the longest match among the candidates (Bloom estimates for remote peers).
 
+``share`` is ``batch_share``: for a peer that does not batch (``batch_slots`` 0, every
+summary older than the batch fields) it is ``running_requests``, processor sharing: each
+running stream takes a turn per token. A batching peer decodes its batch in one step
+whose time grows by BATCH_STEP_SLOPE of a lone step per sequence, so a request joining a
+batch of ``r`` free-slotted streams costs the marginal slowdown of the batch: its own
+steps are ``r * slope`` longer, and it makes each of the ``r`` others' steps longer by as
+much (``2 * slope * r``); past the slots it also waits for one. The prefill of a batching
+peer is read in chunks of at most ``step_tokens - r`` tokens, one per step, and each
+of those steps also decodes the batch (``batch_step_s = r * slope / decode_speed``).
+
 ``busy`` is the mean number of requests running per peer across the swarm (this peer's
-view). The engine shares its compute between running requests, so a prefill delays each
-of them by about its own length: ``(1 + busy)`` charges a miss for its own wait and for
-the wait it imposes. An idle swarm makes it plain completion time; an overloaded one makes
-cache misses expensive, which keeps affinity when capacity is what matters.
+view). A prefill delays each running request by about its own length: ``(1 + busy)``
+charges a miss for its own wait and for the wait it imposes. An idle swarm makes it plain
+completion time; an overloaded one makes cache misses expensive, which keeps affinity
+when capacity is what matters.
 
 The copy charge prices what a request costs the caches, not itself. Served where
 ``b - m`` tokens of its prefix are not cached but another peer's are, it writes them into
 this peer's cache as a second copy, evicting about as many tokens of other prefixes from
 a full cache; some later request computes those again. COPY_CHARGE = 1 prices that once,
 in a swarm as busy as now, so ``(1 + busy)`` applies to it too. docs/cost-model.md has
-the measurements behind both terms.
+the measurements behind the terms.
+
+Speeds: ``decode_speed`` is one stream alone. A summary's ``decode_tokens_per_s`` is one
+stream's speed at the batch it was measured in; ``single_stream_decode`` turns it back
+into a lone stream's with the batch speed and the slope.
 
 Every speed a peer reports within SPEED_NOISE_FACTOR of ours counts as ours
 (``as_measured_here``). Costs within COST_TIE_FRACTION of the cheapest are a tie, which
@@ -57,6 +72,17 @@ COST_TIE_FRACTION = 0.10
 COPY_CHARGE = 1.0  # a prefix copied from another peer's cache evicts about as much here,
 #   computed again later: charged its prefill once (module docstring)
 MIN_TOKENS_PER_S = 1e-3  # floor on any speed, so a zero or garbage figure cannot divide by 0
+# A batched decode step of b sequences takes (1 - slope + slope * b) lone steps: the
+# weights are read once per step, each sequence adds its own attention and sampling.
+# Fitted to bench.engine's concurrency sweeps on this CPU (docs/cost-model.md: 0.09 to 0.17
+# across three runs); the simulator's batching server uses the same figure by default.
+BATCH_STEP_SLOPE = 0.12
+
+
+# NamedTuple's generated __new__ is a Python function (~0.4 us a call); tuple.__new__ with
+# the fields in order builds the same record in half that. Used only where every field is
+# written out next to the call.
+_new = tuple.__new__
 
 
 class PeerEstimate(NamedTuple):
@@ -79,6 +105,8 @@ class PeerEstimate(NamedTuple):
     speeds_known: bool = True
     forwards_since_summary: int = 0
     failed_s_ago: float | None = None  # seconds since a recent failure, None if none
+    batch_slots: int = 0  # 0: does not batch (processor sharing); else its max batch
+    step_tokens: int = 0  # a batching peer's tokens per step (0: unknown, chunks not priced)
 
 
 class Cost(NamedTuple):
@@ -135,7 +163,41 @@ class LocalState(NamedTuple):
     queued_prompt_tokens: int
     running_requests: int
     prefill_tokens_per_s: float  # measured; <= 0 when not measured yet
-    decode_tokens_per_s: float
+    decode_tokens_per_s: float  # one stream's, at the batch it was measured in
+    batch_decode_tokens_per_s: float = 0.0  # all streams together (0: not measured)
+    batch_slots: int = 0  # Engine.max_running (0: does not batch)
+    step_tokens: int = 0  # Engine.step_tokens
+
+
+def batch_share(running_requests: int, batch_slots: int, slope: float = BATCH_STEP_SLOPE) -> float:
+    """How many lone decodes of our own length the running streams cost a new request.
+
+    Processor sharing (``batch_slots`` 0): one per running stream. A batch with a free
+    slot: the marginal slowdown of the batch, ``2 * slope * r`` (our steps longer by
+    ``slope * r``, and each of the ``r`` others' by ``slope``). With every slot taken, the
+    request also waits for a slot: about one request's decode at a full batch per
+    ``batch_slots`` requests ahead of it.
+    """
+    if batch_slots <= 0:
+        return float(running_requests)
+    in_batch = running_requests if running_requests < batch_slots else batch_slots
+    share = 2.0 * slope * in_batch
+    ahead = running_requests + 1 - batch_slots
+    if ahead > 0:
+        share += ahead / batch_slots * (1.0 - slope + slope * batch_slots)
+    return share
+
+
+def single_stream_decode(
+    decode_tokens_per_s: float, batch_decode_tokens_per_s: float, slope: float = BATCH_STEP_SLOPE
+) -> float:
+    """A lone stream's decode speed, from one stream's and the whole batch's speed measured
+    together (their ratio is the batch they were measured at). Unknown figures (<= 0)
+    leave ``decode_tokens_per_s`` as it is."""
+    if decode_tokens_per_s <= 0 or batch_decode_tokens_per_s <= decode_tokens_per_s:
+        return decode_tokens_per_s
+    batch = batch_decode_tokens_per_s / decode_tokens_per_s
+    return decode_tokens_per_s * (1.0 - slope + slope * batch)
 
 
 def estimate_cost(
@@ -149,21 +211,35 @@ def estimate_cost(
     rtt_s: float,
     busy: float = 0.0,
     best_match_tokens: int = 0,
+    batch_slots: int = 0,
+    step_tokens: int = 0,
 ) -> Cost:
     """Estimated completion time of a request on a peer (the model in the module docstring).
 
     ``best_match_tokens`` is the longest match among the candidates (0: no copy charge).
-    Pure and cheap: the simulator calls it with exact matches.
+    The one copy of the formula: the ranking loops, the router and the simulator call it.
     """
-    prefill = max(prefill_tokens_per_s, MIN_TOKENS_PER_S)
-    decode = max(decode_tokens_per_s, MIN_TOKENS_PER_S)
+    prefill = prefill_tokens_per_s if prefill_tokens_per_s > MIN_TOKENS_PER_S else MIN_TOKENS_PER_S
+    decode = decode_tokens_per_s if decode_tokens_per_s > MIN_TOKENS_PER_S else MIN_TOKENS_PER_S
     decode_s = max_new_tokens / decode
-    copied = max(best_match_tokens - match_tokens, 0)
-    return Cost(
-        ROUND_TRIPS_PER_FORWARD * rtt_s,
-        queued_prompt_tokens / prefill + running_requests * decode_s,
-        (max(prompt_tokens - match_tokens, 1) + COPY_CHARGE * copied) * (1 + busy) / prefill,
-        decode_s,
+    unmatched = prompt_tokens - match_tokens
+    if unmatched < 1:
+        unmatched = 1
+    copied = best_match_tokens - match_tokens
+    miss = unmatched + COPY_CHARGE * copied if copied > 0 else unmatched
+    if batch_slots <= 0:
+        queue_s = queued_prompt_tokens / prefill + running_requests * decode_s
+    else:
+        queue_s = queued_prompt_tokens / prefill + batch_share(
+            running_requests, batch_slots
+        ) * decode_s
+        in_batch = running_requests if running_requests < batch_slots else batch_slots
+        if in_batch and step_tokens > 0:
+            per_step = step_tokens - in_batch if step_tokens - in_batch > 1 else 1
+            steps = -(-unmatched // per_step)
+            queue_s += steps * BATCH_STEP_SLOPE * in_batch / decode
+    return _new(
+        Cost, (ROUND_TRIPS_PER_FORWARD * rtt_s, queue_s, miss * (1 + busy) / prefill, decode_s)
     )
 
 
@@ -177,13 +253,11 @@ def _cost_of(estimate: PeerEstimate, prompt_tokens: int, max_new_tokens: int) ->
         estimate.prefill_tokens_per_s,
         estimate.decode_tokens_per_s,
         estimate.rtt_s,
+        batch_slots=estimate.batch_slots,
+        step_tokens=estimate.step_tokens,
     )
 
 
-# NamedTuple's generated __new__ is a Python function (~0.4 us a call); tuple.__new__ with
-# the fields in order builds the same record in half that. Used only where every field is
-# written out next to the call.
-_new = tuple.__new__
 USES_MATCHES = frozenset({Policy.COST, Policy.LONGEST_PREFIX})
 _BY_ID = operator.itemgetter(0)
 _BY_COST = operator.itemgetter(4)
@@ -277,29 +351,22 @@ def candidates_of(
     ``busy`` and ``best_match_tokens`` are over every candidate (swarm_busy, the longest
     match), which may be more than ``estimates``.
 
-    The arithmetic is estimate_cost's, inlined: this loop is most of a decision's time.
+    Each cost is estimate_cost's.
     """
     healthy: list[Candidate] = []
     suspects: list[Candidate] = []
     local: Candidate | None = None
-    floor = MIN_TOKENS_PER_S
-    trips = ROUND_TRIPS_PER_FORWARD
     only_local = policy is Policy.LOCAL
     for e in estimates:
         (peer_id, is_local, match_blocks, match_tokens, queued, running, prefill, decode, rtt,
-         _, _, _, failed_s_ago) = e
+         _, _, _, failed_s_ago, slots, step_tokens) = e
         if only_local and not is_local:
             continue
-        prefill = prefill if prefill > floor else floor
-        decode = decode if decode > floor else floor
-        decode_s = max_new_tokens / decode
-        queue_s = queued / prefill + running * decode_s
-        unmatched = prompt_tokens - match_tokens
-        copied = best_match_tokens - match_tokens
-        miss = (
-            (unmatched if unmatched > 1 else 1) + (COPY_CHARGE * copied if copied > 0 else 0.0)
-        ) * (1 + busy) / prefill
-        cost_s = trips * rtt + queue_s + miss + decode_s
+        network_s, queue_s, prefill_s, decode_s = estimate_cost(
+            match_tokens, prompt_tokens, max_new_tokens, queued, running, prefill, decode, rtt,
+            busy, best_match_tokens, slots, step_tokens,
+        )
+        cost_s = network_s + queue_s + prefill_s + decode_s
         candidate = _new(
             Candidate,
             (peer_id, is_local, match_blocks, match_tokens, cost_s, queue_s, policy, e,
@@ -369,6 +436,8 @@ def _reason(c: Candidate) -> str:
         f" + prefill {cost.prefill_s:.3f} + decode {cost.decode_s:.3f}",
         f"load {e.running_requests} running, {e.queued_prompt_tokens} queued tokens",
     ]
+    if e.batch_slots:
+        parts.append(f"batches up to {e.batch_slots} ({e.step_tokens} tokens a step)")
     if e.forwards_since_summary:
         parts.append(f"incl. {e.forwards_since_summary} forward(s) since its summary")
     if not e.is_local:

@@ -29,6 +29,7 @@ from typing import NamedTuple
 from peer.config import Policy
 from peer.peer_table import PeerTable
 from peer.ranking import (
+    BATCH_STEP_SLOPE,
     COPY_CHARGE,
     MIN_TOKENS_PER_S,
     ROUND_TRIPS_PER_FORWARD,
@@ -43,11 +44,13 @@ from peer.ranking import (
     estimate_cost,
     order_candidates,
     rank_estimates,
+    single_stream_decode,
     swarm_busy,
 )
 from peer.trust import TrustLedger
 
 __all__ = [
+    "BATCH_STEP_SLOPE",
     "COPY_CHARGE",
     "MIN_TOKENS_PER_S",
     "ROUND_TRIPS_PER_FORWARD",
@@ -194,8 +197,6 @@ class Router:
         block_size = self.block_size
         rtt_prior = self._rtt_prior_s
         failed = self._failed_at
-        floor = MIN_TOKENS_PER_S
-        trips = ROUND_TRIPS_PER_FORWARD
         local_e = self.local_estimate(local)
         # Speed priors for peers that have not measured theirs: ours, else the defaults.
         prefill_prior, decode_prior = local_e.prefill_tokens_per_s, local_e.decode_tokens_per_s
@@ -203,7 +204,6 @@ class Router:
         busy = (
             local.running_requests + sum(row[1].running_requests + row[3] for row in rows)
         ) / (1 + len(rows))
-        miss_weight = 1 + busy
         best_match = max(local.match_tokens, max(map(_MATCH_BLOCKS, rows), default=0) * block_size)
         healthy = candidates_of(
             policy, (local_e,), prompt_tokens, max_new_tokens, busy, best_match
@@ -233,6 +233,11 @@ class Router:
                     prefill_s = min(prefill_s, prefill_cap or prefill_prior)
                     decode_s = min(decode_s, decode_cap or decode_prior)
             speeds_known = prefill_s > 0 and decode_s > 0
+            if summary.batch_decode_tokens_per_s > summary.decode_tokens_per_s > 0:
+                # One stream's speed at its batch (capped like the advertised one, since
+                # what we observe is a stream's) to a lone stream's: the cost model's unit.
+                batch = summary.batch_decode_tokens_per_s / summary.decode_tokens_per_s
+                decode_s = single_stream_decode(decode_s, decode_s * batch)
             prefill = as_measured_here(prefill_s, prefill_prior)
             decode = as_measured_here(decode_s, decode_prior)
             queued = summary.queued_prompt_tokens + forwarded_tokens
@@ -242,25 +247,20 @@ class Router:
                 rtt = rtt_prior
             failed_s_ago = self.failed_s_ago(peer_id, now) if peer_id in failed else None
             match_tokens = match_blocks * block_size
+            slots, step_tokens = summary.batch_slots, summary.step_tokens
             e = _new(
                 PeerEstimate,
                 (peer_id, False, match_blocks, match_tokens, queued, running, prefill, decode,
-                 rtt, rtt_known, speeds_known, forwards, failed_s_ago),
+                 rtt, rtt_known, speeds_known, forwards, failed_s_ago, slots, step_tokens),
             )
-            # The arithmetic of _candidates (estimate_cost's), inlined likewise.
-            prefill = prefill if prefill > floor else floor
-            decode = decode if decode > floor else floor
-            decode_time = max_new_tokens / decode
-            queue_s = queued / prefill + running * decode_time
-            unmatched = prompt_tokens - match_tokens
-            miss = (
-                # best_match >= every row's match: the copy is never negative here.
-                (unmatched if unmatched > 1 else 1) + COPY_CHARGE * (best_match - match_tokens)
-            ) * miss_weight / prefill
-            cost_s = trips * rtt + queue_s + miss
+            network_s, queue_s, miss_s, decode_time = estimate_cost(
+                match_tokens, prompt_tokens, max_new_tokens, queued, running, prefill, decode,
+                rtt, busy, best_match, slots, step_tokens,
+            )
             candidate = _new(
                 Candidate,
-                (peer_id, False, match_blocks, match_tokens, cost_s + decode_time, queue_s,
+                (peer_id, False, match_blocks, match_tokens,
+                 network_s + queue_s + miss_s + decode_time, queue_s,
                  policy, e, prompt_tokens, max_new_tokens),
             )
             if on_probation:
@@ -327,7 +327,8 @@ class Router:
 
     def local_estimate(self, local: LocalState) -> PeerEstimate:
         """The entry peer as a candidate: exact match, live load, no network."""
-        prefill, decode = local.prefill_tokens_per_s, local.decode_tokens_per_s
+        prefill = local.prefill_tokens_per_s
+        decode = single_stream_decode(local.decode_tokens_per_s, local.batch_decode_tokens_per_s)
         return PeerEstimate(
             local.peer_id,
             True,
@@ -340,6 +341,8 @@ class Router:
             0.0,
             True,
             prefill > 0 and decode > 0,
+            batch_slots=local.batch_slots,
+            step_tokens=local.step_tokens,
         )
 
     def statistics(self) -> RouterStatistics:

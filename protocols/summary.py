@@ -1,7 +1,11 @@
 """CacheSummary: what a peer gossips about its cache, load and speed; CBOR codec.
 
-Wire format (version 1): one CBOR map with exactly the keys ``"v"`` (= 1) and the field
-names of `CacheSummary`; no other key is accepted. `decode_summary` raises only
+Wire format: one CBOR map with the key ``"v"`` and the field names of `CacheSummary`; no
+other key is accepted. Version 1 has every field but the batch fields (BATCH_FIELDS);
+version 2 has them all. A peer that does not batch (its batch fields at their defaults)
+sends version 1, which peers older than the batch fields still read; a version 1 summary
+decodes with the batch fields at their defaults (``batch_slots = 0``: priced as a
+processor-sharing server, as before). `decode_summary` raises only
 `RemoteProtocolError`, for any input. Constructing a `CacheSummary` with out-of-bounds
 values raises ValueError, so a summary object is valid wherever it came from.
 
@@ -21,6 +25,7 @@ from protocols.framing import decode_cbor, encode_cbor
 from protocols.ids import validate_model_id
 
 __all__ = [
+    "BATCH_FIELDS",
     "MAX_BLOCK_SIZE",
     "MAX_COUNT",
     "MAX_PEER_ID_CHARS",
@@ -33,7 +38,8 @@ __all__ = [
     "encode_summary",
 ]
 
-SUMMARY_VERSION = 1
+SUMMARY_VERSION = 2  # the newest version this module writes and reads (it reads 1 too)
+BATCH_VERSION = 2  # the first version with BATCH_FIELDS
 # Fields other than the filter take < 600 bytes; 4 KiB leaves room without allowing junk.
 MAX_SUMMARY_BYTES = MAX_BLOOM_BITS // 8 + 4096
 # Base58 ids of ed25519 keys have 52 characters, of RSA keys ~46; 128 is generous.
@@ -45,7 +51,11 @@ MAX_SEQ = (1 << 63) - 1  # a signed 64-bit counter: fits every CBOR and SQL inte
 MAX_COUNT = 1 << 40
 MAX_TOKENS_PER_S = 1e9  # no device comes near; rejects absurd claims that would win routing
 
-_FLOAT_FIELDS = ("prefill_tokens_per_s", "decode_tokens_per_s")
+MAX_BATCH_SLOTS = 1 << 16  # far above any batch a device runs; bounds a stranger's claim
+_FLOAT_FIELDS = ("prefill_tokens_per_s", "decode_tokens_per_s", "batch_decode_tokens_per_s")
+# What the cost model needs of a batching peer (docs/cost-model.md), each with its default
+# for a summary that lacks it (version 1, or a peer that does not batch).
+BATCH_FIELDS = ("waiting_requests", "batch_slots", "batch_decode_tokens_per_s", "step_tokens")
 
 
 def _check_int(name: str, value: object, low: int, high: int) -> None:
@@ -71,7 +81,12 @@ class CacheSummary:
     queued_prompt_tokens: int
     running_requests: int
     prefill_tokens_per_s: float
-    decode_tokens_per_s: float
+    decode_tokens_per_s: float  # one stream's decode speed at the batch it was measured in
+    # Batch fields (BATCH_FIELDS; version 2). batch_slots = 0: the peer does not batch.
+    waiting_requests: int = 0  # requests not admitted into the batch yet (all slots taken)
+    batch_slots: int = 0  # requests the peer decodes in one step at most (max_running)
+    batch_decode_tokens_per_s: float = 0.0  # all streams together, at the current batch size
+    step_tokens: int = 0  # tokens one step computes at most (decodes + prefill chunks)
 
     def __post_init__(self) -> None:
         if type(self.peer_id) is not str or not 1 <= len(self.peer_id) <= MAX_PEER_ID_CHARS:
@@ -95,6 +110,9 @@ class CacheSummary:
         for name in ("cached_blocks", "capacity_blocks", "queued_prompt_tokens"):
             _check_int(name, getattr(self, name), 0, MAX_COUNT)
         _check_int("running_requests", self.running_requests, 0, MAX_COUNT)
+        _check_int("waiting_requests", self.waiting_requests, 0, MAX_COUNT)
+        _check_int("batch_slots", self.batch_slots, 0, MAX_BATCH_SLOTS)
+        _check_int("step_tokens", self.step_tokens, 0, MAX_COUNT)
         for name in _FLOAT_FIELDS:
             value = getattr(self, name)
             if type(value) not in (int, float):
@@ -108,12 +126,21 @@ class CacheSummary:
 
 
 _KEYS = frozenset({"v", *(f.name for f in fields(CacheSummary))})
+_KEYS_V1 = _KEYS - frozenset(BATCH_FIELDS)
+_BATCH_DEFAULTS = {f.name: f.default for f in fields(CacheSummary) if f.name in BATCH_FIELDS}
+
+
+def _batching(summary: CacheSummary) -> bool:
+    return any(getattr(summary, name) != _BATCH_DEFAULTS[name] for name in BATCH_FIELDS)
 
 
 def encode_summary(summary: CacheSummary) -> bytes:
-    """The CBOR wire form of `summary`."""
-    wire: dict[str, object] = {"v": SUMMARY_VERSION}
+    """The CBOR wire form of `summary`: version 1 unless its batch fields say it batches."""
+    batching = _batching(summary)
+    wire: dict[str, object] = {"v": BATCH_VERSION if batching else 1}
     for f in fields(CacheSummary):
+        if not batching and f.name in BATCH_FIELDS:
+            continue
         value = getattr(summary, f.name)
         wire[f.name] = float(value) if f.name in _FLOAT_FIELDS else value
     data = encode_cbor(wire)
@@ -130,15 +157,16 @@ def decode_summary(data: bytes | bytearray | memoryview) -> CacheSummary:
     if not isinstance(wire, dict):
         raise RemoteProtocolError(f"summary must be a CBOR map, got {type(wire).__name__}")
     version = wire.get("v")
-    if version != SUMMARY_VERSION or type(version) is not int:
+    if type(version) is not int or version not in (1, BATCH_VERSION):
         raise RemoteProtocolError(f"unsupported summary version {version!r}")
-    if wire.keys() != _KEYS:
-        missing = sorted(_KEYS - wire.keys())
-        extra = sorted(map(repr, wire.keys() - _KEYS))
+    keys = _KEYS if version == BATCH_VERSION else _KEYS_V1
+    if wire.keys() != keys:
+        missing = sorted(keys - wire.keys())
+        extra = sorted(map(repr, wire.keys() - keys))
         raise RemoteProtocolError(f"summary keys wrong: missing {missing}, unexpected {extra}")
     values = {name: value for name, value in wire.items() if name != "v"}
     for name in _FLOAT_FIELDS:  # CBOR may carry an integral rate as an int
-        if type(values[name]) is int:
+        if name in values and type(values[name]) is int:
             values[name] = float(values[name])
     try:
         return CacheSummary(**values)

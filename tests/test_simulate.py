@@ -104,25 +104,35 @@ def test_local_policy_never_forwards() -> None:
     assert result.metrics["forwarded_fraction"] == 0.0
 
 
-def test_processor_sharing_by_hand() -> None:
-    # 0.1 s of prefill each, no decode: alone one ends at 0.1 s; two together at 0.2 s.
-    cal = Calibration("flat", 0.0, 1e-3, 0.0, 0.01, "test")
-    prefix = tuple(range(100))
-    reqs = [TokenRequest(0.0, 0, prefix, (), 1), TokenRequest(0.0, 1, prefix, (), 1)]
+def test_batching_server_by_hand() -> None:
+    """Steps of the batching engine: a step costs decode_s * (1 - s + s * decodes) plus its
+    prefill chunks (here 1 ms a token, no fixed or context cost; s = 0.5, decode 10 ms)."""
+    cal = Calibration("flat", 0.0, 1e-3, 0.0, 0.01, "test", batch_step_slope=0.5)
+    a, b = tuple(range(100)), tuple(range(1000, 1100))
     params = SimParams(policy="local", peers=1, calibration=cal, warmup_fraction=0.0)
-    result = simulate(params, reqs)
-    assert result.ttft_s == pytest.approx([0.2, 0.2])
+    # a arrives and its step starts at once (5 ms + 100 ms); b joins the next step, which
+    # also decodes a (10 ms + 100 ms); then one step decodes both (15 ms), then b alone.
+    result = simulate(params, [TokenRequest(0.0, 0, a, (), 3), TokenRequest(0.0, 1, b, (), 3)])
+    assert result.ttft_s == pytest.approx([0.105, 0.215])
+    assert result.e2e_s == pytest.approx([0.23, 0.24])
+    # One slot: b waits until a has completed (3 steps), then runs alone.
+    one = dataclasses.replace(params, max_running=1)
+    result = simulate(one, [TokenRequest(0.0, 0, a, (), 3), TokenRequest(0.0, 1, b, (), 3)])
+    assert result.ttft_s == pytest.approx([0.105, 0.23])
+    # A prompt longer than the step budget is read in chunks of 256, 256 and 88 tokens.
+    long = tuple(range(600))
+    assert simulate(params, [TokenRequest(0.0, 0, long, (), 1)]).ttft_s == pytest.approx([0.615])
     # The second request arrives after the first has prefilled: it reuses 96 tokens
-    # (6 full blocks, the last token is always computed) and runs alone.
-    reqs = [TokenRequest(0.0, 0, prefix, (), 1), TokenRequest(1.0, 0, prefix, (), 1)]
-    result = simulate(params, reqs)
-    assert result.ttft_s == pytest.approx([0.1, 0.004])
+    # (6 full blocks, the last token is always computed): 5 ms + 4 ms.
+    result = simulate(params, [TokenRequest(0.0, 0, a, (), 1), TokenRequest(1.0, 0, a, (), 1)])
+    assert result.ttft_s == pytest.approx([0.105, 0.009])
     assert result.metrics["hit_ratio"] == pytest.approx(96 / 200)
 
 
 def test_forwarding_pays_stream_setup_and_both_ways() -> None:
     # Two peers, d = 100 ms without jitter: a forwarded request pays setup RTT + 2 one-ways.
-    cal = Calibration("flat", 0.0, 1e-3, 0.0, 0.01, "test")
+    # (slope 1: a step has no fixed cost, a lone prefill of 100 tokens takes 100 ms)
+    cal = Calibration("flat", 0.0, 1e-3, 0.0, 0.01, "test", batch_step_slope=1.0)
     reqs = [TokenRequest(float(i), i, tuple(range(i, i + 100)), (), 1) for i in range(40)]
     params = SimParams(policy="round_robin", peers=2, delay_ms=100.0, jitter=0.0,
                        calibration=cal, warmup_fraction=0.0)

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from protocols.bloom import BloomFilter
 from protocols.errors import RemoteProtocolError
 from protocols.summary import (
+    BATCH_FIELDS,
     MAX_COUNT,
     MAX_SUMMARY_BYTES,
     CacheSummary,
@@ -56,6 +57,20 @@ def wire(**changes: object) -> bytes:
     return cbor2.dumps(obj)
 
 
+BATCHING = {
+    "waiting_requests": 3,
+    "batch_slots": 32,
+    "batch_decode_tokens_per_s": 61.5,
+    "step_tokens": 256,
+}
+
+
+def batch_wire(**changes: object) -> bytes:
+    obj = cbor2.loads(encode_summary(make_summary(**BATCHING)))
+    obj.update(changes)
+    return cbor2.dumps(obj)
+
+
 counts = st.integers(0, MAX_COUNT)
 BASE58 = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
 MODEL_ID_RE = r"[a-z0-9][a-z0-9.-]{0,10}(/[A-Za-z0-9][A-Za-z0-9_.-]{0,10})?"
@@ -80,6 +95,19 @@ def summaries(draw: st.DrawFn) -> CacheSummary:
         running_requests=draw(counts),
         prefill_tokens_per_s=draw(rates),
         decode_tokens_per_s=draw(rates),
+        **draw(batch_fields()),
+    )
+
+
+def batch_fields() -> st.SearchStrategy[dict[str, object]]:
+    """None (a peer that does not batch: version 1) or every batch field drawn (version 2)."""
+    return st.just({}) | st.fixed_dictionaries(
+        {
+            "waiting_requests": counts,
+            "batch_slots": st.integers(0, 1 << 16),
+            "batch_decode_tokens_per_s": rates,
+            "step_tokens": counts,
+        }
     )
 
 
@@ -143,7 +171,15 @@ def test_any_field_value_decodes_or_raises_remote_error(name: str, value: object
         (wire(peer_id=""), "peer_id"),
         (wire(model_id="../etc"), "model id"),
         (wire(model_id="a//b"), "model id"),
-        (wire(v=2), "version"),
+        (wire(v=3), "version"),
+        (wire(v=2), "missing \\['batch_decode_tokens_per_s'"),  # v2 needs the batch keys
+        (wire(v=1.0), "version"),
+        (batch_wire(batch_slots=-1), "batch_slots"),
+        (batch_wire(batch_slots=(1 << 16) + 1), "batch_slots"),
+        (batch_wire(waiting_requests=MAX_COUNT + 1), "waiting_requests"),
+        (batch_wire(batch_decode_tokens_per_s=math.nan), "batch_decode_tokens_per_s"),
+        (batch_wire(step_tokens=1.5), "step_tokens must be an int"),
+        (batch_wire(v=1), "unexpected"),  # the batch keys are version 2's
         (wire(v=dataclasses.MISSING), "version"),
         (wire(seq=dataclasses.MISSING), "missing \\['seq'\\]"),
         (wire(extra=1), "unexpected \\[\"'extra'\"\\]"),
@@ -172,3 +208,26 @@ def test_construction_validates_locally() -> None:
         make_summary(capacity_blocks=1.0)
     with pytest.raises(ValueError):
         make_summary(model_id="/abs/path")
+
+
+def test_a_summary_without_batch_fields_is_version_1_and_reads_with_defaults() -> None:
+    """What an older peer sends (exactly the 14 keys of version 1) still parses: the batch
+    fields take their defaults, batch_slots = 0 meaning 'price as processor sharing'."""
+    obj = cbor2.loads(encode_summary(make_summary()))
+    assert obj["v"] == 1
+    assert not set(BATCH_FIELDS) & obj.keys()
+    assert len(obj) == 14
+    decoded = decode_summary(cbor2.dumps(obj))
+    assert decoded == make_summary()
+    assert (decoded.waiting_requests, decoded.batch_slots, decoded.step_tokens) == (0, 0, 0)
+    assert decoded.batch_decode_tokens_per_s == 0.0
+
+
+def test_a_batching_summary_is_version_2_and_round_trips() -> None:
+    summary = make_summary(**BATCHING)
+    obj = cbor2.loads(encode_summary(summary))
+    assert obj["v"] == 2
+    assert {k: obj[k] for k in BATCH_FIELDS} == BATCHING
+    assert decode_summary(encode_summary(summary)) == summary
+    decoded = decode_summary(batch_wire(batch_decode_tokens_per_s=60))  # an int rate
+    assert type(decoded.batch_decode_tokens_per_s) is float

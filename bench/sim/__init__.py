@@ -4,7 +4,8 @@
   summaries.py    a peer's Bloom summary kept current block by block (bit-identical)
   params.py       SimParams (every knob, with its reason), RunResult, the policy names
   model.py        the simulated swarm: peers with the real radix cache, peer table and
-                  router; processor-sharing servers; network delay; anti-entropy
+                  router; batching servers (the engine's scheduler); network delay;
+                  anti-entropy
   experiments.py  the evaluation's sweeps (a)-(g) as grids of runs, one row per run
   plots.py        Markdown tables and PNG plots of result rows
 """

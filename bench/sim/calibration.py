@@ -11,14 +11,29 @@ faster than 1008 cold; decode 60-80 ms per token. A least-squares fit of
 tokens before it) gives fixed = 0.099 s, per_token = 1.43 ms, per_token_ctx = 1.23 us,
 reproducing the four points within 10%. `Calibration.from_engine_json` refits the
 same form from a `python -m bench.engine --json` result when one is available.
+
+A step of the batching engine (peer/engine/scheduler.py) decodes every running sequence
+and reads prefill chunks; `step_s` prices it as one forward's fixed cost, a share of a
+lone decode step per decoding sequence (`batch_step_slope`), and each chunk's prefill
+beyond the fixed cost:
+
+    step_s = decode_s_per_token * (1 - slope + slope * decodes)   (decodes >= 1; else the
+             + sum(prefill_s(n, cached) - prefill_fixed_s)          fixed part alone)
+
+The slope's default is the cost model's (peer/ranking.py BATCH_STEP_SLOPE, fitted to
+bench.engine's concurrency sweeps: `batch_slope_from_sweep`), so simulator and router
+agree unless a calibration says otherwise.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
+
+from peer.ranking import BATCH_STEP_SLOPE
 
 NOMINAL_PROMPT_TOKENS = 512  # the prompt length at which a nominal prefill speed is quoted
 
@@ -33,6 +48,8 @@ class Calibration:
     prefill_s_per_token_ctx: float = 1.23e-6
     decode_s_per_token: float = 0.070
     source: str = "docs/model.md (SmolLM2-135M, fp32, 2 vCPUs), least-squares fit"
+    batch_step_slope: float = BATCH_STEP_SLOPE  # a decode step of b: (1 - s + s b) lone steps
+    max_context: int = 8192  # SmolLM2's context window: the warm-up probes up to half of it
 
     def __post_init__(self) -> None:
         for name in (
@@ -45,6 +62,10 @@ class Calibration:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.prefill_s_per_token <= 0 or self.decode_s_per_token <= 0:
             raise ValueError("per-token prefill and decode costs must be > 0")
+        if not 0 <= self.batch_step_slope <= 1:
+            raise ValueError(f"batch_step_slope must be in [0, 1], got {self.batch_step_slope}")
+        if self.max_context < 2:
+            raise ValueError(f"max_context must be >= 2, got {self.max_context}")
 
     def prefill_s(self, new_tokens: int, cached_tokens: int) -> float:
         """Seconds to prefill `new_tokens` after `cached_tokens` reused ones."""
@@ -55,6 +76,15 @@ class Calibration:
             + self.prefill_s_per_token * new_tokens
             + self.prefill_s_per_token_ctx * new_tokens * (cached_tokens + new_tokens / 2)
         )
+
+    def step_s(self, decodes: int, chunks: Sequence[tuple[int, int]]) -> float:
+        """Seconds of one batched step: `decodes` sequences decoding one token each and
+        prefill `chunks` of (new tokens, tokens before them) (module docstring)."""
+        slope = self.batch_step_slope
+        seconds = self.decode_s_per_token * (1.0 - slope + slope * decodes)
+        for new, before in chunks:
+            seconds += self.prefill_s(new, before) - self.prefill_fixed_s
+        return seconds
 
     def decode_s(self, tokens: int) -> float:
         """Seconds to decode `tokens` tokens one after another (batch of one)."""
@@ -83,6 +113,10 @@ class Calibration:
             decode_s_per_token=self.decode_s_per_token * factor,
         )
 
+    def with_batch_slope(self, slope: float) -> Calibration:
+        """The same peer with another batch step slope (0: a batch costs one lone step)."""
+        return replace(self, name=f"{self.name}/slope{slope:g}", batch_step_slope=slope)
+
     def as_dict(self) -> dict[str, Any]:
         """The parameter set, for result files."""
         return {
@@ -91,6 +125,8 @@ class Calibration:
             "prefill_s_per_token": self.prefill_s_per_token,
             "prefill_s_per_token_ctx": self.prefill_s_per_token_ctx,
             "decode_s_per_token": self.decode_s_per_token,
+            "batch_step_slope": self.batch_step_slope,
+            "max_context": self.max_context,
             "source": self.source,
         }
 
@@ -119,7 +155,8 @@ class Calibration:
     def from_engine_json(cls, path: str | Path) -> Calibration:
         """Fit to a bench/engine result. Two shapes are read: bench/engine's own (prompt_tokens,
         ttft_cold_s and ttft_hit50_s / ttft_hit90_s with cached_tokens_hit50 / _hit90: three
-        TTFT points; decode stays at this default, which that file does not measure), or
+        TTFT points; decode stays at this default, which that file does not measure; the batch
+        slope from its concurrency sweep when it has one), or
         rows with cached_tokens, new_tokens, prefill_s and a decode_s_per_token."""
         data = json.loads(Path(path).read_text())
         if "ttft_cold_s" in data:
@@ -130,7 +167,11 @@ class Calibration:
                     k = int(data[f"cached_tokens_{tag}"])
                     points.append((k, n - k, float(data[f"ttft_{tag}_s"])))
             decode = float(data.get("decode_s_per_token", cls.decode_s_per_token))
-            return cls.from_points(points, decode, f"engine:{Path(path).name}", str(path))
+            fitted = cls.from_points(points, decode, f"engine:{Path(path).name}", str(path))
+            if "tokens_per_s_by_concurrency" in data:  # a batching engine's sweep
+                slope = batch_slope_from_sweep(data["tokens_per_s_by_concurrency"])
+                fitted = replace(fitted, batch_step_slope=slope)
+            return fitted
         rows = data.get("rows", [])
         points = [
             (int(r["cached_tokens"]), int(r["new_tokens"]), float(r["prefill_s"]))
@@ -146,6 +187,27 @@ class Calibration:
                 raise ValueError(f"{path}: no decode_s_per_token anywhere")
             decode = decodes[len(decodes) // 2]
         return cls.from_points(points, float(decode), f"engine:{Path(path).name}", str(path))
+
+
+def batch_slope_from_sweep(tokens_per_s_by_concurrency: Mapping[str, float]) -> float:
+    """The batch step slope of a bench.engine concurrency sweep ({"1": tokens/s, "4": ...}).
+
+    At concurrency c the aggregate speed is c / step(c), so step(c) / step(1) is
+    c * speed(1) / speed(c), which the model puts at 1 + s (c - 1): a least-squares fit of s
+    through that line, clamped to [0, 1]. The sweep's steps also read prompts, so this is
+    an upper bound of the decode-only slope."""
+    speeds = {int(c): float(v) for c, v in tokens_per_s_by_concurrency.items()}
+    if 1 not in speeds or len(speeds) < 2 or speeds[1] <= 0:
+        raise ValueError(f"need concurrency 1 and another, got {sorted(speeds)}")
+    num = den = 0.0
+    for c, v in speeds.items():
+        if c > 1 and v > 0:
+            x = c - 1
+            num += x * (c * speeds[1] / v - 1)
+            den += x * x
+    if den == 0:
+        raise ValueError("no usable concurrency above 1")
+    return min(max(num / den, 0.0), 1.0)
 
 
 NOTES_CALIBRATION = Calibration()

@@ -7,15 +7,20 @@ come from the real `BlockHasher`, Bloom filters are the real blocked filter (kep
 current incrementally, bit-identical to a rebuild: bench/sim/summaries.py).
 
 What is modelled, and how (every number is a field of SimParams or Calibration):
-* Server: the engine runs one step at a time and round-robins between its requests
-  (one CapacityLimiter, peer/engine/engine.py), modelled as egalitarian processor
-  sharing. A request's prefill work is `Calibration.prefill_s(new, cached)`, then
-  `decode_s(max_new_tokens - 1)`; the first token comes at the end of prefill. The match
-  is taken (and locked) when the request reaches the serving peer; the prompt's blocks
-  are inserted when its prefill ends; the lock is released when it completes.
-* Load as the engine reports it: queued (uncached) prompt tokens until prefill ends,
-  running requests until completion, and prefill/decode speeds measured as the engine
-  measures them (peer/engine/speeds.py: prefill chunks of at least two decode steps).
+* Server: the batching engine (peer/engine/engine.py), step by step, with its own pure
+  parts: between steps up to `max_running` waiting requests join the batch
+  (scheduler.admit_count), each matched and locked then (late, as the engine does: an
+  earlier prompt's blocks may have arrived); a step decodes every sequence past its
+  prompt and reads prefill chunks within `step_tokens` (scheduler.plan_step). A step
+  takes `Calibration.step_s(decodes, chunks)`. A prompt's first token comes at the end of
+  the step that reads its last chunk, when its blocks are inserted (RadixCache.insert
+  evicts exactly what it needs, as in the peer); the lock is released when the request
+  completes. Not modelled: the engine holding back a request that shares a prompt still
+  being read (`_shares_prefill_in_flight`).
+* Load as the engine reports it (Engine.load): queued (uncached) prompt tokens from arrival
+  until the prompt is read, running requests (waiting ones included) until completion,
+  waiting requests, and speeds measured per step as the engine measures them
+  (speeds.observe_step).
 * Network: every one-way message takes d + U(0, jitter * d). A forward first opens a
   stream (multistream-select: `stream_setup_rtts` round trips), then sends the request
   (one way); tokens come back one way. Requests enter at a uniformly chosen peer.
@@ -33,6 +38,7 @@ from __future__ import annotations
 import heapq
 import math
 import random
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -49,8 +55,16 @@ from bench.stats import cov, mean, percentile
 from bench.workloads import TokenRequest
 from peer.config import SUMMARY_EXPIRY_INTERVALS, Policy
 from peer.engine.radix import EventKind, RadixCache
-from peer.engine.speeds import ewma, prefill_speed_sample, warmup_prefill_speed
+from peer.engine.scheduler import StepPlan, admit_count, plan_step, reusable_blocks, reusable_tokens
+from peer.engine.speeds import (
+    WARMUP_PROMPT_TOKENS,
+    StepSpeeds,
+    observe_step,
+    warmup_max_prompt_tokens,
+    warmup_prefill_speed,
+)
 from peer.peer_table import ForwardCharge, PeerTable
+from peer.ranking import single_stream_decode
 from peer.router import Candidate, LocalState, PeerEstimate, Router
 from protocols.blocks import BlockHasher
 from protocols.bloom import BloomFilter, ProbeCache
@@ -59,10 +73,8 @@ from protocols.summary import CacheSummary, encode_summary
 # Mirrors of live-peer constants (the modules that hold them import torch or libp2p).
 GOSSIP_CHANGE_FRACTION = 0.05  # peer/gossip.py CHANGE_FRACTION
 GOSSIP_EARLY_GAP_FRACTION = 0.25  # peer/gossip.py EARLY_GAP_FRACTION
-WARMUP_PROMPT_TOKENS = 64  # peer/engine/warmup.py: speeds are seeded by a warm-up run
-WARMUP_MAX_PROMPT_TOKENS = 4096  # where the warm-up stops doubling (half a long context)
 
-_EPS = 1e-9  # virtual-time slack for float round-off in the processor-sharing server
+_EPS = 1e-9  # virtual-time slack for float round-off in the publish schedule
 
 # Event kinds, in the order they are handled when simultaneous (then FIFO).
 _ARRIVE, _DELIVER, _PHASE, _TICK, _SUMMARY, _FIRST_BACK, _END_BACK = range(7)
@@ -74,18 +86,19 @@ class _Job:
         "cached",
         "chain",
         "charge",
-        "decode_work",
+        "decode_left",
         "e2e",
         "entry",
         "match",
         "new",
+        "pos",
+        "queued",
         "req",
         "ret",
         "rid",
         "target",
         "tokens",
         "ttft",
-        "vtarget",
     )
 
     def __init__(self, rid: int, req: TokenRequest, tokens: tuple[int, ...], chain: list[int]):
@@ -100,15 +113,16 @@ class _Job:
         self.charge: ForwardCharge | None = None  # the entry's count of it, if forwarded
         self.cached = 0
         self.new = 0
-        self.decode_work = 0.0
+        self.queued = 0  # what it added to its server's queued prompt tokens
+        self.pos = 0  # prompt tokens read (cached ones included)
+        self.decode_left = 0  # tokens still to decode after the first
         self.ret = 0.0
         self.ttft = math.nan
         self.e2e = math.nan
-        self.vtarget = 0.0
 
 
 class _Peer:
-    """One simulated peer: cache, table, router, a processor-sharing server, gossip state."""
+    """One simulated peer: cache, table, router, a batching server, gossip state."""
 
     def __init__(self, idx: int, peer_id: str, params: SimParams, hasher: BlockHasher,
                  rng: random.Random, bloom: BloomFilter, memo: dict[int, tuple[int, int]],
@@ -122,22 +136,21 @@ class _Peer:
         self.router = Router(policy, rng, block_size=params.block_size)
         self.bloom = IncrementalBloom(bloom, memo)
         cal = params.calibration
-        # Engine.warmup() seeds the speed estimates: decode, then prefill on a prompt
-        # long enough to tell.
-        self.decode_tps = 1.0 / cal.decode_s_per_token
-        self.prefill_tps = warmup_prefill_speed(
+        # Engine.warmup() seeds the speed estimates: decode (a batch of one), then prefill
+        # on a prompt long enough to tell.
+        decode_tps = 1.0 / cal.decode_s_per_token
+        prefill_tps = warmup_prefill_speed(
             lambda n: cal.prefill_s(n, 0),
-            self.decode_tps,
+            decode_tps,
             WARMUP_PROMPT_TOKENS,
-            WARMUP_MAX_PROMPT_TOKENS,
+            warmup_max_prompt_tokens(cal.max_context),
         )
+        self.speeds = StepSpeeds(prefill_tps, decode_tps, decode_tps)
         self.queued_tokens = 0
-        self.running = 0
-        # processor sharing: virtual time advances at 1/n per second with n active jobs
-        self.vtime = 0.0
-        self.vlast = 0.0
-        self.active: list[tuple[float, int, _Job]] = []
-        self.version = 0
+        self.running = 0  # requests between arrival and completion, waiting ones included
+        self.waiting: deque[_Job] = deque()
+        self.batch: dict[int, _Job] = {}  # admitted, in admission order (oldest first)
+        self.step_started = -1.0  # < 0: no step in flight
         self.busy_s = 0.0
         # gossip
         self.seq = 0
@@ -148,17 +161,17 @@ class _Peer:
         self.served = 0
         self.served_after_warmup = 0
 
-    def advance(self, now: float) -> None:
-        n = len(self.active)
-        if n:
-            self.vtime += (now - self.vlast) / n
-            self.busy_s += now - self.vlast
-        self.vlast = now
+    @property
+    def prefill_tps(self) -> float:
+        return self.speeds.prefill
 
-    def observe_speeds(self, new: int, prefill_s: float) -> None:
-        sample = prefill_speed_sample(new, prefill_s, self.decode_tps)
-        if sample is not None:
-            self.prefill_tps = ewma(self.prefill_tps, sample)
+    @property
+    def decode_tps(self) -> float:
+        return self.speeds.decode
+
+    @property
+    def batch_decode_tps(self) -> float:
+        return self.speeds.batch_decode
 
 
 class Simulator:
@@ -293,11 +306,13 @@ class Simulator:
             peer.running,
             peer.prefill_tps,
             peer.decode_tps,
+            peer.batch_decode_tps,
+            self.params.max_running,
+            self.params.step_tokens,
         )
 
     def _reusable(self, peer: _Peer, tokens: tuple[int, ...]) -> int:
-        bs = self.params.block_size
-        return min(peer.cache.peek(tokens), (len(tokens) - 1) // bs * bs)
+        return reusable_tokens(peer.cache.peek(tokens), len(tokens), self.params.block_size)
 
     def _ranked(self, entry: _Peer, job: _Job, now: float) -> list[Candidate]:
         """The entry peer's router, as the live pipeline calls it, on its current table."""
@@ -341,7 +356,9 @@ class Simulator:
         # Every simulated peer runs at the same speed, so the oracle prices all of them at
         # the entry peer's measured speeds (the router does the same with speeds within
         # SPEED_NOISE_FACTOR of its own).
-        prefill_tps, decode_tps = entry.prefill_tps, entry.decode_tps
+        prefill_tps = entry.prefill_tps
+        decode_tps = single_stream_decode(entry.decode_tps, entry.batch_decode_tps)
+        slots, step_tokens = self.params.max_running, self.params.step_tokens
         estimates = []
         for peer in self.peers:
             m = self._reusable(peer, job.tokens)
@@ -357,64 +374,81 @@ class Simulator:
                     prefill_tps,
                     decode_tps,
                     0.0 if local else rtt,
+                    batch_slots=slots,
+                    step_tokens=step_tokens,
                 )
             )
         ranked = entry.router.rank_estimates(estimates, len(job.tokens), job.req.max_new_tokens)
         return self._index[ranked[0].peer_id], ranked[0].match_tokens
 
-    # -- the serving peer: processor sharing --------------------------------------------
+    # -- the serving peer: a batching engine ---------------------------------------------
 
     def _start(self, job: _Job, now: float) -> None:
+        """The request reaches its serving peer: it waits for a batch slot."""
         peer = self.peers[job.target]
-        bs = self.params.block_size
-        n = len(job.tokens)
-        match = peer.cache.match(job.tokens, now, (n - 1) // bs)
-        peer.cache.lock(match)
-        job.match = match
-        job.cached = match.num_tokens
-        job.new = n - job.cached
-        peer.queued_tokens += job.new
+        job.queued = len(job.tokens) - self._reusable(peer, job.tokens)
+        peer.queued_tokens += job.queued
         peer.running += 1
-        prefill = self.cal.prefill_s(job.new, job.cached)
-        job.decode_work = self.cal.decode_s(job.req.max_new_tokens - 1)
-        peer.advance(now)
-        self._admit(peer, job, prefill, now)
+        peer.waiting.append(job)
+        if peer.step_started < 0:
+            self._step(peer, now)
 
-    def _admit(self, peer: _Peer, job: _Job, work: float, now: float) -> None:
-        job.vtarget = peer.vtime + work
-        heapq.heappush(peer.active, (job.vtarget, job.rid, job))
-        self._reschedule(peer, now)
+    def _step(self, peer: _Peer, now: float) -> None:
+        """Admit waiting requests, plan the next step and schedule its end (none if idle)."""
+        bs = self.params.block_size
+        for _ in range(admit_count(len(peer.waiting), len(peer.batch), self.params.max_running)):
+            job = peer.waiting.popleft()
+            n = len(job.tokens)
+            match = peer.cache.match(job.tokens, now, reusable_blocks(n, bs))
+            peer.cache.lock(match)
+            job.match = match
+            job.cached = job.pos = match.num_tokens
+            job.new = n - job.cached
+            peer.batch[job.rid] = job
+        decoding = []
+        prefilling = []
+        for rid, job in peer.batch.items():
+            left = len(job.tokens) - job.pos
+            if left:
+                prefilling.append((rid, left))
+            else:
+                decoding.append(rid)
+        if not decoding and not prefilling:
+            peer.step_started = -1.0
+            return
+        plan = plan_step(decoding, prefilling, self.params.step_tokens)
+        chunks = [(n, peer.batch[rid].pos) for rid, n in plan.prefill]
+        peer.step_started = now
+        self._push(now + self.cal.step_s(len(plan.decode), chunks), _PHASE, peer.idx, plan)
 
-    def _reschedule(self, peer: _Peer, now: float) -> None:
-        peer.version += 1
-        if peer.active:
-            v_next = peer.active[0][0]
-            t_next = now + max(0.0, v_next - peer.vtime) * len(peer.active)
-            self._push(t_next, _PHASE, peer.idx, peer.version)
-
-    def _phase(self, peer: _Peer, version: int, now: float) -> int:
-        """A prefill or decode phase ended on `peer`; returns the requests completed."""
-        if version != peer.version:
-            return 0
-        peer.advance(now)
+    def _phase(self, peer: _Peer, plan: StepPlan, now: float) -> int:
+        """A step ended on `peer`: advance its requests; returns the requests completed."""
+        seconds = now - peer.step_started
+        peer.busy_s += seconds
+        prefill_tokens = sum(n for _, n in plan.prefill)
+        peer.speeds, _ = observe_step(peer.speeds, prefill_tokens, len(plan.decode), seconds)
         done = 0
-        while peer.active and peer.active[0][0] <= peer.vtime + _EPS:
-            _, _, job = heapq.heappop(peer.active)
-            if math.isnan(job.ttft):
+        for rid in plan.decode:
+            job = peer.batch[rid]
+            job.decode_left -= 1
+            if job.decode_left <= 0:
+                self._complete(peer, job, now)
+                done += 1
+        for rid, n in plan.prefill:
+            job = peer.batch[rid]
+            job.pos += n
+            if job.pos == len(job.tokens):
                 self._prefill_done(peer, job, now)
-                if job.decode_work > 0:
-                    job.vtarget = peer.vtime + job.decode_work
-                    heapq.heappush(peer.active, (job.vtarget, job.rid, job))
-                    continue
-            self._complete(peer, job, now)
-            done += 1
-        self._reschedule(peer, now)
+                job.decode_left = job.req.max_new_tokens - 1
+                if job.decode_left <= 0:
+                    self._complete(peer, job, now)
+                    done += 1
+        self._step(peer, now)
         return done
 
     def _prefill_done(self, peer: _Peer, job: _Job, now: float) -> None:
-        peer.queued_tokens -= job.new
-        peer.observe_speeds(job.new, self.cal.prefill_s(job.new, job.cached))
-        self._insert(peer, job.tokens, job.cached, now)
+        peer.queued_tokens -= job.queued
+        self._insert(peer, job.tokens, now)
         job.ret = 0.0 if job.target == job.entry else self._one_way()
         job.ttft = now + job.ret - job.arrival
         if job.charge is not None:
@@ -423,8 +457,9 @@ class Simulator:
     def _complete(self, peer: _Peer, job: _Job, now: float) -> None:
         peer.cache.unlock(job.match)
         job.match = None
+        del peer.batch[job.rid]
         if self.params.cache_generated and job.req.output:
-            self._insert(peer, job.tokens + job.req.output, len(job.tokens), now)
+            self._insert(peer, job.tokens + job.req.output, now)
         peer.running -= 1
         peer.served += 1
         if job.rid >= self._warmup_n:
@@ -433,16 +468,9 @@ class Simulator:
         if job.charge is not None:
             self._push(now + job.ret, _END_BACK, job.entry, job.charge)
 
-    def _insert(self, peer: _Peer, tokens: tuple[int, ...], present: int, now: float) -> None:
-        """Insert `tokens`, of which the first `present` are cached and locked."""
-        cache = peer.cache
-        bs = self.params.block_size
-        new_blocks = len(tokens) // bs - present // bs
-        need = cache.num_blocks + new_blocks - cache.capacity_blocks
-        if need > 0:
-            slack = int(cache.capacity_blocks * self.params.evict_slack_fraction)
-            cache.evict(need + slack)
-        cache.insert(tokens, _no_value, now)
+    def _insert(self, peer: _Peer, tokens: tuple[int, ...], now: float) -> None:
+        """Insert `tokens`' full blocks as the engine does (evicting exactly what it needs)."""
+        peer.cache.insert(tokens, _no_value, now)
         self._drain(peer)
 
     def _drain(self, peer: _Peer) -> None:
@@ -493,6 +521,10 @@ class Simulator:
             running_requests=peer.running,
             prefill_tokens_per_s=peer.prefill_tps,
             decode_tokens_per_s=peer.decode_tps,
+            waiting_requests=len(peer.waiting),
+            batch_slots=self.params.max_running,
+            batch_decode_tokens_per_s=peer.batch_decode_tps,
+            step_tokens=self.params.step_tokens,
         )
         peer.published += 1
         peer.bytes_published += len(encode_summary(summary))

@@ -7,7 +7,15 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from bench.sim.calibration import NOTES_CALIBRATION, Calibration
-from peer.config import Policy
+from peer.config import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_BLOOM_FP_RATE,
+    DEFAULT_MODEL,
+    DEFAULT_SUMMARY_INTERVAL_S,
+    Policy,
+)
+from peer.engine.scheduler import DEFAULT_MAX_RUNNING, DEFAULT_STEP_TOKENS
+from peer.ranking import ROUND_TRIPS_PER_FORWARD
 from protocols.bloom import BLOCK_BITS, BloomFilter
 
 ORACLE = "oracle"  # exact, instant global knowledge fed to the COST model (an upper bound)
@@ -28,24 +36,25 @@ class SimParams:
     peers: int = 16
     delay_ms: float = 5.0  # one-way delay between any two peers
     jitter: float = 0.2  # each one-way delay is d * (1 + U(0, jitter))
-    stream_setup_rtts: int = 1  # round trips to open a stream before the request is sent
-    summary_interval_s: float = 2.0
+    # round trips to open a stream before the request is sent: the cost model's round trips
+    # per forward, less the request's own
+    stream_setup_rtts: int = ROUND_TRIPS_PER_FORWARD - 1
+    summary_interval_s: float = DEFAULT_SUMMARY_INTERVAL_S
     early_publish: bool = True  # peer/gossip.py's early publish on 5% change
-    bloom_fp_rate: float = 0.01  # the live peer's default (peer/config.py)
+    bloom_fp_rate: float = DEFAULT_BLOOM_FP_RATE  # the live peer's default
     bloom_bits_per_entry: float | None = None  # overrides bloom_fp_rate: bits per capacity block
     capacity_blocks: int = 256  # KV budget per peer: 4,096 tokens, ~190 MB of SmolLM2 fp32 KV
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     cache_generated: bool = False  # the engine's default: generated tokens are not cached
-    # RadixCache.evict scans the whole tree per call; when an insert must evict, evict
-    # this fraction of the budget beyond the need (a low watermark), so scans are rarer.
-    evict_slack_fraction: float = 1 / 16
+    max_running: int = DEFAULT_MAX_RUNNING  # the engine's batch slots (Engine.max_running)
+    step_tokens: int = DEFAULT_STEP_TOKENS  # tokens a step computes at most (Engine.step_tokens)
     # What a forward adds to the target's load in the entry peer's table until the next
     # summary: the whole prompt (False, as peer/pipeline.py does) or only the part the
     # target's Bloom summary does not cover (True; a what-if for the cost model).
     forward_counts_uncached: bool = False
     warmup_fraction: float = 0.1  # the first requests fill caches; left out of the metrics
     seed: int = 0
-    model_id: str = "smollm2-135m"
+    model_id: str = DEFAULT_MODEL
     calibration: Calibration = field(default_factory=lambda: NOTES_CALIBRATION)
 
     def __post_init__(self) -> None:
@@ -57,6 +66,8 @@ class SimParams:
             raise ValueError("delay_ms, jitter and stream_setup_rtts must be >= 0")
         if self.summary_interval_s <= 0:
             raise ValueError(f"summary_interval_s must be > 0, got {self.summary_interval_s}")
+        if self.max_running < 1 or self.step_tokens < 1:
+            raise ValueError("max_running and step_tokens must be >= 1")
         if self.capacity_blocks < 1:
             raise ValueError(f"capacity_blocks must be >= 1, got {self.capacity_blocks}")
         if self.bloom_bits_per_entry is not None and self.bloom_bits_per_entry <= 0:

@@ -139,7 +139,10 @@ class EngineLoad:
 
     decode_tokens_per_s is one stream's speed (1 / step time) at the current batch;
     batch_decode_tokens_per_s is all streams together; waiting_requests have not been
-    admitted into the batch yet (admission happens between steps).
+    admitted into the batch yet (admission happens between steps; running_requests counts
+    them too). batch_slots and step_tokens are the batch's bounds (max_running and the
+    tokens a step computes); batch_slots 0 says the engine does not batch. The summary
+    carries all of it (protocols/summary.py) to the cost model (peer/ranking.py).
     """
 
     queued_prompt_tokens: int
@@ -148,6 +151,8 @@ class EngineLoad:
     decode_tokens_per_s: float
     waiting_requests: int = 0
     batch_decode_tokens_per_s: float = 0.0
+    batch_slots: int = 0
+    step_tokens: int = 0
 
 
 class EngineProtocol(Protocol):

@@ -44,8 +44,16 @@ from .requests import (
     validate_prompt,
 )
 from .runner import Runner, SeqKV
-from .scheduler import DEFAULT_MAX_RUNNING, DEFAULT_STEP_TOKENS, StepPlan, admit_count, plan_step
-from .speeds import ewma, prefill_speed_sample
+from .scheduler import (
+    DEFAULT_MAX_RUNNING,
+    DEFAULT_STEP_TOKENS,
+    StepPlan,
+    admit_count,
+    plan_step,
+    reusable_blocks,
+    reusable_tokens,
+)
+from .speeds import StepSpeeds, observe_step, warmup_max_prompt_tokens
 from .verify import Verdict, verify_output
 from .warmup import measure_speeds
 
@@ -188,9 +196,7 @@ class Engine:
         return self.cache.peek(token_ids, salt=cache_salt)
 
     def _reusable_tokens(self, tokens: Sequence[int], salt: bytes | None) -> int:
-        # At least one prompt token is always computed: its logits give the first token.
-        last = (len(tokens) - 1) // self.block_size * self.block_size
-        return min(self.cache.peek(tokens, salt=salt), last)
+        return reusable_tokens(self.cache.peek(tokens, salt=salt), len(tokens), self.block_size)
 
     def load(self) -> EngineLoad:
         """Queued (uncached) prompt tokens, running and waiting requests, measured speeds."""
@@ -201,6 +207,8 @@ class Engine:
             self._decode_tps,
             waiting_requests=len(self._waiting),
             batch_decode_tokens_per_s=self._batch_decode_tps,
+            batch_slots=self.max_running,
+            step_tokens=self.step_tokens,
         )
 
     def statistics(self) -> dict[str, int | float]:
@@ -222,7 +230,9 @@ class Engine:
     def warmup(self) -> None:
         """Run short prefills and a few decode steps to seed the speed estimates (blocking,
         warmup.py; never while a step runs: refresh_speeds holds model_lock)."""
-        speeds = measure_speeds(self._runner, self.vocab_size, self.max_context // 2)
+        speeds = measure_speeds(
+            self._runner, self.vocab_size, warmup_max_prompt_tokens(self.max_context)
+        )
         self._decode_tps, self._prefill_tps = speeds
         self._batch_decode_tps = self._batch_decode_tps or self._decode_tps
 
@@ -374,7 +384,7 @@ class Engine:
             free -= 1
             for observe in self.queue_wait_observers:  # metrics: the wait before a first step
                 observe(time.perf_counter() - req.start)
-            max_blocks = (len(req.tokens) - 1) // self.block_size
+            max_blocks = reusable_blocks(len(req.tokens), self.block_size)
             req.match = self.cache.match(req.tokens, now, max_blocks, salt=req.salt)
             self.cache.lock(req.match)
             req.blocks = list(req.match.values)
@@ -386,7 +396,7 @@ class Engine:
         if self.cache.capacity_blocks == 0:
             return False
         want = self._reusable_tokens(req.tokens, req.salt) + self.block_size
-        if want > (len(req.tokens) - 1) // self.block_size * self.block_size:
+        if want > reusable_blocks(len(req.tokens), self.block_size) * self.block_size:
             return False
         head = req.tokens[:want]
         return any(
@@ -491,14 +501,10 @@ class Engine:
             self._stats["generated_tokens"] += 1
             self._emit(req)
         prefill_tokens = sum(n for _, n in plan.prefill)
-        if prefill_tokens:
-            sample = prefill_speed_sample(prefill_tokens, seconds, self._decode_tps)
-            if sample is not None:
-                self._prefill_tps = ewma(self._prefill_tps, sample)
-                self._speed_samples += 1
-        elif seconds > 0:
-            self._decode_tps = ewma(self._decode_tps, 1.0 / seconds)
-            self._batch_decode_tps = ewma(self._batch_decode_tps, len(plan.decode) / seconds)
+        speeds = StepSpeeds(self._prefill_tps, self._decode_tps, self._batch_decode_tps)
+        speeds, sampled_prefill = observe_step(speeds, prefill_tokens, len(plan.decode), seconds)
+        self._prefill_tps, self._decode_tps, self._batch_decode_tps = speeds
+        self._speed_samples += int(sampled_prefill)
 
     def _emit(self, req: RequestState) -> None:
         """Queue the newest token's event; finish the request on EOS, length or a stop."""

@@ -12,7 +12,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["DEFAULT_MAX_RUNNING", "DEFAULT_STEP_TOKENS", "StepPlan", "admit_count", "plan_step"]
+__all__ = [
+    "DEFAULT_MAX_RUNNING",
+    "DEFAULT_STEP_TOKENS",
+    "StepPlan",
+    "admit_count",
+    "plan_step",
+    "reusable_blocks",
+    "reusable_tokens",
+]
 
 # ~0.5 s of SmolLM2 prefill on 2 CPU cores: the most a running stream waits for a new prompt.
 DEFAULT_STEP_TOKENS = 256
@@ -60,3 +68,14 @@ def plan_step(
 def admit_count(waiting: int, running: int, max_running: int) -> int:
     """How many waiting requests join the batch before the next step."""
     return max(0, min(waiting, max_running - running))
+
+
+def reusable_blocks(prompt_tokens: int, block_size: int) -> int:
+    """The most whole blocks of a prompt its cache can supply: at least one prompt token is
+    always computed, since its logits give the first generated token."""
+    return (prompt_tokens - 1) // block_size if prompt_tokens > 0 else 0
+
+
+def reusable_tokens(cached_tokens: int, prompt_tokens: int, block_size: int) -> int:
+    """Of `cached_tokens` matched in the cache, how many a request reuses (reusable_blocks)."""
+    return min(cached_tokens, reusable_blocks(prompt_tokens, block_size) * block_size)

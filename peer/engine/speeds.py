@@ -17,17 +17,57 @@ two decode steps, so that the fixed cost is a share of the sample, not all of it
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 __all__ = [
     "PREFILL_SAMPLE_MIN_TOKENS",
     "SPEED_EWMA_ALPHA",
+    "WARMUP_PROMPT_TOKENS",
+    "StepSpeeds",
     "ewma",
+    "observe_step",
     "prefill_speed_sample",
+    "warmup_max_prompt_tokens",
     "warmup_prefill_speed",
 ]
 
 SPEED_EWMA_ALPHA = 0.2  # weight of the newest speed sample: smooths ~2x noise over ~5 samples
 PREFILL_SAMPLE_MIN_TOKENS = 16  # one block: shorter chunks are all fixed cost
+WARMUP_PROMPT_TOKENS = 64  # enough to measure prefill speed without delaying start-up
+
+
+class StepSpeeds(NamedTuple):
+    """An engine's speed estimates (tokens/s; 0.0 = not measured yet)."""
+
+    prefill: float
+    decode: float  # one stream, at the batch of the steps measured
+    batch_decode: float  # all streams of those steps together
+
+
+def observe_step(
+    speeds: StepSpeeds, prefill_tokens: int, decodes: int, seconds: float
+) -> tuple[StepSpeeds, bool]:
+    """The estimates after a batched step of `prefill_tokens` prefill and `decodes` decode
+    tokens that took `seconds`, and whether it gave a prefill sample. A step with prefill
+    samples the prefill speed (prefill_speed_sample); a decode-only step samples one
+    stream's speed (1 / step time) and the batch's (decodes / step time)."""
+    if prefill_tokens:
+        sample = prefill_speed_sample(prefill_tokens, seconds, speeds.decode)
+        if sample is None:
+            return speeds, False
+        return speeds._replace(prefill=ewma(speeds.prefill, sample)), True
+    if seconds > 0 and decodes:
+        return StepSpeeds(
+            speeds.prefill,
+            ewma(speeds.decode, 1.0 / seconds),
+            ewma(speeds.batch_decode, decodes / seconds),
+        ), False
+    return speeds, False
+
+
+def warmup_max_prompt_tokens(max_context: int) -> int:
+    """Where the warm-up's prefill probe stops doubling: half the context window."""
+    return max_context // 2
 
 
 def prefill_speed_sample(tokens: int, seconds: float, decode_tps: float) -> float | None:

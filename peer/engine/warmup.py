@@ -8,9 +8,8 @@ import time
 import torch
 
 from .runner import Runner
-from .speeds import ewma, warmup_prefill_speed
+from .speeds import WARMUP_PROMPT_TOKENS, ewma, warmup_prefill_speed
 
-WARMUP_PROMPT_TOKENS = 64  # enough to measure prefill speed without delaying start-up
 WARMUP_DECODE_TOKENS = 4
 
 

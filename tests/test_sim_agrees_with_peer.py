@@ -1,0 +1,110 @@
+"""The simulator keeps no copy of a peer's constant or rule: it imports them, and these
+tests fail the day one is copied or drifts (issue 14: one copy of every decision)."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+from pathlib import Path
+
+import bench.sim.model as sim_model
+from bench.sim.calibration import NOTES_CALIBRATION, Calibration
+from bench.sim.params import SimParams
+from peer import config, ranking
+from peer.engine import scheduler, speeds
+
+SIM_DIR = Path(__file__).resolve().parents[1] / "bench" / "sim"
+
+# Module-level numbers bench/sim may hold: the simulator's own, none a peer's.
+SIMULATOR_OWN = {
+    "NOMINAL_PROMPT_TOKENS",  # where a nominal prefill speed is quoted (reports only)
+    "PY_LIBP2P_CPU_S_PER_MESSAGE",  # an experiment's measured input (docs/RESULTS.md)
+    "PROBE_CANDIDATES",  # the cost_probe what-if, not a peer's (yet)
+    "PROBE_MAX_RTT_FRACTION",
+    "_EPS",  # float round-off of virtual time
+    "_BLOCK_BYTES",  # derived from protocols.bloom.BLOCK_BITS
+    "MAX_MEMO_KEYS",  # the simulator's own memo bound
+    # The publish policy's copies: branch gossipscale turns the publish loop into a pure
+    # core that both drive; until then test_gossip_mirrors_agree checks their values.
+    "GOSSIP_CHANGE_FRACTION",
+    "GOSSIP_EARLY_GAP_FRACTION",
+}
+
+
+def _module_numbers(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign):
+            targets, value = node.targets, node.value
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            targets, value = [node.target], node.value
+        else:
+            continue
+        if any(
+            isinstance(n, ast.Constant) and type(n.value) in (int, float) for n in ast.walk(value)
+        ):
+            for target in targets:
+                names.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
+    return names
+
+
+def test_the_simulator_defines_no_numbers_of_its_own_but_these() -> None:
+    """A number written into bench/sim must be the simulator's own, and listed above."""
+    event_kinds = {"_ARRIVE", "_DELIVER", "_PHASE", "_TICK", "_SUMMARY", "_FIRST_BACK",
+                   "_END_BACK"}
+    found: set[str] = set()
+    for path in sorted(SIM_DIR.glob("*.py")):
+        found |= _module_numbers(path)
+    assert found - event_kinds <= SIMULATOR_OWN, found - event_kinds - SIMULATOR_OWN
+
+
+def test_sim_params_defaults_are_the_peers() -> None:
+    p = SimParams()
+    assert p.max_running is scheduler.DEFAULT_MAX_RUNNING
+    assert p.step_tokens is scheduler.DEFAULT_STEP_TOKENS
+    assert p.block_size is config.DEFAULT_BLOCK_SIZE
+    assert p.summary_interval_s is config.DEFAULT_SUMMARY_INTERVAL_S
+    assert p.bloom_fp_rate is config.DEFAULT_BLOOM_FP_RATE
+    assert p.model_id is config.DEFAULT_MODEL
+    assert p.stream_setup_rtts + 1 == ranking.ROUND_TRIPS_PER_FORWARD
+    assert not {"evict_slack_fraction"} & {f.name for f in dataclasses.fields(SimParams)}
+
+
+def test_the_server_model_and_the_cost_model_share_the_batch_slope() -> None:
+    assert Calibration().batch_step_slope is ranking.BATCH_STEP_SLOPE
+    assert NOTES_CALIBRATION.batch_step_slope is ranking.BATCH_STEP_SLOPE
+
+
+def test_the_simulator_uses_the_engines_own_rules() -> None:
+    """Names the simulator takes from the engine's pure modules are those very objects."""
+    assert sim_model.plan_step is scheduler.plan_step
+    assert sim_model.admit_count is scheduler.admit_count
+    assert sim_model.reusable_tokens is scheduler.reusable_tokens
+    assert sim_model.reusable_blocks is scheduler.reusable_blocks
+    assert sim_model.observe_step is speeds.observe_step
+    assert sim_model.WARMUP_PROMPT_TOKENS is speeds.WARMUP_PROMPT_TOKENS
+    assert sim_model.warmup_max_prompt_tokens is speeds.warmup_max_prompt_tokens
+    assert sim_model.single_stream_decode is ranking.single_stream_decode
+
+
+def test_the_engine_uses_the_same_rules() -> None:
+    """The engine's module calls the pure rules the simulator calls (read from its source:
+    importing it needs torch, which this check does not)."""
+    root = SIM_DIR.parents[1] / "peer" / "engine"
+    engine_src = (root / "engine.py").read_text()
+    for name in ("plan_step", "admit_count", "reusable_tokens", "reusable_blocks",
+                 "observe_step", "warmup_max_prompt_tokens"):
+        assert f"{name}(" in engine_src, name
+    warmup_src = (root / "warmup.py").read_text()
+    assert "from .speeds import WARMUP_PROMPT_TOKENS" in warmup_src
+    assert "WARMUP_PROMPT_TOKENS =" not in warmup_src
+
+
+def test_gossip_mirrors_agree() -> None:
+    """The publish policy's two copies agree until there is one (see SIMULATOR_OWN)."""
+    from peer import gossip
+
+    for sim_name, peer_name in (("GOSSIP_CHANGE_FRACTION", "CHANGE_FRACTION"),
+                                ("GOSSIP_EARLY_GAP_FRACTION", "EARLY_GAP_FRACTION")):
+        if hasattr(sim_model, sim_name):
+            assert getattr(sim_model, sim_name) == getattr(gossip, peer_name), sim_name
