@@ -33,6 +33,9 @@ from bench.sim.experiments import (
 from bench.sim.model import simulate
 from bench.sim.params import POLICY_NAMES, SimParams
 from bench.workloads import load_tokenized_mmlu
+from peer.config import GossipMode
+
+GOSSIP_MODES = tuple(m.value for m in GossipMode)
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -63,6 +66,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--load", type=float, default=0.5)
     ap.add_argument("--interval-s", type=float, default=2.0)
     ap.add_argument("--capacity-blocks", type=int, default=SimParams.capacity_blocks)
+    ap.add_argument("--gossip-mode", default=SimParams.gossip_mode, choices=GOSSIP_MODES,
+                    help="--one: how summaries travel (full flooding or ring neighbourhoods)")
+    ap.add_argument("--neighbours", type=int, default=SimParams.gossip_neighbours,
+                    help="--one, ring mode: the peers each one hears")
     return ap.parse_args(argv)
 
 
@@ -118,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.one:
         sim = SimParams(policy=args.policy, peers=args.peers, delay_ms=args.delay_ms,
                         summary_interval_s=args.interval_s, seed=args.seed,
-                        capacity_blocks=args.capacity_blocks, calibration=cal)
+                        capacity_blocks=args.capacity_blocks, calibration=cal,
+                        gossip_mode=args.gossip_mode, gossip_neighbours=args.neighbours)
         base = Base(peers=args.peers, delay_ms=args.delay_ms, zipf_s=args.zipf_s,
                     load=args.load, requests=args.requests or Base.requests, seed=args.seed,
                     sim=sim)

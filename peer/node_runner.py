@@ -32,7 +32,7 @@ from typing import Any
 
 import trio
 
-from peer.config import PeerConfig
+from peer.config import DEFAULT_GOSSIP_NEIGHBOURS, GossipMode, PeerConfig
 from peer.engine.radix import RadixCache
 from peer.host import WireBytes, count_wire_bytes
 from peer.node import Peer, open_peer
@@ -137,6 +137,8 @@ async def run(args: argparse.Namespace) -> None:
         bootstrap=tuple(args.bootstrap),
         identity_file=Path(args.identity) if args.identity else None,
         summary_interval_s=args.interval,
+        gossip_mode=GossipMode(args.gossip_mode),
+        gossip_neighbours=args.neighbours,
     )
     engine = CacheOnlyEngine() if args.model is None else None
     rng = random.Random(args.seed)
@@ -192,6 +194,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--bootstrap", action="append", default=[])
     parser.add_argument("--identity", default=None, help="key file (default: ephemeral)")
     parser.add_argument("--interval", type=float, default=2.0, help="summary interval, s")
+    parser.add_argument("--gossip-mode", choices=[m.value for m in GossipMode], default="full")
+    parser.add_argument("--neighbours", type=int, default=DEFAULT_GOSSIP_NEIGHBOURS,
+                        help="ring gossip mode: neighbours heard")
     parser.add_argument("--model", default=None, help="load a real model (default: none)")
     parser.add_argument("--insert-tokens", type=int, default=0)
     parser.add_argument("--probe-tokens", type=int, default=0)

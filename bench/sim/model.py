@@ -22,10 +22,13 @@ What is modelled, and how (every number is a field of SimParams or Calibration):
   The entry peer counts a forward on top of its target's last summary until the first
   token, then the end, come back (`PeerTable.record_forward`, `forward_prefilled`,
   `forward_ended`), as peer/pipeline.py does.
-* Anti-entropy as in peer/gossip.py: each peer publishes every T seconds and early
-  (at most every T/4) once 5% of its cached blocks changed; each summary reaches every
-  other peer one one-way delay later (a direct flood; real GossipSub adds mesh hops) and
-  is applied with `PeerTable.apply`.
+* Anti-entropy by the live peer's own `PublishPolicy` (peer/publish_policy.py: every T
+  seconds, early at most every T/4 once 5% of the cached blocks changed; the filter
+  shaped by `bloom_shape`, as peer/gossip.py does). Gossip mode `full`: each summary
+  reaches every other peer one one-way delay later (a direct flood; real GossipSub adds
+  mesh hops and IHAVE gossip). Mode `ring`: it reaches only the peers whose
+  `Neighbourhood` (peer/neighbourhood.py, over every peer's id) holds the publisher.
+  Received summaries are applied with `PeerTable.apply` (which holds at most MAX_PEERS).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from __future__ import annotations
 import heapq
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from bench.sim.params import (
@@ -47,18 +50,18 @@ from bench.sim.params import (
 from bench.sim.summaries import IncrementalBloom
 from bench.stats import cov, mean, percentile
 from bench.workloads import TokenRequest
-from peer.config import SUMMARY_EXPIRY_INTERVALS, Policy
+from peer.config import SUMMARY_EXPIRY_INTERVALS, GossipMode, Policy
 from peer.engine.radix import EventKind, RadixCache
 from peer.engine.speeds import ewma, prefill_speed_sample, warmup_prefill_speed
-from peer.peer_table import ForwardCharge, PeerTable
+from peer.neighbourhood import Neighbourhood
+from peer.peer_table import MAX_PEERS, ForwardCharge, PeerTable
+from peer.publish_policy import PublishPolicy, bloom_shape
 from peer.router import Candidate, LocalState, PeerEstimate, Router
 from protocols.blocks import BlockHasher
 from protocols.bloom import BloomFilter, ProbeCache
 from protocols.summary import CacheSummary, encode_summary
 
-# Mirrors of live-peer constants (the modules that hold them import torch or libp2p).
-GOSSIP_CHANGE_FRACTION = 0.05  # peer/gossip.py CHANGE_FRACTION
-GOSSIP_EARLY_GAP_FRACTION = 0.25  # peer/gossip.py EARLY_GAP_FRACTION
+# Mirrors of live-peer constants (the modules that hold them import torch).
 WARMUP_PROMPT_TOKENS = 64  # peer/engine/warmup.py: speeds are seeded by a warm-up run
 WARMUP_MAX_PROMPT_TOKENS = 4096  # where the warm-up stops doubling (half a long context)
 
@@ -121,6 +124,10 @@ class _Peer:
         policy = Policy.COST if params.policy in (ORACLE, COST_PROBE) else Policy(params.policy)
         self.router = Router(policy, rng, block_size=params.block_size)
         self.bloom = IncrementalBloom(bloom, memo)
+        self.publish_policy = PublishPolicy(
+            params.summary_interval_s, early_publish=params.early_publish
+        )
+        self.neighbours: frozenset[int] = frozenset()  # ring mode: whose summaries we hear
         cal = params.calibration
         # Engine.warmup() seeds the speed estimates: decode, then prefill on a prompt
         # long enough to tell.
@@ -141,8 +148,6 @@ class _Peer:
         self.busy_s = 0.0
         # gossip
         self.seq = 0
-        self.last_publish = -math.inf
-        self.changed_blocks = 0
         self.published = 0
         self.bytes_published = 0
         self.served = 0
@@ -181,6 +186,8 @@ class Simulator:
         self.bloom_hashes = template.num_hashes
         width = max(3, len(str(params.peers - 1)))
         memo: dict[int, tuple[int, int]] = {}
+        # Filters of one shape share a memo; the live sizing may reshape a peer's filter.
+        self._memos = {(template.num_bits, template.num_hashes): memo}
         probe_cache = ProbeCache()  # one per swarm: every peer probes the same chains
         self.peers = [
             _Peer(i, f"peer{i:0{width}d}", params, self.hasher, route_rng, template, memo,
@@ -192,6 +199,24 @@ class Simulator:
         self._delivered: list[tuple[float, float, CacheSummary] | None] = [None] * params.peers
         self._applied_seq = [[0] * params.peers for _ in range(params.peers)]
         self._index = {p.peer_id: p.idx for p in self.peers}
+        self._ring = params.gossip_mode == GossipMode.RING.value
+        # Per source, the peers that hear its summaries.
+        self._audience: list[list[int]] = [[] for _ in self.peers]
+        if self._ring:
+            ids = [p.peer_id for p in self.peers]
+            for peer in self.peers:
+                hood = Neighbourhood(peer.peer_id, params.gossip_neighbours)
+                hood.update(ids)
+                peer.neighbours = frozenset(self._index[m] for m in hood.members)
+                for source in peer.neighbours:
+                    self._audience[source].append(peer.idx)
+        else:
+            everyone = list(range(params.peers))
+            for peer in self.peers:
+                self._audience[peer.idx] = [i for i in everyone if i != peer.idx]
+        self._sources: list[Sequence[int]] = [
+            sorted(p.neighbours) if self._ring else range(params.peers) for p in self.peers
+        ]
         self._d = params.delay_ms / 1000.0
         self._events: list[tuple[float, int, int, int, Any]] = []
         self._seq = 0
@@ -200,6 +225,11 @@ class Simulator:
         self._forwarded = 0
         self._summaries_applied = 0
         self._summaries_rejected = 0
+        # Called with (peer index, time, summary) at each publish (tests compare it with
+        # the live publisher's decisions).
+        self.on_publish: Callable[[int, float, CacheSummary], None] | None = None
+        self._received = 0  # summaries delivered, counted once per receiver
+        self._received_bytes = 0
         self._now = 0.0
 
     # -- plumbing ---------------------------------------------------------------------
@@ -452,7 +482,7 @@ class Simulator:
                 peer.bloom.add(ev.block_hash)
             else:
                 peer.bloom.remove(ev.block_hash)
-        peer.changed_blocks += len(events)
+        peer.publish_policy.observe(events, peer.cache.num_blocks)
 
     @property
     def _warmup_n(self) -> int:
@@ -461,24 +491,26 @@ class Simulator:
     # -- anti-entropy ---------------------------------------------------------------------
 
     def _tick(self, peer: _Peer, now: float) -> None:
-        """One turn of peer/gossip.py's publish loop."""
-        interval = self.params.summary_interval_s
-        early_gap = interval * GOSSIP_EARLY_GAP_FRACTION
-        threshold = max(1, math.ceil(GOSSIP_CHANGE_FRACTION * peer.cache.num_blocks))
-        due = now - peer.last_publish >= interval - _EPS
-        early = (
-            self.params.early_publish
-            and peer.changed_blocks >= threshold
-            and now - peer.last_publish >= early_gap - _EPS
-        )
-        if due or early:
+        """One turn of peer/gossip.py's publish loop, decided by the same PublishPolicy."""
+        if peer.publish_policy.poll(now) is not None:
             self._publish(peer, now)
-        self._push(min(peer.last_publish + interval, now + early_gap), _TICK, peer.idx)
+        self._push(peer.publish_policy.next_deadline(), _TICK, peer.idx)
+
+    def _reshape(self, peer: _Peer) -> None:
+        """Give `peer` the filter shape the live sizing picks for its cache now."""
+        if self.params.bloom_bits_per_entry is not None:
+            return  # the bloom sweep fixes the shape
+        shape = bloom_shape(peer.cache.num_blocks, self.params.bloom_fp_rate)
+        if shape == (peer.bloom.num_bits, peer.bloom.num_hashes):
+            return
+        memo = self._memos.setdefault(shape, {})
+        peer.bloom = IncrementalBloom(BloomFilter(*shape), memo)
+        for key in peer.cache.cached_hashes():
+            peer.bloom.add(key)
 
     def _publish(self, peer: _Peer, now: float) -> None:
         peer.seq += 1
-        peer.last_publish = now
-        peer.changed_blocks = 0
+        self._reshape(peer)
         summary = CacheSummary(
             peer_id=peer.peer_id,
             model_id=self.params.model_id,
@@ -494,14 +526,21 @@ class Simulator:
             prefill_tokens_per_s=peer.prefill_tps,
             decode_tokens_per_s=peer.decode_tps,
         )
+        if self.on_publish is not None:
+            self.on_publish(peer.idx, now, summary)
+        size = len(encode_summary(summary))
         peer.published += 1
-        peer.bytes_published += len(encode_summary(summary))
-        if self.params.peers > 1:
+        peer.bytes_published += size
+        audience = len(self._audience[peer.idx])
+        self._received += audience
+        self._received_bytes += audience * size
+        if audience:
             delay = self._one_way()
             self._push(now + delay, _SUMMARY, peer.idx, (delay, summary))
 
     def _deliver_summary(self, source: int, item: tuple[float, CacheSummary], now: float) -> None:
-        """A summary reaches every other peer now. Applying it is deferred to a receiver's
+        """A summary reaches its audience (every other peer, or the ring neighbours that
+        hear `source`) now. Applying it is deferred to a receiver's
         next routing decision (`_catch_up`); a newer summary from the same source
         replaces it, which PeerTable.apply would do anyway."""
         delay, summary = item
@@ -513,8 +552,10 @@ class Simulator:
         """Apply, in delivery order and at their delivery times, the summaries delivered
         to `peer` since it last looked."""
         applied = self._applied_seq[peer.idx]
+        delivered = self._delivered
         todo = []
-        for source, latest in enumerate(self._delivered):
+        for source in self._sources[peer.idx]:
+            latest = delivered[source]
             if latest is not None and latest[2].seq > applied[source] and source != peer.idx:
                 todo.append((latest[0], source, latest))
         todo.sort()
@@ -522,6 +563,11 @@ class Simulator:
         for t, source, (_, delay, summary) in todo:
             applied[source] = summary.seq
             sender = self.peers[source].peer_id
+            if len(table) >= MAX_PEERS and table.get(sender, t) is None:
+                # What apply answers (TABLE_FULL) without decoding the filter first: every
+                # peer publishes well within the expiry, so no entry is reaped to make room.
+                self._summaries_rejected += 1
+                continue
             result = table.apply(summary, sender, t)
             if result.accepted:
                 self._summaries_applied += 1
@@ -547,6 +593,7 @@ class Simulator:
         n = self.params.peers
         gossip_bytes = sum(p.bytes_published for p in self.peers)
         publishes = sum(p.published for p in self.peers)
+        received, received_bytes = self._received, self._received_bytes
         metrics = {
             "requests": float(len(kept)),
             "ttft_mean_s": mean(ttft),
@@ -563,9 +610,11 @@ class Simulator:
             "duration_s": duration,
             "summaries_published": float(publishes),
             "summary_bytes_mean": gossip_bytes / publishes if publishes else 0.0,
-            # each summary reaches each of the other n - 1 peers once (a lower bound for
-            # GossipSub, which also relays and sends IHAVE gossip)
-            "gossip_bytes_per_s_per_peer": gossip_bytes * (n - 1) / n / duration,
+            # summaries received per peer: each reaches each peer of its audience once (a
+            # lower bound for GossipSub, which also relays and sends IHAVE gossip)
+            "gossip_messages_per_s_per_peer": received / n / duration,
+            "gossip_bytes_per_s_per_peer": received_bytes / n / duration,
+            "gossip_neighbours_mean": sum(len(a) for a in self._audience) / n,
             "summaries_rejected": float(self._summaries_rejected),
             "bloom_bits": float(self.bloom_bits),
             "bloom_hashes": float(self.bloom_hashes),

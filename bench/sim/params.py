@@ -7,7 +7,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from bench.sim.calibration import NOTES_CALIBRATION, Calibration
-from peer.config import Policy
+from peer.config import DEFAULT_GOSSIP_NEIGHBOURS, GossipMode, Policy
+from peer.publish_policy import bloom_shape
 from protocols.bloom import BLOCK_BITS, BloomFilter
 
 ORACLE = "oracle"  # exact, instant global knowledge fed to the COST model (an upper bound)
@@ -31,6 +32,8 @@ class SimParams:
     stream_setup_rtts: int = 1  # round trips to open a stream before the request is sent
     summary_interval_s: float = 2.0
     early_publish: bool = True  # peer/gossip.py's early publish on 5% change
+    gossip_mode: str = GossipMode.FULL.value  # `full` flooding or `ring` neighbourhoods
+    gossip_neighbours: int = DEFAULT_GOSSIP_NEIGHBOURS  # ring mode: peers each one hears
     bloom_fp_rate: float = 0.01  # the live peer's default (peer/config.py)
     bloom_bits_per_entry: float | None = None  # overrides bloom_fp_rate: bits per capacity block
     capacity_blocks: int = 256  # KV budget per peer: 4,096 tokens, ~190 MB of SmolLM2 fp32 KV
@@ -59,6 +62,12 @@ class SimParams:
             raise ValueError(f"summary_interval_s must be > 0, got {self.summary_interval_s}")
         if self.capacity_blocks < 1:
             raise ValueError(f"capacity_blocks must be >= 1, got {self.capacity_blocks}")
+        if self.gossip_mode not in {m.value for m in GossipMode}:
+            raise ValueError(f"gossip_mode must be one of {[m.value for m in GossipMode]}")
+        if not 2 <= self.gossip_neighbours <= 64 or self.gossip_neighbours % 2:
+            raise ValueError(
+                f"gossip_neighbours must be even, in [2, 64], got {self.gossip_neighbours}"
+            )
         if self.bloom_bits_per_entry is not None and self.bloom_bits_per_entry <= 0:
             raise ValueError(f"bloom_bits_per_entry must be > 0, got {self.bloom_bits_per_entry}")
         if not 0 <= self.warmup_fraction < 1:
@@ -70,9 +79,11 @@ class SimParams:
         return out
 
     def bloom_template(self) -> BloomFilter:
-        """An empty filter of the shape every peer publishes."""
+        """An empty filter of the shape every peer starts publishing: the live sizing's
+        (peer/publish_policy.py `bloom_shape`, re-applied at each publish), unless
+        `bloom_bits_per_entry` fixes the shape."""
         if self.bloom_bits_per_entry is None:
-            return BloomFilter.for_capacity(self.capacity_blocks, self.bloom_fp_rate)
+            return BloomFilter(*bloom_shape(0, self.bloom_fp_rate))
         bits = self.bloom_bits_per_entry * self.capacity_blocks
         num_bits = max(1, math.ceil(bits / BLOCK_BITS)) * BLOCK_BITS
         num_hashes = max(1, min(16, round(self.bloom_bits_per_entry * math.log(2))))
