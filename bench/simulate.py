@@ -29,6 +29,7 @@ from bench.sim.experiments import (
     make_workload,
     quick_grid,
     run_grid,
+    scale_checks,
 )
 from bench.sim.model import simulate
 from bench.sim.params import POLICY_NAMES, SimParams
@@ -48,7 +49,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--requests", type=int, help="requests per run (default: grid's)")
     ap.add_argument("--experiments", help="comma-separated subset: delay,skew,load,"
-                    "staleness,bloom,scale")
+                    "staleness,bloom,scale (scale: gossip modes full and ring side by side)")
     ap.add_argument("--policies", help="comma-separated: only these policies, in every sweep")
     ap.add_argument("--scale-requests-per-peer", type=int,
                     help="scale runs use max(--requests, this x peers) requests (default 16)")
@@ -70,6 +71,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                     help="--one: how summaries travel (full flooding or ring neighbourhoods)")
     ap.add_argument("--neighbours", type=int, default=SimParams.gossip_neighbours,
                     help="--one, ring mode: the peers each one hears")
+    ap.add_argument("--gossip-modes", help="scale sweep: comma-separated gossip modes "
+                    "(default: full,ring)")
     return ap.parse_args(argv)
 
 
@@ -152,6 +155,11 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"unknown policies {sorted(unknown)}; known: {POLICY_NAMES}")
         grid = dataclasses.replace(grid, policies=only, skew_load_policies=only,
                                    scale_policies=only)
+    if args.gossip_modes:
+        modes = tuple(args.gossip_modes.split(","))
+        if set(modes) - set(GOSSIP_MODES):
+            raise SystemExit(f"unknown gossip modes {modes}; known: {GOSSIP_MODES}")
+        grid = dataclasses.replace(grid, scale_gossip_modes=modes)
     if args.scale_requests_per_peer:
         grid = dataclasses.replace(grid, scale_requests_per_peer=args.scale_requests_per_peer)
     rows = run_grid(grid, data, jobs=args.jobs, progress=_progress)
@@ -167,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
         "wall_s": wall,
     }
     checks = _checks(rows)
-    out = {"params": params, "rows": rows, "cost_vs_best": checks}
+    out = {"params": params, "rows": rows, "cost_vs_best": checks,
+           "scale_checks": scale_checks(rows)}
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(out, indent=1, default=str))

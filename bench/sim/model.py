@@ -54,7 +54,7 @@ from peer.config import SUMMARY_EXPIRY_INTERVALS, GossipMode, Policy
 from peer.engine.radix import EventKind, RadixCache
 from peer.engine.speeds import ewma, prefill_speed_sample, warmup_prefill_speed
 from peer.neighbourhood import Neighbourhood
-from peer.peer_table import MAX_PEERS, ForwardCharge, PeerTable
+from peer.peer_table import ForwardCharge, PeerTable, Verdict
 from peer.publish_policy import PublishPolicy, bloom_shape
 from peer.router import Candidate, LocalState, PeerEstimate, Router
 from protocols.blocks import BlockHasher
@@ -214,8 +214,12 @@ class Simulator:
             everyone = list(range(params.peers))
             for peer in self.peers:
                 self._audience[peer.idx] = [i for i in everyone if i != peer.idx]
-        self._sources: list[Sequence[int]] = [
-            sorted(p.neighbours) if self._ring else range(params.peers) for p in self.peers
+        # Per receiver, the sources whose summaries it may apply: its audience's inverse,
+        # less those its full table refused (TABLE_FULL is final here: every peer
+        # publishes well within the expiry, so no entry is ever reaped to make room).
+        self._sources: list[list[int]] = [
+            sorted(p.neighbours) if self._ring else [i for i in range(params.peers) if i != p.idx]
+            for p in self.peers
         ]
         self._d = params.delay_ms / 1000.0
         self._events: list[tuple[float, int, int, int, Any]] = []
@@ -556,24 +560,25 @@ class Simulator:
         todo = []
         for source in self._sources[peer.idx]:
             latest = delivered[source]
-            if latest is not None and latest[2].seq > applied[source] and source != peer.idx:
+            if latest is not None and latest[2].seq > applied[source]:
                 todo.append((latest[0], source, latest))
         todo.sort()
         table = peer.table
+        refused = []
         for t, source, (_, delay, summary) in todo:
             applied[source] = summary.seq
             sender = self.peers[source].peer_id
-            if len(table) >= MAX_PEERS and table.get(sender, t) is None:
-                # What apply answers (TABLE_FULL) without decoding the filter first: every
-                # peer publishes well within the expiry, so no entry is reaped to make room.
-                self._summaries_rejected += 1
-                continue
             result = table.apply(summary, sender, t)
+            if result.reason is Verdict.TABLE_FULL:
+                refused.append(source)
             if result.accepted:
                 self._summaries_applied += 1
                 table.record_rtt(sender, 2 * delay, t)
             else:
                 self._summaries_rejected += 1
+        if refused:
+            gone = set(refused)
+            self._sources[peer.idx] = [s for s in self._sources[peer.idx] if s not in gone]
 
     # -- results ----------------------------------------------------------------------
 
