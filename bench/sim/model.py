@@ -27,7 +27,13 @@ What is modelled, and how (every number is a field of SimParams or Calibration):
   shaped by `bloom_shape`, as peer/gossip.py does). Gossip mode `full`: each summary
   reaches every other peer one one-way delay later (a direct flood; real GossipSub adds
   mesh hops and IHAVE gossip). Mode `ring`: it reaches only the peers whose
-  `Neighbourhood` (peer/neighbourhood.py, over every peer's id) holds the publisher.
+  `Neighbourhood` (peer/neighbourhood.py, over every peer's id) holds the publisher,
+  plus the entry peers that looked up one of its prefix roots (peer/interest.py): a peer
+  announces each prefix root it caches to the root's PROVIDER_HOMES home peers (and
+  withdraws it on eviction); an entry peer asked for a root that neither it nor any peer
+  it hears holds looks it up (`lookup_rtts` round trips), probes up to
+  `lookup_providers` holders (one more round trip; the reply carries the holder's
+  summary) and keeps hearing them in its bounded `Interest`. The request waits for it.
   Received summaries are applied with `PeerTable.apply` (which holds at most MAX_PEERS).
 """
 
@@ -53,6 +59,7 @@ from bench.workloads import TokenRequest
 from peer.config import SUMMARY_EXPIRY_INTERVALS, GossipMode, Policy
 from peer.engine.radix import EventKind, RadixCache
 from peer.engine.speeds import ewma, prefill_speed_sample, warmup_prefill_speed
+from peer.interest import Interest, ProviderIndex
 from peer.neighbourhood import Neighbourhood
 from peer.peer_table import ForwardCharge, PeerTable, Verdict
 from peer.publish_policy import PublishPolicy, bloom_shape
@@ -65,6 +72,12 @@ from protocols.summary import CacheSummary, encode_summary
 WARMUP_PROMPT_TOKENS = 64  # peer/engine/warmup.py: speeds are seeded by a warm-up run
 WARMUP_MAX_PROMPT_TOKENS = 4096  # where the warm-up stops doubling (half a long context)
 
+PROVIDER_HOMES = 2  # a root's records live on its 2 nearest ring peers (one may be gone)
+LOOKUP_REQUEST_BYTES = 128  # a CBOR request naming one 64-bit root, with framing
+PROVIDER_RECORD_BYTES = 48  # a binary peer id (38 bytes) and a time, per provider returned
+# Provider records are withdrawn exactly on eviction here, so they never go stale; the
+# live DHT's re-announcements (one per held root per record lifetime) are not counted.
+_PROVIDER_TTL_S = 1e12
 _EPS = 1e-9  # virtual-time slack for float round-off in the processor-sharing server
 
 # Event kinds, in the order they are handled when simultaneous (then FIFO).
@@ -128,6 +141,7 @@ class _Peer:
             params.summary_interval_s, early_publish=params.early_publish
         )
         self.neighbours: frozenset[int] = frozenset()  # ring mode: whose summaries we hear
+        self.interest = Interest(params.gossip_interest, params.summary_interval_s)
         cal = params.calibration
         # Engine.warmup() seeds the speed estimates: decode, then prefill on a prompt
         # long enough to tell.
@@ -199,6 +213,10 @@ class Simulator:
         self._delivered: list[tuple[float, float, CacheSummary] | None] = [None] * params.peers
         self._applied_seq = [[0] * params.peers for _ in range(params.peers)]
         self._index = {p.peer_id: p.idx for p in self.peers}
+        self._providers = ProviderIndex(_PROVIDER_TTL_S)
+        self._roots: set[int] = set()  # first block hash of every prompt seen
+        self._latest: list[CacheSummary | None] = [None] * params.peers  # last published
+        self._lookups = 0
         self._ring = params.gossip_mode == GossipMode.RING.value
         # Per source, the peers that hear its summaries.
         self._audience: list[list[int]] = [[] for _ in self.peers]
@@ -255,6 +273,8 @@ class Simulator:
         if cached is None:
             cached = self.hasher.chain(req.prefix)
             self._prefix_chains[req.prefix_key] = cached
+            if cached:
+                self._roots.add(cached[0])
         chain = list(cached)
         prev = chain[-1] if chain else None
         for b in range(len(chain), len(tokens) // bs):
@@ -300,13 +320,18 @@ class Simulator:
         job.entry = self._entry_rng.randrange(self.params.peers)
         entry = self.peers[job.entry]
         wait = 0.0
+        if self._ring and job.chain and self.params.policy != ORACLE:
+            wait = self._lookup(entry, job, now)
         if self.params.policy == ORACLE:
             target, match_tokens = self._oracle_choice(entry, job, now)
         elif self.params.policy == COST_PROBE:
-            target, match_tokens, wait = self._probe_choice(entry, job, now)
+            target, match_tokens, probe_wait = self._probe_choice(entry, job, now)
+            wait += probe_wait
         else:
             target, match_tokens = self._router_choice(entry, job, now)
         job.target = target
+        if self._ring:
+            entry.interest.touch(self.peers[target].peer_id)
         if target == job.entry:
             if wait > 0:
                 self._push(now + wait, _DELIVER, target, job)
@@ -318,6 +343,57 @@ class Simulator:
         job.charge = entry.table.record_forward(self.peers[target].peer_id, counted, now)
         delay = sum(self._one_way() for _ in range(2 * self.params.stream_setup_rtts + 1))
         self._push(now + wait + delay, _DELIVER, target, job)
+
+    def _lookup(self, entry: _Peer, job: _Job, now: float) -> float:
+        """Ring mode: look up the prompt's root when no peer the entry hears holds it;
+        listen to a few holders from now on. Returns the seconds the request waited."""
+        bs = self.params.block_size
+        if entry.cache.peek(job.tokens) >= bs:
+            return 0.0
+        self._catch_up(entry)
+        root = job.chain[0]
+        if any(row.match_blocks for row in entry.table.routing_rows(job.chain[:1], now)):
+            return 0.0
+        if not entry.interest.should_lookup(root, now):
+            return 0.0
+        self._lookups += 1
+        found = self._providers.providers(root, now)
+        rtts = self.params.lookup_rtts
+        self._received += 2 * rtts
+        self._received_bytes += 2 * rtts * LOOKUP_REQUEST_BYTES + len(found) * PROVIDER_RECORD_BYTES
+        candidates = [self._index[p] for p in found]
+        chosen = [
+            i for i in candidates if i != entry.idx and i not in entry.neighbours
+        ][: self.params.lookup_providers]
+        wait = sum(self._one_way() + self._one_way() for _ in range(rtts))
+        if not chosen:
+            return wait
+        wait += max(self._one_way() + self._one_way() for _ in chosen)  # probes, in parallel
+        change = entry.interest.add(
+            [self.peers[i].peer_id for i in chosen],
+            exclude=[self.peers[i].peer_id for i in entry.neighbours],
+        )
+        applied = self._applied_seq[entry.idx]
+        for peer_id in change.removed:
+            source = self._index[peer_id]
+            self._audience[source].remove(entry.idx)
+            self._sources[entry.idx].remove(source)
+            applied[source] = 0
+            entry.table.remove(peer_id)
+        for peer_id in change.added:
+            source = self._index[peer_id]
+            self._audience[source].append(entry.idx)
+            self._sources[entry.idx].append(source)
+            summary = self._latest[source]
+            self._received += 2
+            self._received_bytes += LOOKUP_REQUEST_BYTES
+            if summary is None:
+                continue
+            self._received_bytes += len(encode_summary(summary))
+            applied[source] = summary.seq
+            if entry.table.apply(summary, peer_id, now).accepted:
+                self._summaries_applied += 1
+        return wait
 
     def _local_state(self, peer: _Peer, tokens: tuple[int, ...]) -> LocalState:
         return LocalState(
@@ -477,15 +553,24 @@ class Simulator:
             slack = int(cache.capacity_blocks * self.params.evict_slack_fraction)
             cache.evict(need + slack)
         cache.insert(tokens, _no_value, now)
-        self._drain(peer)
+        self._drain(peer, now)
 
-    def _drain(self, peer: _Peer) -> None:
+    def _drain(self, peer: _Peer, now: float) -> None:
         events = peer.cache.drain_events()
+        roots = self._roots if self._ring else ()
         for ev in events:
-            if ev.kind is EventKind.STORED:
+            stored = ev.kind is EventKind.STORED
+            if stored:
                 peer.bloom.add(ev.block_hash)
             else:
                 peer.bloom.remove(ev.block_hash)
+            if ev.block_hash in roots:  # announce to / withdraw from the root's homes
+                if stored:
+                    self._providers.announce(ev.block_hash, peer.peer_id, now)
+                else:
+                    self._providers.withdraw(ev.block_hash, peer.peer_id)
+                self._received += PROVIDER_HOMES
+                self._received_bytes += PROVIDER_HOMES * LOOKUP_REQUEST_BYTES
         peer.publish_policy.observe(events, peer.cache.num_blocks)
 
     @property
@@ -530,6 +615,7 @@ class Simulator:
             prefill_tokens_per_s=peer.prefill_tps,
             decode_tokens_per_s=peer.decode_tps,
         )
+        self._latest[peer.idx] = summary
         if self.on_publish is not None:
             self.on_publish(peer.idx, now, summary)
         size = len(encode_summary(summary))
@@ -620,6 +706,7 @@ class Simulator:
             "gossip_messages_per_s_per_peer": received / n / duration,
             "gossip_bytes_per_s_per_peer": received_bytes / n / duration,
             "gossip_neighbours_mean": sum(len(a) for a in self._audience) / n,
+            "gossip_lookups": float(self._lookups),
             "summaries_rejected": float(self._summaries_rejected),
             "bloom_bits": float(self.bloom_bits),
             "bloom_hashes": float(self.bloom_hashes),

@@ -8,6 +8,7 @@ from typing import Any
 
 from bench.sim.calibration import NOTES_CALIBRATION, Calibration
 from peer.config import DEFAULT_GOSSIP_NEIGHBOURS, GossipMode, Policy
+from peer.interest import DEFAULT_INTEREST_PEERS, DEFAULT_PROVIDERS_PER_LOOKUP
 from peer.publish_policy import bloom_shape
 from protocols.bloom import BLOCK_BITS, BloomFilter
 
@@ -34,6 +35,11 @@ class SimParams:
     early_publish: bool = True  # peer/gossip.py's early publish on 5% change
     gossip_mode: str = GossipMode.FULL.value  # `full` flooding or `ring` neighbourhoods
     gossip_neighbours: int = DEFAULT_GOSSIP_NEIGHBOURS  # ring mode: peers each one hears
+    gossip_interest: int = DEFAULT_INTEREST_PEERS  # ring mode: extra peers heard on demand
+    lookup_providers: int = DEFAULT_PROVIDERS_PER_LOOKUP  # ring mode: holders probed
+    # ring mode: round trips of a provider lookup (a Kademlia lookup at ~1,000 peers takes
+    # a few, parallel; 2 here), before the probe's own round trip
+    lookup_rtts: int = 2
     bloom_fp_rate: float = 0.01  # the live peer's default (peer/config.py)
     bloom_bits_per_entry: float | None = None  # overrides bloom_fp_rate: bits per capacity block
     capacity_blocks: int = 256  # KV budget per peer: 4,096 tokens, ~190 MB of SmolLM2 fp32 KV
