@@ -31,9 +31,9 @@ What is modelled, and how (every number is a field of SimParams or Calibration):
   plus the entry peers that looked up one of its prefix roots (peer/interest.py): a peer
   announces each prefix root it caches to the root's PROVIDER_HOMES home peers (and
   withdraws it on eviction); an entry peer asked for a root that neither it nor any peer
-  it hears holds looks it up (`lookup_rtts` round trips), probes up to
-  `lookup_providers` holders (one more round trip; the reply carries the holder's
-  summary) and keeps hearing them in its bounded `Interest`. The request waits for it.
+  it hears holds looks it up (`lookup_rtts` round trips), probes `lookup_providers`
+  holders drawn at random from the records (one more round trip; the reply carries the
+  holder's summary) and keeps hearing them in its bounded `Interest`. The request waits.
   Received summaries are applied with `PeerTable.apply` (which holds at most MAX_PEERS).
 """
 
@@ -194,6 +194,7 @@ class Simulator:
         self._entry_rng = random.Random(f"{params.seed}/entry")
         self._net_rng = random.Random(f"{params.seed}/net")
         self._phase_rng = random.Random(f"{params.seed}/phase")
+        self._lookup_rng = random.Random(f"{params.seed}/lookup")
         route_rng = random.Random(f"{params.seed}/route")
         template = params.bloom_template()
         self.bloom_bits = template.num_bits
@@ -361,10 +362,15 @@ class Simulator:
         rtts = self.params.lookup_rtts
         self._received += 2 * rtts
         self._received_bytes += 2 * rtts * LOOKUP_REQUEST_BYTES + len(found) * PROVIDER_RECORD_BYTES
-        candidates = [self._index[p] for p in found]
-        chosen = [
-            i for i in candidates if i != entry.idx and i not in entry.neighbours
-        ][: self.params.lookup_providers]
+        candidates = [
+            i for i in (self._index[p] for p in found)
+            if i != entry.idx and i not in entry.neighbours
+        ]
+        # a random few of the holders: the most recent announcers for every entry would
+        # herd a swarm's requests for a root onto the same two peers
+        chosen = self._lookup_rng.sample(
+            candidates, min(len(candidates), self.params.lookup_providers)
+        )
         wait = sum(self._one_way() + self._one_way() for _ in range(rtts))
         if not chosen:
             return wait
