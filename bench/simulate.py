@@ -73,6 +73,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                     help="--one, ring mode: the peers each one hears")
     ap.add_argument("--gossip-modes", help="scale sweep: comma-separated gossip modes "
                     "(default: full,ring)")
+    ap.add_argument("--scale-peers", help="scale sweep: comma-separated swarm sizes "
+                    "(default: 16,64,256,1024)")
     return ap.parse_args(argv)
 
 
@@ -93,7 +95,8 @@ def _replot(args: argparse.Namespace) -> int:
     params = {**docs[0]["params"], "merged_from": [
         {"file": str(p), "experiments": sorted({r["experiment"] for r in d["rows"]}),
          "wall_s": d["params"].get("wall_s")} for p, d in zip(args.replot, docs, strict=True)]}
-    out = {"params": params, "rows": rows, "cost_vs_best": _checks(rows)}
+    out = {"params": params, "rows": rows, "cost_vs_best": _checks(rows),
+           "scale_checks": scale_checks(rows)}
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(out, indent=1, default=str))
@@ -160,6 +163,10 @@ def main(argv: list[str] | None = None) -> int:
         if set(modes) - set(GOSSIP_MODES):
             raise SystemExit(f"unknown gossip modes {modes}; known: {GOSSIP_MODES}")
         grid = dataclasses.replace(grid, scale_gossip_modes=modes)
+    if args.scale_peers:
+        grid = dataclasses.replace(
+            grid, scale_peers=tuple(int(n) for n in args.scale_peers.split(","))
+        )
     if args.scale_requests_per_peer:
         grid = dataclasses.replace(grid, scale_requests_per_peer=args.scale_requests_per_peer)
     rows = run_grid(grid, data, jobs=args.jobs, progress=_progress)

@@ -335,24 +335,29 @@ def compare_cost(rows: Sequence[dict[str, Any]], metric: str, experiments: Itera
 def scale_checks(rows: Sequence[dict[str, Any]], mode: str = GossipMode.RING.value,
                  policy: str = Policy.COST.value) -> dict[str, Any]:
     """Issue 15's targets from the scale rows: `mode` against full flooding at the largest
-    N (messages, bytes per peer per second, hit ratio) and its growth from 64 peers."""
-    by: dict[tuple[str, int], dict[str, Any]] = {}
+    N both ran with the same requests (messages and bytes per peer per second, hit ratio),
+    and `mode`'s growth from 64 peers (its longest runs at each size)."""
+    by: dict[tuple[str, int, int], dict[str, Any]] = {}
     for r in rows:
         if r["experiment"] == "scale" and r["policy"] == policy:
-            by[(r["gossip_mode"], r["peers"])] = r
-    sizes = sorted({n for m, n in by if m == mode and (GossipMode.FULL.value, n) in by})
-    if not sizes:
+            by[(r["gossip_mode"], r["peers"], r["requests"])] = r
+    both = sorted((n, q) for m, n, q in by if m == mode and (GossipMode.FULL.value, n, q) in by)
+    if not both:
         return {}
-    top = sizes[-1]
-    new, full = by[(mode, top)], by[(GossipMode.FULL.value, top)]
-    out: dict[str, Any] = {"mode": mode, "policy": policy, "peers": top}
+    top, requests = both[-1]
+    new, full = by[(mode, top, requests)], by[(GossipMode.FULL.value, top, requests)]
+    out: dict[str, Any] = {"mode": mode, "policy": policy, "peers": top, "requests": requests}
     for key in ("gossip_messages_per_s_per_peer", "gossip_bytes_per_s_per_peer", "hit_ratio",
                 "ttft_mean_s"):
         out[f"{key}_of_full"] = new[key] / full[key] if full[key] else math.nan
-    low = 64 if (mode, 64) in by else sizes[0]
+    longest = {}
+    for m, n, q in sorted(by):
+        if m == mode:
+            longest[n] = by[(m, n, q)]
+    low, high = (64 if 64 in longest else min(longest)), max(longest)
     for key in ("gossip_messages_per_s_per_peer", "gossip_bytes_per_s_per_peer"):
-        base = by[(mode, low)][key]
-        out[f"{key}_growth_from_{low}"] = new[key] / base if base else math.nan
+        base = longest[low][key]
+        out[f"{key}_growth_{low}_to_{high}"] = longest[high][key] / base if base else math.nan
     return out
 
 
