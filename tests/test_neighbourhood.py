@@ -327,3 +327,26 @@ def test_simulated_ring_receipts_do_not_grow_with_the_swarm() -> None:
     assert rates[("ring", 24)] < rates[("full", 24)] / 3
     with pytest.raises(ValueError):
         dataclasses.replace(SimParams(), gossip_mode="flood")
+
+
+def test_scale_checks_compare_like_with_like() -> None:
+    from bench.sim.experiments import scale_checks
+
+    def row(mode: str, n: int, requests: int, msgs: float, hit: float) -> dict[str, Any]:
+        return {"experiment": "scale", "policy": "cost", "gossip_mode": mode, "peers": n,
+                "requests": requests, "gossip_messages_per_s_per_peer": msgs,
+                "gossip_bytes_per_s_per_peer": 1000 * msgs, "hit_ratio": hit,
+                "ttft_mean_s": 1.0}  # fmt: skip
+
+    rows = [
+        row("full", 64, 4608, 34.0, 0.87), row("ring", 64, 4608, 8.0, 0.85),
+        row("full", 1024, 18432, 550.0, 0.88), row("ring", 1024, 18432, 9.0, 0.86),
+        row("ring", 1024, 73728, 8.8, 0.87),
+    ]  # fmt: skip
+    checks = scale_checks(rows)
+    assert (checks["peers"], checks["requests"]) == (1024, 18432)  # the pair both ran
+    assert checks["gossip_messages_per_s_per_peer_of_full"] == pytest.approx(9.0 / 550.0)
+    assert checks["hit_ratio_of_full"] == pytest.approx(0.86 / 0.88)
+    # growth: ring's longest runs, 64 -> 1024
+    assert checks["gossip_messages_per_s_per_peer_growth_64_to_1024"] == pytest.approx(8.8 / 8.0)
+    assert scale_checks(rows[1:2]) == {}
