@@ -258,20 +258,25 @@ class Gossip:
         to those who joined, stop listening to (and forget) those who left."""
         known = [peer_id.to_base58() for peer_id in list(self._pubsub.peers)]
         change = self._neighbourhood.update(known)
+        # (py-libp2p changes its local subscriptions before announcing them to every
+        # peer; a stalled announcement must not stop the publish loop)
         for peer_id in change.removed:
             self._stats["neighbours_left"] += 1
             scope = self._listening.pop(peer_id, None)
             if scope is not None:
                 scope.cancel()
             topic = self._ring_topic(peer_id)
-            await self._pubsub.unsubscribe(topic)
+            with trio.move_on_after(PUBLISH_TIMEOUT_S):
+                await self._pubsub.unsubscribe(topic)
             self._pubsub.remove_topic_validator(topic)
             self._table.remove(peer_id)  # no longer hears its summaries
         for peer_id in change.added:
             self._stats["neighbours_joined"] += 1
             topic = self._ring_topic(peer_id)
             self._pubsub.set_topic_validator(topic, self._validator(peer_id), False)
-            subscription = await self._pubsub.subscribe(topic)
+            with trio.move_on_after(PUBLISH_TIMEOUT_S):
+                await self._pubsub.subscribe(topic)
+            subscription = await self._pubsub.subscribe(topic)  # subscribed: returns at once
             scope = trio.CancelScope()
             self._listening[peer_id] = scope
             nursery.start_soon(self._drain_until_cancelled, subscription, scope)
@@ -288,8 +293,9 @@ class Gossip:
         async for _msg in subscription:
             self._stats["delivered"] += 1
 
-    def _count_changes(self) -> int:
-        """Drain the cache's events into the filter's bookkeeping and the policy."""
+    def _count_changes(self, *, for_policy: bool = True) -> int:
+        """Drain the cache's events into the filter's bookkeeping and (unless they are
+        going into the summary being built) the publish policy's count."""
         changes = 0
         events = self._engine.cache.drain_events()
         for ev in events:
@@ -303,13 +309,14 @@ class Gossip:
         if len(self._stored_since) > self._engine.cache.capacity_blocks:
             self._removed_since = True  # more news than fits: rebuild, drop the list
             self._stored_since.clear()
-        self._policy.observe(events, self._engine.cache.num_blocks)
+        if for_policy:
+            self._policy.observe(events, self._engine.cache.num_blocks)
         return changes
 
     def _current_bloom(self) -> BloomFilter:
         """A filter of exactly the cached hashes: the last one plus new blocks when
         nothing was removed and the size did not change, else rebuilt."""
-        self._count_changes()
+        self._count_changes(for_policy=False)
         cache = self._engine.cache
         num_blocks = cache.num_blocks
         fresh = summary_bloom(num_blocks, self._fp_rate)
