@@ -72,6 +72,7 @@ from protocols.summary import CacheSummary, encode_summary
 WARMUP_PROMPT_TOKENS = 64  # peer/engine/warmup.py: speeds are seeded by a warm-up run
 WARMUP_MAX_PROMPT_TOKENS = 4096  # where the warm-up stops doubling (half a long context)
 
+# Ring mode's lookup, as modelled here (the live shell has no lookup yet).
 PROVIDER_HOMES = 2  # a root's records live on its 2 nearest ring peers (one may be gone)
 LOOKUP_REQUEST_BYTES = 128  # a CBOR request naming one 64-bit root, with framing
 PROVIDER_RECORD_BYTES = 48  # a binary peer id (38 bytes) and a time, per provider returned
