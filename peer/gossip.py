@@ -254,9 +254,16 @@ class Gossip:
         return lambda forwarder, msg: self._validate(forwarder, msg, owner)
 
     async def _update_neighbours(self, nursery: trio.Nursery) -> None:
-        """Ring mode: re-choose the neighbourhood among the pubsub peers we know; listen
-        to those who joined, stop listening to (and forget) those who left."""
-        known = [peer_id.to_base58() for peer_id in list(self._pubsub.peers)]
+        """Ring mode: re-choose the neighbourhood among the ring peers we are connected
+        to; listen to those who joined, stop listening to (and forget) those who left."""
+        # Ring peers are those subscribed to their own ring topic: a version-1 peer must
+        # not take a neighbour's place (it is heard on the version-1 topic anyway).
+        topics = self._pubsub.peer_topics
+        known = []
+        for peer_id in list(self._pubsub.peers):
+            name = peer_id.to_base58()
+            if peer_id in topics.get(self._ring_topic(name), ()):
+                known.append(name)
         change = self._neighbourhood.update(known)
         # (py-libp2p changes its local subscriptions before announcing them to every
         # peer; a stalled announcement must not stop the publish loop)

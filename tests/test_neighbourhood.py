@@ -208,14 +208,18 @@ async def test_ring_shell_listens_to_its_neighbours_and_understands_version_1(
     others = [_id() for _ in range(6)]
     table = PeerTable(me.to_base58(), engine.model_id, engine.block_size, expiry_s=6.0)
     pubsub = _FakePubsub()
-    pubsub.peers = {p: object() for p in others}
+    legacy = _id()
+    pubsub.peers = {p: object() for p in [*others, legacy]}
+    for p in others:  # ring peers announce their own ring topic; `legacy` does not
+        pubsub.peer_topics[ring_topic(engine.model_id, p.to_base58())] = {p}
     gossip = Gossip(pubsub, table, engine, peer_id=me, interval_s=2.0,  # type: ignore[arg-type]
                     fp_rate=0.01, mode=GossipMode.RING, neighbours=2)
     async with trio.open_nursery() as nursery:
         await nursery.start(gossip.run)
         await trio.sleep(0.1)
         expected = Neighbourhood(me.to_base58(), 2).select(p.to_base58() for p in others)
-        assert gossip.neighbours == expected
+        assert gossip.neighbours == expected  # the version-1 peer takes no ring place
+        assert legacy.to_base58() not in gossip.neighbours
         mine = ring_topic(engine.model_id, me.to_base58())
         assert {t for _, t, _ in pubsub.published} == {mine}  # only on our own topic
         v1 = gossip_topic(engine.model_id)
