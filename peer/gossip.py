@@ -11,7 +11,7 @@ Two gossip modes (peer.config.GossipMode; docs/protocol.md, "Gossip modes"):
   to every peer, so each peer receives N - 1 summaries per interval.
 - `ring`: each peer publishes on its own topic (`/prefixswarm/summary/2/<model>/@<id>`)
   and subscribes to the topics of its ring neighbours (peer.neighbourhood, chosen among
-  the pubsub peers it knows, re-chosen every interval): a bounded number per interval
+  the connected ring peers, re-chosen every interval): a bounded number per interval
   whatever the swarm's size. A ring peer still listens on the version-1 topic, so it
   understands peers of the previous version (they are in its table); it does not
   publish there, so they do not hear it (docs/protocol.md).
