@@ -1,14 +1,19 @@
 """Gossip cost and propagation delay with one peer per OS process.
 
     python -m bench.gossip --json PATH [--peers 8] [--duration 60] [--interval 2]
+        [--gossip-modes full,ring] [--neighbours 8] [--model tiny-random --serve-rps 2]
 
-Two swarms of `--peers` runner processes (peer.node_runner, cache-only engines with
-`--fill-blocks` cached blocks and `--churn-tokens-per-s` of new tokens each), one after
-the other on this machine:
+Swarms of `--peers` runner processes (peer.node_runner, cache-only engines with
+`--fill-blocks` cached blocks and `--churn-tokens-per-s` of new tokens each; or, with
+`--model`, a real model serving `--serve-rps` short random prompts per second per peer),
+one after the other on this machine:
 
-1. baseline: the same swarm with publishing switched off (discovery, DHT, pings, pubsub
-   heartbeats and the runner's own reporting still run), for `--baseline-duration`;
-2. gossip: summaries every `--interval` s, for `--duration` s after the tables filled.
+1. baseline: the swarm with publishing switched off (discovery, DHT, pings, pubsub
+   heartbeats, the runner's own reporting and the served load still run), for
+   `--baseline-duration`, in gossip mode full;
+2. for each of `--gossip-modes`: summaries every `--interval` s, for `--duration` s after
+   every table filled (mode full: every other peer; mode ring: the peer's
+   `--neighbours` ring neighbours, peer/neighbourhood.py).
 
 What is measured, per peer process:
 - cpu_share_per_peer: process CPU time / wall time in the gossip run minus the same in
@@ -23,13 +28,16 @@ What is measured, per peer process:
 - propagation delay: every runner logs (seq, wall time) when it publishes and
   (sender, seq, wall time) when it accepts another peer's summary; all run on this
   machine, so one clock. p50/p99 over all (summary, receiver) pairs in the window, and
-  the fraction of such pairs that arrived at all.
+  the fraction of such pairs that arrived at all. In mode ring the pairs are a summary
+  and each peer whose neighbourhood holds its sender (its audience).
+
+CPU shares are only meaningful on a quiet machine: the JSON records the load average at
+the start and end of every run (`machine`).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -40,7 +48,10 @@ from typing import Any
 
 import trio
 
+from bench.report import emit_json
 from bench.stats import percentile
+from peer.config import DEFAULT_GOSSIP_NEIGHBOURS, GossipMode
+from peer.neighbourhood import Neighbourhood
 from peer.node_runner import runner_command
 from peer.processes import PeerProcess, open_peer_processes
 
@@ -79,8 +90,19 @@ def _rates(proc: PeerProcess, start: float, end: float) -> dict[str, float]:
     }
 
 
+def expected_neighbours(ids: set[str], neighbours: int) -> dict[str, frozenset[str]]:
+    """Each peer's ring neighbourhood when it knows every other peer."""
+    return {p: Neighbourhood(p, neighbours).select(ids) for p in ids}
+
+
 async def _run_swarm(
-    args: argparse.Namespace, workdir: Path, *, publish: bool, measure_s: float
+    args: argparse.Namespace,
+    workdir: Path,
+    *,
+    publish: bool,
+    measure_s: float,
+    mode: str,
+    readiness: dict[str, Any],
 ) -> tuple[list[PeerProcess], float, float]:
     """Start the swarm, wait for full tables (or connections), measure, stop."""
     common = [
@@ -89,12 +111,16 @@ async def _run_swarm(
         "--churn-tokens-per-s", str(args.churn_tokens_per_s),
         "--report-interval", str(REPORT_INTERVAL_S),
         "--count-wire-bytes",
+        "--gossip-mode", mode,
+        "--neighbours", str(args.neighbours),
     ]  # fmt: skip
+    if args.model:
+        common += ["--model", args.model, "--serve-rps", str(args.serve_rps)]
     if publish:
         common.append("--log-gossip")
     else:
         common.append("--no-publish")
-    log = workdir / ("gossip.stderr" if publish else "baseline.stderr")
+    log = workdir / (f"gossip-{mode}.stderr" if publish else "baseline.stderr")
     async with open_peer_processes(cwd=REPO_ROOT) as processes:
 
         async def launch(extra: list[str]) -> PeerProcess:
@@ -113,24 +139,41 @@ async def _run_swarm(
             for i in range(1, args.peers):
                 starting.start_soon(spawn, i)
 
+        ids = {p.peer_id for p in procs}
+        hoods = expected_neighbours(ids, args.neighbours)
+
         def ready() -> bool:
+            if publish and mode == GossipMode.RING.value:
+                return all(p.known >= hoods[p.peer_id] for p in procs)
             if publish:
-                ids = {p.peer_id for p in procs}
                 return all(p.known == ids - {p.peer_id} for p in procs)
             return all((p.stats or {}).get("peers_connected", 0) >= args.peers - 1 for p in procs)
 
-        # The gossip run must fill every table; the baseline (no summaries) waits for
+        # The gossip run waits for every table to fill, at most --ready-timeout (then it
+        # measures anyway and says how full the tables were: on a busy machine a large
+        # full-mode swarm may never get there); the baseline (no summaries) waits for
         # full connectivity, but at most BASELINE_CONNECT_S (discovery backs off there).
-        limit = (
-            trio.fail_after(WARMUP_TIMEOUT_S) if publish else trio.move_on_after(BASELINE_CONNECT_S)
-        )
-        with limit:
+        waited = time.monotonic()
+        with trio.move_on_after(args.ready_timeout if publish else BASELINE_CONNECT_S):
             while not ready():
                 await trio.sleep(0.2)
+        wanted = {
+            p.peer_id: hoods[p.peer_id]
+            if mode == GossipMode.RING.value
+            else frozenset(ids - {p.peer_id})
+            for p in procs
+        }
+        fill = [len(p.known & wanted[p.peer_id]) / max(1, len(wanted[p.peer_id])) for p in procs]
+        readiness[mode if publish else "baseline"] = {
+            "ready": ready(),
+            "waited_s": time.monotonic() - waited,
+            "table_fill_mean": statistics.mean(fill),
+            "table_fill_min": min(fill),
+        }
         await trio.sleep(SETTLE_S)
         start = time.time()
         print(
-            f"{'gossip' if publish else 'baseline'}: measuring {measure_s:.0f} s", file=sys.stderr
+            f"{mode if publish else 'baseline'}: measuring {measure_s:.0f} s", file=sys.stderr
         )
         await trio.sleep(measure_s)
         end = time.time()
@@ -138,7 +181,10 @@ async def _run_swarm(
     return procs, start, end
 
 
-def _propagation(procs: list[PeerProcess], start: float, end: float) -> dict[str, float]:
+def _propagation(
+    procs: list[PeerProcess], start: float, end: float, audience: dict[str, set[str]]
+) -> dict[str, float]:
+    """Delays from publish to acceptance over (summary, receiver in its audience) pairs."""
     published: dict[tuple[str, int], float] = {}
     for p in procs:
         for ev in p.events:
@@ -147,11 +193,11 @@ def _propagation(procs: list[PeerProcess], start: float, end: float) -> dict[str
     delays: list[float] = []
     for p in procs:
         for ev in p.events:
-            if ev["event"] == "accepted":
+            if ev["event"] == "accepted" and p.peer_id in audience.get(ev["sender"], ()):
                 sent = published.get((ev["sender"], ev["seq"]))
                 if sent is not None:
                     delays.append(ev["t"] - sent)
-    expected = len(published) * (len(procs) - 1)
+    expected = sum(len(audience[sender]) for sender, _ in published)
     return {
         "summaries": float(len(published)),
         "delivered_fraction": len(delays) / expected if expected else float("nan"),
@@ -161,50 +207,102 @@ def _propagation(procs: list[PeerProcess], start: float, end: float) -> dict[str
     }
 
 
+def _audience(procs: list[PeerProcess], mode: str, neighbours: int) -> dict[str, set[str]]:
+    ids = {p.peer_id for p in procs}
+    if mode != GossipMode.RING.value:
+        return {p: ids - {p} for p in ids}
+    out: dict[str, set[str]] = {p: set() for p in ids}
+    for receiver, hood in expected_neighbours(ids, neighbours).items():
+        for sender in hood:
+            out[sender].add(receiver)
+    return out
+
+
+def _served(procs: list[PeerProcess]) -> dict[str, int]:
+    """Requests of the steady load, summed over peers (last reports)."""
+    total = {"ok": 0, "failed": 0, "skipped": 0}
+    for p in procs:
+        last = p.reports[-1]["stats"].get("served_load", {}) if p.reports else {}
+        for key in total:
+            total[key] += int(last.get(key, 0))
+    return total
+
+
+def _machine() -> dict[str, Any]:
+    return {"cpus": os.cpu_count(), "loadavg": os.getloadavg(), "t": time.time()}
+
+
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
+    modes = args.gossip_modes.split(",")
+    runs: list[dict[str, Any]] = []
+    readiness: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="bench-gossip-") as tmp:
         workdir = Path(tmp)
+        machine_base = [_machine()]
         base_procs, b0, b1 = await _run_swarm(
-            args, workdir, publish=False, measure_s=args.baseline_duration
+            args, workdir, publish=False, measure_s=args.baseline_duration, mode="full",
+            readiness=readiness,
         )
+        machine_base.append(_machine())
         base = [_rates(p, b0, b1) for p in base_procs]
-        procs, g0, g1 = await _run_swarm(args, workdir, publish=True, measure_s=args.duration)
-        rates = [_rates(p, g0, g1) for p in procs]
-        prop = _propagation(procs, g0, g1)
-
-    base_cpu = statistics.mean(r["cpu_share"] for r in base)
-    base_wire = statistics.mean(r["wire_bytes_per_s"] for r in base)
-    cpu = [r["cpu_share"] - base_cpu for r in rates]
+        base_cpu = statistics.mean(r["cpu_share"] for r in base)
+        base_wire = statistics.mean(r["wire_bytes_per_s"] for r in base)
+        for mode in modes:
+            machine = [_machine()]
+            procs, g0, g1 = await _run_swarm(
+                args, workdir, publish=True, measure_s=args.duration, mode=mode,
+                readiness=readiness,
+            )
+            machine.append(_machine())
+            rates = [_rates(p, g0, g1) for p in procs]
+            prop = _propagation(procs, g0, g1, _audience(procs, mode, args.neighbours))
+            cpu = [r["cpu_share"] - base_cpu for r in rates]
+            runs.append({
+                "gossip_mode": mode,
+                "peers": args.peers,
+                "neighbours": args.neighbours if mode == GossipMode.RING.value else None,
+                "duration_s": args.duration,
+                "interval_s": args.interval,
+                "gossip_bytes_per_s_per_peer": statistics.mean(
+                    r["payload_bytes_per_s"] for r in rates),
+                "cpu_share_per_peer": statistics.mean(cpu),
+                "propagation_p50_s": prop["p50_s"],
+                "propagation_p99_s": prop["p99_s"],
+                "propagation_p99_intervals": prop["p99_s"] / args.interval,
+                "propagation_max_s": prop["max_s"],
+                "delivered_fraction": prop["delivered_fraction"],
+                "summaries_published": prop["summaries"],
+                "cpu_share_per_peer_max": max(cpu),
+                "handler_cpu_share_per_peer": statistics.mean(
+                    r["handler_cpu_share"] for r in rates),
+                "process_cpu_share_gossip_run": statistics.mean(r["cpu_share"] for r in rates),
+                "process_cpu_share_baseline_run": base_cpu,
+                "wire_bytes_per_s_per_peer": statistics.mean(
+                    r["wire_bytes_per_s"] for r in rates) - base_wire,
+                "published_per_s_per_peer": statistics.mean(r["published_per_s"] for r in rates),
+                "summaries_rejected": sum(r["rejected"] for r in rates),
+                "summaries_superseded": sum(r["superseded"] for r in rates),
+                "served_load": _served(procs),
+                "tables": readiness[mode],
+                "machine": machine,
+                "per_peer": rates,
+            })  # fmt: skip
     return {
         "peers": args.peers,
-        "duration_s": args.duration,
-        "interval_s": args.interval,
-        "gossip_bytes_per_s_per_peer": statistics.mean(r["payload_bytes_per_s"] for r in rates),
-        "cpu_share_per_peer": statistics.mean(cpu),
-        "propagation_p50_s": prop["p50_s"],
-        "propagation_p99_s": prop["p99_s"],
-        "propagation_max_s": prop["max_s"],
-        "delivered_fraction": prop["delivered_fraction"],
-        "summaries_published": prop["summaries"],
-        "cpu_share_per_peer_max": max(cpu),
-        "handler_cpu_share_per_peer": statistics.mean(r["handler_cpu_share"] for r in rates),
-        "process_cpu_share_gossip_run": statistics.mean(r["cpu_share"] for r in rates),
-        "process_cpu_share_baseline_run": base_cpu,
-        "wire_bytes_per_s_per_peer": statistics.mean(r["wire_bytes_per_s"] for r in rates)
-        - base_wire,
-        "published_per_s_per_peer": statistics.mean(r["published_per_s"] for r in rates),
-        "summaries_rejected": sum(r["rejected"] for r in rates),
-        "summaries_superseded": sum(r["superseded"] for r in rates),
-        "per_peer": rates,
+        "runs": runs,
         "settings": {
             "fill_blocks": args.fill_blocks,
             "churn_tokens_per_s": args.churn_tokens_per_s,
             "baseline_duration_s": args.baseline_duration,
+            "model": args.model,
+            "serve_rps": args.serve_rps,
+            "neighbours": args.neighbours,
         },
         "machine": {
             "cpus": os.cpu_count(),
-            "loadavg_at_end": os.getloadavg(),
-            "note": "shared machine: other jobs ran at the same time; CPU numbers are noisy",
+            "baseline": machine_base,
+            "baseline_tables": readiness.get("baseline"),
+            "note": "CPU shares are inflated on a busy machine: compare the load averages",
         },
     }
 
@@ -222,14 +320,26 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--interval", type=float, default=2.0, help="summary interval, s")
     parser.add_argument("--fill-blocks", type=int, default=728, help="half of 1456 capacity")
     parser.add_argument("--churn-tokens-per-s", type=float, default=64.0)
+    parser.add_argument("--ready-timeout", type=float, default=WARMUP_TIMEOUT_S,
+                        help="s to wait for full tables before measuring anyway")
+    parser.add_argument("--gossip-modes", default="full,ring",
+                        help="comma-separated gossip modes to measure, one swarm each")
+    parser.add_argument("--neighbours", type=int, default=DEFAULT_GOSSIP_NEIGHBOURS,
+                        help="mode ring: neighbours each peer hears")
+    parser.add_argument("--model", default=None,
+                        help="a real model (tiny-random) instead of cache-only engines")
+    parser.add_argument("--serve-rps", type=float, default=0.0,
+                        help="with --model: steady requests per second sent to each peer")
     args = parser.parse_args(argv)
     if args.peers < 2:
         parser.error("--peers must be >= 2")
+    known = {m.value for m in GossipMode}
+    if not args.gossip_modes or set(args.gossip_modes.split(",")) - known:
+        parser.error(f"--gossip-modes takes a comma-separated subset of {sorted(known)}")
+    if args.serve_rps and not args.model:
+        parser.error("--serve-rps needs --model")
     result = trio.run(bench, args)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2) + "\n")
-    summary = {k: v for k, v in result.items() if k not in ("per_peer",)}
-    print(json.dumps(summary, indent=2))
+    emit_json(result, args.json)
 
 
 if __name__ == "__main__":

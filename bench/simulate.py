@@ -29,10 +29,14 @@ from bench.sim.experiments import (
     make_workload,
     quick_grid,
     run_grid,
+    scale_checks,
 )
 from bench.sim.model import simulate
 from bench.sim.params import POLICY_NAMES, SimParams
 from bench.workloads import load_tokenized_mmlu
+from peer.config import GossipMode
+
+GOSSIP_MODES = tuple(m.value for m in GossipMode)
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -45,7 +49,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--requests", type=int, help="requests per run (default: grid's)")
     ap.add_argument("--experiments", help="comma-separated subset: delay,skew,load,"
-                    "staleness,bloom,scale")
+                    "staleness,bloom,scale (scale: gossip modes full and ring side by side)")
     ap.add_argument("--policies", help="comma-separated: only these policies, in every sweep")
     ap.add_argument("--scale-requests-per-peer", type=int,
                     help="scale runs use max(--requests, this x peers) requests (default 16)")
@@ -63,6 +67,14 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--load", type=float, default=0.5)
     ap.add_argument("--interval-s", type=float, default=2.0)
     ap.add_argument("--capacity-blocks", type=int, default=SimParams.capacity_blocks)
+    ap.add_argument("--gossip-mode", default=SimParams.gossip_mode, choices=GOSSIP_MODES,
+                    help="--one: how summaries travel (full flooding or ring neighbourhoods)")
+    ap.add_argument("--neighbours", type=int, default=SimParams.gossip_neighbours,
+                    help="--one, ring mode: the peers each one hears")
+    ap.add_argument("--gossip-modes", help="scale sweep: comma-separated gossip modes "
+                    "(default: full,ring)")
+    ap.add_argument("--scale-peers", help="scale sweep: comma-separated swarm sizes "
+                    "(default: 16,64,256,1024)")
     return ap.parse_args(argv)
 
 
@@ -83,7 +95,8 @@ def _replot(args: argparse.Namespace) -> int:
     params = {**docs[0]["params"], "merged_from": [
         {"file": str(p), "experiments": sorted({r["experiment"] for r in d["rows"]}),
          "wall_s": d["params"].get("wall_s")} for p, d in zip(args.replot, docs, strict=True)]}
-    out = {"params": params, "rows": rows, "cost_vs_best": _checks(rows)}
+    out = {"params": params, "rows": rows, "cost_vs_best": _checks(rows),
+           "scale_checks": scale_checks(rows)}
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(out, indent=1, default=str))
@@ -118,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.one:
         sim = SimParams(policy=args.policy, peers=args.peers, delay_ms=args.delay_ms,
                         summary_interval_s=args.interval_s, seed=args.seed,
-                        capacity_blocks=args.capacity_blocks, calibration=cal)
+                        capacity_blocks=args.capacity_blocks, calibration=cal,
+                        gossip_mode=args.gossip_mode, gossip_neighbours=args.neighbours)
         base = Base(peers=args.peers, delay_ms=args.delay_ms, zipf_s=args.zipf_s,
                     load=args.load, requests=args.requests or Base.requests, seed=args.seed,
                     sim=sim)
@@ -144,6 +158,15 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"unknown policies {sorted(unknown)}; known: {POLICY_NAMES}")
         grid = dataclasses.replace(grid, policies=only, skew_load_policies=only,
                                    scale_policies=only)
+    if args.gossip_modes:
+        modes = tuple(args.gossip_modes.split(","))
+        if set(modes) - set(GOSSIP_MODES):
+            raise SystemExit(f"unknown gossip modes {modes}; known: {GOSSIP_MODES}")
+        grid = dataclasses.replace(grid, scale_gossip_modes=modes)
+    if args.scale_peers:
+        grid = dataclasses.replace(
+            grid, scale_peers=tuple(int(n) for n in args.scale_peers.split(","))
+        )
     if args.scale_requests_per_peer:
         grid = dataclasses.replace(grid, scale_requests_per_peer=args.scale_requests_per_peer)
     rows = run_grid(grid, data, jobs=args.jobs, progress=_progress)
@@ -159,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
         "wall_s": wall,
     }
     checks = _checks(rows)
-    out = {"params": params, "rows": rows, "cost_vs_best": checks}
+    out = {"params": params, "rows": rows, "cost_vs_best": checks,
+           "scale_checks": scale_checks(rows)}
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(out, indent=1, default=str))

@@ -15,6 +15,7 @@ DEFAULT_BLOCK_SIZE = 16  # the KV block granularity; 16 tokens is what vLLM/SGLa
 DEFAULT_CACHE_BYTES = 1 << 30  # 1 GiB: ~23k SmolLM2 tokens of fp32 KV, fits a volunteer laptop
 DEFAULT_SUMMARY_INTERVAL_S = 2.0  # gossip cost ~7 ms CPU per message per receiver (notes)
 SUMMARY_EXPIRY_INTERVALS = 3  # a peer silent for 3 intervals is gone (issue 3)
+DEFAULT_GOSSIP_NEIGHBOURS = 8  # ring mode: ~2.4% of a core at 2 s (peer/neighbourhood.py)
 DEFAULT_BLOOM_FP_RATE = 0.01  # ~9.6 bits per entry: a 1% false hit costs one cache miss
 DEFAULT_MAX_QUEUE = 64  # admitted-but-waiting requests before `overloaded`
 DEFAULT_MAX_INBOUND_PER_PEER = 8  # concurrent forwarded requests accepted from one remote peer
@@ -39,8 +40,19 @@ DEFAULT_BOOTSTRAP_TIMEOUT_S = 30.0
 
 MAX_SUMMARY_INTERVAL_S = 600.0  # beyond this a summary says nothing useful about a cache
 MIN_BLOOM_FP_RATE = 1e-4  # protocols/bloom.py's bound: rarer false hits cost more bits than gain
+MAX_GOSSIP_NEIGHBOURS = 64  # peer/neighbourhood.py MAX_NEIGHBOURS: a small part of a 256-peer table
 MAX_REQUEST_TIMEOUT_S = 3600.0  # the inference protocol's deadline bound (MAX_DEADLINE_S)
 MAX_QUEUE_LIMIT = 100_000  # a sanity bound on memory held by waiting requests
+
+
+class GossipMode(enum.Enum):
+    """How summaries travel (peer/gossip.py; docs/protocol.md, "Gossip modes")."""
+
+    FULL = "full"  # every summary floods to every peer: N - 1 received per interval
+    RING = "ring"  # each peer hears only its ring neighbours: a bounded number per interval
+
+
+DEFAULT_GOSSIP_MODE = GossipMode.FULL  # what every released peer speaks; `ring` scales (issue 15)
 
 
 class Policy(enum.Enum):
@@ -71,6 +83,8 @@ class PeerConfig:
     block_size: int = DEFAULT_BLOCK_SIZE
     summary_interval_s: float = DEFAULT_SUMMARY_INTERVAL_S
     bloom_fp_rate: float = DEFAULT_BLOOM_FP_RATE
+    gossip_mode: GossipMode = DEFAULT_GOSSIP_MODE
+    gossip_neighbours: int = DEFAULT_GOSSIP_NEIGHBOURS
     policy: Policy = Policy.COST
     max_queue: int = DEFAULT_MAX_QUEUE
     max_inbound_per_peer: int = DEFAULT_MAX_INBOUND_PER_PEER
@@ -109,8 +123,10 @@ class PeerConfig:
             if "/p2p/" not in addr:
                 raise ValueError(f"bootstrap address {addr!r} lacks the /p2p/<peer id> part")
         if self.dtype not in DTYPES or self.device not in DEVICES:
-            raise ValueError(f"dtype must be in {DTYPES} and device in {DEVICES}, "
-                             f"got {self.dtype!r}, {self.device!r}")
+            raise ValueError(
+                f"dtype must be in {DTYPES} and device in {DEVICES}, "
+                f"got {self.dtype!r}, {self.device!r}"
+            )
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         if self.cache_bytes < 0:
@@ -125,6 +141,13 @@ class PeerConfig:
         if not MIN_BLOOM_FP_RATE <= self.bloom_fp_rate < 0.5:
             raise ValueError(
                 f"bloom_fp_rate must be in [{MIN_BLOOM_FP_RATE}, 0.5), got {self.bloom_fp_rate}"
+            )
+        if not isinstance(self.gossip_mode, GossipMode):
+            raise ValueError(f"gossip_mode must be a GossipMode, got {self.gossip_mode!r}")
+        if not 2 <= self.gossip_neighbours <= MAX_GOSSIP_NEIGHBOURS or self.gossip_neighbours % 2:
+            raise ValueError(
+                f"gossip_neighbours must be even, in [2, {MAX_GOSSIP_NEIGHBOURS}], "
+                f"got {self.gossip_neighbours}"
             )
         if not isinstance(self.policy, Policy):
             raise ValueError(f"policy must be a Policy, got {self.policy!r}")

@@ -1,20 +1,31 @@
 """Anti-entropy: publish this peer's cache summary, validate and apply everyone else's.
 
-Publishes a CacheSummary on the model's GossipSub topic every `interval_s`, and early
-(at most once per `interval_s / 4`) when at least 5% of the cached blocks changed since
-the last summary (counted from the radix cache's stored/removed events). The Bloom
-filter is rebuilt from `cache.cached_hashes()` at each publish.
+When to publish is decided by the pure `peer.publish_policy.PublishPolicy` (every
+`interval_s`, and early once 5% of the cached blocks changed, at most once per
+`interval_s / 4`), fed with the radix cache's stored/removed events; the simulator drives
+the same object. The Bloom filter is sized by `peer.bloom_sizing.summary_bloom` and kept
+current from the same events (rebuilt from `cache.cached_hashes()` after a removal).
+
+Two gossip modes (peer.config.GossipMode; docs/protocol.md, "Gossip modes"):
+- `full`: one topic per model (`/prefixswarm/summary/1/<model>`); every summary floods
+  to every peer, so each peer receives N - 1 summaries per interval.
+- `ring`: each peer publishes on its own topic (`/prefixswarm/summary/2/<model>/@<id>`)
+  and subscribes to the topics of its ring neighbours (peer.neighbourhood, chosen among
+  the connected ring peers, re-chosen every interval): a bounded number per interval
+  whatever the swarm's size. A ring peer still listens on the version-1 topic, so it
+  understands peers of the previous version (they are in its table); it does not
+  publish there, so they do not hear it (docs/protocol.md).
 
 Received summaries are checked inside pubsub's topic validator, so a rejected message
 is neither applied nor forwarded: size and schema (protocols.summary.decode_summary),
-sender identity against the signed gossip source, then PeerTable.apply (model id, block
-size, increasing seq, Bloom sanity). Each rejection is logged and counted by reason.
+sender identity against the signed gossip source (and, on a ring topic, against the
+topic's owner), then PeerTable.apply (model id, block size, increasing seq, Bloom
+sanity). Each rejection is logged and counted by reason.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
@@ -25,17 +36,18 @@ from libp2p.pubsub.pb import rpc_pb2
 from libp2p.pubsub.pubsub import Pubsub
 
 from peer.bloom_sizing import summary_bloom
+from peer.config import DEFAULT_GOSSIP_NEIGHBOURS, GossipMode
 from peer.engine.radix import EventKind
+from peer.neighbourhood import Neighbourhood
 from peer.peer_table import PeerTable, Verdict
+from peer.publish_policy import PublishPolicy
 from protocols.bloom import BloomFilter
 from protocols.errors import RemoteProtocolError
-from protocols.ids import gossip_topic
+from protocols.ids import gossip_topic, ring_topic
 from protocols.summary import MAX_SUMMARY_BYTES, CacheSummary, decode_summary, encode_summary
 
 logger = logging.getLogger(__name__)
 
-CHANGE_FRACTION = 0.05  # publish early once 5% of the cached blocks changed (issue 3)
-EARLY_GAP_FRACTION = 0.25  # ...but at most once per quarter interval (pubsub allows 10/s)
 PUBLISH_TIMEOUT_S = 5.0  # publishing queues to mesh peers; a stall must not stop the loop
 MAX_LOGGED_REJECTIONS = 256  # (sender, reason) pairs logged at WARNING; later ones at DEBUG
 # Table verdicts that say nothing bad about the message: relayed, not applied.
@@ -132,15 +144,27 @@ class Gossip:
         interval_s: float,
         fp_rate: float,
         on_expired: Callable[[list[str]], None] = lambda peers: None,
+        mode: GossipMode = GossipMode.FULL,
+        neighbours: int = DEFAULT_GOSSIP_NEIGHBOURS,
     ) -> None:
         self._pubsub = pubsub
         self._table = table
         self._engine = engine
         self._peer_id = peer_id
         self._peer_id_str = peer_id.to_base58()
-        self._topic = gossip_topic(engine.model_id)
+        self._mode = mode
+        self._legacy_topic = gossip_topic(engine.model_id)
+        # where we publish: the swarm's topic, or our own ring topic
+        self._topic = (
+            self._legacy_topic
+            if mode is GossipMode.FULL
+            else ring_topic(engine.model_id, self._peer_id_str)
+        )
+        self._neighbourhood = Neighbourhood(self._peer_id_str, neighbours)
+        # ring mode: neighbour id -> the cancel scope of its subscription's reader
+        self._listening: dict[str, trio.CancelScope] = {}
         self._interval_s = interval_s
-        self._early_gap_s = interval_s * EARLY_GAP_FRACTION
+        self._policy = PublishPolicy(interval_s)
         self._fp_rate = fp_rate
         self._on_expired = on_expired
         self._on_published: Callable[[CacheSummary, float], None] | None = None
@@ -149,7 +173,6 @@ class Gossip:
         # continues above its old seq, which receivers may still hold (an id, not a
         # decision: nothing is timed by it).
         self._seq = int(time.time() * 1000)
-        self._changed_blocks = 0
         # The last published filter, kept to add new blocks to instead of rebuilding it
         # from every cached hash (~20 us per hash); any removal forces a rebuild.
         self._bloom: BloomFilter | None = None
@@ -171,11 +194,23 @@ class Gossip:
             "superseded": 0,
             "delivered": 0,
             "expired": 0,
+            "neighbours_joined": 0,
+            "neighbours_left": 0,
         }
 
     @property
     def topic(self) -> str:
+        """The topic this peer publishes on."""
         return self._topic
+
+    @property
+    def mode(self) -> GossipMode:
+        return self._mode
+
+    @property
+    def neighbours(self) -> frozenset[str]:
+        """Ring mode: the peers whose summaries we subscribe to (empty in full mode)."""
+        return self._neighbourhood.members
 
     def set_hooks(
         self,
@@ -197,6 +232,8 @@ class Gossip:
         router = self._pubsub.router
         return {
             **self._stats,
+            "mode": self._mode.value,
+            "neighbours": sorted(self._neighbourhood.members),
             "mesh_peers": len(getattr(router, "mesh", {}).get(self._topic, ())),
             "topic_peers": len(self._pubsub.peer_topics.get(self._topic, ())),
             "rejected": dict(self._rejected),
@@ -207,15 +244,65 @@ class Gossip:
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Subscribe, then publish and expire until cancelled."""
-        self._pubsub.set_topic_validator(self._topic, self._validate, False)
-        subscription = await self._pubsub.subscribe(self._topic)
+        topics = [self._legacy_topic]
+        if self._mode is GossipMode.RING:
+            topics.append(self._topic)  # our own: its mesh carries our summaries
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._drain, subscription)
-                nursery.start_soon(self._publish_loop)
+                for topic in topics:
+                    owner = None if topic == self._legacy_topic else self._peer_id_str
+                    self._pubsub.set_topic_validator(topic, self._validator(owner), False)
+                    nursery.start_soon(self._drain, await self._pubsub.subscribe(topic))
+                nursery.start_soon(self._publish_loop, nursery)
                 task_status.started()
         finally:
-            self._pubsub.remove_topic_validator(self._topic)
+            for topic in [*topics, *(self._ring_topic(p) for p in self._listening)]:
+                self._pubsub.remove_topic_validator(topic)
+
+    def _ring_topic(self, peer_id: str) -> str:
+        return ring_topic(self._engine.model_id, peer_id)
+
+    def _validator(self, owner: str | None) -> Callable[[ID, rpc_pb2.Message], bool]:
+        return lambda forwarder, msg: self._validate(forwarder, msg, owner)
+
+    async def _update_neighbours(self, nursery: trio.Nursery) -> None:
+        """Ring mode: re-choose the neighbourhood among the ring peers we are connected
+        to; listen to those who joined, stop listening to (and forget) those who left."""
+        # Ring peers are those subscribed to their own ring topic: a version-1 peer must
+        # not take a neighbour's place (it is heard on the version-1 topic anyway).
+        topics = self._pubsub.peer_topics
+        known = []
+        for peer_id in list(self._pubsub.peers):
+            name = peer_id.to_base58()
+            if peer_id in topics.get(self._ring_topic(name), ()):
+                known.append(name)
+        change = self._neighbourhood.update(known)
+        # (py-libp2p changes its local subscriptions before announcing them to every
+        # peer; a stalled announcement must not stop the publish loop)
+        for peer_id in change.removed:
+            self._stats["neighbours_left"] += 1
+            scope = self._listening.pop(peer_id, None)
+            if scope is not None:
+                scope.cancel()
+            topic = self._ring_topic(peer_id)
+            with trio.move_on_after(PUBLISH_TIMEOUT_S):
+                await self._pubsub.unsubscribe(topic)
+            self._pubsub.remove_topic_validator(topic)
+            self._table.remove(peer_id)  # no longer hears its summaries
+        for peer_id in change.added:
+            self._stats["neighbours_joined"] += 1
+            topic = self._ring_topic(peer_id)
+            self._pubsub.set_topic_validator(topic, self._validator(peer_id), False)
+            with trio.move_on_after(PUBLISH_TIMEOUT_S):
+                await self._pubsub.subscribe(topic)
+            subscription = await self._pubsub.subscribe(topic)  # subscribed: returns at once
+            scope = trio.CancelScope()
+            self._listening[peer_id] = scope
+            nursery.start_soon(self._drain_until_cancelled, subscription, scope)
+
+    async def _drain_until_cancelled(self, subscription: Any, scope: trio.CancelScope) -> None:
+        with scope:
+            await self._drain(subscription)
 
     # -- publishing -------------------------------------------------------------------
 
@@ -225,9 +312,12 @@ class Gossip:
         async for _msg in subscription:
             self._stats["delivered"] += 1
 
-    def _count_changes(self) -> int:
+    def _count_changes(self, *, for_policy: bool = True) -> int:
+        """Drain the cache's events into the filter's bookkeeping and (unless they are
+        going into the summary being built) the publish policy's count."""
         changes = 0
-        for ev in self._engine.cache.drain_events():
+        events = self._engine.cache.drain_events()
+        for ev in events:
             if ev.kind is EventKind.STORED:
                 self._stored_since.append(ev.block_hash)
             elif ev.kind is EventKind.REMOVED:
@@ -238,12 +328,14 @@ class Gossip:
         if len(self._stored_since) > self._engine.cache.capacity_blocks:
             self._removed_since = True  # more news than fits: rebuild, drop the list
             self._stored_since.clear()
+        if for_policy:
+            self._policy.observe(events, self._engine.cache.num_blocks)
         return changes
 
     def _current_bloom(self) -> BloomFilter:
         """A filter of exactly the cached hashes: the last one plus new blocks when
         nothing was removed and the size did not change, else rebuilt."""
-        self._changed_blocks += self._count_changes()
+        self._count_changes(for_policy=False)
         cache = self._engine.cache
         num_blocks = cache.num_blocks
         fresh = summary_bloom(num_blocks, self._fp_rate)
@@ -264,18 +356,15 @@ class Gossip:
         self._removed_since = False
         return bloom
 
-    async def _publish_loop(self) -> None:
-        last = -math.inf
+    async def _publish_loop(self, nursery: trio.Nursery) -> None:
         while True:
             now = trio.current_time()
-            self._changed_blocks += self._count_changes()
-            threshold = max(1, math.ceil(CHANGE_FRACTION * self._engine.cache.num_blocks))
-            if now - last >= self._interval_s:
-                await self._publish(early=False)
-                last = now
-            elif self._changed_blocks >= threshold and now - last >= self._early_gap_s:
-                await self._publish(early=True)
-                last = now
+            self._count_changes()
+            decision = self._policy.poll(now)
+            if decision is not None:
+                if self._mode is GossipMode.RING and not decision.early:
+                    await self._update_neighbours(nursery)
+                await self._publish(early=decision.early)
             expired = self._table.expire(now)
             if expired:
                 self._stats["expired"] += len(expired)
@@ -283,7 +372,7 @@ class Gossip:
                     "peers expired (no summary for %.1f s): %s", self._table.expiry_s, expired
                 )
                 self._on_expired(expired)
-            await trio.sleep_until(min(last + self._interval_s, now + self._early_gap_s))
+            await trio.sleep_until(self._policy.next_deadline())
 
     async def _publish(self, *, early: bool) -> None:
         if not self._publishing:
@@ -298,7 +387,6 @@ class Gossip:
             bloom=self._current_bloom(),
         )
         data = encode_summary(summary)
-        self._changed_blocks = 0
         try:
             with trio.fail_after(PUBLISH_TIMEOUT_S):
                 await self._pubsub.publish(self._topic, data)
@@ -316,11 +404,12 @@ class Gossip:
 
     # -- receiving --------------------------------------------------------------------
 
-    def _validate(self, forwarder: ID, msg: rpc_pb2.Message) -> bool:
-        """pubsub topic validator: True applies and forwards, False drops."""
+    def _validate(self, forwarder: ID, msg: rpc_pb2.Message, owner: str | None) -> bool:
+        """pubsub topic validator: True applies and forwards, False drops. `owner`: the
+        peer whose ring topic this is (None for the swarm's version-1 topic)."""
         start = time.thread_time()
         try:
-            return self._check(msg)
+            return self._check(msg, owner)
         except Exception:  # a bug here must not kill pubsub's task: reject and say so
             logger.exception("summary validator failed")
             self._rejected["internal_error"] = self._rejected.get("internal_error", 0) + 1
@@ -328,11 +417,13 @@ class Gossip:
         finally:
             self._cpu_s += time.thread_time() - start
 
-    def _check(self, msg: rpc_pb2.Message) -> bool:
+    def _check(self, msg: rpc_pb2.Message, owner: str | None) -> bool:
         source = ID(msg.from_id)
         if source == self._peer_id:
             return True  # our own summary coming back
         source_str = source.to_base58()
+        if owner is not None and source_str != owner:
+            return self._reject(source_str, "wrong_topic", f"published on {owner}'s topic")
         self._stats["received"] += 1
         self._stats["bytes_in"] += len(msg.data)
         if len(msg.data) > MAX_SUMMARY_BYTES:

@@ -242,6 +242,8 @@ async def open_peer(config: PeerConfig, engine: EngineLike | None = None) -> Asy
             peer_id=host.peer_id,
             interval_s=config.summary_interval_s,
             fp_rate=config.bloom_fp_rate,
+            mode=config.gossip_mode,
+            neighbours=config.gossip_neighbours,
         )
         discovery = Discovery(
             host,

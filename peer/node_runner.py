@@ -10,7 +10,9 @@ propagation delays). SIGTERM, SIGINT or stdin closing end the peer cleanly.
 
 By default the peer runs a cache-only engine (a radix cache without a model: membership
 and gossip need nothing else); --model loads a real one. --fill-blocks and
---churn-tokens-per-s give the cache-only engine realistic content for benchmarks.
+--churn-tokens-per-s give the cache-only engine realistic content for benchmarks;
+with a real model, --serve-rps sends this peer a steady stream of short random prompts
+(Peer.generate: routed, forwarded or served here), so gossip is measured on a busy peer.
 
 `runner_command()` is its command line for peer.processes, which starts and follows it.
 """
@@ -32,7 +34,7 @@ from typing import Any
 
 import trio
 
-from peer.config import PeerConfig
+from peer.config import DEFAULT_GOSSIP_NEIGHBOURS, GossipMode, PeerConfig
 from peer.engine.radix import RadixCache
 from peer.host import WireBytes, count_wire_bytes
 from peer.node import Peer, open_peer
@@ -121,6 +123,41 @@ async def _churn(engine: CacheOnlyEngine, tokens_per_s: float, rng: random.Rando
         engine.insert([rng.randrange(49152) for _ in range(64)])
 
 
+SERVE_PROMPT_TOKENS = 64  # a short prompt: 4 blocks, a few ms of tiny-random prefill
+SERVE_NEW_TOKENS = 8
+SERVE_MAX_IN_FLIGHT = 4  # the steady load never piles up behind a slow peer
+
+
+async def _serve_load(peer: Peer, rps: float, rng: random.Random) -> None:
+    """Generate short random prompts at `rps` (at most SERVE_MAX_IN_FLIGHT at once);
+    counts outcomes in `_served`."""
+    from peer.admission import Overloaded
+    from peer.engine.api import SamplingParams
+    from peer.pipeline import RequestFailed
+
+    limiter = trio.CapacityLimiter(SERVE_MAX_IN_FLIGHT)
+    params = SamplingParams(max_new_tokens=SERVE_NEW_TOKENS)
+
+    async def one(prompt: list[int]) -> None:
+        async with limiter:
+            try:
+                await peer.generate(prompt, params)
+                _served["ok"] += 1
+            except (RequestFailed, Overloaded):
+                _served["failed"] += 1
+
+    async with trio.open_nursery() as nursery:
+        while True:
+            await trio.sleep(rng.expovariate(rps))
+            if limiter.borrowed_tokens >= SERVE_MAX_IN_FLIGHT:
+                _served["skipped"] += 1
+                continue
+            nursery.start_soon(one, [rng.randrange(1, 1000) for _ in range(SERVE_PROMPT_TOKENS)])
+
+
+_served = {"ok": 0, "failed": 0, "skipped": 0}
+
+
 async def _until_stdin_closes() -> None:
     while await trio.to_thread.run_sync(  # type: ignore[call-arg]
         sys.stdin.readline, abandon_on_cancel=True
@@ -141,6 +178,8 @@ async def run(args: argparse.Namespace) -> None:
         bootstrap=tuple(args.bootstrap),
         identity_file=Path(args.identity) if args.identity else None,
         summary_interval_s=args.interval,
+        gossip_mode=GossipMode(args.gossip_mode),
+        gossip_neighbours=args.neighbours,
     )
     engine = CacheOnlyEngine() if args.model is None else None
     rng = random.Random(args.seed)
@@ -176,13 +215,15 @@ async def run(args: argparse.Namespace) -> None:
                 nursery.start_soon(stop_when, lambda: trio.sleep(args.duration))
             if engine is not None and args.churn_tokens_per_s > 0:
                 nursery.start_soon(_churn, engine, args.churn_tokens_per_s, rng)
+            if args.serve_rps > 0:
+                nursery.start_soon(_serve_load, peer, args.serve_rps, rng)
             while True:
                 _emit(
                     {
                         "event": "table",
                         "t": time.time(),
                         "peers": table_report(peer, probe),
-                        "stats": peer.statistics(),
+                        "stats": {**peer.statistics(), "served_load": dict(_served)},
                         "process": process_report(),
                     }
                 )
@@ -196,6 +237,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--bootstrap", action="append", default=[])
     parser.add_argument("--identity", default=None, help="key file (default: ephemeral)")
     parser.add_argument("--interval", type=float, default=2.0, help="summary interval, s")
+    parser.add_argument("--gossip-mode", choices=[m.value for m in GossipMode], default="full")
+    parser.add_argument("--neighbours", type=int, default=DEFAULT_GOSSIP_NEIGHBOURS,
+                        help="ring gossip mode: neighbours heard")
     parser.add_argument("--model", default=None, help="load a real model (default: none)")
     parser.add_argument("--insert-tokens", type=int, default=0)
     parser.add_argument("--probe-tokens", type=int, default=0)
@@ -206,6 +250,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--fill-blocks", type=int, default=0, help="random blocks at start")
     parser.add_argument("--churn-tokens-per-s", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--serve-rps", type=float, default=0.0,
+                        help="with --model: steady requests per second to this peer")
     parser.add_argument("--count-wire-bytes", action="store_true", help="libp2p TCP bytes")
     parser.add_argument("--ignore-stdin", action="store_true")
     parser.add_argument("--log-level", default="WARNING")

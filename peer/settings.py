@@ -64,6 +64,8 @@ FIELD_HELP = {
     "summary_interval_s": "seconds between cache summaries",
     "bloom_fp_rate": "false-positive rate of the gossiped Bloom summary",
     "policy": "routing policy",
+    "gossip_mode": "how summaries travel: full (every peer) or ring (bounded neighbours)",
+    "gossip_neighbours": "ring gossip mode: the peers whose summaries this peer hears",
     "max_queue": "waiting requests before answering 429 overloaded",
     "max_inbound_per_peer": "concurrent forwarded requests accepted from one peer",
     "forward_first_token_s": "seconds a forward may take to its first token",

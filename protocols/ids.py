@@ -17,16 +17,25 @@ __all__ = [
     "MAX_MODEL_ID_CHARS",
     "PROTOCOL_VERSION",
     "PROVIDER_NAMESPACE",
+    "RING_TOPIC_PREFIX",
     "SUMMARY_TOPIC_PREFIX",
     "gossip_topic",
     "provider_key",
     "provider_key_multihash",
+    "ring_topic",
+    "ring_topic_owner",
     "validate_model_id",
 ]
 
 PROTOCOL_VERSION = "1.0.0"
 INFER_PROTOCOL = f"/prefixswarm/infer/{PROTOCOL_VERSION}"
 SUMMARY_TOPIC_PREFIX = "/prefixswarm/summary/1/"  # the wire version of CacheSummary is 1
+# Gossip mode `ring` (version 2 of the summary protocol): one topic per publishing peer,
+# `<prefix><model id>/@<peer id>`, subscribed to by that peer's ring neighbours only.
+# The message is the same CacheSummary; the version says who hears it.
+RING_TOPIC_PREFIX = "/prefixswarm/summary/2/"
+RING_TOPIC_OWNER_MARK = "/@"  # cannot occur in a model id (segments start alphanumeric)
+MAX_PEER_ID_CHARS = 128  # protocols.summary's bound on a peer id
 PROVIDER_NAMESPACE = "/prefixswarm/provider/1/"  # hashed with the model id into the DHT key
 
 # Hub ids are at most 96 characters ("org/name"); 200 leaves room for a revision suffix
@@ -64,6 +73,24 @@ def validate_model_id(model_id: str) -> str:
 def gossip_topic(model_id: str) -> str:
     """The pubsub topic on which summaries for `model_id` are published."""
     return SUMMARY_TOPIC_PREFIX + validate_model_id(model_id)
+
+
+def ring_topic(model_id: str, peer_id: str) -> str:
+    """The topic on which `peer_id` publishes its summaries in gossip mode `ring`."""
+    if not (1 <= len(peer_id) <= MAX_PEER_ID_CHARS and peer_id.isascii() and peer_id.isalnum()):
+        raise ValueError(f"invalid peer id {peer_id!r}")
+    return RING_TOPIC_PREFIX + validate_model_id(model_id) + RING_TOPIC_OWNER_MARK + peer_id
+
+
+def ring_topic_owner(topic: str, model_id: str) -> str | None:
+    """The peer id a ring topic of `model_id` belongs to, or None if it is not one."""
+    head = RING_TOPIC_PREFIX + model_id + RING_TOPIC_OWNER_MARK
+    if not topic.startswith(head):
+        return None
+    owner = topic[len(head) :]
+    if not (1 <= len(owner) <= MAX_PEER_ID_CHARS and owner.isascii() and owner.isalnum()):
+        return None
+    return owner
 
 
 def provider_key_multihash(model_id: str) -> bytes:

@@ -24,10 +24,11 @@ SIMULATOR_OWN = {
     "_EPS",  # float round-off of virtual time
     "_BLOCK_BYTES",  # derived from protocols.bloom.BLOCK_BITS
     "MAX_MEMO_KEYS",  # the simulator's own memo bound
-    # The publish policy's copies: branch gossipscale turns the publish loop into a pure
-    # core that both drive; until then test_gossip_mirrors_agree checks their values.
-    "GOSSIP_CHANGE_FRACTION",
-    "GOSSIP_EARLY_GAP_FRACTION",
+    # Ring mode's provider lookup as the simulator models it (the live shell has none yet).
+    "PROVIDER_HOMES",
+    "LOOKUP_REQUEST_BYTES",
+    "PROVIDER_RECORD_BYTES",
+    "_PROVIDER_TTL_S",
 }
 
 
@@ -100,11 +101,9 @@ def test_the_engine_uses_the_same_rules() -> None:
     assert "WARMUP_PROMPT_TOKENS =" not in warmup_src
 
 
-def test_gossip_mirrors_agree() -> None:
-    """The publish policy's two copies agree until there is one (see SIMULATOR_OWN)."""
+def test_the_simulator_and_the_gossip_shell_drive_one_publish_policy() -> None:
+    """When to publish and how to size the filter: peer.publish_policy, for both."""
     from peer import gossip
 
-    for sim_name, peer_name in (("GOSSIP_CHANGE_FRACTION", "CHANGE_FRACTION"),
-                                ("GOSSIP_EARLY_GAP_FRACTION", "EARLY_GAP_FRACTION")):
-        if hasattr(sim_model, sim_name):
-            assert getattr(sim_model, sim_name) == getattr(gossip, peer_name), sim_name
+    assert sim_model.PublishPolicy is gossip.PublishPolicy
+    assert not hasattr(sim_model, "GOSSIP_CHANGE_FRACTION")

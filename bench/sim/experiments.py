@@ -20,7 +20,7 @@ from typing import Any
 from bench.sim.model import simulate
 from bench.sim.params import COST_PROBE, ORACLE, SimParams
 from bench.workloads import TokenizedMMLU, TokenRequest, mmlu_requests
-from peer.config import Policy
+from peer.config import GossipMode, Policy
 
 ALL_POLICIES = (
     Policy.LOCAL.value,
@@ -72,12 +72,12 @@ class Grid:
     loads: tuple[float, ...] = (0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0)
     intervals_s: tuple[float, ...] = (0.5, 2.0, 10.0, 30.0)
     bloom_bits: tuple[float, ...] = (4.0, 8.0, 16.0)
-    scale_peers: tuple[int, ...] = (4, 16, 64, 256)
-    scale_requests_per_peer: int = 16  # scale runs use max(requests, this x peers)
-    scale_policies: tuple[str, ...] = (
-        Policy.RANDOM.value, Policy.LEAST_LOADED.value, Policy.LONGEST_PREFIX.value,
-        Policy.COST.value, ORACLE, COST_PROBE,
-    )  # fmt: skip
+    scale_peers: tuple[int, ...] = (16, 64, 256, 1024)
+    # scale runs use max(requests, this x peers): 72 x 0.9 (after the warm-up) >= 64 per
+    # peer, a steady state (issue 15)
+    scale_requests_per_peer: int = 72
+    scale_policies: tuple[str, ...] = (Policy.COST.value,)
+    scale_gossip_modes: tuple[str, ...] = (GossipMode.FULL.value, GossipMode.RING.value)
     policies: tuple[str, ...] = ALL_POLICIES
     # sweeps b and c: round_robin behaves like random and local like no swarm at all, so
     # the full grid leaves them out there (sweep a keeps every policy)
@@ -198,8 +198,9 @@ def specs(grid: Grid) -> list[RunSpec]:
     if "scale" in grid.experiments:
         for n in grid.scale_peers:
             reqs = max(b.requests, grid.scale_requests_per_peer * n)
-            for p in grid.scale_policies:
-                at("scale", p, requests=reqs, peers=n)
+            for mode in grid.scale_gossip_modes:
+                for p in grid.scale_policies:
+                    at("scale", p, requests=reqs, peers=n, gossip_mode=mode)
     return out
 
 
@@ -236,14 +237,14 @@ def run_spec(spec: RunSpec) -> dict[str, Any]:
         "load": spec.load,
         "arrival_rate_per_s": rate,
         "summary_interval_s": sim.summary_interval_s,
+        "gossip_mode": sim.gossip_mode,
         "bloom_bits_per_entry": sim.bloom_bits_per_entry,
         "requests": spec.requests,
         **m,
         "wall_s": wall,
     }
     row["gossip_cpu_fraction_est"] = (
-        m["summaries_published"] * (sim.peers - 1) / sim.peers / m["duration_s"]
-        * PY_LIBP2P_CPU_S_PER_MESSAGE
+        m["gossip_messages_per_s_per_peer"] * PY_LIBP2P_CPU_S_PER_MESSAGE
     )
     for key, value in spec.extra:
         row[key] = value
@@ -328,6 +329,35 @@ def compare_cost(rows: Sequence[dict[str, Any]], metric: str, experiments: Itera
             "best_other_policy": best_policy,
             "ratio": cost / best if best > 0 else math.inf,
         })  # fmt: skip
+    return out
+
+
+def scale_checks(rows: Sequence[dict[str, Any]], mode: str = GossipMode.RING.value,
+                 policy: str = Policy.COST.value) -> dict[str, Any]:
+    """Issue 15's targets from the scale rows: `mode` against full flooding at the largest
+    N both ran with the same requests (messages and bytes per peer per second, hit ratio),
+    and `mode`'s growth from 64 peers (its longest runs at each size)."""
+    by: dict[tuple[str, int, int], dict[str, Any]] = {}
+    for r in rows:
+        if r["experiment"] == "scale" and r["policy"] == policy:
+            by[(r["gossip_mode"], r["peers"], r["requests"])] = r
+    both = sorted((n, q) for m, n, q in by if m == mode and (GossipMode.FULL.value, n, q) in by)
+    if not both:
+        return {}
+    top, requests = both[-1]
+    new, full = by[(mode, top, requests)], by[(GossipMode.FULL.value, top, requests)]
+    out: dict[str, Any] = {"mode": mode, "policy": policy, "peers": top, "requests": requests}
+    for key in ("gossip_messages_per_s_per_peer", "gossip_bytes_per_s_per_peer", "hit_ratio",
+                "ttft_mean_s"):
+        out[f"{key}_of_full"] = new[key] / full[key] if full[key] else math.nan
+    longest = {}
+    for m, n, q in sorted(by):
+        if m == mode:
+            longest[n] = by[(m, n, q)]
+    low, high = (64 if 64 in longest else min(longest)), max(longest)
+    for key in ("gossip_messages_per_s_per_peer", "gossip_bytes_per_s_per_peer"):
+        base = longest[low][key]
+        out[f"{key}_growth_{low}_to_{high}"] = longest[high][key] / base if base else math.nan
     return out
 
 

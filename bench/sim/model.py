@@ -27,10 +27,19 @@ What is modelled, and how (every number is a field of SimParams or Calibration):
   The entry peer counts a forward on top of its target's last summary until the first
   token, then the end, come back (`PeerTable.record_forward`, `forward_prefilled`,
   `forward_ended`), as peer/pipeline.py does.
-* Anti-entropy as in peer/gossip.py: each peer publishes every T seconds and early
-  (at most every T/4) once 5% of its cached blocks changed; each summary reaches every
-  other peer one one-way delay later (a direct flood; real GossipSub adds mesh hops) and
-  is applied with `PeerTable.apply`.
+* Anti-entropy by the live peer's own `PublishPolicy` (peer/publish_policy.py: every T
+  seconds, early at most every T/4 once 5% of the cached blocks changed; the filter
+  shaped by `bloom_shape`, as peer/gossip.py does). Gossip mode `full`: each summary
+  reaches every other peer one one-way delay later (a direct flood; real GossipSub adds
+  mesh hops and IHAVE gossip). Mode `ring`: it reaches only the peers whose
+  `Neighbourhood` (peer/neighbourhood.py, over every peer's id) holds the publisher,
+  plus the entry peers that looked up one of its prefix roots (peer/interest.py): a peer
+  announces each prefix root it caches to the root's PROVIDER_HOMES home peers (and
+  withdraws it on eviction); an entry peer asked for a root that neither it nor any peer
+  it hears holds looks it up (`lookup_rtts` round trips), probes `lookup_providers`
+  holders drawn at random from the records (one more round trip; the reply carries the
+  holder's summary) and keeps hearing them in its bounded `Interest`. The request waits.
+  Received summaries are applied with `PeerTable.apply` (which holds at most MAX_PEERS).
 """
 
 from __future__ import annotations
@@ -39,7 +48,7 @@ import heapq
 import math
 import random
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from bench.sim.params import (
@@ -53,7 +62,7 @@ from bench.sim.params import (
 from bench.sim.summaries import IncrementalBloom
 from bench.stats import cov, mean, percentile
 from bench.workloads import TokenRequest
-from peer.config import SUMMARY_EXPIRY_INTERVALS, Policy
+from peer.config import SUMMARY_EXPIRY_INTERVALS, GossipMode, Policy
 from peer.engine.radix import EventKind, RadixCache
 from peer.engine.scheduler import StepPlan, admit_count, plan_step, reusable_blocks, reusable_tokens
 from peer.engine.speeds import (
@@ -63,18 +72,24 @@ from peer.engine.speeds import (
     warmup_max_prompt_tokens,
     warmup_prefill_speed,
 )
-from peer.peer_table import ForwardCharge, PeerTable
+from peer.interest import Interest, ProviderIndex
+from peer.neighbourhood import Neighbourhood
+from peer.peer_table import ForwardCharge, PeerTable, Verdict
+from peer.publish_policy import PublishPolicy, bloom_shape
 from peer.ranking import single_stream_decode
 from peer.router import Candidate, LocalState, PeerEstimate, Router
 from protocols.blocks import BlockHasher
 from protocols.bloom import BloomFilter, ProbeCache
 from protocols.summary import CacheSummary, encode_summary
 
-# Mirrors of live-peer constants (the modules that hold them import torch or libp2p).
-GOSSIP_CHANGE_FRACTION = 0.05  # peer/gossip.py CHANGE_FRACTION
-GOSSIP_EARLY_GAP_FRACTION = 0.25  # peer/gossip.py EARLY_GAP_FRACTION
-
-_EPS = 1e-9  # virtual-time slack for float round-off in the publish schedule
+# Ring mode's lookup, as modelled here (the live shell has no lookup yet).
+PROVIDER_HOMES = 2  # a root's records live on its 2 nearest ring peers (one may be gone)
+LOOKUP_REQUEST_BYTES = 128  # a CBOR request naming one 64-bit root, with framing
+PROVIDER_RECORD_BYTES = 48  # a binary peer id (38 bytes) and a time, per provider returned
+# Provider records are withdrawn exactly on eviction here, so they never go stale; the
+# live DHT's re-announcements (one per held root per record lifetime) are not counted.
+_PROVIDER_TTL_S = 1e12
+_EPS = 1e-9  # virtual-time slack for float round-off in the step schedule
 
 # Event kinds, in the order they are handled when simultaneous (then FIFO).
 _ARRIVE, _DELIVER, _PHASE, _TICK, _SUMMARY, _FIRST_BACK, _END_BACK = range(7)
@@ -135,6 +150,11 @@ class _Peer:
         policy = Policy.COST if params.policy in (ORACLE, COST_PROBE) else Policy(params.policy)
         self.router = Router(policy, rng, block_size=params.block_size)
         self.bloom = IncrementalBloom(bloom, memo)
+        self.publish_policy = PublishPolicy(
+            params.summary_interval_s, early_publish=params.early_publish
+        )
+        self.neighbours: frozenset[int] = frozenset()  # ring mode: whose summaries we hear
+        self.interest = Interest(params.gossip_interest, params.summary_interval_s)
         cal = params.calibration
         # Engine.warmup() seeds the speed estimates: decode (a batch of one), then prefill
         # on a prompt long enough to tell.
@@ -154,8 +174,6 @@ class _Peer:
         self.busy_s = 0.0
         # gossip
         self.seq = 0
-        self.last_publish = -math.inf
-        self.changed_blocks = 0
         self.published = 0
         self.bytes_published = 0
         self.served = 0
@@ -188,12 +206,15 @@ class Simulator:
         self._entry_rng = random.Random(f"{params.seed}/entry")
         self._net_rng = random.Random(f"{params.seed}/net")
         self._phase_rng = random.Random(f"{params.seed}/phase")
+        self._lookup_rng = random.Random(f"{params.seed}/lookup")
         route_rng = random.Random(f"{params.seed}/route")
         template = params.bloom_template()
         self.bloom_bits = template.num_bits
         self.bloom_hashes = template.num_hashes
         width = max(3, len(str(params.peers - 1)))
         memo: dict[int, tuple[int, int]] = {}
+        # Filters of one shape share a memo; the live sizing may reshape a peer's filter.
+        self._memos = {(template.num_bits, template.num_hashes): memo}
         probe_cache = ProbeCache()  # one per swarm: every peer probes the same chains
         self.peers = [
             _Peer(i, f"peer{i:0{width}d}", params, self.hasher, route_rng, template, memo,
@@ -205,6 +226,32 @@ class Simulator:
         self._delivered: list[tuple[float, float, CacheSummary] | None] = [None] * params.peers
         self._applied_seq = [[0] * params.peers for _ in range(params.peers)]
         self._index = {p.peer_id: p.idx for p in self.peers}
+        self._providers = ProviderIndex(_PROVIDER_TTL_S)
+        self._roots: set[int] = set()  # first block hash of every prompt seen
+        self._latest: list[CacheSummary | None] = [None] * params.peers  # last published
+        self._lookups = 0
+        self._ring = params.gossip_mode == GossipMode.RING.value
+        # Per source, the peers that hear its summaries.
+        self._audience: list[list[int]] = [[] for _ in self.peers]
+        if self._ring:
+            ids = [p.peer_id for p in self.peers]
+            for peer in self.peers:
+                hood = Neighbourhood(peer.peer_id, params.gossip_neighbours)
+                hood.update(ids)
+                peer.neighbours = frozenset(self._index[m] for m in hood.members)
+                for source in peer.neighbours:
+                    self._audience[source].append(peer.idx)
+        else:
+            everyone = list(range(params.peers))
+            for peer in self.peers:
+                self._audience[peer.idx] = [i for i in everyone if i != peer.idx]
+        # Per receiver, the sources whose summaries it may apply: its audience's inverse,
+        # less those its full table refused (TABLE_FULL is final here: every peer
+        # publishes well within the expiry, so no entry is ever reaped to make room).
+        self._sources: list[list[int]] = [
+            sorted(p.neighbours) if self._ring else [i for i in range(params.peers) if i != p.idx]
+            for p in self.peers
+        ]
         self._d = params.delay_ms / 1000.0
         self._events: list[tuple[float, int, int, int, Any]] = []
         self._seq = 0
@@ -213,6 +260,11 @@ class Simulator:
         self._forwarded = 0
         self._summaries_applied = 0
         self._summaries_rejected = 0
+        # Called with (peer index, time, summary) at each publish (tests compare it with
+        # the live publisher's decisions).
+        self.on_publish: Callable[[int, float, CacheSummary], None] | None = None
+        self._received = 0  # summaries delivered, counted once per receiver
+        self._received_bytes = 0
         self._now = 0.0
 
     # -- plumbing ---------------------------------------------------------------------
@@ -234,6 +286,8 @@ class Simulator:
         if cached is None:
             cached = self.hasher.chain(req.prefix)
             self._prefix_chains[req.prefix_key] = cached
+            if cached:
+                self._roots.add(cached[0])
         chain = list(cached)
         prev = chain[-1] if chain else None
         for b in range(len(chain), len(tokens) // bs):
@@ -279,13 +333,18 @@ class Simulator:
         job.entry = self._entry_rng.randrange(self.params.peers)
         entry = self.peers[job.entry]
         wait = 0.0
+        if self._ring and job.chain and self.params.policy != ORACLE:
+            wait = self._lookup(entry, job, now)
         if self.params.policy == ORACLE:
             target, match_tokens = self._oracle_choice(entry, job, now)
         elif self.params.policy == COST_PROBE:
-            target, match_tokens, wait = self._probe_choice(entry, job, now)
+            target, match_tokens, probe_wait = self._probe_choice(entry, job, now)
+            wait += probe_wait
         else:
             target, match_tokens = self._router_choice(entry, job, now)
         job.target = target
+        if self._ring:
+            entry.interest.touch(self.peers[target].peer_id)
         if target == job.entry:
             if wait > 0:
                 self._push(now + wait, _DELIVER, target, job)
@@ -297,6 +356,62 @@ class Simulator:
         job.charge = entry.table.record_forward(self.peers[target].peer_id, counted, now)
         delay = sum(self._one_way() for _ in range(2 * self.params.stream_setup_rtts + 1))
         self._push(now + wait + delay, _DELIVER, target, job)
+
+    def _lookup(self, entry: _Peer, job: _Job, now: float) -> float:
+        """Ring mode: look up the prompt's root when no peer the entry hears holds it;
+        listen to a few holders from now on. Returns the seconds the request waited."""
+        bs = self.params.block_size
+        if entry.cache.peek(job.tokens) >= bs:
+            return 0.0
+        self._catch_up(entry)
+        root = job.chain[0]
+        if any(row.match_blocks for row in entry.table.routing_rows(job.chain[:1], now)):
+            return 0.0
+        if not entry.interest.should_lookup(root, now):
+            return 0.0
+        self._lookups += 1
+        found = self._providers.providers(root, now)
+        rtts = self.params.lookup_rtts
+        self._received += 2 * rtts
+        self._received_bytes += 2 * rtts * LOOKUP_REQUEST_BYTES + len(found) * PROVIDER_RECORD_BYTES
+        candidates = [
+            i for i in (self._index[p] for p in found)
+            if i != entry.idx and i not in entry.neighbours
+        ]
+        # a random few of the holders: the most recent announcers for every entry would
+        # herd a swarm's requests for a root onto the same two peers
+        chosen = self._lookup_rng.sample(
+            candidates, min(len(candidates), self.params.lookup_providers)
+        )
+        wait = sum(self._one_way() + self._one_way() for _ in range(rtts))
+        if not chosen:
+            return wait
+        wait += max(self._one_way() + self._one_way() for _ in chosen)  # probes, in parallel
+        change = entry.interest.add(
+            [self.peers[i].peer_id for i in chosen],
+            exclude=[self.peers[i].peer_id for i in entry.neighbours],
+        )
+        applied = self._applied_seq[entry.idx]
+        for peer_id in change.removed:
+            source = self._index[peer_id]
+            self._audience[source].remove(entry.idx)
+            self._sources[entry.idx].remove(source)
+            applied[source] = 0
+            entry.table.remove(peer_id)
+        for peer_id in change.added:
+            source = self._index[peer_id]
+            self._audience[source].append(entry.idx)
+            self._sources[entry.idx].append(source)
+            summary = self._latest[source]
+            self._received += 2
+            self._received_bytes += LOOKUP_REQUEST_BYTES
+            if summary is None:
+                continue
+            self._received_bytes += len(encode_summary(summary))
+            applied[source] = summary.seq
+            if entry.table.apply(summary, peer_id, now).accepted:
+                self._summaries_applied += 1
+        return wait
 
     def _local_state(self, peer: _Peer, tokens: tuple[int, ...]) -> LocalState:
         return LocalState(
@@ -471,16 +586,25 @@ class Simulator:
     def _insert(self, peer: _Peer, tokens: tuple[int, ...], now: float) -> None:
         """Insert `tokens`' full blocks as the engine does (evicting exactly what it needs)."""
         peer.cache.insert(tokens, _no_value, now)
-        self._drain(peer)
+        self._drain(peer, now)
 
-    def _drain(self, peer: _Peer) -> None:
+    def _drain(self, peer: _Peer, now: float) -> None:
         events = peer.cache.drain_events()
+        roots = self._roots if self._ring else ()
         for ev in events:
-            if ev.kind is EventKind.STORED:
+            stored = ev.kind is EventKind.STORED
+            if stored:
                 peer.bloom.add(ev.block_hash)
             else:
                 peer.bloom.remove(ev.block_hash)
-        peer.changed_blocks += len(events)
+            if ev.block_hash in roots:  # announce to / withdraw from the root's homes
+                if stored:
+                    self._providers.announce(ev.block_hash, peer.peer_id, now)
+                else:
+                    self._providers.withdraw(ev.block_hash, peer.peer_id)
+                self._received += PROVIDER_HOMES
+                self._received_bytes += PROVIDER_HOMES * LOOKUP_REQUEST_BYTES
+        peer.publish_policy.observe(events, peer.cache.num_blocks)
 
     @property
     def _warmup_n(self) -> int:
@@ -489,24 +613,26 @@ class Simulator:
     # -- anti-entropy ---------------------------------------------------------------------
 
     def _tick(self, peer: _Peer, now: float) -> None:
-        """One turn of peer/gossip.py's publish loop."""
-        interval = self.params.summary_interval_s
-        early_gap = interval * GOSSIP_EARLY_GAP_FRACTION
-        threshold = max(1, math.ceil(GOSSIP_CHANGE_FRACTION * peer.cache.num_blocks))
-        due = now - peer.last_publish >= interval - _EPS
-        early = (
-            self.params.early_publish
-            and peer.changed_blocks >= threshold
-            and now - peer.last_publish >= early_gap - _EPS
-        )
-        if due or early:
+        """One turn of peer/gossip.py's publish loop, decided by the same PublishPolicy."""
+        if peer.publish_policy.poll(now) is not None:
             self._publish(peer, now)
-        self._push(min(peer.last_publish + interval, now + early_gap), _TICK, peer.idx)
+        self._push(peer.publish_policy.next_deadline(), _TICK, peer.idx)
+
+    def _reshape(self, peer: _Peer) -> None:
+        """Give `peer` the filter shape the live sizing picks for its cache now."""
+        if self.params.bloom_bits_per_entry is not None:
+            return  # the bloom sweep fixes the shape
+        shape = bloom_shape(peer.cache.num_blocks, self.params.bloom_fp_rate)
+        if shape == (peer.bloom.num_bits, peer.bloom.num_hashes):
+            return
+        memo = self._memos.setdefault(shape, {})
+        peer.bloom = IncrementalBloom(BloomFilter(*shape), memo)
+        for key in peer.cache.cached_hashes():
+            peer.bloom.add(key)
 
     def _publish(self, peer: _Peer, now: float) -> None:
         peer.seq += 1
-        peer.last_publish = now
-        peer.changed_blocks = 0
+        self._reshape(peer)
         summary = CacheSummary(
             peer_id=peer.peer_id,
             model_id=self.params.model_id,
@@ -526,14 +652,22 @@ class Simulator:
             batch_decode_tokens_per_s=peer.batch_decode_tps,
             step_tokens=self.params.step_tokens,
         )
+        self._latest[peer.idx] = summary
+        if self.on_publish is not None:
+            self.on_publish(peer.idx, now, summary)
+        size = len(encode_summary(summary))
         peer.published += 1
-        peer.bytes_published += len(encode_summary(summary))
-        if self.params.peers > 1:
+        peer.bytes_published += size
+        audience = len(self._audience[peer.idx])
+        self._received += audience
+        self._received_bytes += audience * size
+        if audience:
             delay = self._one_way()
             self._push(now + delay, _SUMMARY, peer.idx, (delay, summary))
 
     def _deliver_summary(self, source: int, item: tuple[float, CacheSummary], now: float) -> None:
-        """A summary reaches every other peer now. Applying it is deferred to a receiver's
+        """A summary reaches its audience (every other peer, or the ring neighbours that
+        hear `source`) now. Applying it is deferred to a receiver's
         next routing decision (`_catch_up`); a newer summary from the same source
         replaces it, which PeerTable.apply would do anyway."""
         delay, summary = item
@@ -545,21 +679,29 @@ class Simulator:
         """Apply, in delivery order and at their delivery times, the summaries delivered
         to `peer` since it last looked."""
         applied = self._applied_seq[peer.idx]
+        delivered = self._delivered
         todo = []
-        for source, latest in enumerate(self._delivered):
-            if latest is not None and latest[2].seq > applied[source] and source != peer.idx:
+        for source in self._sources[peer.idx]:
+            latest = delivered[source]
+            if latest is not None and latest[2].seq > applied[source]:
                 todo.append((latest[0], source, latest))
         todo.sort()
         table = peer.table
+        refused = []
         for t, source, (_, delay, summary) in todo:
             applied[source] = summary.seq
             sender = self.peers[source].peer_id
             result = table.apply(summary, sender, t)
+            if result.reason is Verdict.TABLE_FULL:
+                refused.append(source)
             if result.accepted:
                 self._summaries_applied += 1
                 table.record_rtt(sender, 2 * delay, t)
             else:
                 self._summaries_rejected += 1
+        if refused:
+            gone = set(refused)
+            self._sources[peer.idx] = [s for s in self._sources[peer.idx] if s not in gone]
 
     # -- results ----------------------------------------------------------------------
 
@@ -579,6 +721,7 @@ class Simulator:
         n = self.params.peers
         gossip_bytes = sum(p.bytes_published for p in self.peers)
         publishes = sum(p.published for p in self.peers)
+        received, received_bytes = self._received, self._received_bytes
         metrics = {
             "requests": float(len(kept)),
             "ttft_mean_s": mean(ttft),
@@ -595,9 +738,12 @@ class Simulator:
             "duration_s": duration,
             "summaries_published": float(publishes),
             "summary_bytes_mean": gossip_bytes / publishes if publishes else 0.0,
-            # each summary reaches each of the other n - 1 peers once (a lower bound for
-            # GossipSub, which also relays and sends IHAVE gossip)
-            "gossip_bytes_per_s_per_peer": gossip_bytes * (n - 1) / n / duration,
+            # summaries received per peer: each reaches each peer of its audience once (a
+            # lower bound for GossipSub, which also relays and sends IHAVE gossip)
+            "gossip_messages_per_s_per_peer": received / n / duration,
+            "gossip_bytes_per_s_per_peer": received_bytes / n / duration,
+            "gossip_neighbours_mean": sum(len(a) for a in self._audience) / n,
+            "gossip_lookups": float(self._lookups),
             "summaries_rejected": float(self._summaries_rejected),
             "bloom_bits": float(self.bloom_bits),
             "bloom_hashes": float(self.bloom_hashes),

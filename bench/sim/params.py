@@ -10,11 +10,15 @@ from bench.sim.calibration import NOTES_CALIBRATION, Calibration
 from peer.config import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_BLOOM_FP_RATE,
+    DEFAULT_GOSSIP_NEIGHBOURS,
     DEFAULT_MODEL,
     DEFAULT_SUMMARY_INTERVAL_S,
+    GossipMode,
     Policy,
 )
 from peer.engine.scheduler import DEFAULT_MAX_RUNNING, DEFAULT_STEP_TOKENS
+from peer.interest import DEFAULT_INTEREST_PEERS, DEFAULT_PROVIDERS_PER_LOOKUP
+from peer.publish_policy import bloom_shape
 from peer.ranking import ROUND_TRIPS_PER_FORWARD
 from protocols.bloom import BLOCK_BITS, BloomFilter
 
@@ -41,6 +45,13 @@ class SimParams:
     stream_setup_rtts: int = ROUND_TRIPS_PER_FORWARD - 1
     summary_interval_s: float = DEFAULT_SUMMARY_INTERVAL_S
     early_publish: bool = True  # peer/gossip.py's early publish on 5% change
+    gossip_mode: str = GossipMode.FULL.value  # `full` flooding or `ring` neighbourhoods
+    gossip_neighbours: int = DEFAULT_GOSSIP_NEIGHBOURS  # ring mode: peers each one hears
+    gossip_interest: int = DEFAULT_INTEREST_PEERS  # ring mode: extra peers heard on demand
+    lookup_providers: int = DEFAULT_PROVIDERS_PER_LOOKUP  # ring mode: holders probed
+    # ring mode: round trips of a provider lookup (a Kademlia lookup at ~1,000 peers takes
+    # a few, parallel; 2 here), before the probe's own round trip
+    lookup_rtts: int = 2
     bloom_fp_rate: float = DEFAULT_BLOOM_FP_RATE  # the live peer's default
     bloom_bits_per_entry: float | None = None  # overrides bloom_fp_rate: bits per capacity block
     capacity_blocks: int = 256  # KV budget per peer: 4,096 tokens, ~190 MB of SmolLM2 fp32 KV
@@ -70,6 +81,12 @@ class SimParams:
             raise ValueError("max_running and step_tokens must be >= 1")
         if self.capacity_blocks < 1:
             raise ValueError(f"capacity_blocks must be >= 1, got {self.capacity_blocks}")
+        if self.gossip_mode not in {m.value for m in GossipMode}:
+            raise ValueError(f"gossip_mode must be one of {[m.value for m in GossipMode]}")
+        if not 2 <= self.gossip_neighbours <= 64 or self.gossip_neighbours % 2:
+            raise ValueError(
+                f"gossip_neighbours must be even, in [2, 64], got {self.gossip_neighbours}"
+            )
         if self.bloom_bits_per_entry is not None and self.bloom_bits_per_entry <= 0:
             raise ValueError(f"bloom_bits_per_entry must be > 0, got {self.bloom_bits_per_entry}")
         if not 0 <= self.warmup_fraction < 1:
@@ -81,9 +98,11 @@ class SimParams:
         return out
 
     def bloom_template(self) -> BloomFilter:
-        """An empty filter of the shape every peer publishes."""
+        """An empty filter of the shape every peer starts publishing: the live sizing's
+        (peer/publish_policy.py `bloom_shape`, re-applied at each publish), unless
+        `bloom_bits_per_entry` fixes the shape."""
         if self.bloom_bits_per_entry is None:
-            return BloomFilter.for_capacity(self.capacity_blocks, self.bloom_fp_rate)
+            return BloomFilter(*bloom_shape(0, self.bloom_fp_rate))
         bits = self.bloom_bits_per_entry * self.capacity_blocks
         num_bits = max(1, math.ceil(bits / BLOCK_BITS)) * BLOCK_BITS
         num_hashes = max(1, min(16, round(self.bloom_bits_per_entry * math.log(2))))

@@ -69,7 +69,9 @@ EXTRA_COLUMNS: dict[str, tuple[tuple[str, str, str], ...]] = {
     "bloom": (("bloom_bits_per_entry", "bits/entry", "{:g}"),
               ("bloom_bits", "filter bits", "{:.0f}"), ("bloom_hashes", "k", "{:.0f}"),
               ("summary_bytes_mean", "bytes", "{:.0f}")),
-    "scale": (("gossip_bytes_per_s_per_peer", "gossip B/s/peer", "{:.0f}"),
+    "scale": (("gossip_mode", "gossip", "{}"), ("requests", "requests", "{:.0f}"),
+              ("gossip_messages_per_s_per_peer", "gossip msg/s/peer", "{:.1f}"),
+              ("gossip_bytes_per_s_per_peer", "gossip B/s/peer", "{:.0f}"),
               ("gossip_cpu_fraction_est", "gossip CPU (est.)", "{:.2f}")),
 }  # fmt: skip
 
@@ -101,6 +103,10 @@ def _series(rows: Sequence[dict[str, Any]], experiment: str) -> dict[str, list[d
         if r["experiment"] != experiment:
             continue
         label = r["policy"]
+        if r.get("gossip_mode", "full") != "full":
+            label += f" ({r['gossip_mode']} gossip)"
+        if experiment == "scale" and r["requests"] < 64 * r["peers"]:
+            label += f" [{int(r['requests']) // r['peers']} req/peer]"  # not a steady state
         if "early_publish" in r:
             label += "" if r["early_publish"] else " (periodic only)"
         series.setdefault(label, []).append(r)
