@@ -165,15 +165,19 @@ def full_grid(seed: int = 1, seeds: int = 1) -> Grid:
 def final_grid(seed: int = 1, seeds: int = 5) -> Grid:
     """What docs/RESULTS.md is made of besides the quick grid (whose delay sweeps cover
     the cpu and gpu regimes): the delay sweep of the mixed regime, cache pressure in the
-    cpu and gpu regimes, chat and agent sessions at d = 5 ms in every regime; 1,200
-    requests a run."""
-    return Grid(base=_cpu_base(seed, 1200), seeds=tuple(range(seed, seed + seeds)),
+    cpu and gpu regimes, chat and agent sessions at d = 5 ms in every regime; 800 requests
+    a run (200 sessions), fewer policies than the quick grid (it has to fit next to it)."""
+    return Grid(base=_cpu_base(seed, 800), seeds=tuple(range(seed, seed + seeds)),
                 delays_ms=(),
                 delays_by_regime=(("gpu", ()), ("mixed", regime("mixed").quick_delays_ms)),
                 policies=(Policy.LOCAL.value, Policy.RANDOM.value, Policy.LEAST_LOADED.value,
                           Policy.LONGEST_PREFIX.value, Policy.COST.value, ORACLE),
                 experiments=("delay", "pressure", "chat", "agent"),
                 regimes=("cpu", "gpu", "mixed"), pressure_regimes=("cpu", "gpu"),
+                pressure_policies=(Policy.RANDOM.value, Policy.LONGEST_PREFIX.value,
+                                   Policy.COST.value, ORACLE, EXACT_LONGEST_PREFIX),
+                multi_turn_policies=(Policy.RANDOM.value, Policy.LONGEST_PREFIX.value,
+                                     Policy.COST.value, ORACLE, COST_PROBE),
                 multi_turn_delays_ms=(5.0,))
 
 
