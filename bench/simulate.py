@@ -1,7 +1,9 @@
 """Discrete-event simulator of a prefixswarm swarm, and the evaluation's experiments.
 
-    python -m bench.simulate --quick --json results.json      # sweeps a, b, c (< 2 min)
+    python -m bench.simulate --quick --seeds 5 --json PATH   # a, b, c; cpu and gpu regimes
+    python -m bench.simulate --final --seeds 5 --json PATH   # delay, pressure, chat, agent
     python -m bench.simulate --json docs/results/simulate.json --plots docs/results
+    python -m bench.claims --run    # both grids, rows under docs/results, docs/RESULTS.md
     python -m bench.simulate --one --policy cost --delay-ms 5 --zipf-s 1 --requests 20000
 
 The simulator (bench/sim/) runs the real pure cores: block hashing, Bloom filters,
@@ -20,19 +22,23 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.sim.calibration import NOTES_CALIBRATION, Calibration
+from bench.sim.calibration import Calibration
 from bench.sim.experiments import (
+    WORKLOADS,
     Base,
     Grid,
     compare_cost,
+    final_grid,
     full_grid,
     make_workload,
     quick_grid,
+    regime_sim,
     run_grid,
     scale_checks,
 )
 from bench.sim.model import simulate
 from bench.sim.params import POLICY_NAMES, SimParams
+from bench.sim.regimes import REGIME_NAMES, regime
 from bench.workloads import load_tokenized_mmlu
 from peer.config import GossipMode
 
@@ -42,7 +48,15 @@ GOSSIP_MODES = tuple(m.value for m in GossipMode)
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m bench.simulate", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="sweeps a, b, c only, reduced grid")
+    ap.add_argument("--quick", action="store_true",
+                    help="sweeps a, b, c only, reduced grid, cpu and gpu regimes")
+    ap.add_argument("--final", action="store_true",
+                    help="delay, cache pressure, chat and agent in every regime (reduced)")
+    ap.add_argument("--seeds", type=int, default=1,
+                    help="workload seeds --seed .. --seed + N - 1 (the simulator's seed of "
+                    "each is the workload's + 1000)")
+    ap.add_argument("--regimes", help="comma-separated subset of the grid's regimes: "
+                    "cpu,gpu,mixed")
     ap.add_argument("--json", type=Path, help="write {'params', 'rows'} here")
     ap.add_argument("--plots", type=Path, help="write Markdown tables and PNG plots here")
     ap.add_argument("--jobs", type=int, default=1, help="worker processes (runs are independent)")
@@ -61,6 +75,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                     "and redraw --plots")
     ap.add_argument("--one", action="store_true", help="a single run, printed")
     ap.add_argument("--policy", default="cost", choices=POLICY_NAMES)
+    ap.add_argument("--regime", default="cpu", choices=REGIME_NAMES)
+    ap.add_argument("--workload", default="mmlu", choices=WORKLOADS)
     ap.add_argument("--peers", type=int, default=16)
     ap.add_argument("--delay-ms", type=float, default=5.0)
     ap.add_argument("--zipf-s", type=float, default=1.0)
@@ -124,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     if args.replot:
         return _replot(args)
-    cal = Calibration.from_engine_json(args.calibration) if args.calibration else NOTES_CALIBRATION
+    cal = (Calibration.from_engine_json(args.calibration) if args.calibration
+           else regime("cpu").calibration)
     t0 = time.perf_counter()
     data = load_tokenized_mmlu()
     print(f"MMLU tokens ready in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
@@ -133,18 +150,27 @@ def main(argv: list[str] | None = None) -> int:
                         summary_interval_s=args.interval_s, seed=args.seed,
                         capacity_blocks=args.capacity_blocks, calibration=cal,
                         gossip_mode=args.gossip_mode, gossip_neighbours=args.neighbours)
+        if args.regime != "cpu":
+            sim = regime_sim(sim, regime(args.regime))
         base = Base(peers=args.peers, delay_ms=args.delay_ms, zipf_s=args.zipf_s,
                     load=args.load, requests=args.requests or Base.requests, seed=args.seed,
                     sim=sim)
         workload, rate = make_workload(data, base, args.peers, args.zipf_s, args.load,
-                                       base.requests)
+                                       base.requests, kind=args.workload)
         start = time.perf_counter()
         result = simulate(sim, workload)
         wall = time.perf_counter() - start
         print(json.dumps({"arrival_rate_per_s": rate, "wall_s": wall, **result.metrics},
                          indent=1))
         return 0
-    grid: Grid = quick_grid(args.seed) if args.quick else full_grid(args.seed)
+    if args.quick:
+        grid: Grid = quick_grid(args.seed, args.seeds)
+    elif args.final:
+        grid = final_grid(args.seed, args.seeds)
+    else:
+        grid = full_grid(args.seed, args.seeds)
+    if args.regimes:
+        grid = dataclasses.replace(grid, regimes=tuple(args.regimes.split(",")))
     base = dataclasses.replace(grid.base, sim=dataclasses.replace(grid.base.sim, calibration=cal))
     if args.requests:
         base = dataclasses.replace(base, requests=args.requests)
@@ -157,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             raise SystemExit(f"unknown policies {sorted(unknown)}; known: {POLICY_NAMES}")
         grid = dataclasses.replace(grid, policies=only, skew_load_policies=only,
-                                   scale_policies=only)
+                                   scale_policies=only, pressure_policies=only,
+                                   multi_turn_policies=only)
     if args.gossip_modes:
         modes = tuple(args.gossip_modes.split(","))
         if set(modes) - set(GOSSIP_MODES):
@@ -173,12 +200,17 @@ def main(argv: list[str] | None = None) -> int:
     wall = time.perf_counter() - t0
     params = {
         "quick": args.quick,
+        "final": args.final,
         "seed": args.seed,
+        "seeds": list(grid.seeds),
+        "regimes": {r: regime(r).calibration.as_dict() | {
+            "peer_calibrations": [c.name for c in regime(r).peer_calibrations]}
+            for r in grid.regimes},
         "base": {k: v for k, v in dataclasses.asdict(base).items() if k != "sim"},
         "sim": base.sim.as_dict(),
         "grid": {k: v for k, v in dataclasses.asdict(grid).items() if k != "base"},
-        "workload": {"kind": "mmlu-5shot", "tokenizer": data.tokenizer,
-                     "subjects": len(data.subjects)},
+        "workload": {"kind": "mmlu-5shot; chat and agent sessions (bench/workloads.py)",
+                     "tokenizer": data.tokenizer, "subjects": len(data.subjects)},
         "wall_s": wall,
     }
     checks = _checks(rows)

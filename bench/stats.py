@@ -40,3 +40,25 @@ def cov(xs: Sequence[float]) -> float:
         return 0.0
     var = sum((x - m) ** 2 for x in xs) / len(xs)
     return math.sqrt(var) / m
+
+
+# Student's t 0.975 quantiles for 1..30 degrees of freedom (two-sided 95%); beyond, 1.96.
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
+         2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064,
+         2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def mean_ci95(xs: Sequence[float]) -> tuple[float, float]:
+    """The mean and the half-width of its two-sided 95% confidence interval (Student's t
+    on the sample standard deviation: independent seeds, roughly normal means). The
+    half-width is nan with fewer than two values; (nan, nan) when empty."""
+    vals = [x for x in xs if not math.isnan(x)]
+    if not vals:
+        return math.nan, math.nan
+    m = sum(vals) / len(vals)
+    n = len(vals)
+    if n < 2:
+        return m, math.nan
+    sd = math.sqrt(sum((x - m) ** 2 for x in vals) / (n - 1))
+    t = _T975[n - 2] if n - 1 <= len(_T975) else 1.96
+    return m, t * sd / math.sqrt(n)

@@ -64,6 +64,7 @@ class TokenRequest:
     max_new_tokens: int
     group: int = 0  # subject, conversation or system-prompt group
     output: tuple[int, ...] = ()
+    turn: int = 0  # multi-turn workloads: 0 for a conversation's first turn, then 1, 2, ...
 
     @property
     def prompt_tokens(self) -> int:
@@ -258,9 +259,75 @@ def chat_requests(
             reply = data.answers[k][q][:max_new_tokens]
             key = (c << 8) | turn  # a conversation's turns never share a full prompt
             out.append(TokenRequest(t, key, history, suffix, max(1, len(reply)), group=c,
-                                    output=reply))
+                                    output=reply, turn=turn))
             history = history + suffix + reply + m["end"]
             t += rng.expovariate(1.0 / think_s)
+    out.sort(key=lambda r: r.arrival_s)
+    return out
+
+
+def agent_requests(
+    data: TokenizedMMLU,
+    sessions: int,
+    rate_per_s: float,
+    agents: int = 4,
+    system_tokens: tuple[int, int] = (1000, 2000),
+    steps: tuple[int, int] = (2, 6),
+    tool_output_tokens: int = 200,
+    call_tokens: int = 24,
+    tool_s: float = 2.0,
+    seed: int = 0,
+) -> list[TokenRequest]:
+    """Agentic sessions: a few agents, each with a long system prompt (its instructions and
+    tool descriptions) that all of its sessions share; a session is a task and then tool
+    calls. Sessions start as a Poisson process of `rate_per_s`, pick an agent uniformly and
+    run a uniform number of `steps`. Each step's prompt is the previous one plus the
+    model's tool call (its reply) and the tool's output; the next step comes an exponential
+    tool latency (mean `tool_s`) after the previous one (open loop, as chat_requests).
+
+    Real token ids: system prompts are ChatML system headers followed by MMLU questions of
+    one subject cut to a log-uniform length in `system_tokens`; a task is an MMLU question;
+    a tool call is the first `call_tokens` tokens of another question and the answer's
+    text; a tool output is an MMLU question cut to `tool_output_tokens`.
+    """
+    if sessions < 1 or agents < 1 or not 1 <= steps[0] <= steps[1]:
+        raise ValueError("need sessions >= 1, agents >= 1 and 1 <= steps[0] <= steps[1]")
+    if not 1 <= system_tokens[0] <= system_tokens[1]:
+        raise ValueError("need 1 <= system_tokens[0] <= system_tokens[1]")
+    rng = random.Random(f"{seed}/agent")
+    m = data.markers
+    systems: list[tuple[int, ...]] = []
+    for a in range(agents):
+        length = round(math.exp(rng.uniform(math.log(system_tokens[0]),
+                                            math.log(system_tokens[1]))))
+        subject = (a * 7) % len(data.subjects)
+        body: list[int] = list(m["system"])
+        for q in itertools.cycle(data.questions[subject]):
+            if len(body) >= length:
+                break
+            body.extend(q)
+        systems.append(tuple(body[:length]) + m["end"])
+
+    def question() -> tuple[int, ...]:
+        k = rng.randrange(len(data.subjects))
+        return data.questions[k][rng.randrange(len(data.questions[k]))]
+
+    out = []
+    for session, start in enumerate(poisson_arrivals(rng, sessions, rate_per_s)):
+        a = rng.randrange(agents)
+        prefix, key = systems[a], a  # the first step shares the agent's system prompt
+        suffix = m["user"] + question() + m["end"] + m["assistant"]
+        t = start
+        for step in range(rng.randint(*steps)):
+            k = rng.randrange(len(data.subjects))
+            q = rng.randrange(len(data.questions[k]))
+            call = data.questions[k][q][:call_tokens] + data.answers[k][q]
+            out.append(TokenRequest(t, key, prefix, suffix, len(call), group=session,
+                                    output=call, turn=step))
+            prefix = prefix + suffix + call + m["end"]
+            key = agents + ((session << 8) | step)  # unique: no two steps share a prompt
+            suffix = m["user"] + question()[:tool_output_tokens] + m["end"] + m["assistant"]
+            t += rng.expovariate(1.0 / tool_s)
     out.sort(key=lambda r: r.arrival_s)
     return out
 

@@ -29,6 +29,14 @@ SIMULATOR_OWN = {
     "LOOKUP_REQUEST_BYTES",
     "PROVIDER_RECORD_BYTES",
     "_PROVIDER_TTL_S",
+    # Regimes and workloads: what is simulated, not how a peer decides.
+    "ENGINE_JSON",
+    "GPU_CALIBRATION",
+    "MIXED_GPU_EVERY",
+    "MIXED_SLOW_FACTOR",
+    "MULTI_TURN_CAPACITY_BLOCKS",
+    "SIM_SEED_OFFSET",
+    "TURNS_PER_SESSION",
 }
 
 

@@ -234,7 +234,7 @@ def test_grid_rows_and_cli_json(tmp_path, monkeypatch) -> None:
 
     data = synthetic_mmlu()
     monkeypatch.setattr(cli, "load_tokenized_mmlu", lambda: data)
-    monkeypatch.setattr(cli, "quick_grid", lambda seed: tiny_grid())
+    monkeypatch.setattr(cli, "quick_grid", lambda seed, seeds=1: tiny_grid())
     out = tmp_path / "quick.json"
     assert cli.main(["--quick", "--json", str(out), "--plots", str(tmp_path / "plots")]) == 0
     doc = json.loads(out.read_text())

@@ -18,8 +18,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bench.sim.model import simulate
-from bench.sim.params import COST_PROBE, ORACLE, SimParams
-from bench.workloads import TokenizedMMLU, TokenRequest, mmlu_requests
+from bench.sim.params import COST_PROBE, EXACT_LONGEST_PREFIX, ORACLE, SimParams
+from bench.sim.regimes import Regime, regime
+from bench.workloads import (
+    TokenizedMMLU,
+    TokenRequest,
+    agent_requests,
+    chat_requests,
+    mmlu_requests,
+)
 from peer.config import GossipMode, Policy
 
 ALL_POLICIES = (
@@ -40,10 +47,33 @@ QUICK_POLICIES = (
     ORACLE,
     COST_PROBE,
 )
+DEPLOYABLE = (
+    Policy.LOCAL.value,
+    Policy.RANDOM.value,
+    Policy.ROUND_ROBIN.value,
+    Policy.LEAST_LOADED.value,
+    Policy.LONGEST_PREFIX.value,
+)  # what `cost` is compared against (the oracle, the what-ifs and the ceiling are not)
+PRESSURE_POLICIES = (
+    Policy.RANDOM.value,
+    Policy.LEAST_LOADED.value,
+    Policy.LONGEST_PREFIX.value,
+    Policy.COST.value,
+    ORACLE,
+    EXACT_LONGEST_PREFIX,
+)
+MULTI_TURN_POLICIES = (Policy.LOCAL.value, *QUICK_POLICIES)
 REQUIRED_ROW_KEYS = (
     "experiment", "policy", "peers", "delay_ms", "zipf_s", "load",
     "ttft_mean_s", "ttft_p99_s", "e2e_mean_s", "hit_ratio", "load_cov",
+    "regime", "seed", "workload",
 )  # fmt: skip
+# The simulator's seed is the workload's plus this: separate random streams (entries,
+# delays, routing ties) from the workload's (questions, arrivals).
+SIM_SEED_OFFSET = 1000
+WORKLOADS = ("mmlu", "chat", "agent")
+MULTI_TURN_CAPACITY_BLOCKS = 1024  # 16k tokens a peer for the chat and agent workloads
+TURNS_PER_SESSION = 4  # chat_requests' and agent_requests' mean turns (2-6 uniform)
 PY_LIBP2P_CPU_S_PER_MESSAGE = 0.007  # docs/libp2p.md: ~7 ms CPU per gossip message received
 
 
@@ -60,6 +90,7 @@ class Base:
     subjects: int | None = None  # None: all 57 MMLU subjects
     seed: int = 1
     sim: SimParams = field(default_factory=SimParams)
+    regime: str = "cpu"  # the regime `sim` is calibrated for
 
 
 @dataclass(frozen=True)
@@ -83,31 +114,90 @@ class Grid:
     # the full grid leaves them out there (sweep a keeps every policy)
     skew_load_policies: tuple[str, ...] | None = QUICK_POLICIES
     experiments: tuple[str, ...] = ("delay", "skew", "load", "staleness", "bloom", "scale")
+    regimes: tuple[str, ...] = ("cpu",)
+    seeds: tuple[int, ...] = ()  # workload seeds; empty: the base's seed only
+    # delay sweep points of a regime other than the base's (default: the regime's own)
+    delays_by_regime: tuple[tuple[str, tuple[float, ...]], ...] = ()
+    pressures: tuple[float, ...] = (0.25, 0.5, 1.0, 2.0, 4.0)  # x the working set
+    pressure_policies: tuple[str, ...] = PRESSURE_POLICIES
+    pressure_regimes: tuple[str, ...] = ("cpu", "gpu", "mixed")
+    multi_turn_policies: tuple[str, ...] = MULTI_TURN_POLICIES
+    multi_turn_delays_ms: tuple[float, ...] = (0.0, 5.0)
+
+    def delays_for(self, name: str) -> tuple[float, ...]:
+        """The delay sweep's points in regime `name`."""
+        if name == self.base.regime:
+            return self.delays_ms
+        return dict(self.delays_by_regime).get(name, regime(name).delays_ms)
 
 
-def quick_grid(seed: int = 1) -> Grid:
-    """Sweeps a, b and c at 16 peers, reduced: the `--quick` run (< 2 minutes)."""
+def _cpu_base(seed: int, requests: int = Base.requests) -> Base:
+    cal = regime("cpu").calibration
+    return Base(requests=requests, seed=seed, sim=SimParams(calibration=cal), regime="cpu")
+
+
+def quick_grid(seed: int = 1, seeds: int = 1) -> Grid:
+    """Sweeps a, b and c at 16 peers, reduced, in the cpu and gpu regimes: the `--quick`
+    run (`seeds` workload seeds from `seed` on)."""
+    regimes = ("cpu", "gpu")
     return Grid(
-        base=Base(requests=1200, seed=seed),
-        delays_ms=(0, 5, 50, 250),
+        base=_cpu_base(seed, 1200),
+        delays_ms=regime("cpu").quick_delays_ms,
         zipf_s=(0.0, 1.0, 1.5),
         loads=(0.5, 1.0, 1.5),
-        policies=QUICK_POLICIES,
+        policies=(Policy.LOCAL.value, *QUICK_POLICIES),
         experiments=("delay", "skew", "load"),
+        regimes=regimes,
+        seeds=tuple(range(seed, seed + seeds)),
+        delays_by_regime=tuple((r, regime(r).quick_delays_ms) for r in regimes),
     )
 
 
-def full_grid(seed: int = 1) -> Grid:
-    """All seven experiments."""
-    return Grid(base=Base(seed=seed))
+def full_grid(seed: int = 1, seeds: int = 1) -> Grid:
+    """All experiments: the seven sweeps in the cpu regime, and the delay sweep, the cache
+    pressure sweep and the chat and agent workloads in every regime."""
+    return Grid(base=_cpu_base(seed), seeds=tuple(range(seed, seed + seeds)),
+                experiments=("delay", "skew", "load", "staleness", "bloom", "scale",
+                             "pressure", "chat", "agent"),
+                regimes=("cpu", "gpu", "mixed"))
+
+
+def final_grid(seed: int = 1, seeds: int = 5) -> Grid:
+    """What docs/RESULTS.md is made of besides the quick grid (whose delay sweeps cover
+    the cpu and gpu regimes): the delay sweep of the mixed regime, cache pressure in the
+    cpu and gpu regimes, chat and agent sessions at d = 5 ms in every regime; 800 requests
+    a run (200 sessions), fewer policies than the quick grid (it has to fit next to it)."""
+    return Grid(base=_cpu_base(seed, 800), seeds=tuple(range(seed, seed + seeds)),
+                delays_ms=(),
+                delays_by_regime=(("gpu", ()), ("mixed", regime("mixed").quick_delays_ms)),
+                policies=(Policy.LOCAL.value, Policy.RANDOM.value, Policy.LEAST_LOADED.value,
+                          Policy.LONGEST_PREFIX.value, Policy.COST.value, ORACLE),
+                experiments=("delay", "pressure", "chat", "agent"),
+                regimes=("cpu", "gpu", "mixed"), pressure_regimes=("cpu", "gpu"),
+                pressure_policies=(Policy.RANDOM.value, Policy.LONGEST_PREFIX.value,
+                                   Policy.COST.value, ORACLE, EXACT_LONGEST_PREFIX),
+                multi_turn_policies=(Policy.RANDOM.value, Policy.LONGEST_PREFIX.value,
+                                     Policy.COST.value, ORACLE, COST_PROBE),
+                multi_turn_delays_ms=(5.0,))
+
+
+def regime_sim(sim: SimParams, reg: Regime) -> SimParams:
+    """`sim` with the regime's service times."""
+    return dataclasses.replace(sim, calibration=reg.calibration,
+                               peer_calibrations=reg.peer_calibrations)
+
+
+def working_set_blocks(data: TokenizedMMLU, block_size: int) -> int:
+    """Full blocks of all subject prefixes: the shared part of the MMLU workload."""
+    return sum(len(p) // block_size for p in data.prefixes)
 
 
 # -- workloads ---------------------------------------------------------------------------
 
 
-def cold_service_s(requests: Sequence[TokenRequest], sim: SimParams) -> float:
-    """Mean service time of the requests with no prefix reuse at all."""
-    cal = sim.calibration
+def cold_service_s(requests: Sequence[TokenRequest], sim: SimParams, peer: int = 0) -> float:
+    """Mean service time of the requests on peer `peer` with no prefix reuse at all."""
+    cal = sim.calibration_of(peer)
     total = 0.0
     for r in requests:
         total += cal.prefill_s(r.prompt_tokens, 0) + cal.decode_s(r.max_new_tokens - 1)
@@ -117,27 +207,55 @@ def cold_service_s(requests: Sequence[TokenRequest], sim: SimParams) -> float:
 def arrival_rate(
     requests: Sequence[TokenRequest], sim: SimParams, peers: int, load: float
 ) -> float:
-    """Requests per second for `load` times the swarm's no-reuse capacity."""
-    return load * peers / cold_service_s(requests, sim)
+    """Requests per second for `load` times the swarm's no-reuse capacity (the sum of its
+    peers' capacities: they differ in a heterogeneous swarm)."""
+    if not sim.peer_calibrations:
+        return load * peers / cold_service_s(requests, sim)
+    per_cal: dict[int, float] = {}
+    capacity = 0.0
+    for i in range(peers):
+        k = i % len(sim.peer_calibrations)
+        if k not in per_cal:
+            per_cal[k] = 1.0 / cold_service_s(requests, sim, i)
+        capacity += per_cal[k]
+    return load * capacity
 
 
 def make_workload(
-    data: TokenizedMMLU, base: Base, peers: int, zipf_s: float, load: float, requests: int
+    data: TokenizedMMLU, base: Base, peers: int, zipf_s: float, load: float, requests: int,
+    *, kind: str = "mmlu", seed: int | None = None, sim: SimParams | None = None,
 ) -> tuple[list[TokenRequest], float]:
-    """The MMLU workload at `load`, and its arrival rate. Arrivals are drawn at rate 1
-    and scaled, so every load sees the same sequence of questions (common random numbers)."""
-    unit = mmlu_requests(
-        data,
-        n=requests,
-        rate_per_s=1.0,
-        zipf_s=zipf_s,
-        max_new_tokens=base.max_new_tokens,
-        seed=base.seed,
-        subjects=base.subjects,
-    )
-    rate = arrival_rate(unit, base.sim, peers, load)
-    scaled = [dataclasses.replace(r, arrival_s=r.arrival_s / rate) for r in unit]
-    return scaled, rate
+    """The workload at `load`, and its request rate. MMLU arrivals are drawn at rate 1 and
+    scaled, so every load sees the same sequence of questions (common random numbers).
+    Chat and agent sessions keep their think and tool times: their session rate is set
+    from a first draw's requests per session and mean service time."""
+    seed = base.seed if seed is None else seed
+    sim = base.sim if sim is None else sim
+    if kind == "mmlu":
+        unit = mmlu_requests(
+            data,
+            n=requests,
+            rate_per_s=1.0,
+            zipf_s=zipf_s,
+            max_new_tokens=base.max_new_tokens,
+            seed=seed,
+            subjects=base.subjects,
+        )
+        rate = arrival_rate(unit, sim, peers, load)
+        scaled = [dataclasses.replace(r, arrival_s=r.arrival_s / rate) for r in unit]
+        return scaled, rate
+    if kind not in WORKLOADS:
+        raise ValueError(f"unknown workload {kind!r}; known: {WORKLOADS}")
+    sessions = max(1, requests // TURNS_PER_SESSION)
+
+    def draw(session_rate: float) -> list[TokenRequest]:
+        if kind == "chat":
+            return chat_requests(data, sessions, session_rate, seed=seed)
+        return agent_requests(data, sessions, session_rate, seed=seed)
+
+    first = draw(1.0)
+    rate = arrival_rate(first, sim, peers, load)
+    return draw(rate * sessions / len(first)), rate
 
 
 # -- runs ------------------------------------------------------------------------------
@@ -153,24 +271,37 @@ class RunSpec:
     requests: int
     sim: SimParams
     extra: tuple[tuple[str, Any], ...] = ()
+    regime: str = "cpu"
+    seed: int = 1  # the workload's; the simulator's is in sim.seed
+    workload: str = "mmlu"
 
 
-def specs(grid: Grid) -> list[RunSpec]:
-    """Every run of the grid, in a fixed order."""
-    b = grid.base
+def specs(grid: Grid, working_set: int | None = None) -> list[RunSpec]:
+    """Every run of the grid, in a fixed order: per seed, per regime, per sweep.
+    `working_set` (blocks) is needed by the cache-pressure sweep."""
     out: list[RunSpec] = []
+    for seed in grid.seeds or (grid.base.seed,):
+        for name in grid.regimes:
+            _regime_specs(grid, name, seed, working_set, out)
+    return out
+
+
+def _regime_specs(grid: Grid, name: str, seed: int, working_set: int | None,
+                  out: list[RunSpec]) -> None:
+    b = grid.base
+    base_sim = b.sim if name == b.regime else regime_sim(b.sim, regime(name))
+    base_sim = dataclasses.replace(base_sim, peers=b.peers, delay_ms=b.delay_ms,
+                                   seed=seed + SIM_SEED_OFFSET)
 
     def at(experiment: str, policy: str, *, zipf_s: float = b.zipf_s, load: float = b.load,
            requests: int = b.requests, extra: Iterable[tuple[str, Any]] = (),
-           **sim_changes: Any) -> None:
-        sim = dataclasses.replace(
-            b.sim, policy=policy, peers=b.peers, delay_ms=b.delay_ms, seed=b.seed
-        )
-        sim = dataclasses.replace(sim, **sim_changes)
-        out.append(RunSpec(experiment, zipf_s, load, requests, sim, tuple(extra)))
+           workload: str = "mmlu", **sim_changes: Any) -> None:
+        sim = dataclasses.replace(base_sim, policy=policy, **sim_changes)
+        out.append(RunSpec(experiment, zipf_s, load, requests, sim, tuple(extra), name, seed,
+                           workload))
 
     if "delay" in grid.experiments:
-        for d in grid.delays_ms:
+        for d in grid.delays_for(name):
             for p in grid.policies:
                 at("delay", p, delay_ms=float(d))
     bc_policies = grid.policies if grid.skew_load_policies is None else grid.skew_load_policies
@@ -201,21 +332,35 @@ def specs(grid: Grid) -> list[RunSpec]:
             for mode in grid.scale_gossip_modes:
                 for p in grid.scale_policies:
                     at("scale", p, requests=reqs, peers=n, gossip_mode=mode)
-    return out
+    if "pressure" in grid.experiments and name in grid.pressure_regimes:
+        if working_set is None:
+            raise ValueError("the pressure sweep needs the workload's working set")
+        for x in grid.pressures:
+            blocks = max(1, round(x * working_set / b.peers))
+            for p in grid.pressure_policies:
+                at("pressure", p, capacity_blocks=blocks, extra=[("pressure_x", x)])
+    for kind in ("chat", "agent"):
+        if kind in grid.experiments:
+            for d in grid.multi_turn_delays_ms:
+                for p in grid.multi_turn_policies:
+                    at(kind, p, workload=kind, delay_ms=float(d),
+                       capacity_blocks=MULTI_TURN_CAPACITY_BLOCKS)
 
 
 _DATA: TokenizedMMLU | None = None  # set before forking workers (copy-on-write)
 _GRID_BASE: Base | None = None
-_WORKLOADS: dict[tuple[int, float, float, int], tuple[list[TokenRequest], float]] = {}
+_WORKLOADS: dict[tuple[Any, ...], tuple[list[TokenRequest], float]] = {}
 
 
 def _workload_for(spec: RunSpec) -> tuple[list[TokenRequest], float]:
     assert _DATA is not None and _GRID_BASE is not None
-    key = (spec.sim.peers, spec.zipf_s, spec.load, spec.requests)
+    key = (spec.workload, spec.regime, spec.seed, spec.sim.peers, spec.zipf_s, spec.load,
+           spec.requests)
     if key not in _WORKLOADS:
         _WORKLOADS.clear()  # runs come grouped by point: keep one workload in memory
         _WORKLOADS[key] = make_workload(
-            _DATA, _GRID_BASE, spec.sim.peers, spec.zipf_s, spec.load, spec.requests
+            _DATA, _GRID_BASE, spec.sim.peers, spec.zipf_s, spec.load, spec.requests,
+            kind=spec.workload, seed=spec.seed, sim=spec.sim,
         )
     return _WORKLOADS[key]
 
@@ -230,6 +375,10 @@ def run_spec(spec: RunSpec) -> dict[str, Any]:
     m = result.metrics
     row: dict[str, Any] = {
         "experiment": spec.experiment,
+        "regime": spec.regime,
+        "workload": spec.workload,
+        "seed": spec.seed,
+        "sim_seed": sim.seed,
         "policy": sim.policy,
         "peers": sim.peers,
         "delay_ms": sim.delay_ms,
@@ -239,6 +388,7 @@ def run_spec(spec: RunSpec) -> dict[str, Any]:
         "summary_interval_s": sim.summary_interval_s,
         "gossip_mode": sim.gossip_mode,
         "bloom_bits_per_entry": sim.bloom_bits_per_entry,
+        "capacity_blocks": sim.capacity_blocks,
         "requests": spec.requests,
         **m,
         "wall_s": wall,
@@ -264,7 +414,7 @@ def run_grid(
     progress: Callable[[int, int, dict[str, Any]], None] | None = None,
 ) -> list[dict[str, Any]]:
     """All runs of the grid, rows in spec order."""
-    todo = specs(grid)
+    todo = specs(grid, working_set_blocks(data, grid.base.sim.block_size))
     # A point shared by several sweeps (the base point) is run once and reported in each.
     unique: dict[RunSpec, int] = {}
     for spec in todo:
@@ -301,32 +451,39 @@ def _unlabelled(spec: RunSpec) -> RunSpec:
 # -- claims ------------------------------------------------------------------------------
 
 
+POINT_KEYS = ("regime", "seed", "workload", "experiment", "peers", "delay_ms", "zipf_s",
+              "load", "summary_interval_s", "bloom_bits_per_entry", "capacity_blocks")
+
+
+def point_of(r: dict[str, Any], keys: Sequence[str] = POINT_KEYS) -> tuple[Any, ...]:
+    """A row's sweep point (rows written before regimes and seeds read as cpu, seed 1)."""
+    defaults = {"regime": "cpu", "seed": 1, "workload": "mmlu", "capacity_blocks": None}
+    return tuple(r.get(k, defaults.get(k)) for k in keys)
+
+
 def compare_cost(rows: Sequence[dict[str, Any]], metric: str, experiments: Iterable[str],
                  policy: str = Policy.COST.value) -> list[dict[str, Any]]:
-    """Per sweep point: `policy`'s `metric` against the best other deployable policy
-    (the oracle and the cost variants excluded)."""
-    excluded = (Policy.COST.value, COST_PROBE, ORACLE)
+    """Per sweep point (and seed): `policy`'s `metric` against the best deployable policy
+    (DEPLOYABLE: the oracle, the cost variants and the ceiling excluded)."""
+    wanted = set(experiments)
     points: dict[tuple[Any, ...], dict[str, float]] = {}
     for r in rows:
-        if r["experiment"] not in experiments:
+        if r["experiment"] not in wanted:
             continue
-        key = (r["experiment"], r["peers"], r["delay_ms"], r["zipf_s"], r["load"])
-        points.setdefault(key, {})[r["policy"]] = r[metric]
+        points.setdefault(point_of(r), {})[r["policy"]] = r[metric]
     out = []
     for key, by_policy in points.items():
         if policy not in by_policy:
             continue
-        others = {p: v for p, v in by_policy.items() if p not in excluded}
+        others = {p: v for p, v in by_policy.items() if p in DEPLOYABLE}
         if not others:
             continue
         best_policy = min(others, key=lambda p: others[p])
         cost = by_policy[policy]
         best = others[best_policy]
         out.append({
-            "policy": policy, "experiment": key[0], "peers": key[1], "delay_ms": key[2],
-            "zipf_s": key[3],
-            "load": key[4], "metric": metric, "cost": cost, "best_other": best,
-            "best_other_policy": best_policy,
+            **dict(zip(POINT_KEYS, key, strict=True)), "policy": policy, "metric": metric,
+            "cost": cost, "best_other": best, "best_other_policy": best_policy,
             "ratio": cost / best if best > 0 else math.inf,
         })  # fmt: skip
     return out
@@ -366,18 +523,13 @@ def hit_vs_oracle(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     oracle: dict[tuple[Any, ...], float] = {}
     for r in rows:
         if r["policy"] == ORACLE:
-            oracle[_point(r)] = r["hit_ratio"]
+            oracle[point_of(r)] = r["hit_ratio"]
     out = []
     for r in rows:
-        o = oracle.get(_point(r))
+        o = oracle.get(point_of(r))
         if o is None or r["policy"] == ORACLE:
             continue
         out.append({**{k: r[k] for k in REQUIRED_ROW_KEYS[:6]},
                     "hit_ratio": r["hit_ratio"], "oracle_hit_ratio": o,
                     "of_oracle": r["hit_ratio"] / o if o > 0 else math.nan})
     return out
-
-
-def _point(r: dict[str, Any]) -> tuple[Any, ...]:
-    return (r["experiment"], r["peers"], r["delay_ms"], r["zipf_s"], r["load"],
-            r["summary_interval_s"], r["bloom_bits_per_entry"])

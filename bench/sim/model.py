@@ -53,6 +53,7 @@ from typing import Any
 
 from bench.sim.params import (
     COST_PROBE,
+    EXACT_LONGEST_PREFIX,
     ORACLE,
     PROBE_CANDIDATES,
     PROBE_MAX_RTT_FRACTION,
@@ -104,6 +105,7 @@ class _Job:
         "decode_left",
         "e2e",
         "entry",
+        "history",
         "match",
         "new",
         "pos",
@@ -134,6 +136,7 @@ class _Job:
         self.ret = 0.0
         self.ttft = math.nan
         self.e2e = math.nan
+        self.history = 0  # follow-up turns: tokens of history the engine could have cached
 
 
 class _Peer:
@@ -147,7 +150,8 @@ class _Peer:
         self.cache: RadixCache[None] = RadixCache(params.block_size, params.capacity_blocks, hasher)
         expiry = SUMMARY_EXPIRY_INTERVALS * params.summary_interval_s
         self.table = PeerTable(peer_id, params.model_id, params.block_size, expiry, probe_cache)
-        policy = Policy.COST if params.policy in (ORACLE, COST_PROBE) else Policy(params.policy)
+        policy = (Policy(params.policy) if params.policy in {p.value for p in Policy}
+                  else Policy.COST)
         self.router = Router(policy, rng, block_size=params.block_size)
         self.bloom = IncrementalBloom(bloom, memo)
         self.publish_policy = PublishPolicy(
@@ -155,7 +159,8 @@ class _Peer:
         )
         self.neighbours: frozenset[int] = frozenset()  # ring mode: whose summaries we hear
         self.interest = Interest(params.gossip_interest, params.summary_interval_s)
-        cal = params.calibration
+        cal = params.calibration_of(idx)
+        self.cal = cal
         # Engine.warmup() seeds the speed estimates: decode (a batch of one), then prefill
         # on a prompt long enough to tell.
         decode_tps = 1.0 / cal.decode_s_per_token
@@ -201,7 +206,6 @@ class Simulator:
         self.params = params
         self.workload = workload
         self.hasher = BlockHasher(params.model_id, params.block_size)
-        self.cal = params.calibration
         # Independent streams: the same seed gives every policy the same entries and delays.
         self._entry_rng = random.Random(f"{params.seed}/entry")
         self._net_rng = random.Random(f"{params.seed}/net")
@@ -266,6 +270,8 @@ class Simulator:
         self._received = 0  # summaries delivered, counted once per receiver
         self._received_bytes = 0
         self._now = 0.0
+        # Multi-turn workloads: per conversation (group), the prompt length of its last turn.
+        self._last_prompt: dict[int, int] = {}
 
     # -- plumbing ---------------------------------------------------------------------
 
@@ -329,6 +335,15 @@ class Simulator:
         req = self.workload[rid]
         tokens = req.prefix + req.suffix
         job = _Job(rid, req, tokens, self._chain(req, tokens))
+        if req.turn > 0:
+            # the history the engine could have cached: the previous turn's prompt (it does
+            # not cache generated tokens unless cache_generated)
+            prev = self._last_prompt.get(req.group, 0)
+            if self.params.cache_generated:
+                prev = max(prev, len(req.prefix))
+            bs = self.params.block_size
+            job.history = min(prev, len(tokens) - 1) // bs * bs
+        self._last_prompt[req.group] = len(tokens)
         self.jobs.append(job)
         job.entry = self._entry_rng.randrange(self.params.peers)
         entry = self.peers[job.entry]
@@ -340,6 +355,8 @@ class Simulator:
         elif self.params.policy == COST_PROBE:
             target, match_tokens, probe_wait = self._probe_choice(entry, job, now)
             wait += probe_wait
+        elif self.params.policy == EXACT_LONGEST_PREFIX:
+            target, match_tokens = self._exact_choice(entry, job)
         else:
             target, match_tokens = self._router_choice(entry, job, now)
         job.target = target
@@ -465,17 +482,25 @@ class Simulator:
         chosen = again[0]
         return self._index[chosen.peer_id], min(chosen.match_tokens, len(job.tokens) - 1), wait
 
+    def _exact_choice(self, entry: _Peer, job: _Job) -> tuple[int, int]:
+        """EXACT_LONGEST_PREFIX: the longest exact match anywhere, a tie to the entry peer,
+        then to the fewest running requests, then to the lowest index."""
+        best = max(self.peers, key=lambda p: (self._reusable(p, job.tokens), p is entry,
+                                              -p.running, -p.idx))
+        return best.idx, self._reusable(best, job.tokens)
+
     def _oracle_choice(self, entry: _Peer, job: _Job, now: float) -> tuple[int, int]:
         bs = self.params.block_size
         rtt = 2 * self._d * (1.0 + self.params.jitter / 2)  # the true mean round trip
-        # Every simulated peer runs at the same speed, so the oracle prices all of them at
-        # the entry peer's measured speeds (the router does the same with speeds within
-        # SPEED_NOISE_FACTOR of its own).
-        prefill_tps = entry.prefill_tps
-        decode_tps = single_stream_decode(entry.decode_tps, entry.batch_decode_tps)
+        # Peers of the same calibration are priced at the entry peer's measured speeds (the
+        # router does the same with speeds within SPEED_NOISE_FACTOR of its own); others,
+        # in a heterogeneous swarm, at their own.
         slots, step_tokens = self.params.max_running, self.params.step_tokens
         estimates = []
         for peer in self.peers:
+            speeds_of = entry if peer.cal is entry.cal else peer
+            prefill_tps = speeds_of.prefill_tps
+            decode_tps = single_stream_decode(speeds_of.decode_tps, speeds_of.batch_decode_tps)
             m = self._reusable(peer, job.tokens)
             local = peer is entry
             estimates.append(
@@ -534,7 +559,7 @@ class Simulator:
         plan = plan_step(decoding, prefilling, self.params.step_tokens)
         chunks = [(n, peer.batch[rid].pos) for rid, n in plan.prefill]
         peer.step_started = now
-        self._push(now + self.cal.step_s(len(plan.decode), chunks), _PHASE, peer.idx, plan)
+        self._push(now + peer.cal.step_s(len(plan.decode), chunks), _PHASE, peer.idx, plan)
 
     def _phase(self, peer: _Peer, plan: StepPlan, now: float) -> int:
         """A step ended on `peer`: advance its requests; returns the requests completed."""
@@ -717,6 +742,8 @@ class Simulator:
         prompt = sum(len(j.tokens) for j in kept)
         reused = sum(j.cached for j in kept)
         served = [p.served_after_warmup for p in self.peers]
+        followups = [j for j in kept if j.req.turn > 0]
+        history_cached = sum(1 for j in followups if j.cached >= j.history)
         duration = max(self._now, 1e-9)
         n = self.params.peers
         gossip_bytes = sum(p.bytes_published for p in self.peers)
@@ -747,6 +774,11 @@ class Simulator:
             "summaries_rejected": float(self._summaries_rejected),
             "bloom_bits": float(self.bloom_bits),
             "bloom_hashes": float(self.bloom_hashes),
+            # multi-turn workloads: follow-up turns served where their history was cached
+            # (SMG's metric); nan when the workload has no follow-ups
+            "followup_turns": float(len(followups)),
+            "followup_cached_fraction": (history_cached / len(followups) if followups
+                                         else math.nan),
         }
         return RunResult(self.params, metrics, ttft, e2e, [j.target for j in jobs], completions)
 

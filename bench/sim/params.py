@@ -29,7 +29,11 @@ ORACLE = "oracle"  # exact, instant global knowledge fed to the COST model (an u
 COST_PROBE = "cost_probe"
 PROBE_CANDIDATES = 2  # two choices already remove most herding (Mitzenmacher 2001)
 PROBE_MAX_RTT_FRACTION = 0.1  # probe only if a round trip is < 10% of the best estimated cost
-POLICY_NAMES = (*(p.value for p in Policy), ORACLE, COST_PROBE)
+# A reference, not deployable: every request goes to the peer whose cache holds the longest
+# exact prefix of its prompt, known instantly (a tie to the entry peer, then to the least
+# busy). The ceiling of the cache-pressure sweep for prefix-affinity routing.
+EXACT_LONGEST_PREFIX = "exact_longest_prefix"
+POLICY_NAMES = (*(p.value for p in Policy), ORACLE, COST_PROBE, EXACT_LONGEST_PREFIX)
 
 
 @dataclass(frozen=True)
@@ -67,6 +71,9 @@ class SimParams:
     seed: int = 0
     model_id: str = DEFAULT_MODEL
     calibration: Calibration = field(default_factory=lambda: NOTES_CALIBRATION)
+    # A heterogeneous swarm: peer i serves at peer_calibrations[i % len] (empty: all at
+    # `calibration`). Set by a regime (bench/sim/regimes.py).
+    peer_calibrations: tuple[Calibration, ...] = ()
 
     def __post_init__(self) -> None:
         if self.policy not in POLICY_NAMES:
@@ -95,7 +102,14 @@ class SimParams:
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["calibration"] = self.calibration.as_dict()
+        out["peer_calibrations"] = [c.name for c in self.peer_calibrations]
         return out
+
+    def calibration_of(self, peer: int) -> Calibration:
+        """The service times of peer `peer`."""
+        if self.peer_calibrations:
+            return self.peer_calibrations[peer % len(self.peer_calibrations)]
+        return self.calibration
 
     def bloom_template(self) -> BloomFilter:
         """An empty filter of the shape every peer starts publishing: the live sizing's
