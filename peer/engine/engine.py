@@ -47,7 +47,7 @@ from .runner import Runner, SeqKV
 from .scheduler import DEFAULT_MAX_RUNNING, DEFAULT_STEP_TOKENS, StepPlan, admit_count, plan_step
 from .speeds import ewma, prefill_speed_sample
 from .verify import Verdict, verify_output
-from .warmup import measure_speeds
+from .warmup import Progress, measure_speeds
 
 __all__ = [
     "Completion",
@@ -219,10 +219,11 @@ class Engine:
             out[f"cache_{key}"] = value
         return out
 
-    def warmup(self) -> None:
+    def warmup(self, progress: Progress | None = None) -> None:
         """Run short prefills and a few decode steps to seed the speed estimates (blocking,
-        warmup.py; never while a step runs: refresh_speeds holds model_lock)."""
-        speeds = measure_speeds(self._runner, self.vocab_size, self.max_context // 2)
+        warmup.py; never while a step runs: refresh_speeds holds model_lock). `progress`
+        hears of each forward (start-up draws a bar with it)."""
+        speeds = measure_speeds(self._runner, self.vocab_size, self.max_context // 2, progress)
         self._decode_tps, self._prefill_tps = speeds
         self._batch_decode_tps = self._batch_decode_tps or self._decode_tps
 
