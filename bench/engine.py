@@ -36,10 +36,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
 import trio
 
 from bench.report import emit_json
 from bench.stats import percentile
+from bench.transformers_cb import (
+    DEFAULT_MAX_BATCH_TOKENS,
+    DEFAULT_PAGE_SIZE,
+    peak_rss_bytes,
+    reset_peak_rss,
+    transformers_cb_concurrent,
+)
 from peer.demo_data import NUM_SHOTS, by_subject, five_shot_prompt, load_mmlu
 from peer.engine.engine import Engine, SamplingParams
 from peer.engine.model import DEFAULT_MODEL, DTYPES, LoadedModel, load_model
@@ -182,6 +190,36 @@ def transformers_sequential(
     return sum(len(o) for o in outs) / (time.perf_counter() - start), outs
 
 
+CB_CORES = [("transformers_cb", True), ("transformers_cb_no_sharing", False)]
+COMPARED_FIELDS = ["tokens_per_s", "ttft_p50_s", "ttft_p99_s", "cached_tokens",
+                   "peak_rss_bytes", "outputs_identical"]
+
+
+def compare_keys(compared: dict[str, dict[str, dict[str, Any]]], page_size: int) -> dict[str, Any]:
+    """The `--compare transformers_cb` keys (module docstring) from per-core, per-level runs."""
+    out: dict[str, Any] = {
+        "compare": "transformers_cb",
+        "transformers_version": transformers.__version__,
+        "transformers_cb_config": {
+            "page_size": page_size, "max_batch_tokens": DEFAULT_MAX_BATCH_TOKENS,
+            "max_requests_per_batch": "= concurrency", "attn_implementation": "sdpa (paged)",
+            "ttft": "GenerationOutput.timestamps[0] - created_time (record_timestamps=True)",
+        },
+        "compare_by_core": {
+            core: {f"{field}_by_concurrency": {c: r[field] for c, r in levels.items()}
+                   for field in COMPARED_FIELDS}
+            for core, levels in compared.items()
+        },
+    }
+    ours = compared["engine"]
+    for core, levels in compared.items():
+        if core != "engine":
+            out[f"ratio_engine_vs_{core}_by_concurrency"] = {
+                c: ours[c]["tokens_per_s"] / r["tokens_per_s"] for c, r in levels.items()
+            }
+    return out
+
+
 async def sweep(loaded: LoadedModel, args: argparse.Namespace) -> dict[str, Any]:
     """The concurrency sweep's keys (see the module docstring)."""
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -197,13 +235,34 @@ async def sweep(loaded: LoadedModel, args: argparse.Namespace) -> dict[str, Any]
     log(f"transformers sequential: {hf_tps:.1f} tokens/s")
     by_c: dict[str, dict[str, Any]] = {}
     identical: dict[str, bool] = {}
+    # --compare transformers_cb: per core, per level (interleaved with ours, so that both
+    # cores of a level meet the same machine).
+    cores = [name for name, _ in CB_CORES] if args.compare == "transformers_cb" else []
+    compared: dict[str, dict[str, dict[str, Any]]] = {name: {} for name in ["engine", *cores]}
     for c in levels:
+        reset_peak_rss()
         r = await engine_concurrent(loaded, prompts, c, args.sweep_new_tokens)
+        r["peak_rss_bytes"] = peak_rss_bytes()
         identical[str(c)] = r.pop("outputs") == hf_outs
         by_c[str(c)] = r
+        compared["engine"][str(c)] = {**r, "outputs_identical": identical[str(c)]}
         log(f"concurrency {c}: {r['tokens_per_s']:.1f} tokens/s, TTFT p50 {r['ttft_p50_s']:.2f} s "
             f"p99 {r['ttft_p99_s']:.2f} s, max batch {r['max_batch']}, "
             f"identical {identical[str(c)]}")
+        for name, sharing in CB_CORES if cores else []:
+            reset_peak_rss()
+            cb = await trio.to_thread.run_sync(
+                lambda sharing=sharing, c=c: transformers_cb_concurrent(
+                    loaded.model, prompts, c, args.sweep_new_tokens, block_sharing=sharing,
+                    page_size=args.cb_page_size,
+                )
+            )
+            cb["peak_rss_bytes"] = peak_rss_bytes()
+            cb["outputs_identical"] = cb.pop("outputs") == hf_outs
+            compared[name][str(c)] = cb
+            log(f"  {name} at {c}: {cb['tokens_per_s']:.1f} tokens/s, TTFT p50 "
+                f"{cb['ttft_p50_s']:.2f} s p99 {cb['ttft_p99_s']:.2f} s, cached "
+                f"{cb['cached_tokens']}, identical {cb['outputs_identical']}")
     nocache = await engine_concurrent(loaded, prompts, 8, args.sweep_new_tokens, cache_bytes=0)
     identical["8_no_prefix_cache"] = nocache.pop("outputs") == hf_outs
     log(f"concurrency 8, no prefix cache: {nocache['tokens_per_s']:.1f} tokens/s")
@@ -222,6 +281,8 @@ async def sweep(loaded: LoadedModel, args: argparse.Namespace) -> dict[str, Any]
         "outputs_identical_by_concurrency": identical,
         "outputs_identical_batched": all(identical.values()),
     }
+    if cores:
+        out.update(compare_keys(compared, args.cb_page_size))
     if "8" in by_c:
         out["speedup_c8_vs_transformers_sequential"] = by_c["8"]["tokens_per_s"] / hf_tps
         out["speedup_c8_no_prefix_cache_vs_transformers_sequential"] = (
@@ -327,6 +388,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep-per-subject", type=int, default=DEFAULT_SWEEP_PER_SUBJECT)
     parser.add_argument("--dtype", default="float32", choices=DTYPES)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--compare", choices=["transformers_cb"], default=None,
+                        help="also run the sweep on transformers' continuous batching")
+    parser.add_argument("--cb-page-size", type=int, default=DEFAULT_PAGE_SIZE,
+                        help="transformers' page size (tokens) under --compare")
     args = parser.parse_args(argv)
     if args.runs < 1 or args.prompt_tokens < 32 or args.check_tokens < 1:
         parser.error("--runs and --check-tokens must be >= 1, --prompt-tokens >= 32")
@@ -334,6 +399,8 @@ def main(argv: list[str] | None = None) -> int:
         levels = [int(c) for c in args.concurrency.split(",")] if args.concurrency else []
     except ValueError:
         parser.error("--concurrency takes comma-separated integers")
+    if args.compare and not levels:
+        parser.error("--compare runs on the concurrency sweep; give --concurrency levels")
     if any(c < 1 for c in levels) or min(args.sweep_new_tokens, args.sweep_subjects,
                                          args.sweep_per_subject) < 1:
         parser.error("sweep levels, --sweep-new-tokens, --sweep-subjects, "

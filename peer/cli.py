@@ -126,14 +126,18 @@ async def _watch_join(peer: Any, config: PeerConfig) -> None:
 def _load_engine(config: PeerConfig) -> Any:
     """Load the model and warm the engine up, each stage said on stderr (blocking)."""
     from peer.engine.engine import load_engine
-    from peer.progress import stage
+    from peer.progress import Bar, stage
 
     engine = load_engine(
         config.model, config.cache_bytes, config.block_size, warmup=False,
         dtype=config.dtype, device=config.device, threads=config.threads,
     )
     with stage("warming up the engine (measuring its speeds)"):
-        engine.warmup()
+        bar = Bar("warm-up")  # on a terminal only
+        try:
+            engine.warmup(bar.update)
+        finally:
+            bar.close()
     return engine
 
 

@@ -55,7 +55,7 @@ from .scheduler import (
 )
 from .speeds import StepSpeeds, observe_step, warmup_max_prompt_tokens
 from .verify import Verdict, verify_output
-from .warmup import measure_speeds
+from .warmup import Progress, measure_speeds
 
 __all__ = [
     "Completion",
@@ -227,11 +227,12 @@ class Engine:
             out[f"cache_{key}"] = value
         return out
 
-    def warmup(self) -> None:
+    def warmup(self, progress: Progress | None = None) -> None:
         """Run short prefills and a few decode steps to seed the speed estimates (blocking,
-        warmup.py; never while a step runs: refresh_speeds holds model_lock)."""
+        warmup.py; never while a step runs: refresh_speeds holds model_lock). `progress`
+        hears of each forward (start-up draws a bar with it)."""
         speeds = measure_speeds(
-            self._runner, self.vocab_size, warmup_max_prompt_tokens(self.max_context)
+            self._runner, self.vocab_size, warmup_max_prompt_tokens(self.max_context), progress
         )
         self._decode_tps, self._prefill_tps = speeds
         self._batch_decode_tps = self._batch_decode_tps or self._decode_tps
