@@ -29,7 +29,7 @@ lint: $(STAMP)
 	$(BIN)/mypy protocols peer/router.py peer/ranking.py peer/peer_table.py peer/config.py \
 		peer/admission.py peer/bloom_sizing.py peer/demo_data.py peer/engine/radix.py \
 		peer/engine/speeds.py peer/trust.py peer/request_log.py peer/settings.py \
-		peer/preflight.py peer/logs.py peer/version.py peer/progress.py peer/reach.py \
+		peer/preflight.py peer/logs.py peer/version.py peer/progress.py peer/reach.py peer/punch.py \
 		peer/engine/scheduler.py peer/engine/api.py peer/engine/text.py
 
 clean-venv:

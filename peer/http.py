@@ -541,6 +541,9 @@ def swarm_view(peer: Any) -> dict[str, Any]:
                 "forwards_since_summary": view.forwards_since_summary,
                 "trust": trust_view(trust, view.peer_id),
                 "link": peer.link_to(view.peer_id) if hasattr(peer, "link_to") else None,
+                "link_remote": (
+                    peer.link_remote(view.peer_id) if hasattr(peer, "link_remote") else None
+                ),
             }
         )
     return {
@@ -557,6 +560,11 @@ def swarm_view(peer: Any) -> dict[str, Any]:
             "decode_tokens_per_s": load.decode_tokens_per_s,
             "policy": peer.config.policy.value,
             "reachability": getattr(peer, "reachability", "unknown"),
+            "holepunch": (
+                peer.host.holepunch.statistics()
+                if getattr(getattr(peer, "host", None), "holepunch", None) is not None
+                else None
+            ),
         },
         "peers": sorted(peers, key=lambda p: p["peer_id"]),
     }
