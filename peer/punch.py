@@ -49,9 +49,9 @@ MAX_ADDRS = 8  # addresses one side offers: each is dialled once per attempt
 MAX_ADDR_CHARS = 128
 MAX_PEER_ID_CHARS = 128  # base58 ed25519 ids are 52 characters
 MAX_ERROR_CHARS = 200
-ATTEMPTS_PER_PEER = 3  # failed upgrades to one peer before we stop until it reconnects
+ATTEMPTS_PER_PEER = 3  # failed upgrades in a row before the long pause below
 BACKOFF_FIRST_S = 5.0  # after a failure, the next try waits this long, doubling
-BACKOFF_MAX_S = 300.0
+BACKOFF_MAX_S = 300.0  # ...and this long once ATTEMPTS_PER_PEER failed (networks change)
 MAX_TRACKED_PEERS = 1024  # per-peer attempt records kept (least recently used dropped)
 MAX_SYNC_DELAY_S = 2.0  # half a round trip longer than this is not a live relay
 
@@ -210,7 +210,8 @@ class _Record:
 
 
 class Attempts:
-    """Per peer: at most one upgrade at a time, backoff after failures, and a cap.
+    """Per peer: at most one upgrade at a time, backoff after failures, a long pause after
+    ATTEMPTS_PER_PEER failures in a row (at most one try per BACKOFF_MAX_S from then on).
 
     `try_start` says whether to start one now (and marks it running); `finished` records
     the outcome. A success clears the record: if the direct connection drops later, the
@@ -230,7 +231,7 @@ class Attempts:
                     break  # never forget a running attempt: it will call finished()
                 del self._records[oldest]
         self._records.move_to_end(peer_id)
-        if record.running or record.failures >= ATTEMPTS_PER_PEER or now < record.next_at:
+        if record.running or now < record.next_at:
             return False
         record.running = True
         return True
@@ -244,7 +245,10 @@ class Attempts:
             return
         record.running = False
         record.failures += 1
-        record.next_at = now + min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** (record.failures - 1))
+        if record.failures >= ATTEMPTS_PER_PEER:
+            record.next_at = now + BACKOFF_MAX_S
+        else:
+            record.next_at = now + min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** (record.failures - 1))
 
     def forget(self, peer_id: str) -> None:
         """The peer reconnected by other means: a fresh budget next time (if not running)."""

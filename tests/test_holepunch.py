@@ -18,6 +18,7 @@ from peer.host import open_host
 from peer.punch import (
     ATTEMPTS_PER_PEER,
     BACKOFF_FIRST_S,
+    BACKOFF_MAX_S,
     MAX_ADDRS,
     MAX_SYNC_DELAY_S,
     Attempts,
@@ -175,10 +176,13 @@ def test_one_attempt_at_a_time_with_backoff_and_a_cap():
     assert attempts.try_start("p", 10.0 + 2 * BACKOFF_FIRST_S)
     attempts.finished("p", ok=False, now=100.0)
     assert attempts.failures("p") == ATTEMPTS_PER_PEER
-    assert not attempts.try_start("p", 1e9)  # capped
+    assert not attempts.try_start("p", 100.0 + BACKOFF_MAX_S - 0.01)  # the long pause
+    assert attempts.try_start("p", 100.0 + BACKOFF_MAX_S)
+    attempts.finished("p", ok=False, now=1000.0)
+    assert not attempts.try_start("p", 1000.0 + BACKOFF_MAX_S - 0.01)  # stays long
     attempts.forget("p")  # reconnected by other means: a fresh budget
-    assert attempts.try_start("p", 1e9)
-    attempts.finished("p", ok=True, now=1e9)
+    assert attempts.try_start("p", 1000.0)
+    attempts.finished("p", ok=True, now=1000.0)
     assert attempts.failures("p") == 0 and len(attempts) == 0
 
 
@@ -188,18 +192,26 @@ def test_finishing_what_never_started_is_our_bug():
 
 
 @given(st.lists(st.tuples(st.integers(0, 5), st.booleans(), st.floats(0, 50)), max_size=60))
-def test_attempts_never_exceed_the_cap_per_peer(steps):
+def test_failed_tries_per_peer_are_rate_bounded(steps):
+    """Whatever the outcomes, a peer's failed tries are spaced by the backoff: never two
+    within BACKOFF_FIRST_S, and after ATTEMPTS_PER_PEER in a row, BACKOFF_MAX_S apart."""
     attempts, now = Attempts(), 0.0
-    started: dict[str, int] = {}
-    failed: dict[str, int] = {}
+    last_failure: dict[str, float] = {}
+    streak: dict[str, int] = {}
     for peer, ok, dt in steps:
         now += dt
         key = f"p{peer}"
         if attempts.try_start(key, now):
-            started[key] = started.get(key, 0) + 1
+            if key in last_failure:
+                gap = BACKOFF_MAX_S if streak[key] >= ATTEMPTS_PER_PEER else BACKOFF_FIRST_S
+                assert now - last_failure[key] >= gap
             attempts.finished(key, ok=ok, now=now)
-            failed[key] = 0 if ok else failed.get(key, 0) + 1
-        assert failed.get(key, 0) <= ATTEMPTS_PER_PEER
+            if ok:
+                last_failure.pop(key, None)
+                streak[key] = 0
+            else:
+                last_failure[key] = now
+                streak[key] = streak.get(key, 0) + 1
 
 
 # -- connection reversal on loopback ---------------------------------------------------------
