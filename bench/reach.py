@@ -113,7 +113,11 @@ def client_entry(
                     {"prompt": prompt + f" question {i}", "max_tokens": MAX_TOKENS})
         ext = out.get("x_prefixswarm", {})
         results.append({"served_by": ext.get("served_by"), "ttft_s": ext.get("ttft_s"),
-                        "error": out.get("error")})
+                        "error": out.get("error"),
+                        # why it was served there: each peer tried, with its outcome
+                        "route": [(step.get("peer_id", "")[-6:], step.get("outcome"),
+                                   (step.get("detail") or "")[:80])
+                                  for step in ext.get("route") or []]})
     swarm = _http("GET", url + "/v1/swarm")
     after = next((p for p in swarm["peers"] if p["peer_id"] == holder), {})
     return {"holder_addrs": view["addrs"], "link": after.get("link"),
@@ -250,6 +254,7 @@ def run_phase(nat: Nat, name: str, *, relays: bool, block_b: bool, requests: int
         "errors": sum(r["error"] is not None for r in entry["results"]),
         "ttft_natted_s": [r["ttft_s"] for r in served],
         "entry_link_remote": entry["link_remote"],
+        "routes": [r["route"] for r in entry["results"]],
         "entry_holepunch": {k: v for k, v in (entry["holepunch"] or {}).items()
                             if k.startswith("holepunch_")},
     }
@@ -305,6 +310,7 @@ def run_punch_phase(nat: Nat, *, requests: int, log_dir: Path, seed: int) -> dic
         "errors": sum(r["error"] is not None for r in entry["results"]),
         "ttft_natted_s": [r["ttft_s"] for r in served],
         "entry_holepunch": {k: v for k, v in stats.items() if k.startswith("holepunch_")},
+        "routes": [r["route"] for r in entry["results"]],
         "upgraded": stats.get("upgraded", {}).get(n["peer_id"]),
     }
 
