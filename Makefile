@@ -30,7 +30,7 @@ lint: $(STAMP)
 		peer/admission.py peer/bloom_sizing.py peer/publish_policy.py peer/neighbourhood.py \
 		peer/interest.py peer/demo_data.py peer/engine/radix.py \
 		peer/engine/speeds.py peer/trust.py peer/request_log.py peer/settings.py \
-		peer/preflight.py peer/logs.py peer/version.py peer/progress.py peer/reach.py \
+		peer/preflight.py peer/logs.py peer/version.py peer/progress.py peer/reach.py peer/punch.py \
 		peer/engine/scheduler.py peer/engine/api.py peer/engine/text.py \
 		peer/generation.py peer/face.py
 	# shells typed as strictly (pyproject's second strict override)

@@ -12,8 +12,14 @@ depends only on the cached prefix):
   B itself.
 - relay: the same network with relays on: N reserves a slot on A, B reaches N through A.
 - direct: relays on, N may dial B: N serves B's requests over its own outbound connection.
-
-Hole punching is not implemented (see docs/joining.md): direct_after_holepunch is false.
+- punch: N and a second peer M behind its own masquerading router (home2), relay A. M is
+  the entry. Neither can dial the other; the relayed streams between them start the
+  direct-connection upgrade (peer/holepunch.py), here a TCP simultaneous open from both
+  listen ports. direct_after_holepunch is true only when M's link to N is a direct
+  connection that the upgrade made (M's record of it), whose far end is not the relay's
+  address, and N served every request over it; ttft_direct_s is measured on those.
+  Connection reversal (a public peer dialled back) is tested on loopback
+  (tests/test_holepunch.py); the relay phase counts its failures (N may not dial B there).
 The clients run inside the namespaces (`--client` re-invokes this module there).
 """
 
@@ -107,10 +113,26 @@ def client_entry(
                     {"prompt": prompt + f" question {i}", "max_tokens": MAX_TOKENS})
         ext = out.get("x_prefixswarm", {})
         results.append({"served_by": ext.get("served_by"), "ttft_s": ext.get("ttft_s"),
-                        "error": out.get("error")})
-    link = next((p.get("link") for p in _http("GET", url + "/v1/swarm")["peers"]
-                 if p["peer_id"] == holder), None)
-    return {"holder_addrs": view["addrs"], "link": link, "results": results}
+                        "error": out.get("error"),
+                        # why it was served there: each peer tried, with its outcome
+                        "route": [(step.get("peer_id", "")[-6:], step.get("outcome"),
+                                   (step.get("detail") or "")[:80])
+                                  for step in ext.get("route") or []]})
+    swarm = _http("GET", url + "/v1/swarm")
+    after = next((p for p in swarm["peers"] if p["peer_id"] == holder), {})
+    return {"holder_addrs": view["addrs"], "link": after.get("link"),
+            "link_remote": after.get("link_remote"), "results": results,
+            "holepunch": swarm["self"].get("holepunch")}
+
+
+def client_verdict(url: str) -> dict[str, Any]:
+    """An entry behind NAT: wait for its own reachability verdict (caches nothing)."""
+    me = _poll(
+        "the peer's reachability verdict",
+        lambda: (s := _http("GET", url + "/v1/swarm")["self"])["reachability"] != "unknown"
+        and s,
+    )
+    return {"reachability": me["reachability"], "addrs": me["addrs"]}
 
 
 # -- orchestration (root namespace) --------------------------------------------------------
@@ -231,6 +253,65 @@ def run_phase(nat: Nat, name: str, *, relays: bool, block_b: bool, requests: int
         "served_by_entry": sum(r["served_by"] == b["peer_id"] for r in entry["results"]),
         "errors": sum(r["error"] is not None for r in entry["results"]),
         "ttft_natted_s": [r["ttft_s"] for r in served],
+        "entry_link_remote": entry["link_remote"],
+        "routes": [r["route"] for r in entry["results"]],
+        "entry_holepunch": {k: v for k, v in (entry["holepunch"] or {}).items()
+                            if k.startswith("holepunch_")},
+    }
+
+
+def run_punch_phase(nat: Nat, *, requests: int, log_dir: Path, seed: int) -> dict[str, Any]:
+    """Two peers behind two NATs: N (holder, home) and M (entry, home2), relay A.
+
+    Neither can dial the other (both routers drop unsolicited connections), so the only
+    direct connection there can be is one the hole punch (simultaneous open) made."""
+    name = "punch"
+    a_ip = nat.public_ips[0]
+    peers = Peers(log_dir)
+    try:
+        _progress(f"phase {name}: starting peers")
+        key_file = log_dir / f"{name}-A.key"
+        key_file.unlink(missing_ok=True)
+        a_id = ID.from_pubkey(load_or_create_identity(key_file).public_key).to_base58()
+        boot = ["--bootstrap", f"/ip4/{a_ip}/tcp/{PEER_PORT}/p2p/{a_id}"]
+        none = ["--identity", "none"]
+        procs = [
+            peers.spawn(nat.public[0], a_ip, f"{name}-A", ["--identity", str(key_file)]),
+            peers.spawn(nat.home, nat.home_ip, f"{name}-N", [*none, *boot]),
+            peers.spawn(nat.home2, nat.home2_ip, f"{name}-M", [*none, *boot]),
+        ]
+        _a, n, m = (peers.wait_up(p, f"{name}-{x}") for p, x in zip(procs, "ANM", strict=True))
+        prompt = prefix_text(seed)
+        _progress(f"phase {name}: peers up; verdicts, caching the prefix on N")
+        home = _client(nat, nat.home, ["home", f"http://{nat.home_ip}:{HTTP_PORT}", prompt])
+        entry_self = _client(nat, nat.home2, ["verdict", f"http://{nat.home2_ip}:{HTTP_PORT}",
+                                              prompt])
+        _progress(f"phase {name}: N is {home['reachability']}, M is "
+                  f"{entry_self['reachability']}; requests at M once its link to N is direct")
+        entry = _client(nat, nat.home2, [
+            "entry", f"http://{nat.home2_ip}:{HTTP_PORT}", prompt, "--holder", n["peer_id"],
+            "--requests", str(requests), "--expect-direct", "--expect-reachable",
+        ])
+    finally:
+        peers.stop()
+    served = [r for r in entry["results"] if r["served_by"] == n["peer_id"]]
+    remote = entry["link_remote"] or ""
+    stats = entry["holepunch"] or {}
+    return {
+        "natted_reachability": home["reachability"],
+        "entry_reachability": entry_self["reachability"],
+        "natted_advertised": home["addrs"],
+        "entry_link_to_natted": entry["link"],
+        "entry_link_remote": remote,
+        "link_remote_is_relay": remote.split(":")[0] == a_ip,
+        "requests": len(entry["results"]),
+        "served_by_natted": len(served),
+        "served_by_entry": sum(r["served_by"] == m["peer_id"] for r in entry["results"]),
+        "errors": sum(r["error"] is not None for r in entry["results"]),
+        "ttft_natted_s": [r["ttft_s"] for r in served],
+        "entry_holepunch": {k: v for k, v in stats.items() if k.startswith("holepunch_")},
+        "routes": [r["route"] for r in entry["results"]],
+        "upgraded": stats.get("upgraded", {}).get(n["peer_id"]),
     }
 
 
@@ -250,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.client:
         kind, url, prompt = args.client
         out = (client_home(url, prompt) if kind == "home"
+               else client_verdict(url) if kind == "verdict"
                else client_entry(url, args.holder, prompt, args.requests, args.expect_direct,
                                 args.expect_reachable))
         print(json.dumps(out))
@@ -269,11 +351,30 @@ def main(argv: list[str] | None = None) -> int:
                                    requests=args.requests, log_dir=log_dir, seed=2),
                 "direct": run_phase(nat, "direct", relays=True, block_b=False,
                                     requests=args.requests, log_dir=log_dir, seed=3),
+                "punch": run_punch_phase(nat, requests=args.requests, log_dir=log_dir, seed=4),
             }
     except NetnsUnavailable as exc:
         print(f"bench.reach: cannot build network namespaces here: {exc}", file=sys.stderr)
         return 2
-    relay = phases["relay"]
+    relay, punch = phases["relay"], phases["punch"]
+    # Upgrades the entry took part in, as initiator or responder (either side may start
+    # one: the first relayed stream, a request or a liveness ping, decides).
+    counts = {
+        f"{mechanism}_{outcome}": sum(
+            p.get("entry_holepunch", {}).get(f"holepunch_{side}{mechanism}_{outcome}", 0)
+            for p in phases.values() for side in ("", "served_")
+        )
+        for mechanism in ("reversal", "simultaneous_open") for outcome in ("ok", "failed")
+    }
+    # True only when the upgrade made a connection (the entry's counters and its record of
+    # the upgrade say so), its far end is not the relay, and requests were served over it.
+    punched = (
+        punch["upgraded"] is not None
+        and punch["entry_link_to_natted"] == "direct"
+        and not punch["link_remote_is_relay"]
+        and bool(punch["entry_link_remote"])
+        and punch["served_by_natted"] == punch["requests"] > 0
+    )
     result = {
         "natted_peer_knows_unreachable": all(
             p["natted_reachability"] == "private" for p in phases.values()
@@ -282,8 +383,12 @@ def main(argv: list[str] | None = None) -> int:
         "relayed_requests_ok": relay["served_by_natted"],
         "relayed_requests_failed": relay["requests"] - relay["served_by_natted"],
         "direct_requests_served_by_natted": phases["direct"]["served_by_natted"],
-        "direct_after_holepunch": False,  # no hole punching (docs/joining.md)
-        "ttft_direct_s": _median(phases["direct"]["ttft_natted_s"]),
+        "direct_after_holepunch": punched,
+        "holepunch_mechanism": punch["upgraded"]["mechanism"] if punch["upgraded"] else None,
+        "holepunch_counts": counts,
+        "holepunch_requests_ok": punch["served_by_natted"] if punched else 0,
+        "ttft_direct_s": _median(punch["ttft_natted_s"]) if punched else None,
+        "ttft_outbound_direct_s": _median(phases["direct"]["ttft_natted_s"]),
         "ttft_relayed_s": _median(relay["ttft_natted_s"]),
         "phases": phases,
         "wall_s": round(time.monotonic() - started, 1),

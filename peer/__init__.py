@@ -11,6 +11,10 @@
   peer_table.py   pure: what this peer believes about the others (summaries, ages, RTTs)
   router.py       pure: routing policies -> ranked candidates with reasons
   bloom_sizing.py pure: the shape of the Bloom filter a summary carries
+  reach.py        pure: reachability verdicts, relay reservations, their control messages
+  relay.py        dial-back checks and our relay (the shell around reach.py)
+  punch.py        pure: the direct-connection upgrade's messages, roles, timing, budget
+  holepunch.py    relayed -> direct: connection reversal, TCP simultaneous open
   node_runner.py  one peer per process, reporting JSON lines (tests, benchmarks)
   processes.py    open_peer_processes(): start, follow and stop child peer processes
   local_swarm.py  `prefixswarm local` (+ demo_data.py: the demo's MMLU prompts)

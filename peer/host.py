@@ -39,6 +39,7 @@ from libp2p.tools.anyio_service import background_trio_service
 
 from peer import libp2p_fixes
 from peer.config import PeerConfig
+from peer.holepunch import HolePunch
 from peer.reach import Reachability, is_circuit
 from peer.relay import RELAYABLE, Reach
 
@@ -108,6 +109,7 @@ class SwarmHost:
         self.libp2p = host  # the raw py-libp2p host, for services built on it
         self._listen_addrs = tuple(listen_addrs)
         self.reach: Reach | None = None  # reachability and relays (open_host sets it)
+        self.holepunch: HolePunch | None = None  # relayed -> direct upgrades (open_host)
         self._relayed_ok: dict[ID, float] = {}  # peers reached through a relay, and when
 
     @property
@@ -232,6 +234,8 @@ class SwarmHost:
             if len(self._relayed_ok) >= MAX_RELAYED_REMEMBERED:
                 self._relayed_ok.clear()  # rebuilt by the next relayed streams
             self._relayed_ok[peer_id] = trio.current_time()
+            if self.holepunch is not None:
+                self.holepunch.note_relayed(peer_id)  # in the background, within its budget
             return stream  # type: ignore[no-any-return]
         return await self._direct_stream(peer_id, protocols, timeout_s)
 
@@ -368,6 +372,7 @@ async def open_host(config: PeerConfig) -> AsyncIterator[SwarmHost]:
                     on_change=_say_reachability,
                 )
                 swarm_host.reach = reach
+                swarm_host.holepunch = HolePunch(swarm_host, listen_addrs=bound_addrs)
                 yield swarm_host
         finally:
             # WORKAROUND(3): leaving host.run by cancellation leaks the listening

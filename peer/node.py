@@ -24,6 +24,7 @@ from libp2p.pubsub.pubsub import Pubsub
 from peer.config import PeerConfig
 from peer.discovery import Discovery
 from peer.gossip import EngineLike, Gossip
+from peer.holepunch import direct_remote
 from peer.host import SwarmHost, new_dht, new_pubsub, open_host, run_service
 from peer.peer_table import PeerTable
 from peer.relay import peer_addrs
@@ -180,6 +181,16 @@ class Peer:
             prompt, params, request_id=request_id, cache_salt=cache_salt, timeout_s=timeout_s
         )
 
+    def link_remote(self, peer_id: str) -> str | None:
+        """'ip:port' at the other end of a direct connection to the peer, else None (so a
+        connection through a relay's address can be told from one to the peer itself)."""
+        return direct_remote(self.host, ID.from_base58(peer_id))
+
+    def _holepunch_counters(self) -> dict[str, int]:
+        """The upgrade counters, exported with the relay events in /metrics."""
+        stats = self.host.holepunch.statistics() if self.host.holepunch else {}
+        return {k: v for k, v in stats.items() if k.startswith("holepunch_")}
+
     def statistics(self) -> dict[str, Any]:
         """Membership and gossip counters (a snapshot; plain JSON types)."""
         now = trio.current_time()
@@ -196,7 +207,12 @@ class Peer:
             "peers_expired": gossip["expired"],
             "gossip": gossip,
             "discovery": self.discovery.statistics(),
-            "reach": self.host.reach.statistics() if self.host.reach else None,
+            "reach": (
+                {**self.host.reach.statistics(), **self._holepunch_counters()}
+                if self.host.reach
+                else None
+            ),
+            "holepunch": self.host.holepunch.statistics() if self.host.holepunch else None,
             "serving": self.serving.statistics() if self.serving else None,
             "engine": (
                 dict(self.engine.statistics()) if hasattr(self.engine, "statistics") else None
@@ -267,6 +283,8 @@ async def open_peer(config: PeerConfig, engine: EngineLike | None = None) -> Asy
             if host.reach is not None:
                 host.reach.on_addrs_changed = discovery.provide_soon
                 await nursery.start(host.reach.run)
+            if host.holepunch is not None:
+                await nursery.start(host.holepunch.run)
             if config.mdns:
                 from peer.lan import LanDiscovery  # zeroconf: only peers that ask for mDNS
 

@@ -102,6 +102,15 @@ class ReachabilityTracker:
                 seen.setdefault(r.addr, None)
         return list(seen)
 
+    def observed_addrs(self, now: float) -> list[str]:
+        """Where peers saw us come from (observed IP, our listen port), dialable or not:
+        the address a hole punch aims at, since a NAT that keeps source ports maps our
+        listen port there. Newest first, deduplicated."""
+        seen: dict[str, None] = {}
+        for r in reversed(self._fresh(now)):
+            seen.setdefault(r.addr, None)
+        return list(seen)
+
     def evidence(self, now: float) -> dict[str, int]:
         fresh = self._fresh(now)
         return {"ok": sum(r.ok for r in fresh), "failed": sum(not r.ok for r in fresh)}

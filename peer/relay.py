@@ -34,6 +34,7 @@ from libp2p.peer.id import ID
 from libp2p.peer.peerstore import PeerStoreError
 from libp2p.transport.tcp.tcp import TCP
 
+from peer.holepunch import HOLEPUNCH_PROTOCOL
 from peer.reach import (
     MAX_DIALBACK_PORTS,
     DialBackRequest,
@@ -61,7 +62,8 @@ logger = logging.getLogger(__name__)
 
 DIALBACK_PROTOCOL = "/prefixswarm/dialback/1.0.0"
 RELAY_PROTOCOL = "/prefixswarm/relay/1.0.0"
-RELAYABLE = frozenset({INFER_PROTOCOL, str(PING_PROTOCOL_ID)})  # what a circuit may carry
+# what a circuit may carry: inference, ping, and the direct-connection upgrade
+RELAYABLE = frozenset({INFER_PROTOCOL, str(PING_PROTOCOL_ID), HOLEPUNCH_PROTOCOL})
 
 CONTROL_TIMEOUT_S = 5.0  # one control message each way on a live connection
 DIALBACK_DIAL_TIMEOUT_S = 3.0  # a fresh TCP connect + one multistream header, per port

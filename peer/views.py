@@ -38,6 +38,7 @@ def swarm_view(peer: Peer) -> dict[str, Any]:
     peers = []
     serving = getattr(peer, "serving", None)
     trust = serving.trust if serving is not None else None
+    holepunch = getattr(getattr(peer, "host", None), "holepunch", None)
     for view in peer.table.views(now):
         s = view.summary
         peers.append(
@@ -56,6 +57,9 @@ def swarm_view(peer: Peer) -> dict[str, Any]:
                 "forwards_since_summary": view.forwards_since_summary,
                 "trust": trust_view(trust, view.peer_id),
                 "link": peer.link_to(view.peer_id) if hasattr(peer, "link_to") else None,
+                "link_remote": (
+                    peer.link_remote(view.peer_id) if hasattr(peer, "link_remote") else None
+                ),
             }
         )
     return {
@@ -72,6 +76,7 @@ def swarm_view(peer: Peer) -> dict[str, Any]:
             "decode_tokens_per_s": load.decode_tokens_per_s,
             "policy": peer.config.policy.value,
             "reachability": getattr(peer, "reachability", "unknown"),
+            "holepunch": None if holepunch is None else holepunch.statistics(),
         },
         "peers": sorted(peers, key=lambda p: p["peer_id"]),
     }

@@ -1,6 +1,7 @@
 """bench.reach on a real NAT (network namespaces, iptables masquerade): the peer behind
 NAT knows it is not dialable; without relays it gets none of the requests whose prefix
-only it caches, with relays it serves them, and over its own outbound connection too."""
+only it caches, with relays it serves them, and over its own outbound connection too; two
+peers behind two NATs get a direct connection by hole punching."""
 
 from __future__ import annotations
 
@@ -31,4 +32,11 @@ def test_bench_reach_on_a_real_nat(tmp_path):
     assert result["direct_requests_served_by_natted"] == 3
     assert result["phases"]["relay"]["entry_link_to_natted"] == "relayed"
     assert result["phases"]["direct"]["entry_link_to_natted"] == "direct"
-    assert result["ttft_relayed_s"] > 0 and result["ttft_direct_s"] > 0
+    assert result["ttft_relayed_s"] > 0 and result["ttft_outbound_direct_s"] > 0
+    # two peers behind two NATs: the hole punch made the connection the requests used
+    punch = result["phases"]["punch"]
+    assert result["direct_after_holepunch"] is True, punch
+    assert result["holepunch_mechanism"] == "simultaneous_open"
+    assert result["holepunch_counts"]["simultaneous_open_ok"] >= 1
+    assert punch["entry_link_to_natted"] == "direct" and not punch["link_remote_is_relay"]
+    assert result["ttft_direct_s"] > 0
