@@ -30,7 +30,7 @@ lint: $(STAMP)
 		peer/admission.py peer/bloom_sizing.py peer/demo_data.py peer/engine/radix.py \
 		peer/engine/speeds.py peer/trust.py peer/request_log.py peer/settings.py \
 		peer/preflight.py peer/logs.py peer/version.py peer/progress.py peer/reach.py \
-		peer/engine/scheduler.py peer/engine/api.py peer/engine/text.py
+		peer/engine/scheduler.py peer/engine/api.py peer/engine/text.py peer/probing.py
 
 clean-venv:
 	rm -rf $(VENV)

@@ -55,6 +55,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--replot", type=Path, nargs="+", metavar="JSON",
                     help="no runs: merge these result files' rows (and params) into --json "
                     "and redraw --plots")
+    ap.add_argument("--load-probes", type=int,
+                    help="load probes before a forward under cost (peer/probing.py; default "
+                    "the live peer's); 0: rank on gossiped load only, as before probing")
     ap.add_argument("--one", action="store_true", help="a single run, printed")
     ap.add_argument("--policy", default="cost", choices=POLICY_NAMES)
     ap.add_argument("--peers", type=int, default=16)
@@ -112,13 +115,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.replot:
         return _replot(args)
     cal = Calibration.from_engine_json(args.calibration) if args.calibration else NOTES_CALIBRATION
+    probes = {} if args.load_probes is None else {"load_probes": args.load_probes}
     t0 = time.perf_counter()
     data = load_tokenized_mmlu()
     print(f"MMLU tokens ready in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     if args.one:
         sim = SimParams(policy=args.policy, peers=args.peers, delay_ms=args.delay_ms,
                         summary_interval_s=args.interval_s, seed=args.seed,
-                        capacity_blocks=args.capacity_blocks, calibration=cal)
+                        capacity_blocks=args.capacity_blocks, calibration=cal, **probes)
         base = Base(peers=args.peers, delay_ms=args.delay_ms, zipf_s=args.zipf_s,
                     load=args.load, requests=args.requests or Base.requests, seed=args.seed,
                     sim=sim)
@@ -131,7 +135,9 @@ def main(argv: list[str] | None = None) -> int:
                          indent=1))
         return 0
     grid: Grid = quick_grid(args.seed) if args.quick else full_grid(args.seed)
-    base = dataclasses.replace(grid.base, sim=dataclasses.replace(grid.base.sim, calibration=cal))
+    base = dataclasses.replace(
+        grid.base, sim=dataclasses.replace(grid.base.sim, calibration=cal, **probes)
+    )
     if args.requests:
         base = dataclasses.replace(base, requests=args.requests)
     grid = dataclasses.replace(grid, base=base)

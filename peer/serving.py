@@ -24,6 +24,7 @@ from peer.admission import Admission, Overloaded
 from peer.config import PeerConfig
 from peer.engine.api import InvalidRequest, SamplingParams
 from peer.inference import InferenceService
+from peer.load_probe import LoadService
 from peer.pipeline import (
     DeadlineExceeded,
     GenerationChunk,
@@ -82,6 +83,7 @@ class Serving:
             self_id=self_id,
             max_inbound_per_peer=config.max_inbound_per_peer,
         )
+        self.load = LoadService(engine)  # answers other entry peers' load probes
         self.pipeline = Pipeline(
             config=config,
             engine=engine,
@@ -114,7 +116,8 @@ class Serving:
             logger.error("could not persist the quarantine to %s: %s", path, exc)
 
     async def serve(self, libp2p_host: Any, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        """Answer forwarded requests until cancelled."""
+        """Answer forwarded requests and load probes until cancelled."""
+        self.load.serve(libp2p_host)
         await self.inference.serve(libp2p_host, task_status=task_status)
 
     def encode(self, prompt: Prompt) -> list[int]:
@@ -184,6 +187,7 @@ class Serving:
             "admission": self.admission.statistics(),
             "pipeline": self.pipeline.statistics(),
             "inference": self.inference.statistics(),
+            "load_probe": self.load.statistics(),
             "router": self.router.statistics()._asdict(),
             "trust": self.trust.statistics(),
             "requests": self.requests.statistics(),
