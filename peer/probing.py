@@ -67,9 +67,9 @@ MAX_PROBES = MAX_LOAD_PROBES  # reasons at the constants in peer/config.py
 DEFAULT_MAX_PROBES = DEFAULT_LOAD_PROBES
 DEFAULT_MAX_WAIT_S = DEFAULT_LOAD_PROBE_WAIT_S
 DEFAULT_MIN_WAIT_S = 0.02  # loopback round trips are ~4 ms but 20+ ms on a loaded 2-core box
-# A summary's load can be this far off the best's cost before its next summary: in the
-# simulator at load 1.5 the favourite's queue grows by about half a service time between
-# summaries (docs/cost-model.md has the measurement).
+# How far off the best's cost its gossiped load may be (a close call below it): a
+# judgement, not a fit; 0.5 and 2.0 gave the same TTFT within noise in the simulator at
+# load 1.5 (docs/cost-model.md).
 DEFAULT_MARGIN_FRACTION = 0.5
 
 
