@@ -99,11 +99,14 @@ async def test_a_refused_probe_costs_nothing(autojump_clock):
     assert s.pipeline.statistics()["probe_refused"] == 1
 
 
-@pytest.mark.parametrize("answer", [
-    LoadAnswer(0.005, None),  # the stream breaks
-    LoadAnswer(0.005, None, raw=b"\xa0"),  # an empty CBOR map: not a report
-    LoadAnswer(0.005, None, raw=b"\xff\xff"),  # not CBOR
-])
+@pytest.mark.parametrize(
+    "answer",
+    [
+        LoadAnswer(0.005, None),  # the stream breaks
+        LoadAnswer(0.005, None, raw=b"\xa0"),  # an empty CBOR map: not a report
+        LoadAnswer(0.005, None, raw=b"\xff\xff"),  # not CBOR
+    ],
+)
 async def test_a_broken_or_garbled_answer_is_no_answer(autojump_clock, answer):
     s = swarm(answer)
     result = await collect(s.pipeline)

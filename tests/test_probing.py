@@ -38,10 +38,28 @@ from tests.test_router import BS, NEW, chain_of, me, summary, table_with
 PROMPT_BLOCKS = 40
 
 
-def estimate(peer_id: str, *, local: bool = False, match: int = 0, queued: int = 0,
-             running: int = 0, rtt: float = 0.002, failed: float | None = None) -> PeerEstimate:
-    return PeerEstimate(peer_id, local, match, match * BS, queued, running, 1000.0, 20.0,
-                        0.0 if local else rtt, failed_s_ago=failed)
+def estimate(
+    peer_id: str,
+    *,
+    local: bool = False,
+    match: int = 0,
+    queued: int = 0,
+    running: int = 0,
+    rtt: float = 0.002,
+    failed: float | None = None,
+) -> PeerEstimate:
+    return PeerEstimate(
+        peer_id,
+        local,
+        match,
+        match * BS,
+        queued,
+        running,
+        1000.0,
+        20.0,
+        0.0 if local else rtt,
+        failed_s_ago=failed,
+    )
 
 
 def ranking(estimates: list[PeerEstimate], policy: Policy = Policy.COST):
@@ -53,8 +71,9 @@ def ranking(estimates: list[PeerEstimate], policy: Policy = Policy.COST):
 
 def test_a_busy_peer_that_would_win_if_idle_is_probed_for_as_long_as_it_could_save():
     # A holds the whole prefix but gossips 6 running requests; B holds half and is idle.
-    ranked = ranking([estimate("me", local=True), estimate("A", match=39, running=6),
-                      estimate("B", match=20)])
+    ranked = ranking(
+        [estimate("me", local=True), estimate("A", match=39, running=6), estimate("B", match=20)]
+    )
     assert [c.peer_id for c in ranked] == ["B", "me", "A"]
     best, a = ranked[0], ranked[2]
     plan = plan_probes(ranked, ProbeSettings(max_probes=1))
@@ -66,8 +85,13 @@ def test_a_busy_peer_that_would_win_if_idle_is_probed_for_as_long_as_it_could_sa
 
 @pytest.mark.parametrize("rtt", [0.5, 1.2])
 def test_no_probe_when_the_round_trips_cost_more_than_any_answer_could_save(rtt):
-    ranked = ranking([estimate("me", local=True), estimate("A", match=39, running=6, rtt=rtt),
-                      estimate("B", match=20, rtt=rtt)])
+    ranked = ranking(
+        [
+            estimate("me", local=True),
+            estimate("A", match=39, running=6, rtt=rtt),
+            estimate("B", match=20, rtt=rtt),
+        ]
+    )
     me_, a = ranked[0], next(c for c in ranked if c.peer_id == "A")
     gain = me_.cost_s - (a.cost_s - a.queue_s)  # A idle would save this much
     plan = plan_probes(ranked, ProbeSettings())
@@ -79,22 +103,35 @@ def test_no_probe_when_the_round_trips_cost_more_than_any_answer_could_save(rtt)
 
 def test_no_probe_when_the_best_wins_by_a_wide_margin():
     # The entry peer holds the prefix and is idle: nobody can beat it, even idle.
-    ranked = ranking([estimate("me", local=True, match=39), estimate("A", match=1, running=2),
-                      estimate("B", match=0)])
+    ranked = ranking(
+        [
+            estimate("me", local=True, match=39),
+            estimate("A", match=1, running=2),
+            estimate("B", match=0),
+        ]
+    )
     assert ranked[0].is_local
     assert plan_probes(ranked, ProbeSettings()) == NO_PROBE
 
 
 def test_no_probe_under_other_policies_or_when_turned_off():
-    peers = [estimate("me", local=True), estimate("A", match=39, running=6),
-             estimate("B", match=20)]
+    peers = [
+        estimate("me", local=True),
+        estimate("A", match=39, running=6),
+        estimate("B", match=20),
+    ]
     assert plan_probes(ranking(peers, Policy.LONGEST_PREFIX), ProbeSettings()) == NO_PROBE
     assert plan_probes(ranking(peers), ProbeSettings(max_probes=0)) == NO_PROBE
 
 
 def test_a_peer_that_failed_recently_is_not_probed():
-    ranked = ranking([estimate("me", local=True), estimate("A", match=39, running=6, failed=1.0),
-                      estimate("B", match=20)])
+    ranked = ranking(
+        [
+            estimate("me", local=True),
+            estimate("A", match=39, running=6, failed=1.0),
+            estimate("B", match=20),
+        ]
+    )
     assert "A" not in plan_probes(ranked, ProbeSettings()).peers
 
 
@@ -135,12 +172,19 @@ def test_plan_properties(rows, local_match, local_running, k, max_wait, margin):
     """Never more than k probes, only remote healthy candidates, each worth its round
     trips, and a wait within max_wait_s and within the most an answer could save."""
     estimates = [estimate("me", local=True, match=local_match, running=local_running)]
-    estimates += [estimate(f"p{i}", match=m, queued=q, running=r, rtt=rtt, failed=f)
-                  for i, (m, q, r, rtt, f) in enumerate(rows)]
+    estimates += [
+        estimate(f"p{i}", match=m, queued=q, running=r, rtt=rtt, failed=f)
+        for i, (m, q, r, rtt, f) in enumerate(rows)
+    ]
     ranked = ranking(estimates)
     plan = plan_probes(
-        ranked, ProbeSettings(max_probes=k, max_wait_s=max_wait,
-                              min_wait_s=min(0.02, max_wait), margin_fraction=margin),
+        ranked,
+        ProbeSettings(
+            max_probes=k,
+            max_wait_s=max_wait,
+            min_wait_s=min(0.02, max_wait),
+            margin_fraction=margin,
+        ),
     )
     assert len(plan.peers) <= k
     assert len(set(plan.peers)) == len(plan.peers) == len(plan.gains_s)
@@ -221,38 +265,46 @@ def test_a_lie_in_a_probe_wins_no_more_than_the_same_lie_in_a_summary():
     chain = chain_of(PROMPT_BLOCKS)
 
     def swarm(gossiped_running: int):
-        table = table_with(summary("A", chain, running=gossiped_running),
-                           summary("B", chain[:20]))
+        table = table_with(summary("A", chain, running=gossiped_running), summary("B", chain[:20]))
         for peer_id in ("A", "B"):
             table.record_rtt(peer_id, 0.002, 0.0)
         for _ in range(4):
             table.record_forward("A", 10, 0.0)
-        r = Router(Policy.COST, random.Random(0), block_size=BS,
-                   trust=trusted_ledger("A", "B"), require_rtt=True)
+        r = Router(
+            Policy.COST,
+            random.Random(0),
+            block_size=BS,
+            trust=trusted_ledger("A", "B"),
+            require_rtt=True,
+        )
         return r, table, r.rank(chain, PROMPT_BLOCKS * BS, NEW, me(), table, 0.0)
 
     r, table, ranked = swarm(8)
     again = r.rerank(ranked, {"A": LoadReport(0, 0)}, table, 0.0)
     _, _, lied_in_summary = swarm(0)
-    assert [(c.peer_id, c.estimate.running_requests, c.estimate.queued_prompt_tokens)
-            for c in again] == [(c.peer_id, c.estimate.running_requests,
-                                 c.estimate.queued_prompt_tokens) for c in lied_in_summary]
+    assert [
+        (c.peer_id, c.estimate.running_requests, c.estimate.queued_prompt_tokens) for c in again
+    ] == [
+        (c.peer_id, c.estimate.running_requests, c.estimate.queued_prompt_tokens)
+        for c in lied_in_summary
+    ]
     assert [c.cost_s for c in again] == pytest.approx([c.cost_s for c in lied_in_summary])
 
 
 @settings(max_examples=150, deadline=None)
 @given(
-    st.lists(st.tuples(st.integers(1, PROMPT_BLOCKS), st.integers(0, 20)), min_size=1,
-             max_size=6),
+    st.lists(st.tuples(st.integers(1, PROMPT_BLOCKS), st.integers(0, 20)), min_size=1, max_size=6),
     st.sets(st.integers(0, 7), max_size=4),  # quarantined, before and during the probe
-    st.dictionaries(st.integers(0, 7), st.tuples(st.integers(0, 10**6), st.integers(0, 100)),
-                    max_size=8),  # reports, from candidates and from anyone else
+    st.dictionaries(
+        st.integers(0, 7), st.tuples(st.integers(0, 10**6), st.integers(0, 100)), max_size=8
+    ),  # reports, from candidates and from anyone else
 )
 def test_a_probe_answer_never_makes_a_peer_eligible(peers, quarantined, reports):
     chain = chain_of(PROMPT_BLOCKS)
     names = [f"peer{i}" for i in range(len(peers))]
-    table = table_with(*(summary(n, chain[:m], running=r)
-                         for n, (m, r) in zip(names, peers, strict=True)))
+    table = table_with(
+        *(summary(n, chain[:m], running=r) for n, (m, r) in zip(names, peers, strict=True))
+    )
     proven = names[::2]  # the others never completed a round trip: never candidates
     for n in proven:
         table.record_rtt(n, 0.002, 0.0)
@@ -281,17 +333,24 @@ def test_report_and_query_round_trip():
     assert decode_load_query(decode_cbor(encode_cbor(LoadQuery().to_wire()))) == LoadQuery()
 
 
-@pytest.mark.parametrize("wire", [
-    {"t": "load_report", "v": 1, "queued_prompt_tokens": -1, "running_requests": 0},
-    {"t": "load_report", "v": 1, "queued_prompt_tokens": MAX_LOAD_COUNT + 1,
-     "running_requests": 0},
-    {"t": "load_report", "v": 1, "queued_prompt_tokens": 1.5, "running_requests": 0},
-    {"t": "load_report", "v": 1, "queued_prompt_tokens": True, "running_requests": 0},
-    {"t": "load_report", "v": 1, "running_requests": 0},
-    {"t": "load_report", "v": 2, "queued_prompt_tokens": 0, "running_requests": 0},
-    {"t": "load_query", "v": 1},
-    [1, 2],
-])
+@pytest.mark.parametrize(
+    "wire",
+    [
+        {"t": "load_report", "v": 1, "queued_prompt_tokens": -1, "running_requests": 0},
+        {
+            "t": "load_report",
+            "v": 1,
+            "queued_prompt_tokens": MAX_LOAD_COUNT + 1,
+            "running_requests": 0,
+        },
+        {"t": "load_report", "v": 1, "queued_prompt_tokens": 1.5, "running_requests": 0},
+        {"t": "load_report", "v": 1, "queued_prompt_tokens": True, "running_requests": 0},
+        {"t": "load_report", "v": 1, "running_requests": 0},
+        {"t": "load_report", "v": 2, "queued_prompt_tokens": 0, "running_requests": 0},
+        {"t": "load_query", "v": 1},
+        [1, 2],
+    ],
+)
 def test_bad_reports_are_remote_protocol_errors(wire):
     with pytest.raises(RemoteProtocolError):
         decode_load_report(decode_cbor(encode_cbor(wire)))
