@@ -31,7 +31,7 @@ lint: $(STAMP)
 		peer/interest.py peer/demo_data.py peer/engine/radix.py \
 		peer/engine/speeds.py peer/trust.py peer/request_log.py peer/settings.py \
 		peer/preflight.py peer/logs.py peer/version.py peer/progress.py peer/reach.py peer/punch.py \
-		peer/engine/scheduler.py peer/engine/api.py peer/engine/text.py \
+		peer/engine/scheduler.py peer/engine/api.py peer/engine/text.py peer/probing.py \
 		peer/generation.py peer/face.py
 	# shells typed as strictly (pyproject's second strict override)
 	$(BIN)/mypy peer/http.py peer/http_response.py peer/http_auth.py peer/serving.py

@@ -73,6 +73,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--replot", type=Path, nargs="+", metavar="JSON",
                     help="no runs: merge these result files' rows (and params) into --json "
                     "and redraw --plots")
+    ap.add_argument("--load-probes", type=int,
+                    help="load probes before a forward under cost (peer/probing.py; default "
+                    "the live peer's); 0: rank on gossiped load only, as before probing")
     ap.add_argument("--one", action="store_true", help="a single run, printed")
     ap.add_argument("--policy", default="cost", choices=POLICY_NAMES)
     ap.add_argument("--regime", default="cpu", choices=REGIME_NAMES)
@@ -142,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         return _replot(args)
     cal = (Calibration.from_engine_json(args.calibration) if args.calibration
            else regime("cpu").calibration)
+    probes = {} if args.load_probes is None else {"load_probes": args.load_probes}
     t0 = time.perf_counter()
     data = load_tokenized_mmlu()
     print(f"MMLU tokens ready in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
@@ -149,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         sim = SimParams(policy=args.policy, peers=args.peers, delay_ms=args.delay_ms,
                         summary_interval_s=args.interval_s, seed=args.seed,
                         capacity_blocks=args.capacity_blocks, calibration=cal,
-                        gossip_mode=args.gossip_mode, gossip_neighbours=args.neighbours)
+                        gossip_mode=args.gossip_mode, gossip_neighbours=args.neighbours, **probes)
         if args.regime != "cpu":
             sim = regime_sim(sim, regime(args.regime))
         base = Base(peers=args.peers, delay_ms=args.delay_ms, zipf_s=args.zipf_s,
@@ -171,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
         grid = full_grid(args.seed, args.seeds)
     if args.regimes:
         grid = dataclasses.replace(grid, regimes=tuple(args.regimes.split(",")))
-    base = dataclasses.replace(grid.base, sim=dataclasses.replace(grid.base.sim, calibration=cal))
+    base = dataclasses.replace(grid.base, sim=dataclasses.replace(grid.base.sim, calibration=cal,
+                                                                  **probes))
     if args.requests:
         base = dataclasses.replace(base, requests=args.requests)
     grid = dataclasses.replace(grid, base=base)

@@ -35,6 +35,10 @@ DEFAULT_FIRST_TOKEN_FLOOR_S = 1.0  # ... but at least this: estimates of idle pe
 DEFAULT_HEDGE_MULTIPLE = 2.0  # no first token after 2x the estimate: start the next candidate
 DEFAULT_HEDGE_FLOOR_S = 0.1  # ... at the earliest after this: loopback TTFTs are 5-20 ms,
 #   but 50-100 ms on a loaded 2-core machine, and a hedge duplicates the work
+DEFAULT_LOAD_PROBES = 2  # candidates asked for their load now before forwarding (peer/
+#   probing.py decides whether it pays); two choices already remove most herding
+DEFAULT_LOAD_PROBE_WAIT_S = 0.25  # never hold a request longer for fresh load
+MAX_LOAD_PROBES = 8  # each probe is a stream opened on a peer that is busy already
 # Backoff 0.25 s doubling: ~7 dials in 30 s, enough for a peer that is still starting.
 DEFAULT_BOOTSTRAP_TIMEOUT_S = 30.0
 
@@ -103,6 +107,8 @@ class PeerConfig:
     first_token_floor_s: float = DEFAULT_FIRST_TOKEN_FLOOR_S
     hedge_multiple: float = DEFAULT_HEDGE_MULTIPLE  # 0: no hedging
     hedge_floor_s: float = DEFAULT_HEDGE_FLOOR_S
+    load_probes: int = DEFAULT_LOAD_PROBES  # 0: rank on gossiped load only
+    load_probe_wait_s: float = DEFAULT_LOAD_PROBE_WAIT_S
     # Reach (peer/relay.py): relay for peers behind NAT when we are reachable (bounded
     # by peer.reach.RelayLimits); reserve relay slots when we are not. Both on by default.
     relay_service: bool = True
@@ -180,6 +186,12 @@ class PeerConfig:
             raise ValueError("first_token_multiple must be >= 1 and first_token_floor_s > 0")
         if self.hedge_multiple < 0 or self.hedge_floor_s < 0:
             raise ValueError("hedge_multiple and hedge_floor_s must be >= 0")
+        if not 0 <= self.load_probes <= MAX_LOAD_PROBES:
+            raise ValueError(
+                f"load_probes must be in [0, {MAX_LOAD_PROBES}], got {self.load_probes}"
+            )
+        if not 0 <= self.load_probe_wait_s <= 10.0:
+            raise ValueError(f"load_probe_wait_s must be in [0, 10], got {self.load_probe_wait_s}")
 
     @property
     def quarantine_path(self) -> Path | None:

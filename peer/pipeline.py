@@ -1,7 +1,10 @@
 """The entry peer's request path: admit, route, forward or run locally, fall back.
 
 Happy eyeballs (STYLE.md item 5): the router ranks candidates and they race for the first
-token. A remote candidate with no first token after its hedge delay (a multiple of the
+token. Before the race, the candidates worth a round trip are asked for their load now
+(peer/probing.py decides whom and how long; peer/load_probe.py asks) and the same
+candidates are ranked again; one that does not answer in time keeps its gossiped load.
+A remote candidate with no first token after its hedge delay (a multiple of the
 router's own TTFT estimate for it, with a floor) gets company: the next candidate starts
 too, and the first to deliver a token wins; the others are cancelled (one that was
 hedged and lost shows as stalled, but is not backed off). Each remote candidate's
@@ -58,7 +61,9 @@ from peer.generation import (
     Outcome,
     RequestFailed,
 )
+from peer.load_probe import probe_loads
 from peer.peer_table import PeerTable
+from peer.probing import DEFAULT_MIN_WAIT_S, ProbeRound, ProbeSettings, plan_probes
 from peer.race import AnyAttempt, Race, Racer
 from peer.router import Candidate, LocalState, Router
 from peer.trust import Promote, Quarantine, TrustLedger
@@ -168,6 +173,11 @@ class Pipeline:
         self.trust = trust
         self._rng = rng or random.Random()
         self._on_quarantine = on_quarantine
+        self._probe_settings = ProbeSettings(
+            max_probes=config.load_probes,
+            max_wait_s=config.load_probe_wait_s,
+            min_wait_s=min(DEFAULT_MIN_WAIT_S, config.load_probe_wait_s),
+        )
         self.stats: Counter[str] = Counter()
         self.race = Race(
             config=config,
@@ -208,9 +218,12 @@ class Pipeline:
             deadline = start + (timeout_s or self._config.request_timeout_s)
             progress = _Progress(StopTracker(_Detokenizer(self._engine), params.stop))
             route: list[Attempt] = []
-            pending = deque(self._rank(tokens, params, start))
+            ranked = self._rank(tokens, params, start)
             if cache_salt is not None:
-                pending = deque(c for c in pending if c.is_local)
+                ranked = [c for c in ranked if c.is_local]
+            else:
+                ranked = await self._probe(ranked, deadline)
+            pending = deque(ranked)
             while True:
                 remaining = params.max_new_tokens - len(progress.generated)
                 if remaining <= 0:  # the stream broke after the last token, before the result
@@ -312,6 +325,21 @@ class Pipeline:
                 len(tokens), " | ".join(c.reason for c in candidates[:ROUTE_LOG_CANDIDATES]),
             )
         return candidates
+
+    async def _probe(self, ranked: list[Candidate], deadline: float) -> list[Candidate]:
+        """``ranked`` again with the fresh load of the candidates worth a probe
+        (peer/probing.py decides whom and how long; unanswered ones keep their gossip)."""
+        plan = plan_probes(ranked, self._probe_settings)
+        if not plan.probes:
+            return ranked
+        probe = ProbeRound(plan, trio.current_time(), not_after=deadline)
+        reports = await probe_loads(self._host, probe, self.stats)
+        if not reports:
+            return ranked
+        again = self.router.rerank(ranked, reports, self._table, trio.current_time())
+        if again[0].peer_id != ranked[0].peer_id:
+            self.stats["probe_changed_choice"] += 1
+        return again
 
     def _attempt(
         self,

@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import operator
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 from peer.config import Policy
 from peer.peer_table import PeerTable
+from peer.probing import fresh_estimate
 from peer.ranking import (
     BATCH_STEP_SLOPE,
     COPY_CHARGE,
@@ -48,6 +49,7 @@ from peer.ranking import (
     swarm_busy,
 )
 from peer.trust import TrustLedger
+from protocols.load import LoadReport
 
 __all__ = [
     "BATCH_STEP_SLOPE",
@@ -180,6 +182,42 @@ class Router:
         )
         ordered = order_candidates(self.policy, healthy, suspects, self._rng, self._last_choice)
         return self._chose(ordered)
+
+    def rerank(
+        self,
+        ranked: Sequence[Candidate],
+        reports: Mapping[str, LoadReport],
+        table: PeerTable,
+        now: float,
+    ) -> list[Candidate]:
+        """``ranked`` (this router's rank()) ranked again with the fresh load of
+        ``reports`` (peer/probing.py), each floored by this peer's own forwards there.
+        The same candidates, never another; one quarantined meanwhile drops out.
+
+        (Choosing only among the candidates with fresh load, and keeping the rest as
+        fallbacks, was measured too: no difference in the simulator, docs/cost-model.md.)
+        """
+        if not ranked:
+            raise ValueError("nothing to rank again")
+        trust = self.trust
+        estimates: list[PeerEstimate] = []
+        for c in ranked:
+            e = c.estimate
+            if not c.is_local and trust is not None and trust.routing(c.peer_id) is None:
+                self._quarantined += 1
+                continue
+            report = None if c.is_local else reports.get(c.peer_id)
+            if report is not None:
+                view = table.get(c.peer_id, now)
+                own = (
+                    (view.forwards_since_summary, view.forwarded_prompt_tokens)
+                    if view is not None
+                    else (e.forwards_since_summary, 0)
+                )
+                e = fresh_estimate(e, report, *own)
+            estimates.append(e)
+        first = ranked[0]
+        return self.rank_estimates(estimates, first.prompt_tokens, first.max_new_tokens)
 
     def _table_candidates(
         self,

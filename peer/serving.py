@@ -35,6 +35,7 @@ from peer.generation import (
     RequestFailed,
 )
 from peer.inference import InferenceService
+from peer.load_probe import LoadService
 from peer.peer_table import PeerTable
 from peer.pipeline import Pipeline, PipelineEngine
 from peer.request_log import RequestLog, RequestOutcome, RequestRecord, route_of
@@ -99,6 +100,7 @@ class Serving:
             self_id=self_id,
             max_inbound_per_peer=config.max_inbound_per_peer,
         )
+        self.load = LoadService(engine)  # answers other entry peers' load probes
         self.pipeline = Pipeline(
             config=config,
             engine=engine,
@@ -131,7 +133,8 @@ class Serving:
             logger.error("could not persist the quarantine to %s: %s", path, exc)
 
     async def serve(self, libp2p_host: Any, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        """Answer forwarded requests until cancelled."""
+        """Answer forwarded requests and load probes until cancelled."""
+        self.load.serve(libp2p_host)
         await self.inference.serve(libp2p_host, task_status=task_status)
 
     @property
@@ -245,6 +248,7 @@ class Serving:
             "admission": self.admission.statistics(),
             "pipeline": self.pipeline.statistics(),
             "inference": self.inference.statistics(),
+            "load_probe": self.load.statistics(),
             "router": self.router.statistics()._asdict(),
             "trust": self.trust.statistics(),
             "requests": self.requests.statistics(),

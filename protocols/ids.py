@@ -14,6 +14,7 @@ import re
 
 __all__ = [
     "INFER_PROTOCOL",
+    "LOAD_PROTOCOL",
     "MAX_MODEL_ID_CHARS",
     "PROTOCOL_VERSION",
     "PROVIDER_NAMESPACE",
@@ -29,6 +30,7 @@ __all__ = [
 
 PROTOCOL_VERSION = "1.0.0"
 INFER_PROTOCOL = f"/prefixswarm/infer/{PROTOCOL_VERSION}"
+LOAD_PROTOCOL = "/prefixswarm/load/1.0.0"  # load probes (protocols/load.py), versioned apart
 SUMMARY_TOPIC_PREFIX = "/prefixswarm/summary/1/"  # the wire version of CacheSummary is 1
 # Gossip mode `ring` (version 2 of the summary protocol): one topic per publishing peer,
 # `<prefix><model id>/@<peer id>`, subscribed to by that peer's ring neighbours only.

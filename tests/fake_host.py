@@ -22,6 +22,7 @@ from peer.admission import Admission
 from peer.config import PeerConfig, Policy
 from peer.engine.api import Completion, EngineLoad, SamplingParams, TokenEvent, Usage
 from peer.generation import GenerationRequest
+from peer.host import PeerUnreachable
 from peer.peer_table import PeerTable
 from peer.pipeline import Pipeline
 from peer.router import Router
@@ -29,7 +30,9 @@ from peer.trust import TrustLedger
 from protocols.blocks import BlockHasher
 from protocols.bloom import BloomFilter
 from protocols.framing import FrameDecoder, encode_frame
+from protocols.ids import LOAD_PROTOCOL
 from protocols.infer import FinishReason, InferRequest, InferResult, TokenChunk, parse_request
+from protocols.load import LoadReport, decode_load_query
 from protocols.summary import CacheSummary
 
 MODEL = "fake-model"
@@ -193,18 +196,76 @@ class FakeStream:
         self._host.resets.append((trio.current_time(), self.peer_id))
 
 
+@dataclass(frozen=True)
+class LoadAnswer:
+    """How a peer answers a load probe: after ``delay_s``, ``report`` (None: the stream
+    breaks) or, if given, ``raw`` bytes as the frame's CBOR payload."""
+
+    delay_s: float
+    report: LoadReport | None
+    raw: bytes | None = None
+
+
+class FakeLoadStream:
+    def __init__(self, host: FakeHost, peer_id: str, answer: LoadAnswer) -> None:
+        self._host = host
+        self.peer_id = peer_id
+        self._answer = answer
+        self._decoder = FrameDecoder()
+        self._asked = False
+        self._sent = False
+
+    async def write(self, data: bytes) -> None:
+        self._decoder.feed(data)
+        frame = self._decoder.next_frame()
+        if frame is not None:
+            decode_load_query(frame)
+            self._asked = True
+
+    async def read(self, n: int | None = None) -> bytes:
+        if not self._asked:
+            await trio.sleep_forever()
+        if self._sent:
+            return b""
+        self._sent = True
+        await trio.sleep(self._answer.delay_s)
+        self._host.load_answers.append((trio.current_time(), self.peer_id))
+        if self._answer.raw is not None:
+            return len(self._answer.raw).to_bytes(4, "big") + self._answer.raw
+        if self._answer.report is None:
+            raise BaseLibp2pError("stream reset by peer")
+        return encode_frame(self._answer.report.to_wire())
+
+    async def close(self) -> None:
+        pass
+
+    async def reset(self) -> None:
+        self._host.probe_resets.append((trio.current_time(), self.peer_id))
+
+
 @dataclass
 class FakeHost:
-    """Opens FakeStreams to scripted peers; records when each was dialed and reset."""
+    """Opens FakeStreams to scripted peers; records when each was dialed and reset.
+    Load probes (``load`` answers; a peer without one refuses the protocol) are kept
+    apart from forwards: ``probes``, ``load_answers``, ``probe_resets``."""
 
     scripts: dict[str, Script] = field(default_factory=dict)
     dials: list[tuple[float, str]] = field(default_factory=list)
     requests: list[tuple[float, str, InferRequest]] = field(default_factory=list)
     resets: list[tuple[float, str]] = field(default_factory=list)
+    load: dict[str, LoadAnswer] = field(default_factory=dict)
+    probes: list[tuple[float, str]] = field(default_factory=list)
+    load_answers: list[tuple[float, str]] = field(default_factory=list)
+    probe_resets: list[tuple[float, str]] = field(default_factory=list)
 
     async def new_stream(self, peer_id: ID, protocols: Sequence[str], *,
-                         timeout_s: float = 10.0) -> FakeStream:
+                         timeout_s: float = 10.0) -> FakeStream | FakeLoadStream:
         pid = peer_id.to_base58()
+        if LOAD_PROTOCOL in protocols:
+            self.probes.append((trio.current_time(), pid))
+            if pid not in self.load:
+                raise PeerUnreachable(f"{pid} does not speak {LOAD_PROTOCOL}")
+            return FakeLoadStream(self, pid, self.load[pid])
         self.dials.append((trio.current_time(), pid))
         return FakeStream(self, pid, self.scripts[pid])
 
@@ -228,13 +289,14 @@ SELF = new_peer_id(0)
 
 
 def summary_for(peer_id: str, chain: Sequence[int], *, prefill: float = 1000.0,
-                decode: float = 100.0, seq: int = 1) -> CacheSummary:
+                decode: float = 100.0, seq: int = 1, queued: int = 0,
+                running: int = 0) -> CacheSummary:
     bloom = BloomFilter.for_capacity(256, 0.01)
     bloom.update(chain)
     return CacheSummary(
         peer_id=peer_id, model_id=MODEL, block_size=BLOCK, seq=seq, bloom_bits=bloom.num_bits,
         bloom_hashes=bloom.num_hashes, bloom=bloom.to_bytes(), cached_blocks=len(set(chain)),
-        capacity_blocks=256, queued_prompt_tokens=0, running_requests=0,
+        capacity_blocks=256, queued_prompt_tokens=queued, running_requests=running,
         prefill_tokens_per_s=prefill, decode_tokens_per_s=decode,
     )
 
@@ -253,14 +315,17 @@ def fake_peers(
     prompt: Sequence[int],
     engine: FakeEngine,
     rtt_s: dict[str, float | None] | None = None,
+    running: dict[str, int] | None = None,
 ) -> tuple[PeerTable, FakeHost]:
     """A table holding ``peers`` (id -> (blocks of ``prompt`` it claims, its script)),
-    each with a measured round trip unless ``rtt_s`` says None, and a host playing them."""
+    each with a measured round trip unless ``rtt_s`` says None and the gossiped running
+    requests of ``running`` (else none), and a host playing them."""
     table = PeerTable(SELF, MODEL, BLOCK, expiry_s=1e9)
     chain = engine.hasher.chain(prompt)
     host = FakeHost()
     for peer_id, (blocks, script) in peers.items():
-        assert table.apply(summary_for(peer_id, chain[:blocks]), peer_id, 0.0).accepted
+        summary = summary_for(peer_id, chain[:blocks], running=(running or {}).get(peer_id, 0))
+        assert table.apply(summary, peer_id, 0.0).accepted
         rtt = (rtt_s or {}).get(peer_id, 0.001)
         if rtt is not None:
             table.record_rtt(peer_id, rtt, 0.0)
@@ -286,6 +351,7 @@ def fake_swarm(
     engine: FakeEngine | None = None,
     rtt_s: dict[str, float | None] | None = None,
     trusted: bool = True,
+    running: dict[str, int] | None = None,
     **config: Any,
 ) -> Swarm:
     """A pipeline over `fake_peers`; ``trusted``: the peers passed probation already."""
@@ -295,7 +361,7 @@ def fake_swarm(
         verify_fraction=cfg.verify_fraction, probation_requests=cfg.probation_requests,
         probation_share=cfg.probation_share, can_verify=callable(getattr(engine, "verify", None)),
     )
-    table, host = fake_peers(peers, prompt, engine, rtt_s)
+    table, host = fake_peers(peers, prompt, engine, rtt_s, running)
     if trusted:
         for peer_id in peers:
             for _ in range(cfg.probation_requests):

@@ -19,8 +19,6 @@ SIM_DIR = Path(__file__).resolve().parents[1] / "bench" / "sim"
 SIMULATOR_OWN = {
     "NOMINAL_PROMPT_TOKENS",  # where a nominal prefill speed is quoted (reports only)
     "PY_LIBP2P_CPU_S_PER_MESSAGE",  # an experiment's measured input (docs/RESULTS.md)
-    "PROBE_CANDIDATES",  # the cost_probe what-if, not a peer's (yet)
-    "PROBE_MAX_RTT_FRACTION",
     "_EPS",  # float round-off of virtual time
     "_BLOCK_BYTES",  # derived from protocols.bloom.BLOCK_BITS
     "MAX_MEMO_KEYS",  # the simulator's own memo bound

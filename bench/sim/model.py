@@ -51,15 +51,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from bench.sim.params import (
-    COST_PROBE,
-    EXACT_LONGEST_PREFIX,
-    ORACLE,
-    PROBE_CANDIDATES,
-    PROBE_MAX_RTT_FRACTION,
-    RunResult,
-    SimParams,
-)
+from bench.sim.params import COST_PROBE, EXACT_LONGEST_PREFIX, ORACLE, RunResult, SimParams
 from bench.sim.summaries import IncrementalBloom
 from bench.stats import cov, mean, percentile
 from bench.workloads import TokenRequest
@@ -76,11 +68,19 @@ from peer.engine.speeds import (
 from peer.interest import Interest, ProviderIndex
 from peer.neighbourhood import Neighbourhood
 from peer.peer_table import ForwardCharge, PeerTable, Verdict
+from peer.probing import (
+    DEFAULT_MAX_PROBES,
+    DEFAULT_MIN_WAIT_S,
+    ProbeRound,
+    ProbeSettings,
+    plan_probes,
+)
 from peer.publish_policy import PublishPolicy, bloom_shape
 from peer.ranking import single_stream_decode
 from peer.router import Candidate, LocalState, PeerEstimate, Router
 from protocols.blocks import BlockHasher
 from protocols.bloom import BloomFilter, ProbeCache
+from protocols.load import LoadReport
 from protocols.summary import CacheSummary, encode_summary
 
 # Ring mode's lookup, as modelled here (the live shell has no lookup yet).
@@ -272,6 +272,17 @@ class Simulator:
         self._now = 0.0
         # Multi-turn workloads: per conversation (group), the prompt length of its last turn.
         self._last_prompt: dict[int, int] = {}
+        probes = params.load_probes
+        if params.policy == COST_PROBE and probes == 0:
+            probes = DEFAULT_MAX_PROBES
+        elif params.policy not in (Policy.COST.value, COST_PROBE):
+            probes = 0
+        self._probe_settings = ProbeSettings(
+            max_probes=probes,
+            max_wait_s=params.load_probe_wait_s,
+            min_wait_s=min(DEFAULT_MIN_WAIT_S, params.load_probe_wait_s),
+        )
+        self._probe_stats = {"rounds": 0, "sent": 0, "answered": 0, "changed": 0, "wait_s": 0.0}
 
     # -- plumbing ---------------------------------------------------------------------
 
@@ -352,11 +363,11 @@ class Simulator:
             wait = self._lookup(entry, job, now)
         if self.params.policy == ORACLE:
             target, match_tokens = self._oracle_choice(entry, job, now)
-        elif self.params.policy == COST_PROBE:
-            target, match_tokens, probe_wait = self._probe_choice(entry, job, now)
-            wait += probe_wait
         elif self.params.policy == EXACT_LONGEST_PREFIX:
             target, match_tokens = self._exact_choice(entry, job)
+        elif self._probe_settings.max_probes:
+            target, match_tokens, probe_wait = self._probe_choice(entry, job, now)
+            wait += probe_wait
         else:
             target, match_tokens = self._router_choice(entry, job, now)
         job.target = target
@@ -463,24 +474,44 @@ class Simulator:
         return self._index[ranked[0].peer_id], min(ranked[0].match_tokens, len(job.tokens) - 1)
 
     def _probe_choice(self, entry: _Peer, job: _Job, now: float) -> tuple[int, int, float]:
-        """COST_PROBE: (target, its match, seconds spent probing)."""
+        """COST with load probes, as the live pipeline runs them (peer/probing.py decides
+        whom and how long; peer/pipeline.py `_probe`): (target, its match, seconds spent
+        waiting for answers). Each probe opens a stream (`stream_setup_rtts` round trips)
+        and makes one query round trip; the report is the probed peer's load when the
+        entry asked (a few one-way delays early: the simulator decides at arrival)."""
         ranked = self._ranked(entry, job, now)
-        remote = [c for c in ranked if not c.is_local][:PROBE_CANDIDATES]
+        plan = plan_probes(ranked, self._probe_settings)
         best = ranked[0]
-        if not remote or max(c.estimate.rtt_s for c in remote) > (
-            PROBE_MAX_RTT_FRACTION * best.cost_s
-        ):
+        if not plan.probes:
             return self._index[best.peer_id], min(best.match_tokens, len(job.tokens) - 1), 0.0
-        local = next(c for c in ranked if c.is_local)
-        fresh = [local.estimate]
-        for c in remote:
-            peer = self.peers[self._index[c.peer_id]]
-            fresh.append(c.estimate._replace(
-                queued_prompt_tokens=peer.queued_tokens, running_requests=peer.running))
-        wait = max(self._one_way() + self._one_way() for _ in remote)
-        again = entry.router.rank_estimates(fresh, len(job.tokens), job.req.max_new_tokens)
-        chosen = again[0]
-        return self._index[chosen.peer_id], min(chosen.match_tokens, len(job.tokens) - 1), wait
+        probe = ProbeRound(plan, now)
+        trips = 2 * self.params.stream_setup_rtts + 2  # one-way legs: the stream, the query
+        answers = []
+        for peer_id in plan.peers:
+            at = now + sum(self._one_way() for _ in range(trips))
+            peer = self.peers[self._index[peer_id]]
+            answers.append((at, peer_id, LoadReport(peer.queued_tokens, peer.running)))
+        answers.sort()
+        decided = probe.deadline
+        for at, peer_id, report in answers:
+            probe.offer(peer_id, report, at)
+            if probe.done:
+                decided = at
+                break
+        stats = self._probe_stats
+        stats["rounds"] += 1
+        stats["sent"] += len(plan.peers)
+        stats["answered"] += len(probe.reports)
+        stats["wait_s"] += decided - now
+        chosen = best
+        if probe.reports:
+            chosen = entry.router.rerank(ranked, probe.reports, entry.table, now)[0]
+            stats["changed"] += chosen.peer_id != best.peer_id
+        return (
+            self._index[chosen.peer_id],
+            min(chosen.match_tokens, len(job.tokens) - 1),
+            decided - now,
+        )
 
     def _exact_choice(self, entry: _Peer, job: _Job) -> tuple[int, int]:
         """EXACT_LONGEST_PREFIX: the longest exact match anywhere, a tie to the entry peer,
@@ -779,6 +810,16 @@ class Simulator:
             "followup_turns": float(len(followups)),
             "followup_cached_fraction": (history_cached / len(followups) if followups
                                          else math.nan),
+            # load probing (all requests, warm-up included): probes sent per request, the
+            # fraction of requests whose choice a probe changed, mean wait for answers
+            "probes_per_request": self._probe_stats["sent"] / len(jobs),
+            "probe_answered_fraction": (
+                self._probe_stats["answered"] / self._probe_stats["sent"]
+                if self._probe_stats["sent"]
+                else 0.0
+            ),
+            "probe_changed_fraction": self._probe_stats["changed"] / len(jobs),
+            "probe_wait_mean_s": self._probe_stats["wait_s"] / len(jobs),
         }
         return RunResult(self.params, metrics, ttft, e2e, [j.target for j in jobs], completions)
 

@@ -11,6 +11,8 @@ from peer.config import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_BLOOM_FP_RATE,
     DEFAULT_GOSSIP_NEIGHBOURS,
+    DEFAULT_LOAD_PROBE_WAIT_S,
+    DEFAULT_LOAD_PROBES,
     DEFAULT_MODEL,
     DEFAULT_SUMMARY_INTERVAL_S,
     GossipMode,
@@ -23,12 +25,10 @@ from peer.ranking import ROUND_TRIPS_PER_FORWARD
 from protocols.bloom import BLOCK_BITS, BloomFilter
 
 ORACLE = "oracle"  # exact, instant global knowledge fed to the COST model (an upper bound)
-# A what-if, not in peer/router.py: COST's ranking, then the live load of its best
-# PROBE_CANDIDATES remote candidates is asked for (one round trip, in parallel) and those
-# and the entry peer are ranked again by the same cost function (late binding).
+# COST with load probing on whatever `load_probes` says (DEFAULT_LOAD_PROBES when it is 0).
+# `cost` itself probes as the live peer does, with `load_probes` (default: the live
+# default); both run peer/probing.py, the live pipeline's core.
 COST_PROBE = "cost_probe"
-PROBE_CANDIDATES = 2  # two choices already remove most herding (Mitzenmacher 2001)
-PROBE_MAX_RTT_FRACTION = 0.1  # probe only if a round trip is < 10% of the best estimated cost
 # A reference, not deployable: every request goes to the peer whose cache holds the longest
 # exact prefix of its prompt, known instantly (a tie to the entry peer, then to the least
 # busy). The ceiling of the cache-pressure sweep for prefix-affinity routing.
@@ -67,6 +67,10 @@ class SimParams:
     # summary: the whole prompt (False, as peer/pipeline.py does) or only the part the
     # target's Bloom summary does not cover (True; a what-if for the cost model).
     forward_counts_uncached: bool = False
+    # Load probes before a forward under `cost` (peer/probing.py; PeerConfig.load_probes
+    # and load_probe_wait_s): 0 ranks on gossiped load only, as before probing existed.
+    load_probes: int = DEFAULT_LOAD_PROBES
+    load_probe_wait_s: float = DEFAULT_LOAD_PROBE_WAIT_S
     warmup_fraction: float = 0.1  # the first requests fill caches; left out of the metrics
     seed: int = 0
     model_id: str = DEFAULT_MODEL

@@ -1,0 +1,149 @@
+"""The load-probe protocol's shell: ask peers for their load, and answer when asked.
+
+`probe_loads` runs one `ProbeRound` (peer/probing.py decided whom and how long): one
+stream per probed peer, all at once, each sending a `LoadQuery` and reading one
+`LoadReport`; it returns when every peer answered or at the round's deadline, whichever
+comes first, and resets whatever is still open. A peer that cannot be reached, refuses
+the protocol, sends garbage or answers late is simply ranked on its gossiped load.
+
+`LoadService` answers: one small frame in, one out, within LOAD_ANSWER_TIMEOUT_S, at most
+MAX_ANSWERING at once (beyond that a query is reset: a flood must not cost more than a
+reset each). It runs in libp2p's handler task, which its deadline bounds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import trio
+from libp2p.exceptions import BaseLibp2pError
+from libp2p.peer.id import ID
+
+from peer.host import PeerUnreachable
+from peer.probing import ProbeRound
+from protocols.errors import RemoteProtocolError
+from protocols.framing import FrameDecoder, encode_frame
+from protocols.ids import LOAD_PROTOCOL
+from protocols.load import (
+    MAX_LOAD_FRAME_BYTES,
+    LoadQuery,
+    LoadReport,
+    decode_load_query,
+    decode_load_report,
+)
+
+logger = logging.getLogger(__name__)
+
+LOAD_ANSWER_TIMEOUT_S = 2.0  # a query is one tiny frame sent right after opening
+MAX_ANSWERING = 64  # concurrent answers; each is ~1 ms of work, more is a flood
+READ_BYTES = 4096  # one read holds a whole frame (MAX_LOAD_FRAME_BYTES is 1 KiB)
+
+
+class _Refused(Exception):
+    """The peer could not be asked or did not answer properly."""
+
+
+async def _read_frame(stream: Any) -> object:
+    decoder = FrameDecoder(MAX_LOAD_FRAME_BYTES)
+    while True:
+        frame = decoder.next_frame()
+        if frame is not None:
+            return frame
+        try:
+            data = await stream.read(READ_BYTES)
+        except BaseLibp2pError as exc:
+            raise _Refused(f"read failed: {exc!r}") from exc
+        if not data:
+            raise _Refused("end of stream")
+        decoder.feed(data)
+
+
+async def _reset(stream: Any) -> None:
+    with trio.move_on_after(1.0) as scope:
+        scope.shield = True
+        with contextlib.suppress(BaseLibp2pError):
+            await stream.reset()
+
+
+async def probe_loads(
+    host: Any, probe: ProbeRound, stats: Counter[str] | None = None
+) -> dict[str, LoadReport]:
+    """Ask every peer of ``probe.plan`` at once; the reports kept by its deadline."""
+    stats = stats if stats is not None else Counter()
+
+    async def ask(peer_id: str, done: Callable[[], None]) -> None:
+        stream = None
+        try:
+            stream = await host.new_stream(
+                ID.from_base58(peer_id),
+                [LOAD_PROTOCOL],
+                timeout_s=max(0.0, probe.deadline - trio.current_time()),
+            )
+            await stream.write(encode_frame(LoadQuery().to_wire()))
+            report = decode_load_report(await _read_frame(stream))
+        except (PeerUnreachable, BaseLibp2pError, RemoteProtocolError, _Refused) as exc:
+            stats["probe_refused"] += 1
+            logger.debug("load probe of %s: %s", peer_id, exc)
+            return
+        finally:
+            if stream is not None:
+                await _reset(stream)
+        if probe.offer(peer_id, report, trio.current_time()) and probe.done:
+            done()
+
+    stats["probe_rounds"] += 1
+    stats["probes_sent"] += len(probe.plan.peers)
+    with trio.move_on_at(probe.deadline):
+        async with trio.open_nursery() as nursery:
+            for peer_id in probe.plan.peers:
+                nursery.start_soon(ask, peer_id, nursery.cancel_scope.cancel)
+    stats["probe_answered"] += len(probe.reports)
+    stats["probe_unanswered"] += len(probe.plan.peers) - len(probe.reports)
+    return dict(probe.reports)
+
+
+class LoadService:
+    """Answers /prefixswarm/load/1.0.0 with the engine's load now."""
+
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+        self._answering = 0
+        self.stats: Counter[str] = Counter()
+
+    async def handle_stream(self, stream: Any) -> None:
+        """libp2p's stream handler: one query, one report, within the deadline."""
+        if self._answering >= MAX_ANSWERING:
+            self.stats["load_queries_refused"] += 1
+            await _reset(stream)
+            return
+        self._answering += 1
+        try:
+            with trio.fail_after(LOAD_ANSWER_TIMEOUT_S):
+                decode_load_query(await _read_frame(stream))
+                load = self._engine.load()
+                report = LoadReport(
+                    queued_prompt_tokens=load.queued_prompt_tokens,
+                    running_requests=load.running_requests,
+                    waiting_requests=getattr(load, "waiting_requests", 0),
+                )
+                await stream.write(encode_frame(report.to_wire()))
+                self.stats["load_queries_answered"] += 1
+                with contextlib.suppress(BaseLibp2pError):
+                    await stream.close()
+        except (trio.TooSlowError, RemoteProtocolError, _Refused, BaseLibp2pError) as exc:
+            self.stats["load_queries_bad"] += 1
+            logger.debug("load query: %s", exc)
+            await _reset(stream)
+        finally:
+            self._answering -= 1
+
+    def serve(self, host: Any) -> None:
+        """Register the handler on the libp2p host."""
+        host.set_stream_handler(LOAD_PROTOCOL, self.handle_stream)
+
+    def statistics(self) -> dict[str, int]:
+        return dict(self.stats)

@@ -1,0 +1,112 @@
+"""The load-probe protocol /prefixswarm/load/1.0.0: one query, one report, one stream.
+
+An entry peer about to forward a request asks a few candidates for their load now, not
+as of their last summary (peer/probing.py decides whom and how long to wait). The asker
+sends one ``LoadQuery``; the answering peer sends one ``LoadReport`` with the load its
+engine reports (the same figures a summary carries) and closes. Each frame is a CBOR map
+carried by protocols/framing.py; the key ``"t"`` names its kind, ``"v"`` the version.
+
+A report is a remote claim like a summary's load: bounded here, clamped and weighed by
+the asker's trust rules (peer/probing.py), never a reason to route to a peer that was
+not a candidate already. Parsers raise only ``RemoteProtocolError`` on what came from the
+network; building a message with bad values in our own code raises ``ValueError``.
+Unknown keys are ignored, so a field added later (batch figures) needs no new id.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from protocols.errors import RemoteProtocolError
+
+__all__ = [
+    "KIND_LOAD_QUERY",
+    "KIND_LOAD_REPORT",
+    "LOAD_VERSION",
+    "MAX_LOAD_COUNT",
+    "MAX_LOAD_FRAME_BYTES",
+    "LoadQuery",
+    "LoadReport",
+    "decode_load_query",
+    "decode_load_report",
+]
+
+LOAD_VERSION = 1
+KIND_LOAD_QUERY = "load_query"
+KIND_LOAD_REPORT = "load_report"
+# A report is a handful of small ints (~80 bytes of CBOR); 1 KiB refuses anything else.
+MAX_LOAD_FRAME_BYTES = 1024
+# The same bound as a summary's counts (protocols/summary.py MAX_COUNT): far beyond any
+# queue, and sums over all peers stay exact in a float.
+MAX_LOAD_COUNT = 1 << 40
+
+
+def _check_count(name: str, value: object) -> None:
+    if type(value) is not int:
+        raise ValueError(f"{name} must be an int, got {type(value).__name__}")
+    if not 0 <= value <= MAX_LOAD_COUNT:
+        raise ValueError(f"{name} must be in [0, {MAX_LOAD_COUNT}], got {value}")
+
+
+@dataclass(frozen=True)
+class LoadQuery:
+    """What is your load now? (No fields: the stream is the question.)"""
+
+    def to_wire(self) -> dict[str, object]:
+        return {"t": KIND_LOAD_QUERY, "v": LOAD_VERSION}
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """A peer's load as its engine reports it (peer/engine/api.py EngineLoad)."""
+
+    queued_prompt_tokens: int  # prompt tokens admitted and not yet prefilled
+    running_requests: int  # requests admitted and not yet finished
+    waiting_requests: int = 0  # not yet in the batch (a batching engine); informational
+
+    def __post_init__(self) -> None:
+        _check_count("queued_prompt_tokens", self.queued_prompt_tokens)
+        _check_count("running_requests", self.running_requests)
+        _check_count("waiting_requests", self.waiting_requests)
+
+    def to_wire(self) -> dict[str, object]:
+        return {
+            "t": KIND_LOAD_REPORT,
+            "v": LOAD_VERSION,
+            "queued_prompt_tokens": self.queued_prompt_tokens,
+            "running_requests": self.running_requests,
+            "waiting_requests": self.waiting_requests,
+        }
+
+
+def _mapping(obj: object, kind: str) -> dict[object, object]:
+    if not isinstance(obj, dict):
+        raise RemoteProtocolError(f"a load message must be a CBOR map, got {type(obj).__name__}")
+    got = obj.get("t")
+    if got != kind:
+        raise RemoteProtocolError(f"expected a {kind} message, got kind {got!r}")
+    version = obj.get("v")
+    if type(version) is not int or version != LOAD_VERSION:
+        raise RemoteProtocolError(f"unsupported load message version {version!r}")
+    return obj
+
+
+def decode_load_query(obj: object) -> LoadQuery:
+    """A query from a decoded frame (the answering side's first frame)."""
+    _mapping(obj, KIND_LOAD_QUERY)
+    return LoadQuery()
+
+
+def decode_load_report(obj: object) -> LoadReport:
+    """A report from a decoded frame; RemoteProtocolError for anything invalid."""
+    mapping = _mapping(obj, KIND_LOAD_REPORT)
+    try:
+        return LoadReport(
+            queued_prompt_tokens=mapping["queued_prompt_tokens"],  # type: ignore[arg-type]
+            running_requests=mapping["running_requests"],  # type: ignore[arg-type]
+            waiting_requests=mapping.get("waiting_requests", 0),  # type: ignore[arg-type]
+        )
+    except KeyError as exc:
+        raise RemoteProtocolError(f"load report lacks {exc.args[0]!r}") from exc
+    except ValueError as exc:
+        raise RemoteProtocolError(f"invalid load report: {exc}") from exc
