@@ -2,6 +2,7 @@
 
     python -m bench.engine --json out/engine.json [--model smollm2-135m] [--runs 5]
         [--concurrency 1,4,8,16] [--sweep-new-tokens 32] [--dtype float32] [--threads N]
+        [--compare transformers_cb] [--cb-page-size 16]
 
 For a prompt of about --prompt-tokens tokens, median TTFT over --runs runs of:
   cold        fresh engine, nothing cached
@@ -20,6 +21,18 @@ p50/p99. The same prompts go through plain `model.generate`, one after the other
 (`tokens_per_s_transformers_sequential`), and every batched output is compared with
 transformers' (`outputs_identical_batched`). `tokens_per_s_c8_no_prefix_cache` is
 concurrency 8 on an engine with a zero cache budget: batching alone, without reuse.
+
+--compare transformers_cb runs, at each sweep level right after ours, transformers' own
+continuous batching (bench/transformers_cb.py) on the same prompts and closed loop, with
+block sharing ("transformers_cb") and without ("transformers_cb_no_sharing"). Keys:
+`compare_by_core` {core: {FIELD_by_concurrency: {"c": value}}} for the cores "engine",
+"transformers_cb" and "transformers_cb_no_sharing", FIELD one of tokens_per_s,
+ttft_p50_s, ttft_p99_s (transformers: first token timestamp - request creation),
+cached_tokens (prompt tokens found cached), peak_rss_bytes (VmHWM, reset before each
+level and core: model included), outputs_identical (greedy, against sequential
+`generate`); `ratio_engine_vs_transformers_cb_by_concurrency` and
+`ratio_engine_vs_transformers_cb_no_sharing_by_concurrency` (our tokens/s over theirs);
+`transformers_cb_config`, `transformers_version`, `compare`.
 Progress goes to stderr; the JSON to --json and stdout.
 """
 

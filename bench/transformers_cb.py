@@ -112,6 +112,7 @@ def transformers_cb_concurrent(
     block_sharing: bool,
     page_size: int = DEFAULT_PAGE_SIZE,
     max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
+    warmup: bool = True,
 ) -> dict[str, Any]:
     """Serve `prompts` with `concurrency` closed-loop clients on a fresh transformers
     continuous-batching manager; the same keys as `bench.engine.engine_concurrent`."""
@@ -133,7 +134,7 @@ def transformers_cb_concurrent(
         model.continuous_batching_context_manager(
             generation_config=gen,
             continuous_batching_config=cfg,
-            warmup=True,
+            warmup=warmup,
             block=True,
             timeout=30,
         ) as manager,
