@@ -154,8 +154,12 @@ class Peers:
             # Reach is measured here, not trust: without probation a new peer takes every
             # request its prefix draws, and without verification the entry never computes
             # (and so caches) the prefix itself, which would pull later requests home
-            # (bench.adversary measures both).
-            "--probation-requests", "0", "--verify-fraction", "0", *extra,
+            # (bench.adversary measures both). Nor hedging: on a busy CPU a relayed first
+            # token can come after the 0.1 s hedge delay or the 1 s first-token floor, and
+            # the entry then serves the request itself (the intended behaviour, which says
+            # nothing about whether the NATed peer can be reached).
+            "--probation-requests", "0", "--verify-fraction", "0",
+            "--hedge-multiple", "0", "--first-token-floor", "5", *extra,
         ])
         log = open(self.log_dir / f"{name}.log", "a")  # noqa: SIM115 (closed with the process)
         proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
