@@ -269,9 +269,12 @@ def render(quick: Sequence[Row], final: Sequence[Row], params: dict[str, Any],
         "cannot find its history anywhere (it matters for agent sessions on the cpu regime, "
         "where a 2,000-token prefill takes seconds). Sessions start at a rate set for the "
         "nominal load; a run of 200 sessions ramps up and down, so utilization is below it.",
-        "- Server: processor sharing at batch-1 speeds in every regime (the batching server "
-        "is another branch's work); in the gpu regime this understates what a peer carries "
-        "under load.",
+        "- Server: the batching engine's own scheduler rules (bench/sim/model.py: up to 32 "
+        "requests a step, 256 tokens a step, a step of b decodes costing (1 - s + s b) lone "
+        "steps; s = 0.12 on the cpu, 0 on the gpu). Load is still normalised by a lone "
+        "request's service time, so a batching peer at load 1.5 is well below saturation. "
+        "`cost` probes the live load of up to 2 candidates when it pays (peer/probing.py, "
+        "the live peer's core); `cost_probe` is the same with probing forced on.",
         "",
         "## Regimes",
         "",
