@@ -138,6 +138,14 @@ def client_verdict(url: str) -> dict[str, Any]:
 # -- orchestration (root namespace) --------------------------------------------------------
 
 
+
+def _identity_of_a(log_dir: Path, phase: str, a_ip: str) -> tuple[Path, list[str]]:
+    """A fresh identity file for public peer A and the --bootstrap flag naming it."""
+    key_file = log_dir / f"{phase}-A.key"
+    key_file.unlink(missing_ok=True)
+    a_id = ID.from_pubkey(load_or_create_identity(key_file).public_key).to_base58()
+    return key_file, ["--bootstrap", f"/ip4/{a_ip}/tcp/{PEER_PORT}/p2p/{a_id}"]
+
 class Peers:
     """Peer processes in namespaces; all stopped (stdin closed, then killed) on exit."""
 
@@ -223,10 +231,7 @@ def run_phase(nat: Nat, name: str, *, relays: bool, block_b: bool, requests: int
     try:
         _progress(f"phase {name}: starting peers")
         # A's identity is made first, so all three start at once (each loads the model).
-        key_file = log_dir / f"{name}-A.key"
-        key_file.unlink(missing_ok=True)
-        a_id = ID.from_pubkey(load_or_create_identity(key_file).public_key).to_base58()
-        boot = ["--bootstrap", f"/ip4/{a_ip}/tcp/{PEER_PORT}/p2p/{a_id}"]
+        key_file, boot = _identity_of_a(log_dir, name, a_ip)
         none = ["--identity", "none"]
         procs = [
             peers.spawn(nat.public[0], a_ip, f"{name}-A", [*flags, "--identity", str(key_file)]),
@@ -274,10 +279,7 @@ def run_punch_phase(nat: Nat, *, requests: int, log_dir: Path, seed: int) -> dic
     peers = Peers(log_dir)
     try:
         _progress(f"phase {name}: starting peers")
-        key_file = log_dir / f"{name}-A.key"
-        key_file.unlink(missing_ok=True)
-        a_id = ID.from_pubkey(load_or_create_identity(key_file).public_key).to_base58()
-        boot = ["--bootstrap", f"/ip4/{a_ip}/tcp/{PEER_PORT}/p2p/{a_id}"]
+        key_file, boot = _identity_of_a(log_dir, name, a_ip)
         none = ["--identity", "none"]
         procs = [
             peers.spawn(nat.public[0], a_ip, f"{name}-A", ["--identity", str(key_file)]),
