@@ -271,10 +271,13 @@ def render(quick: Sequence[Row], final: Sequence[Row], params: dict[str, Any],
         "nominal load; a run of 200 sessions ramps up and down, so utilization is below it.",
         "- Server: the batching engine's own scheduler rules (bench/sim/model.py: up to 32 "
         "requests a step, 256 tokens a step, a step of b decodes costing (1 - s + s b) lone "
-        "steps; s = 0.12 on the cpu, 0 on the gpu). Load is still normalised by a lone "
-        "request's service time, so a batching peer at load 1.5 is well below saturation. "
-        "`cost` probes the live load of up to 2 candidates when it pays (peer/probing.py, "
-        "the live peer's core); `cost_probe` is the same with probing forced on.",
+        "steps; s = 0.12 on the cpu, 0 on the gpu). Load is normalised by a lone "
+        "request's service time, so batching peers at load 1.5 are busy, not saturated: "
+        "their steps run about 65% of the time under `cost` (`utilization_mean` in the "
+        "rows). `cost` probes the live load of up to 2 candidates when it pays and the "
+        "probe's round trips are at most 5% of the request's estimated cost "
+        "(peer/probing.py, the live peer's core); `cost_probe` is the what-if without "
+        "that budget (it probes whenever an answer could gain its round trips).",
         "",
         "## Regimes",
         "",

@@ -84,7 +84,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--delay-ms", type=float, default=5.0)
     ap.add_argument("--zipf-s", type=float, default=1.0)
     ap.add_argument("--load", type=float, default=0.5)
-    ap.add_argument("--interval-s", type=float, default=2.0)
+    ap.add_argument("--interval-s", type=float, default=None,
+                    help="summary interval, s (default: the live default, 2 s; in a grid, "
+                    "a what-if for every run)")
     ap.add_argument("--capacity-blocks", type=int, default=SimParams.capacity_blocks)
     ap.add_argument("--gossip-mode", default=SimParams.gossip_mode, choices=GOSSIP_MODES,
                     help="--one: how summaries travel (full flooding or ring neighbourhoods)")
@@ -145,13 +147,14 @@ def main(argv: list[str] | None = None) -> int:
         return _replot(args)
     cal = (Calibration.from_engine_json(args.calibration) if args.calibration
            else regime("cpu").calibration)
-    probes = {} if args.load_probes is None else {"load_probes": args.load_probes}
+    probes: dict[str, Any] = {} if args.load_probes is None else {"load_probes": args.load_probes}
     t0 = time.perf_counter()
     data = load_tokenized_mmlu()
     print(f"MMLU tokens ready in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     if args.one:
         sim = SimParams(policy=args.policy, peers=args.peers, delay_ms=args.delay_ms,
-                        summary_interval_s=args.interval_s, seed=args.seed,
+                        summary_interval_s=args.interval_s or SimParams.summary_interval_s,
+                        seed=args.seed,
                         capacity_blocks=args.capacity_blocks, calibration=cal,
                         gossip_mode=args.gossip_mode, gossip_neighbours=args.neighbours, **probes)
         if args.regime != "cpu":
@@ -175,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
         grid = full_grid(args.seed, args.seeds)
     if args.regimes:
         grid = dataclasses.replace(grid, regimes=tuple(args.regimes.split(",")))
+    if args.interval_s is not None:
+        probes["summary_interval_s"] = args.interval_s
     base = dataclasses.replace(grid.base, sim=dataclasses.replace(grid.base.sim, calibration=cal,
                                                                   **probes))
     if args.requests:

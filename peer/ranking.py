@@ -18,6 +18,14 @@ tokens and ``n`` new tokens; ``estimate_cost`` is its only copy::
 
 ``b`` is the longest match among the candidates (Bloom estimates for remote peers).
 
+REPLICATE: for the entry peer itself the copy charge is waived when a forward to the
+nearest peer holding that longest match costs at least as much network time
+(ROUND_TRIPS_PER_FORWARD * its rtt) as recomputing the unmatched tokens here
+(``(p - m) / prefill_speed``): such a prefix is cheaper to replicate than to share, since
+every later request for it that enters here would pay that network time again. At low
+delay the charge keeps affinity; at high delay (or on a GPU, where recomputation is
+cheap) it would make every request pay the network to spare a copy.
+
 ``share`` is ``batch_share``: for a peer that does not batch (``batch_slots`` 0, every
 summary older than the batch fields) it is ``running_requests``, processor sharing: each
 running stream takes a turn per token. A batching peer decodes its batch in one step
@@ -213,10 +221,15 @@ def estimate_cost(
     best_match_tokens: int = 0,
     batch_slots: int = 0,
     step_tokens: int = 0,
+    holder_network_s: float = 0.0,
 ) -> Cost:
     """Estimated completion time of a request on a peer (the model in the module docstring).
 
     ``best_match_tokens`` is the longest match among the candidates (0: no copy charge).
+    ``holder_network_s`` (the entry peer's own candidate only; 0 elsewhere) is what a
+    forward to that longest match costs in network time: when it is at least this peer's
+    recomputation of the unmatched tokens, the copy charge is waived (REPLICATE rule in
+    the module docstring).
     The one copy of the formula: the ranking loops, the router and the simulator call it.
     """
     prefill = prefill_tokens_per_s if prefill_tokens_per_s > MIN_TOKENS_PER_S else MIN_TOKENS_PER_S
@@ -226,7 +239,10 @@ def estimate_cost(
     if unmatched < 1:
         unmatched = 1
     copied = best_match_tokens - match_tokens
-    miss = unmatched + COPY_CHARGE * copied if copied > 0 else unmatched
+    if copied > 0 and holder_network_s * prefill < unmatched:
+        miss = unmatched + COPY_CHARGE * copied
+    else:  # nothing to copy, or cheaper to replicate here than to share from there
+        miss = unmatched
     if batch_slots <= 0:
         queue_s = queued_prompt_tokens / prefill + running_requests * decode_s
     else:
@@ -286,9 +302,14 @@ def rank_estimates(
         raise ValueError(
             f"prompt_tokens and max_new_tokens must be >= 1, got {prompt_tokens}, {max_new_tokens}"
         )
+    best_match = max((e.match_tokens for e in estimates), default=0)
+    holder_rtt = min(
+        (e.rtt_s for e in estimates if not e.is_local and e.match_tokens == best_match),
+        default=0.0,
+    )
     healthy, suspects = candidates_of(
-        policy, estimates, prompt_tokens, max_new_tokens, swarm_busy(estimates),
-        max((e.match_tokens for e in estimates), default=0),
+        policy, estimates, prompt_tokens, max_new_tokens, swarm_busy(estimates), best_match,
+        ROUND_TRIPS_PER_FORWARD * holder_rtt,
     )
     return order_candidates(policy, healthy, suspects, rng, last_choice)
 
@@ -318,10 +339,14 @@ def order_candidates(
 
 def _prefer_affinity(by_cost: list[Candidate]) -> None:
     """Among candidates within COST_TIE_FRACTION of the cheapest, move the longest match
-    (then the cheapest of those) to the front."""
+    (then the cheapest of those) to the front.
+
+    The fraction is of the cheapest's cost less its decode: the decode is the same for
+    peers of one speed, so a tie band that includes it would grow with the answer's
+    length and swallow real differences in network, queue and prefill time."""
     if len(by_cost) < 2:
         return
-    limit = by_cost[0].cost_s * (1 + COST_TIE_FRACTION)
+    limit = tie_limit_s(by_cost[0])
     best = 0
     for i in range(1, len(by_cost)):
         c = by_cost[i]
@@ -331,6 +356,14 @@ def _prefer_affinity(by_cost: list[Candidate]) -> None:
             best = i
     if best:
         by_cost.insert(0, by_cost.pop(best))
+
+
+def tie_limit_s(cheapest: Candidate) -> float:
+    """The cost up to which a candidate ties with ``cheapest`` (_prefer_affinity): within
+    COST_TIE_FRACTION of its cost less its decode."""
+    decode = cheapest.estimate.decode_tokens_per_s
+    decode_s = cheapest.max_new_tokens / (decode if decode > MIN_TOKENS_PER_S else MIN_TOKENS_PER_S)
+    return cheapest.cost_s + COST_TIE_FRACTION * max(0.0, cheapest.cost_s - decode_s)
 
 
 def swarm_busy(estimates: Sequence[PeerEstimate]) -> float:
@@ -345,11 +378,13 @@ def candidates_of(
     max_new_tokens: int,
     busy: float,
     best_match_tokens: int,
+    holder_network_s: float = 0.0,
 ) -> tuple[list[Candidate], list[Candidate]]:
     """Candidates with costs, (healthy, failed recently), each ordered local first then by id.
 
     ``busy`` and ``best_match_tokens`` are over every candidate (swarm_busy, the longest
-    match), which may be more than ``estimates``.
+    match), which may be more than ``estimates``; ``holder_network_s`` is a forward's
+    network time to the nearest peer with that match (estimate_cost, local peer only).
 
     Each cost is estimate_cost's.
     """
@@ -364,7 +399,7 @@ def candidates_of(
             continue
         network_s, queue_s, prefill_s, decode_s = estimate_cost(
             match_tokens, prompt_tokens, max_new_tokens, queued, running, prefill, decode, rtt,
-            busy, best_match_tokens, slots, step_tokens,
+            busy, best_match_tokens, slots, step_tokens, holder_network_s if is_local else 0.0,
         )
         cost_s = network_s + queue_s + prefill_s + decode_s
         candidate = _new(

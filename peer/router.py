@@ -242,9 +242,17 @@ class Router:
         busy = (
             local.running_requests + sum(row[1].running_requests + row[3] for row in rows)
         ) / (1 + len(rows))
-        best_match = max(local.match_tokens, max(map(_MATCH_BLOCKS, rows), default=0) * block_size)
+        remote_best = max(map(_MATCH_BLOCKS, rows), default=0)
+        best_match = max(local.match_tokens, remote_best * block_size)
+        holder_network_s = 0.0
+        if best_match > local.match_tokens:  # the nearest holder of the longest match
+            holder_rtt = min(
+                rtt_prior if row[2] is None else row[2] for row in rows if row[5] == remote_best
+            )
+            holder_network_s = ROUND_TRIPS_PER_FORWARD * holder_rtt
         healthy = candidates_of(
-            policy, (local_e,), prompt_tokens, max_new_tokens, busy, best_match
+            policy, (local_e,), prompt_tokens, max_new_tokens, busy, best_match,
+            holder_network_s,
         )[0]
         suspects: list[Candidate] = []
         trust = self.trust

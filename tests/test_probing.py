@@ -83,7 +83,7 @@ def test_a_busy_peer_that_would_win_if_idle_is_probed_for_as_long_as_it_could_sa
     assert plan.wait_s == pytest.approx(min(0.25, gain, max(0.02, 4 * 0.002)))
 
 
-@pytest.mark.parametrize("rtt", [0.5, 1.2])
+@pytest.mark.parametrize("rtt", [0.2, 1.2])
 def test_no_probe_when_the_round_trips_cost_more_than_any_answer_could_save(rtt):
     ranked = ranking(
         [
@@ -94,11 +94,31 @@ def test_no_probe_when_the_round_trips_cost_more_than_any_answer_could_save(rtt)
     )
     me_, a = ranked[0], next(c for c in ranked if c.peer_id == "A")
     gain = me_.cost_s - (a.cost_s - a.queue_s)  # A idle would save this much
-    plan = plan_probes(ranked, ProbeSettings())
+    # (no cost budget here: the gain rule alone; the budget has its own test)
+    plan = plan_probes(ranked, ProbeSettings(cost_fraction=math.inf))
     if gain > PROBE_ROUND_TRIPS * rtt:
-        assert rtt == 0.5 and plan.peers == ("A",)
+        assert rtt == 0.2 and plan.peers == ("A",)
     else:
         assert rtt == 1.2 and plan == NO_PROBE
+
+
+def test_no_probe_that_costs_more_than_its_share_of_the_request():
+    """cost_fraction: the probe's round trips may be at most that share of the best's
+    estimated cost, whatever an answer could gain."""
+    ranked = ranking(
+        [
+            estimate("me", local=True),
+            estimate("A", match=39, running=6, rtt=0.002),
+            estimate("B", match=20, rtt=0.002),
+        ]
+    )
+    top = ranked[0].cost_s
+    share = PROBE_ROUND_TRIPS * 0.002 / top
+    assert plan_probes(ranked, ProbeSettings(cost_fraction=share * 1.01)).probes
+    assert plan_probes(ranked, ProbeSettings(cost_fraction=share * 0.99)) == NO_PROBE
+    assert ProbeSettings().cost_fraction == 0.05
+    with pytest.raises(ValueError, match="cost_fraction"):
+        ProbeSettings(cost_fraction=-0.1)
 
 
 def test_no_probe_when_the_best_wins_by_a_wide_margin():
@@ -167,10 +187,12 @@ peer_estimates = st.lists(
     st.integers(0, MAX_PROBES),
     st.floats(0.0, 2.0),
     st.floats(0.0, 3.0),
+    st.floats(0.0, 1.0),
 )
-def test_plan_properties(rows, local_match, local_running, k, max_wait, margin):
+def test_plan_properties(rows, local_match, local_running, k, max_wait, margin, budget):
     """Never more than k probes, only remote healthy candidates, each worth its round
-    trips, and a wait within max_wait_s and within the most an answer could save."""
+    trips and within the cost budget, and a wait within max_wait_s and within the most
+    an answer could save."""
     estimates = [estimate("me", local=True, match=local_match, running=local_running)]
     estimates += [
         estimate(f"p{i}", match=m, queued=q, running=r, rtt=rtt, failed=f)
@@ -184,6 +206,7 @@ def test_plan_properties(rows, local_match, local_running, k, max_wait, margin):
             max_wait_s=max_wait,
             min_wait_s=min(0.02, max_wait),
             margin_fraction=margin,
+            cost_fraction=budget,
         ),
     )
     assert len(plan.peers) <= k
@@ -193,6 +216,7 @@ def test_plan_properties(rows, local_match, local_running, k, max_wait, margin):
         c = by_id[peer_id]
         assert not c.is_local and c.estimate.failed_s_ago is None
         assert gain > PROBE_ROUND_TRIPS * c.estimate.rtt_s
+        assert PROBE_ROUND_TRIPS * c.estimate.rtt_s <= budget * ranked[0].cost_s
     if plan.peers:
         assert 0 <= plan.wait_s <= max_wait
         assert plan.wait_s <= max(plan.gains_s)

@@ -14,6 +14,7 @@ from peer.router import (
     DEFAULT_DECODE_TOKENS_PER_S,
     DEFAULT_PREFILL_TOKENS_PER_S,
     DEFAULT_RTT_PRIOR_S,
+    ROUND_TRIPS_PER_FORWARD,
     SPEED_NOISE_FACTOR,
     Candidate,
     LocalState,
@@ -353,6 +354,7 @@ def test_ranked_costs_are_estimate_cost_with_the_swarm_busy(
     prompt = 2048
     busy = swarm_busy(estimates)
     best = max(e.match_tokens for e in estimates)
+    holder_rtt = min((e.rtt_s for e in estimates[1:] if e.match_tokens == best), default=0.0)
     by_id = {e.peer_id: e for e in estimates}
     for c in rank_estimates(Policy.COST, estimates, prompt, new, random.Random(0)):
         e = by_id[c.peer_id]
@@ -360,6 +362,7 @@ def test_ranked_costs_are_estimate_cost_with_the_swarm_busy(
             e.match_tokens, prompt, new, e.queued_prompt_tokens, e.running_requests,
             e.prefill_tokens_per_s, e.decode_tokens_per_s, e.rtt_s, busy=busy,
             best_match_tokens=best,
+            holder_network_s=ROUND_TRIPS_PER_FORWARD * holder_rtt if e.is_local else 0.0,
         )
         assert c.cost_s == pytest.approx(expected.total_s)
         assert c.cost.prefill_s == pytest.approx(expected.prefill_s)

@@ -51,7 +51,14 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from bench.sim.params import COST_PROBE, EXACT_LONGEST_PREFIX, ORACLE, RunResult, SimParams
+from bench.sim.params import (
+    COST_EXACT_LOAD,
+    COST_PROBE,
+    EXACT_LONGEST_PREFIX,
+    ORACLE,
+    RunResult,
+    SimParams,
+)
 from bench.sim.summaries import IncrementalBloom
 from bench.stats import cov, mean, percentile
 from bench.workloads import TokenRequest
@@ -69,6 +76,7 @@ from peer.interest import Interest, ProviderIndex
 from peer.neighbourhood import Neighbourhood
 from peer.peer_table import ForwardCharge, PeerTable, Verdict
 from peer.probing import (
+    DEFAULT_COST_FRACTION,
     DEFAULT_MAX_PROBES,
     DEFAULT_MIN_WAIT_S,
     ProbeRound,
@@ -281,6 +289,9 @@ class Simulator:
             max_probes=probes,
             max_wait_s=params.load_probe_wait_s,
             min_wait_s=min(DEFAULT_MIN_WAIT_S, params.load_probe_wait_s),
+            # cost_probe, the what-if: probe whenever a probe could gain its round trips,
+            # whatever share of the request they are (the rule before the cost budget)
+            cost_fraction=math.inf if params.policy == COST_PROBE else DEFAULT_COST_FRACTION,
         )
         self._probe_stats = {"rounds": 0, "sent": 0, "answered": 0, "changed": 0, "wait_s": 0.0}
 
@@ -365,6 +376,8 @@ class Simulator:
             target, match_tokens = self._oracle_choice(entry, job, now)
         elif self.params.policy == EXACT_LONGEST_PREFIX:
             target, match_tokens = self._exact_choice(entry, job)
+        elif self.params.policy == COST_EXACT_LOAD:
+            target, match_tokens = self._exact_load_choice(entry, job, now)
         elif self._probe_settings.max_probes:
             target, match_tokens, probe_wait = self._probe_choice(entry, job, now)
             wait += probe_wait
@@ -471,6 +484,19 @@ class Simulator:
 
     def _router_choice(self, entry: _Peer, job: _Job, now: float) -> tuple[int, int]:
         ranked = self._ranked(entry, job, now)
+        return self._index[ranked[0].peer_id], min(ranked[0].match_tokens, len(job.tokens) - 1)
+
+    def _exact_load_choice(self, entry: _Peer, job: _Job, now: float) -> tuple[int, int]:
+        """COST_EXACT_LOAD: the router's ranking, re-ranked with every remote candidate's
+        true load now (no probe, no wait)."""
+        ranked = self._ranked(entry, job, now)
+        reports = {}
+        for c in ranked:
+            if not c.is_local:
+                peer = self.peers[self._index[c.peer_id]]
+                reports[c.peer_id] = LoadReport(peer.queued_tokens, peer.running)
+        if reports:
+            ranked = entry.router.rerank(ranked, reports, entry.table, now)
         return self._index[ranked[0].peer_id], min(ranked[0].match_tokens, len(job.tokens) - 1)
 
     def _probe_choice(self, entry: _Peer, job: _Job, now: float) -> tuple[int, int, float]:

@@ -25,15 +25,23 @@ from peer.ranking import ROUND_TRIPS_PER_FORWARD
 from protocols.bloom import BLOCK_BITS, BloomFilter
 
 ORACLE = "oracle"  # exact, instant global knowledge fed to the COST model (an upper bound)
-# COST with load probing on whatever `load_probes` says (DEFAULT_LOAD_PROBES when it is 0).
-# `cost` itself probes as the live peer does, with `load_probes` (default: the live
-# default); both run peer/probing.py, the live pipeline's core.
+# COST with load probing on whatever `load_probes` says (DEFAULT_LOAD_PROBES when it is 0)
+# and without the probe's cost budget (peer/probing.py `cost_fraction`): it probes
+# whenever a probe could gain its round trips. `cost` itself probes as the live peer does,
+# with `load_probes` (default: the live default); both run peer/probing.py.
 COST_PROBE = "cost_probe"
+# A what-if, not deployable: COST re-ranked (Router.rerank) with every candidate's exact
+# load at the moment of the decision, free and instant, as if every peer were probed at no
+# cost. The bound on what any fresher-load scheme (probes, piggybacked load, more frequent
+# summaries) can give `cost`, with the Bloom matches it has.
+COST_EXACT_LOAD = "cost_exact_load"
 # A reference, not deployable: every request goes to the peer whose cache holds the longest
 # exact prefix of its prompt, known instantly (a tie to the entry peer, then to the least
 # busy). The ceiling of the cache-pressure sweep for prefix-affinity routing.
 EXACT_LONGEST_PREFIX = "exact_longest_prefix"
-POLICY_NAMES = (*(p.value for p in Policy), ORACLE, COST_PROBE, EXACT_LONGEST_PREFIX)
+POLICY_NAMES = (
+    *(p.value for p in Policy), ORACLE, COST_PROBE, COST_EXACT_LOAD, EXACT_LONGEST_PREFIX
+)
 
 
 @dataclass(frozen=True)
