@@ -30,7 +30,7 @@ import random
 from typing import Any
 
 from bench.report import emit_json
-from bench.swarm import percentile
+from bench.stats import percentile
 from peer.trust import DEFAULT_VERIFY_FRACTION, TrustLedger
 
 TARGET_FORWARDS = 50  # issue 11: quarantined within 50 forwarded requests...
