@@ -68,7 +68,7 @@ async def pipeline_trial(liar: str, verify_fraction: float, seed: str) -> tuple[
     prefix, an honest peer the next. Returns (lying forwards until quarantine, wrong outputs
     that reached the client before it)."""
     from peer.admission import Admission
-    from peer.engine.requests import SamplingParams
+    from peer.engine.api import SamplingParams
     from peer.generation import GenerationRequest
     from peer.pipeline import Pipeline
     from peer.router import Router
