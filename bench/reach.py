@@ -38,11 +38,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from libp2p.peer.id import ID
-
 from bench.netns import Nat, NetnsUnavailable, home_behind_nat
 from bench.report import emit_json
-from peer.host import load_or_create_identity
 
 PEER_PORT, HTTP_PORT = 4001, 8000
 READY_TIMEOUT_S = 60.0  # a tiny-random peer loads in seconds; a loaded CI machine is slow
@@ -138,13 +135,18 @@ def client_verdict(url: str) -> dict[str, Any]:
 # -- orchestration (root namespace) --------------------------------------------------------
 
 
-
 def _identity_of_a(log_dir: Path, phase: str, a_ip: str) -> tuple[Path, list[str]]:
     """A fresh identity file for public peer A and the --bootstrap flag naming it."""
+    # Imported here: the clients (this module run in a namespace) need neither.
+    from libp2p.peer.id import ID
+
+    from peer.host import load_or_create_identity
+
     key_file = log_dir / f"{phase}-A.key"
     key_file.unlink(missing_ok=True)
     a_id = ID.from_pubkey(load_or_create_identity(key_file).public_key).to_base58()
     return key_file, ["--bootstrap", f"/ip4/{a_ip}/tcp/{PEER_PORT}/p2p/{a_id}"]
+
 
 class Peers:
     """Peer processes in namespaces; all stopped (stdin closed, then killed) on exit."""
