@@ -20,8 +20,12 @@ $(STAMP): pyproject.toml Makefile
 run: $(STAMP)
 	$(BIN)/python -m peer.cli local --peers 3 --demo
 
+# Two workers (pytest-xdist; worksteal: an idle worker takes tests queued behind the NAT
+# test's minute). Every test is safe in parallel: ports are free ones, namespaces and
+# files are named per process or per test; tests/conftest.py gives each worker its share
+# of the cores for torch's threads.
 test: $(STAMP)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 2 --dist worksteal
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
