@@ -19,7 +19,6 @@ import random
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 import trio
 
@@ -37,20 +36,11 @@ MIN_FORWARD_BUDGET_S = 0.05
 AnyAttempt = LocalAttempt | RemoteAttempt
 
 
-class MakeAttempt(Protocol):
-    """Builds one candidate's attempt (Pipeline._attempt); AttemptFailed if it cannot."""
-
-    def __call__(
-        self,
-        candidate: Candidate,
-        prompt: list[int],
-        params: SamplingParams,
-        request_id: str,
-        deadline: float,
-        cache_salt: bytes | None = None,
-    ) -> AnyAttempt: ...
-
-
+# Builds one candidate's attempt (Pipeline._attempt), AttemptFailed if it cannot, from
+# the candidate, the prompt, its params, the request id, the deadline and the cache salt.
+MakeAttempt = Callable[
+    [Candidate, list[int], SamplingParams, str, float, bytes | None], AnyAttempt
+]
 # A failed attempt, recorded by the pipeline the moment it happens (route: the request's).
 OnFailed = Callable[[Candidate, AttemptFailed, list[Attempt]], None]
 
