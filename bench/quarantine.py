@@ -30,7 +30,7 @@ import random
 from typing import Any
 
 from bench.report import emit_json
-from bench.swarm import percentile
+from bench.stats import percentile
 from peer.trust import DEFAULT_VERIFY_FRACTION, TrustLedger
 
 TARGET_FORWARDS = 50  # issue 11: quarantined within 50 forwarded requests...
@@ -68,7 +68,7 @@ async def pipeline_trial(liar: str, verify_fraction: float, seed: str) -> tuple[
     prefix, an honest peer the next. Returns (lying forwards until quarantine, wrong outputs
     that reached the client before it)."""
     from peer.admission import Admission
-    from peer.engine.requests import SamplingParams
+    from peer.engine.api import SamplingParams
     from peer.generation import GenerationRequest
     from peer.pipeline import Pipeline
     from peer.router import Router

@@ -20,7 +20,8 @@ depends only on the cached prefix):
   address, and N served every request over it; ttft_direct_s is measured on those.
   Connection reversal (a public peer dialled back) is tested on loopback
   (tests/test_holepunch.py); the relay phase counts its failures (N may not dial B there).
-The clients run inside the namespaces (`--client` re-invokes this module there).
+The peers run under peer.processes (`open_peer_processes`, one block per phase); the
+clients run inside the namespaces (`--client` re-invokes this module there).
 """
 
 from __future__ import annotations
@@ -33,20 +34,20 @@ import signal
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from libp2p.peer.id import ID
+import trio
 
 from bench.netns import Nat, NetnsUnavailable, home_behind_nat
 from bench.report import emit_json
-from peer.host import load_or_create_identity
+from peer.processes import PeerProcess, PeerProcesses, open_peer_processes
 
 PEER_PORT, HTTP_PORT = 4001, 8000
 READY_TIMEOUT_S = 60.0  # a tiny-random peer loads in seconds; a loaded CI machine is slow
 WAIT_TIMEOUT_S = 30.0  # reachability verdict, summaries: seconds
+CLIENT_TIMEOUT_S = 180.0  # one client's waits and requests
 MAX_TOKENS = 4
 PREFIX_WORDS = 400  # ~500 tokens: 30+ blocks only N caches
 
@@ -138,75 +139,59 @@ def client_verdict(url: str) -> dict[str, Any]:
 # -- orchestration (root namespace) --------------------------------------------------------
 
 
-
 def _identity_of_a(log_dir: Path, phase: str, a_ip: str) -> tuple[Path, list[str]]:
     """A fresh identity file for public peer A and the --bootstrap flag naming it."""
+    # Imported here: the clients (this module run in a namespace) need neither.
+    from libp2p.peer.id import ID
+
+    from peer.host import load_or_create_identity
+
     key_file = log_dir / f"{phase}-A.key"
     key_file.unlink(missing_ok=True)
     a_id = ID.from_pubkey(load_or_create_identity(key_file).public_key).to_base58()
     return key_file, ["--bootstrap", f"/ip4/{a_ip}/tcp/{PEER_PORT}/p2p/{a_id}"]
 
-class Peers:
-    """Peer processes in namespaces; all stopped (stdin closed, then killed) on exit."""
 
-    def __init__(self, log_dir: Path) -> None:
-        self.procs: list[subprocess.Popen[str]] = []
-        self.log_dir = log_dir
-
-    def spawn(self, ns: str, ip: str, name: str, extra: list[str]) -> subprocess.Popen[str]:
-        argv = Nat.run_in(ns, [
-            sys.executable, "-m", "peer.cli", "serve", "--model", "tiny-random",
-            "--listen", f"/ip4/{ip}/tcp/{PEER_PORT}",
-            "--http", f"{ip}:{HTTP_PORT}", "--report", "json", "--exit-with-stdin",
-            "--summary-interval", "0.5", "--policy", "longest_prefix",
-            # Reach is measured here, not trust: without probation a new peer takes every
-            # request its prefix draws, and without verification the entry never computes
-            # (and so caches) the prefix itself, which would pull later requests home
-            # (bench.adversary measures both). Nor hedging: on a busy CPU a relayed first
-            # token can come after the 0.1 s hedge delay or the 1 s first-token floor, and
-            # the entry then serves the request itself (the intended behaviour, which says
-            # nothing about whether the NATed peer can be reached).
-            "--probation-requests", "0", "--verify-fraction", "0",
-            "--hedge-multiple", "0", "--first-token-floor", "5", *extra,
-        ])
-        log = open(self.log_dir / f"{name}.log", "a")  # noqa: SIM115 (closed with the process)
-        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=log, text=True)
-        self.procs.append(proc)
-        return proc
-
-    def wait_up(self, proc: subprocess.Popen[str], name: str) -> dict[str, Any]:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        assert proc.stdout is not None
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                raise RuntimeError(f"peer {name} exited; see {self.log_dir / name}.log")
-            event = json.loads(line)
-            if event["event"] == "up":
-                # Keep reading its report lines: a full pipe would block the peer.
-                threading.Thread(target=proc.stdout.read, daemon=True).start()
-                return event  # type: ignore[no-any-return]
-        raise RuntimeError(f"peer {name} not up within {READY_TIMEOUT_S} s")
-
-    def stop(self) -> None:
-        for proc in self.procs:
-            if proc.stdin:
-                proc.stdin.close()
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        self.procs.clear()
+def peer_command(ns: str, ip: str, extra: list[str]) -> list[str]:
+    """The argv of one peer in namespace `ns`, listening on `ip`."""
+    return Nat.run_in(ns, [
+        sys.executable, "-m", "peer.cli", "serve", "--model", "tiny-random",
+        "--listen", f"/ip4/{ip}/tcp/{PEER_PORT}",
+        "--http", f"{ip}:{HTTP_PORT}", "--report", "json", "--exit-with-stdin",
+        "--summary-interval", "0.5", "--policy", "longest_prefix",
+        # Reach is measured here, not trust: without probation a new peer takes every
+        # request its prefix draws, and without verification the entry never computes
+        # (and so caches) the prefix itself, which would pull later requests home
+        # (bench.adversary measures both). Nor hedging: on a busy CPU a relayed first
+        # token can come after the 0.1 s hedge delay or the 1 s first-token floor, and
+        # the entry then serves the request itself (the intended behaviour, which says
+        # nothing about whether the NATed peer can be reached).
+        "--probation-requests", "0", "--verify-fraction", "0",
+        "--hedge-multiple", "0", "--first-token-floor", "5", *extra,
+    ])
 
 
-def _client(nat: Nat, ns: str, args: list[str]) -> dict[str, Any]:
+async def start_peers(
+    procs: PeerProcesses, log_dir: Path, specs: list[tuple[str, str, str, list[str]]]
+) -> list[PeerProcess]:
+    """Start one peer per (namespace, ip, name, flags) at once (each loads the model);
+    return them once every one reported its address."""
+    started = [
+        await procs.start(peer_command(ns, ip, extra), log_path=log_dir / f"{name}.log")
+        for ns, ip, name, extra in specs
+    ]
+    for proc in started:
+        await proc.wait_up(READY_TIMEOUT_S)
+    return started
+
+
+async def _client(ns: str, args: list[str]) -> dict[str, Any]:
     argv = Nat.run_in(ns, [sys.executable, "-m", "bench.reach", "--client", *args])
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=180, check=False)
+    with trio.fail_after(CLIENT_TIMEOUT_S):
+        done = await trio.run_process(argv, capture_stdout=True, capture_stderr=True,
+                                      check=False)
     if done.returncode != 0:
-        raise RuntimeError(f"client in {ns} failed: {done.stderr.strip()[-2000:]}")
+        raise RuntimeError(f"client in {ns} failed: {done.stderr.decode().strip()[-2000:]}")
     return json.loads(done.stdout)  # type: ignore[no-any-return]
 
 
@@ -221,45 +206,43 @@ def _progress(message: str) -> None:
     print(f"bench.reach: {time.strftime('%H:%M:%S')} {message}", file=sys.stderr, flush=True)
 
 
-def run_phase(nat: Nat, name: str, *, relays: bool, block_b: bool, requests: int,
-              log_dir: Path, seed: int) -> dict[str, Any]:
+async def run_phase(nat: Nat, name: str, *, relays: bool, block_b: bool, requests: int,
+                    log_dir: Path, seed: int) -> dict[str, Any]:
     flags = [] if relays else ["--no-relay-service", "--no-relays"]
     a_ip, b_ip = nat.public_ips
-    peers = Peers(log_dir)
     if block_b:
         _block_b(nat, True)
     try:
-        _progress(f"phase {name}: starting peers")
-        # A's identity is made first, so all three start at once (each loads the model).
-        key_file, boot = _identity_of_a(log_dir, name, a_ip)
-        none = ["--identity", "none"]
-        procs = [
-            peers.spawn(nat.public[0], a_ip, f"{name}-A", [*flags, "--identity", str(key_file)]),
-            peers.spawn(nat.public[1], b_ip, f"{name}-B", [*flags, *none, *boot]),
-            peers.spawn(nat.home, nat.home_ip, f"{name}-N", [*flags, *none, *boot]),
-        ]
-        _a, b, n = (peers.wait_up(p, f"{name}-{x}") for p, x in zip(procs, "ABN", strict=True))
-        prompt = prefix_text(seed)
-        _progress(f"phase {name}: peers up; waiting for N's verdict, caching the prefix on N")
-        home = _client(nat, nat.home, ["home", f"http://{nat.home_ip}:{HTTP_PORT}", prompt])
-        _progress(f"phase {name}: N is {home['reachability']}; requests at B")
-        entry = _client(nat, nat.public[1], [
-            "entry", f"http://{b_ip}:{HTTP_PORT}", prompt, "--holder", n["peer_id"],
-            "--requests", str(requests), *(["--expect-direct"] if not block_b else []),
-            *(["--expect-reachable"] if relays or not block_b else []),
-        ])
+        async with open_peer_processes() as procs:  # every peer stops when the phase ends
+            _progress(f"phase {name}: starting peers")
+            # A's identity is made first, so all three start at once (each loads the model).
+            key_file, boot = _identity_of_a(log_dir, name, a_ip)
+            none = ["--identity", "none"]
+            _a, b, n = await start_peers(procs, log_dir, [
+                (nat.public[0], a_ip, f"{name}-A", [*flags, "--identity", str(key_file)]),
+                (nat.public[1], b_ip, f"{name}-B", [*flags, *none, *boot]),
+                (nat.home, nat.home_ip, f"{name}-N", [*flags, *none, *boot]),
+            ])
+            prompt = prefix_text(seed)
+            _progress(f"phase {name}: peers up; waiting for N's verdict, caching the prefix on N")
+            home = await _client(nat.home, ["home", f"http://{nat.home_ip}:{HTTP_PORT}", prompt])
+            _progress(f"phase {name}: N is {home['reachability']}; requests at B")
+            entry = await _client(nat.public[1], [
+                "entry", f"http://{b_ip}:{HTTP_PORT}", prompt, "--holder", n.peer_id,
+                "--requests", str(requests), *(["--expect-direct"] if not block_b else []),
+                *(["--expect-reachable"] if relays or not block_b else []),
+            ])
     finally:
-        peers.stop()
         if block_b:
             _block_b(nat, False)
-    served = [r for r in entry["results"] if r["served_by"] == n["peer_id"]]
+    served = [r for r in entry["results"] if r["served_by"] == n.peer_id]
     return {
         "natted_reachability": home["reachability"],
         "natted_advertised": home["addrs"],
         "entry_link_to_natted": entry["link"],
         "requests": len(entry["results"]),
         "served_by_natted": len(served),
-        "served_by_entry": sum(r["served_by"] == b["peer_id"] for r in entry["results"]),
+        "served_by_entry": sum(r["served_by"] == b.peer_id for r in entry["results"]),
         "errors": sum(r["error"] is not None for r in entry["results"]),
         "ttft_natted_s": [r["ttft_s"] for r in served],
         "entry_link_remote": entry["link_remote"],
@@ -269,38 +252,35 @@ def run_phase(nat: Nat, name: str, *, relays: bool, block_b: bool, requests: int
     }
 
 
-def run_punch_phase(nat: Nat, *, requests: int, log_dir: Path, seed: int) -> dict[str, Any]:
+async def run_punch_phase(nat: Nat, *, requests: int, log_dir: Path, seed: int
+                          ) -> dict[str, Any]:
     """Two peers behind two NATs: N (holder, home) and M (entry, home2), relay A.
 
     Neither can dial the other (both routers drop unsolicited connections), so the only
     direct connection there can be is one the hole punch (simultaneous open) made."""
     name = "punch"
     a_ip = nat.public_ips[0]
-    peers = Peers(log_dir)
-    try:
+    async with open_peer_processes() as procs:  # every peer stops when the phase ends
         _progress(f"phase {name}: starting peers")
         key_file, boot = _identity_of_a(log_dir, name, a_ip)
         none = ["--identity", "none"]
-        procs = [
-            peers.spawn(nat.public[0], a_ip, f"{name}-A", ["--identity", str(key_file)]),
-            peers.spawn(nat.home, nat.home_ip, f"{name}-N", [*none, *boot]),
-            peers.spawn(nat.home2, nat.home2_ip, f"{name}-M", [*none, *boot]),
-        ]
-        _a, n, m = (peers.wait_up(p, f"{name}-{x}") for p, x in zip(procs, "ANM", strict=True))
+        _a, n, m = await start_peers(procs, log_dir, [
+            (nat.public[0], a_ip, f"{name}-A", ["--identity", str(key_file)]),
+            (nat.home, nat.home_ip, f"{name}-N", [*none, *boot]),
+            (nat.home2, nat.home2_ip, f"{name}-M", [*none, *boot]),
+        ])
         prompt = prefix_text(seed)
         _progress(f"phase {name}: peers up; verdicts, caching the prefix on N")
-        home = _client(nat, nat.home, ["home", f"http://{nat.home_ip}:{HTTP_PORT}", prompt])
-        entry_self = _client(nat, nat.home2, ["verdict", f"http://{nat.home2_ip}:{HTTP_PORT}",
-                                              prompt])
+        home = await _client(nat.home, ["home", f"http://{nat.home_ip}:{HTTP_PORT}", prompt])
+        entry_self = await _client(nat.home2, ["verdict", f"http://{nat.home2_ip}:{HTTP_PORT}",
+                                               prompt])
         _progress(f"phase {name}: N is {home['reachability']}, M is "
                   f"{entry_self['reachability']}; requests at M once its link to N is direct")
-        entry = _client(nat, nat.home2, [
-            "entry", f"http://{nat.home2_ip}:{HTTP_PORT}", prompt, "--holder", n["peer_id"],
+        entry = await _client(nat.home2, [
+            "entry", f"http://{nat.home2_ip}:{HTTP_PORT}", prompt, "--holder", n.peer_id,
             "--requests", str(requests), "--expect-direct", "--expect-reachable",
         ])
-    finally:
-        peers.stop()
-    served = [r for r in entry["results"] if r["served_by"] == n["peer_id"]]
+    served = [r for r in entry["results"] if r["served_by"] == n.peer_id]
     remote = entry["link_remote"] or ""
     stats = entry["holepunch"] or {}
     return {
@@ -312,13 +292,39 @@ def run_punch_phase(nat: Nat, *, requests: int, log_dir: Path, seed: int) -> dic
         "link_remote_is_relay": remote.split(":")[0] == a_ip,
         "requests": len(entry["results"]),
         "served_by_natted": len(served),
-        "served_by_entry": sum(r["served_by"] == m["peer_id"] for r in entry["results"]),
+        "served_by_entry": sum(r["served_by"] == m.peer_id for r in entry["results"]),
         "errors": sum(r["error"] is not None for r in entry["results"]),
         "ttft_natted_s": [r["ttft_s"] for r in served],
         "entry_holepunch": {k: v for k, v in stats.items() if k.startswith("holepunch_")},
         "routes": [r["route"] for r in entry["results"]],
-        "upgraded": stats.get("upgraded", {}).get(n["peer_id"]),
+        "upgraded": stats.get("upgraded", {}).get(n.peer_id),
     }
+
+
+async def run_phases(nat: Nat, requests: int, log_dir: Path) -> dict[str, Any] | None:
+    """The four phases, one after the other; None when a SIGTERM (a CI timeout) stopped
+    them, after every peer was stopped."""
+    phases: dict[str, Any] | None = None
+    async with trio.open_nursery() as nursery:
+
+        async def stop_on_sigterm() -> None:
+            with trio.open_signal_receiver(signal.SIGTERM) as signals:
+                async for _ in signals:
+                    nursery.cancel_scope.cancel()
+                    return
+
+        nursery.start_soon(stop_on_sigterm)
+        phases = {
+            "no_relay": await run_phase(nat, "no_relay", relays=False, block_b=True,
+                                        requests=requests, log_dir=log_dir, seed=1),
+            "relay": await run_phase(nat, "relay", relays=True, block_b=True,
+                                     requests=requests, log_dir=log_dir, seed=2),
+            "direct": await run_phase(nat, "direct", relays=True, block_b=False,
+                                      requests=requests, log_dir=log_dir, seed=3),
+            "punch": await run_punch_phase(nat, requests=requests, log_dir=log_dir, seed=4),
+        }
+        nursery.cancel_scope.cancel()
+    return phases
 
 
 def _median(values: list[float]) -> float | None:
@@ -346,22 +352,17 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench-reach-{tag}"
     log_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    # A SIGTERM (a CI timeout) must still delete the namespaces: make it an exception.
+    # A SIGTERM (a CI timeout) must still delete the namespaces: make it an exception
+    # (while the phases run, they catch it themselves and stop their peers first).
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(f"bench.reach: signal {signum}"))
     try:
         with home_behind_nat(tag) as nat:
-            phases = {
-                "no_relay": run_phase(nat, "no_relay", relays=False, block_b=True,
-                                      requests=args.requests, log_dir=log_dir, seed=1),
-                "relay": run_phase(nat, "relay", relays=True, block_b=True,
-                                   requests=args.requests, log_dir=log_dir, seed=2),
-                "direct": run_phase(nat, "direct", relays=True, block_b=False,
-                                    requests=args.requests, log_dir=log_dir, seed=3),
-                "punch": run_punch_phase(nat, requests=args.requests, log_dir=log_dir, seed=4),
-            }
+            phases = trio.run(run_phases, nat, args.requests, log_dir)
     except NetnsUnavailable as exc:
         print(f"bench.reach: cannot build network namespaces here: {exc}", file=sys.stderr)
         return 2
+    if phases is None:
+        sys.exit(f"bench.reach: signal {signal.SIGTERM}")
     relay, punch = phases["relay"], phases["punch"]
     # Upgrades the entry took part in, as initiator or responder (either side may start
     # one: the first relayed stream, a request or a liveness ping, decides).

@@ -31,7 +31,7 @@ from typing import Any
 import trio
 
 from bench.report import emit_json
-from bench.swarm import percentile
+from bench.stats import percentile
 from bench.workloads import load_tokenized_mmlu
 from peer.config import DEFAULT_VERIFY_FRACTION, PeerConfig, Policy
 from peer.engine.engine import SamplingParams, load_engine
@@ -71,9 +71,9 @@ async def _until(predicate: Any, timeout_s: float, what: str) -> None:
 async def one_request(
     entry: Peer, remote: Peer, prompt: list[int], params: SamplingParams
 ) -> dict[str, Any]:
-    """Warm the remote with `prompt`, wait until the entry's table says so, send it."""
+    """Warm the remote with `prompt`, wait until the entry's table says so, send it.
+    (The new blocks make the remote publish early: peer/publish_policy.py.)"""
     await remote.generate(prompt, SamplingParams(max_new_tokens=1))
-    await remote.gossip.publish_now()
     chain = entry.engine.hasher.chain(prompt)  # type: ignore[attr-defined]
     want = max(1, (len(prompt) - 1) // entry.engine.block_size - 1)
     await _until(

@@ -221,7 +221,7 @@ def log(message: str) -> None:
 
 
 def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
-    from peer.local_swarm import demo_prompts
+    from peer.demo_data import demo_prompts
 
     out: dict[str, Any] = {"model": args.model, "peers": args.peers}
     started = time.monotonic()

@@ -13,7 +13,7 @@ own (the remote's text and `served_by` are never used).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Sequence
 from typing import Protocol
 
 import trio
@@ -22,8 +22,9 @@ from libp2p.peer.id import ID
 from peer.admission import Admission, Overloaded, Slot
 from peer.engine.api import Completion, SamplingParams, TokenEvent
 from peer.host import PeerUnreachable
-from peer.inference import FrameStream, StreamBroken, StreamLike
+from peer.inference import FrameStream, StreamBroken
 from peer.peer_table import ForwardCharge, PeerTable
+from peer.streams import StreamOpener
 from protocols.errors import RemoteProtocolError
 from protocols.ids import INFER_PROTOCOL
 from protocols.infer import (
@@ -44,15 +45,7 @@ class LocalEngine(Protocol):
 
     def stream(
         self, token_ids: Sequence[int], params: SamplingParams, *, cache_salt: bytes | None = ...
-    ) -> AsyncIterator[TokenEvent | Completion]: ...
-
-
-class StreamOpener(Protocol):
-    """What a forward uses of the libp2p host (peer.host.SwarmHost; tests/fake_host.py)."""
-
-    async def new_stream(
-        self, peer_id: ID, protocols: Sequence[str], *, timeout_s: float = ...
-    ) -> StreamLike: ...
+    ) -> AsyncGenerator[TokenEvent | Completion, None]: ...
 
 
 def infer_request(

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 from hypercorn.config import Config as HypercornConfig
@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from starlette.types import ASGIApp
 
 from peer.engine.api import ContextTooLong
 from peer.face import FacePeer
@@ -70,6 +71,9 @@ __all__ = [  # names tests and embedders import from here
 # Bursts of new connections beyond the accept queue get resets: 300 at once overflowed
 # hypercorn's default of 100; 1024 gave none (the kernel caps it at net.core.somaxconn).
 LISTEN_BACKLOG = 1024
+
+if TYPE_CHECKING:  # trio's TaskStatus, as the trio-stubs py-libp2p pulls in type it
+    from trio_typing import TaskStatus
 
 logger = logging.getLogger(__name__)
 
@@ -138,8 +142,8 @@ class HttpApi:
         error = internal_error(exc)
         return JSONResponse(error.body(), status_code=500, headers=error.headers)
 
-    def _endpoint(self, name: str, *, chat: bool) -> Callable[[Request], Awaitable[Any]]:
-        async def endpoint(request: Request) -> Any:
+    def _endpoint(self, name: str, *, chat: bool) -> Callable[[Request], Awaitable[ASGIApp]]:
+        async def endpoint(request: Request) -> ASGIApp:
             try:
                 service, job = await self._job(name, request, chat)
             except REQUEST_ERRORS as exc:
@@ -231,8 +235,10 @@ class HttpApi:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE)
 
 
-async def _http_error(request: Request, exc: Any) -> JSONResponse:
+async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     """Unknown routes and methods as OpenAI error objects (Starlette's are plain text)."""
+    if not isinstance(exc, HTTPException):  # registered for HTTPException only
+        raise TypeError(f"not an HTTPException: {exc!r}")
     if exc.status_code == 404:
         message = f"no route {request.method} {request.url.path}; see /v1/models, /v1/completions"
     else:
@@ -259,7 +265,7 @@ async def serve_http(
     *,
     model_alias: str | None = None,
     api_key: str | None = None,
-    task_status: Any = trio.TASK_STATUS_IGNORED,
+    task_status: TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the peer's HTTP API until cancelled; reports the bound URL (port 0 works).
 
@@ -267,7 +273,7 @@ async def serve_http(
     config = hypercorn_config(host, port)
     api = HttpApi(peer, model_alias=model_alias, api_key=api_key)
 
-    async def serve(*, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+    async def serve(*, task_status: TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
         await hypercorn_serve(api.app, config, task_status=task_status)  # type: ignore[arg-type]
 
     async with trio.open_nursery() as nursery:

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import Callable
-from typing import Any
 
 from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from peer.openai_schema import ApiError
 from peer.web.routes import PAGE_PATHS
@@ -27,7 +27,7 @@ class ApiKey:
             raise ValueError(f"the API key must have 1 to {MAX_API_KEY_CHARS} characters")
         self._expected = None if api_key is None else f"Bearer {api_key}".encode()
 
-    def authorized(self, scope: Any) -> bool:
+    def authorized(self, scope: Scope) -> bool:
         if self._expected is None or scope.get("path") in OPEN_PATHS:
             return True
         given = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), b"")
@@ -38,12 +38,12 @@ class CheckKey:
     """ASGI middleware: without the right `Authorization: Bearer KEY`, a 401 error object
     (``on_refused`` counts it)."""
 
-    def __init__(self, app: Any, key: ApiKey, on_refused: Callable[[], None]) -> None:
+    def __init__(self, app: ASGIApp, key: ApiKey, on_refused: Callable[[], None]) -> None:
         self._app = app
         self._key = key
         self._on_refused = on_refused
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or self._key.authorized(scope):
             await self._app(scope, receive, send)
             return

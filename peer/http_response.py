@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import trio
+from starlette.types import Receive, Scope, Send
 
 from peer.admission import Overloaded
 from peer.engine.api import InvalidRequest
@@ -99,7 +100,7 @@ class GenerationResponse:
         self._started = False  # http.response.start was sent
         self._complete = False  # the last body part is being sent or was sent
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         async with trio.open_nursery() as nursery:
 
             async def watch_disconnect() -> None:
@@ -120,7 +121,7 @@ class GenerationResponse:
                 nursery.cancel_scope.cancel()
         self._metrics.record_request(self._job.endpoint, self.status)
 
-    async def _send_unexpected(self, send: Any, exc: BaseException) -> None:
+    async def _send_unexpected(self, send: Send, exc: BaseException) -> None:
         error = internal_error(exc)
         if not self._started:
             self._job = replace(self._job, stream=False)  # one JSON error body
@@ -132,7 +133,7 @@ class GenerationResponse:
             await send({"type": "http.response.body", "body": body, "more_body": False})
             self.status = 500
 
-    async def _start(self, send: Any, status: int, headers: dict[str, str], body: bytes) -> None:
+    async def _start(self, send: Send, status: int, headers: dict[str, str], body: bytes) -> None:
         self.status = status
         raw = [(k.lower().encode(), v.encode()) for k, v in headers.items()]
         self._started = True
@@ -140,14 +141,14 @@ class GenerationResponse:
         self._complete = not self._job.stream
         await send({"type": "http.response.body", "body": body, "more_body": self._job.stream})
 
-    async def _send_error(self, send: Any, exc: BaseException) -> None:
+    async def _send_error(self, send: Send, exc: BaseException) -> None:
         error = error_for(exc)
         if isinstance(exc, RequestFailed):
             self._metrics.record_route(exc.attempts)
         headers = {"content-type": "application/json", **error.headers}
         await self._start(send, error.status, headers, json.dumps(error.body()).encode())
 
-    async def _respond(self, send: Any) -> None:
+    async def _respond(self, send: Send) -> None:
         job, metrics = self._job, self._metrics
         agen = _timed(self._service.run(job.request), metrics)
         async with aclosing(agen):
@@ -194,7 +195,7 @@ class GenerationResponse:
             await send({"type": "http.response.body", "body": _sse("[DONE]"), "more_body": False})
 
     @staticmethod
-    async def _body(send: Any, data: bytes) -> None:
+    async def _body(send: Send, data: bytes) -> None:
         await send({"type": "http.response.body", "body": data, "more_body": True})
 
     # -- OpenAI objects ------------------------------------------------------------------

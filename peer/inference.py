@@ -14,9 +14,11 @@ import contextlib
 import enum
 import logging
 from collections import Counter
-from typing import Any, Protocol
+from collections.abc import AsyncGenerator, Sequence
+from typing import TYPE_CHECKING, Protocol
 
 import trio
+from libp2p.custom_types import TProtocol
 from libp2p.exceptions import BaseLibp2pError
 
 from peer.admission import Admission, Overloaded
@@ -27,6 +29,7 @@ from peer.engine.api import (
     SamplingParams,
     TokenEvent,
 )
+from peer.streams import HandlerHost, InboundStream, StreamLike
 from protocols.errors import RemoteProtocolError
 from protocols.framing import MAX_FRAME_BYTES, FrameDecoder, encode_frame
 from protocols.ids import INFER_PROTOCOL
@@ -42,6 +45,9 @@ from protocols.infer import (
     parse_response,
 )
 
+if TYPE_CHECKING:  # trio's TaskStatus, as the trio-stubs py-libp2p pulls in type it
+    from trio_typing import TaskStatus
+
 logger = logging.getLogger(__name__)
 
 READ_CHUNK_BYTES = 64 * 1024  # one read; frames larger than this arrive over several reads
@@ -52,13 +58,6 @@ INBOUND_BACKLOG = 64  # streams handed over but not yet started; beyond it: refu
 
 class StreamBroken(Exception):
     """The stream ended (EOF, reset, closed) before the exchange was complete."""
-
-
-class StreamLike(Protocol):
-    async def read(self, n: int | None = None) -> bytes: ...
-    async def write(self, data: bytes) -> None: ...
-    async def close(self) -> None: ...
-    async def reset(self) -> None: ...
 
 
 class FrameStream:
@@ -128,7 +127,9 @@ class EngineLike(Protocol):
     @property
     def vocab_size(self) -> int: ...
 
-    def stream(self, token_ids: Any, params: SamplingParams) -> Any: ...
+    def stream(
+        self, token_ids: Sequence[int], params: SamplingParams
+    ) -> AsyncGenerator[TokenEvent | Completion, None]: ...
 
 
 class InferenceService:
@@ -147,10 +148,12 @@ class InferenceService:
         self._self_id = self_id
         self._max_per_peer = max_inbound_per_peer
         self._per_peer: Counter[str] = Counter()
-        self._send, self._receive = trio.open_memory_channel[tuple[Any, str]](INBOUND_BACKLOG)
+        self._send, self._receive = trio.open_memory_channel[tuple[InboundStream, str]](
+            INBOUND_BACKLOG
+        )
         self.stats: Counter[str] = Counter()
 
-    async def handle_stream(self, stream: Any) -> None:
+    async def handle_stream(self, stream: InboundStream) -> None:
         """libp2p's stream handler: hand the stream to our nursery, refuse if backlogged."""
         remote = stream.muxed_conn.peer_id.to_base58()
         try:
@@ -159,10 +162,12 @@ class InferenceService:
             self.stats["refused_backlog"] += 1
             await FrameStream(stream, self._engine.vocab_size).reset()
 
-    async def serve(self, host: Any, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+    async def serve(
+        self, host: HandlerHost, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
         """Register the handler and serve inbound requests until cancelled."""
         async with trio.open_nursery() as nursery, self._receive:
-            host.set_stream_handler(INFER_PROTOCOL, self.handle_stream)
+            host.set_stream_handler(TProtocol(INFER_PROTOCOL), self.handle_stream)
             task_status.started()
             try:
                 async for stream, remote in self._receive:
@@ -170,7 +175,7 @@ class InferenceService:
             finally:
                 self._send.close()
 
-    async def _serve_one(self, stream: Any, remote: str) -> None:
+    async def _serve_one(self, stream: InboundStream, remote: str) -> None:
         frames = FrameStream(stream, self._engine.vocab_size)
         try:
             with trio.fail_after(REQUEST_READ_TIMEOUT_S):

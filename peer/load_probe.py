@@ -17,14 +17,17 @@ import contextlib
 import logging
 from collections import Counter
 from collections.abc import Callable
-from typing import Any
+from typing import Protocol
 
 import trio
+from libp2p.custom_types import TProtocol
 from libp2p.exceptions import BaseLibp2pError
 from libp2p.peer.id import ID
 
+from peer.engine.api import EngineLoad
 from peer.host import PeerUnreachable
 from peer.probing import ProbeRound
+from peer.streams import HandlerHost, StreamLike, StreamOpener
 from protocols.errors import RemoteProtocolError
 from protocols.framing import FrameDecoder, encode_frame
 from protocols.ids import LOAD_PROTOCOL
@@ -47,7 +50,7 @@ class _Refused(Exception):
     """The peer could not be asked or did not answer properly."""
 
 
-async def _read_frame(stream: Any) -> object:
+async def _read_frame(stream: StreamLike) -> object:
     decoder = FrameDecoder(MAX_LOAD_FRAME_BYTES)
     while True:
         frame = decoder.next_frame()
@@ -62,7 +65,7 @@ async def _read_frame(stream: Any) -> object:
         decoder.feed(data)
 
 
-async def _reset(stream: Any) -> None:
+async def _reset(stream: StreamLike) -> None:
     with trio.move_on_after(1.0) as scope:
         scope.shield = True
         with contextlib.suppress(BaseLibp2pError):
@@ -70,7 +73,7 @@ async def _reset(stream: Any) -> None:
 
 
 async def probe_loads(
-    host: Any, probe: ProbeRound, stats: Counter[str] | None = None
+    host: StreamOpener, probe: ProbeRound, stats: Counter[str] | None = None
 ) -> dict[str, LoadReport]:
     """Ask every peer of ``probe.plan`` at once; the reports kept by its deadline."""
     stats = stats if stats is not None else Counter()
@@ -106,15 +109,21 @@ async def probe_loads(
     return dict(probe.reports)
 
 
+class LoadSource(Protocol):
+    """What answering a probe uses of this peer's engine."""
+
+    def load(self) -> EngineLoad: ...
+
+
 class LoadService:
     """Answers /prefixswarm/load/1.0.0 with the engine's load now."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: LoadSource) -> None:
         self._engine = engine
         self._answering = 0
         self.stats: Counter[str] = Counter()
 
-    async def handle_stream(self, stream: Any) -> None:
+    async def handle_stream(self, stream: StreamLike) -> None:
         """libp2p's stream handler: one query, one report, within the deadline."""
         if self._answering >= MAX_ANSWERING:
             self.stats["load_queries_refused"] += 1
@@ -128,7 +137,7 @@ class LoadService:
                 report = LoadReport(
                     queued_prompt_tokens=load.queued_prompt_tokens,
                     running_requests=load.running_requests,
-                    waiting_requests=getattr(load, "waiting_requests", 0),
+                    waiting_requests=load.waiting_requests,
                 )
                 await stream.write(encode_frame(report.to_wire()))
                 self.stats["load_queries_answered"] += 1
@@ -141,9 +150,9 @@ class LoadService:
         finally:
             self._answering -= 1
 
-    def serve(self, host: Any) -> None:
+    def serve(self, host: HandlerHost) -> None:
         """Register the handler on the libp2p host."""
-        host.set_stream_handler(LOAD_PROTOCOL, self.handle_stream)
+        host.set_stream_handler(TProtocol(LOAD_PROTOCOL), self.handle_stream)
 
     def statistics(self) -> dict[str, int]:
         return dict(self.stats)

@@ -50,7 +50,6 @@ from peer.forward import (
     LocalEngine,
     MovedOn,
     RemoteAttempt,
-    StreamOpener,
 )
 from peer.generation import (
     Attempt,
@@ -66,6 +65,7 @@ from peer.peer_table import PeerTable
 from peer.probing import DEFAULT_MIN_WAIT_S, ProbeRound, ProbeSettings, plan_probes
 from peer.race import AnyAttempt, Race, Racer
 from peer.router import Candidate, LocalState, Router
+from peer.streams import StreamOpener
 from peer.trust import Promote, Quarantine, TrustLedger
 from protocols.blocks import BlockHasher
 

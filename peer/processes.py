@@ -1,9 +1,10 @@
 """Peers as child processes: start them, follow their JSON reports, stop them.
 
 The one supervisor for every place that runs peers as OS processes: `prefixswarm local`
-(peer.local_swarm), bench.swarm, and the runners of the tests and bench.gossip
-(peer.node_runner). A child prints one JSON object a line on stdout (`peer.cli serve
---report json`, `python -m peer.node_runner`); its PeerProcess keeps what it last said.
+(peer.local_swarm), bench.swarm, bench.adversary, bench.reach (in network namespaces),
+and the runners of the tests and bench.gossip (peer.node_runner). A child prints one
+JSON object a line on stdout (`peer.cli serve --report json`, `python -m
+peer.node_runner`); its PeerProcess keeps what it last said.
 
     async with open_peer_processes() as procs:
         first = await procs.start(command, log_path=...)

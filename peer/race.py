@@ -19,12 +19,13 @@ import random
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import trio
 
 from peer.config import PeerConfig
+from peer.engine.api import SamplingParams
 from peer.forward import AttemptFailed, HedgeLost, LocalAttempt, MovedOn, RemoteAttempt
+from peer.generation import Attempt
 from peer.router import Candidate
 from peer.trust import TrustLedger
 
@@ -33,6 +34,15 @@ MAX_RACING = 3  # attempts racing for one request's first token at once (hedging
 MIN_FORWARD_BUDGET_S = 0.05
 
 AnyAttempt = LocalAttempt | RemoteAttempt
+
+
+# Builds one candidate's attempt (Pipeline._attempt), AttemptFailed if it cannot, from
+# the candidate, the prompt, its params, the request id, the deadline and the cache salt.
+MakeAttempt = Callable[
+    [Candidate, list[int], SamplingParams, str, float, bytes | None], AnyAttempt
+]
+# A failed attempt, recorded by the pipeline the moment it happens (route: the request's).
+OnFailed = Callable[[Candidate, AttemptFailed, list[Attempt]], None]
 
 
 @dataclass
@@ -62,8 +72,8 @@ class Race:
         trust: TrustLedger,
         rng: random.Random,
         stats: Counter[str],
-        make_attempt: Callable[..., AnyAttempt],
-        on_failed: Callable[[Candidate, AttemptFailed, list[Any]], None],
+        make_attempt: MakeAttempt,
+        on_failed: OnFailed,
     ) -> None:
         self._config = config
         self._trust = trust
@@ -98,14 +108,15 @@ class Race:
         self,
         pending: deque[Candidate],
         prompt: list[int],
-        params: Any,
+        params: SamplingParams,
         request_id: str,
         deadline: float,
-        route: list[Any],
-        **attempt_options: Any,
+        route: list[Attempt],
+        *,
+        cache_salt: bytes | None = None,
     ) -> Racer | None:
         """Start candidates from ``pending``, hedging, until one has a first token.
-        ``attempt_options`` go to ``make_attempt``."""
+        ``cache_salt`` goes to ``make_attempt``."""
         winner: list[Racer] = []
         running: list[Racer] = []
         started: list[Racer] = []
@@ -126,7 +137,7 @@ class Race:
                     continue
                 try:
                     attempt = self._make_attempt(
-                        candidate, prompt, params, request_id, deadline, **attempt_options
+                        candidate, prompt, params, request_id, deadline, cache_salt
                     )
                 except AttemptFailed as exc:
                     self._on_failed(candidate, exc, route)
@@ -159,7 +170,7 @@ class Race:
         running: list[Racer],
         wake: list[trio.Event],
         race_scope: trio.CancelScope,
-        route: list[Any],
+        route: list[Attempt],
     ) -> None:
         """Open one racer's attempt; the first with a token wins and ends the race."""
         candidate, attempt = racer.candidate, racer.attempt

@@ -24,7 +24,6 @@ import trio
 from peer.admission import Admission, Overloaded
 from peer.config import PeerConfig
 from peer.engine.api import SamplingParams
-from peer.forward import StreamOpener
 from peer.generation import (
     DeadlineExceeded,
     GenerationItem,
@@ -40,6 +39,7 @@ from peer.peer_table import PeerTable
 from peer.pipeline import Pipeline, PipelineEngine
 from peer.request_log import RequestLog, RequestOutcome, RequestRecord, route_of
 from peer.router import Router
+from peer.streams import HandlerHost, StreamOpener
 from peer.trust import (
     Quarantine,
     QuarantineRecord,
@@ -47,6 +47,9 @@ from peer.trust import (
     dump_quarantine,
     parse_quarantine,
 )
+
+if TYPE_CHECKING:  # trio's TaskStatus, as the trio-stubs py-libp2p pulls in type it
+    from trio_typing import TaskStatus
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +135,12 @@ class Serving:
         except OSError as exc:  # the quarantine holds in memory; say the file failed
             logger.error("could not persist the quarantine to %s: %s", path, exc)
 
-    async def serve(self, libp2p_host: Any, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+    async def serve(
+        self,
+        libp2p_host: HandlerHost,
+        *,
+        task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
         """Answer forwarded requests and load probes until cancelled."""
         self.load.serve(libp2p_host)
         await self.inference.serve(libp2p_host, task_status=task_status)

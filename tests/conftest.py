@@ -17,6 +17,14 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
+# Torch's (and numpy's) threads: this process's share of the cores, set before torch
+# loads (always: a worker inherits the xdist controller's). `make test` runs two workers;
+# their default OpenMP threads, and those of the peer processes their tests start (which
+# inherit these), would spin on every core against each other (peer/processes.py does the
+# same for peer processes): under -n 2 on 2 cores a 1 s engine test took 30 s.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+for _name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+    os.environ[_name] = str(max(1, (os.cpu_count() or 1) // _WORKERS))
 
 TINY_CACHE_BYTES = 8 << 20  # 1024 tiny-random blocks of 16 tokens: room for every test prompt
 

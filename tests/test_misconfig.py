@@ -245,16 +245,21 @@ def test_log_lines_have_timestamps_and_libp2p_noise_is_dropped(capsys, level):
     from peer.logs import setup_logging
 
     library = logging.getLogger("libp2p")
-    saved = library.level
+    saved, propagated = library.level, library.propagate
     try:
         setup_logging(level)
-        library.setLevel(logging.WARNING)  # what peer/libp2p_fixes.py does later, on import
+        # What the command's peer meets once its host opens: `import libp2p` sets its
+        # logger to WARNING without propagation, peer/libp2p_fixes.py restores the
+        # propagation (set here: the test must not depend on an earlier one's host).
+        library.setLevel(logging.WARNING)
+        library.propagate = True
         logging.getLogger("peer.discovery").warning("peer X unreachable")
         logging.getLogger("libp2p.transport.tcp.tcp").error("Failed to open TCP stream: x")
         logging.getLogger("libp2p.kad_dht.provider_store").warning("Failed to send ADD_PROVIDER")
         logging.getLogger("libp2p.network").error("a real libp2p error")
     finally:
         library.setLevel(saved)
+        library.propagate = propagated
         # conftest's autouse fixture removes the handler bound to capsys's stream
     lines = capsys.readouterr().err.splitlines()
     stamp = r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z "

@@ -48,6 +48,14 @@ async def test_outbound_only_peer_is_served_through_a_relay(nursery, tiny_engine
     boot = tuple(relay.peer.multiaddrs)
     # Neither can dial the other: both have no listen address, as behind two NATs.
     holder = await start_peer(nursery, config((), boot), tiny_engine_factory())
+    # The entry joins once the holder holds its relay slot: a relayed ping before that
+    # fails and is retried only after twice the liveness interval (10 s), which this test
+    # would spend waiting (peer/discovery.py); it proves the relayed route, not the retry.
+    await wait_until(
+        lambda: holder.peer.host.reach.relayed_addrs() != [],
+        timeout_s=20,
+        what="the holder reserved a relay slot",
+    )
     entry = await start_peer(nursery, config((), boot), tiny_engine_factory())
     prefix = tokens(640, seed=1)
     prompt = prefix + tokens(20, seed=2)

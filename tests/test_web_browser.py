@@ -87,6 +87,9 @@ def _ask(driver: Any, prompt: str, max_tokens: int) -> dict[str, Any]:
         pytest.fail(f"{exc} (state: {answer_field(driver, 'state')!r})")
 
 
+# Its bound on a dead peer's row (3.5 s from the kill) leaves 0.4 s to spare at load 7
+# (gone after 3.08 s): `make test` runs it alone, after the parallel part.
+@pytest.mark.serial
 def test_the_page_shows_the_swarm_streams_answers_and_drops_a_dead_peer(local_swarm, browser):
     ids = [p["peer_id"] for p in local_swarm["peers"]]
     browser.get(local_swarm["http"] + "/")

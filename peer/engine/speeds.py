@@ -3,15 +3,10 @@
 A prefill chunk of n tokens takes about one decode step (the fixed cost of a forward
 call: the weights read once, Python) plus n - 1 tokens' worth. Prefill speed is sampled
 as n / time over chunks of at least PREFILL_SAMPLE_MIN_TOKENS tokens that took at least
-two decode steps, so that the fixed cost is a share of the sample, not all of it:
-
-- Every chunk used to be sampled. A cache hit's short uncached suffix is almost all fixed
-  cost, so a peer that serves hits reported itself 2 to 8x slower than it is, and routing
-  steered requests away from its cache (measured on tiny-random: 3k to 30k tokens/s
-  advertised by four identical peers).
-- The fixed cost stays inside the speed: every queued request pays it. A marginal speed
-  (time beyond one step) priced queues too short, and in the simulator at loads 1.25 to
-  2 the cost policy fell 7 to 13% behind longest_prefix.
+two decode steps, so that the fixed cost is a share of the sample, not all of it: a cache
+hit's short suffix, almost all fixed cost, would make a peer that serves hits look slow.
+The fixed cost stays inside the speed, since every queued request pays it. docs/engine.md
+("How the advertised speeds are sampled") has the measurements behind both rules.
 """
 
 from __future__ import annotations
