@@ -28,7 +28,7 @@ lint: $(STAMP)
 	# protocols/ and every pure core (the strict modules of pyproject.toml's [tool.mypy])
 	$(BIN)/mypy protocols peer/router.py peer/ranking.py peer/peer_table.py peer/config.py \
 		peer/admission.py peer/bloom_sizing.py peer/publish_policy.py peer/neighbourhood.py \
-		peer/interest.py peer/demo_data.py peer/engine/radix.py \
+		peer/interest.py peer/providers.py peer/demo_data.py peer/engine/radix.py \
 		peer/engine/speeds.py peer/trust.py peer/request_log.py peer/settings.py \
 		peer/preflight.py peer/logs.py peer/version.py peer/progress.py peer/reach.py peer/punch.py \
 		peer/engine/scheduler.py peer/engine/api.py peer/engine/text.py peer/probing.py \
