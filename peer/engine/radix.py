@@ -224,6 +224,11 @@ class RadixCache(Generic[V]):
             yield node.block_hash
             stack.extend(node.children.values())
 
+    def root_hashes(self) -> list[int]:
+        """The chain hash of every cached public first block: the prefix roots this cache
+        holds (gossip mode `ring` announces them, peer/providers.py)."""
+        return [node.block_hash for node in self._root.children.values()]
+
     # -- locks ------------------------------------------------------------------------
 
     def lock(self, match: Match[V]) -> None:
