@@ -25,8 +25,9 @@ from libp2p.peer.id import ID
 
 from peer.host import PeerUnreachable
 from peer.probing import ProbeRound
+from peer.streams import StreamRefused, read_frame, reset_quietly
 from protocols.errors import RemoteProtocolError
-from protocols.framing import FrameDecoder, encode_frame
+from protocols.framing import encode_frame
 from protocols.ids import LOAD_PROTOCOL
 from protocols.load import (
     MAX_LOAD_FRAME_BYTES,
@@ -40,33 +41,6 @@ logger = logging.getLogger(__name__)
 
 LOAD_ANSWER_TIMEOUT_S = 2.0  # a query is one tiny frame sent right after opening
 MAX_ANSWERING = 64  # concurrent answers; each is ~1 ms of work, more is a flood
-READ_BYTES = 4096  # one read holds a whole frame (MAX_LOAD_FRAME_BYTES is 1 KiB)
-
-
-class _Refused(Exception):
-    """The peer could not be asked or did not answer properly."""
-
-
-async def _read_frame(stream: Any) -> object:
-    decoder = FrameDecoder(MAX_LOAD_FRAME_BYTES)
-    while True:
-        frame = decoder.next_frame()
-        if frame is not None:
-            return frame
-        try:
-            data = await stream.read(READ_BYTES)
-        except BaseLibp2pError as exc:
-            raise _Refused(f"read failed: {exc!r}") from exc
-        if not data:
-            raise _Refused("end of stream")
-        decoder.feed(data)
-
-
-async def _reset(stream: Any) -> None:
-    with trio.move_on_after(1.0) as scope:
-        scope.shield = True
-        with contextlib.suppress(BaseLibp2pError):
-            await stream.reset()
 
 
 async def probe_loads(
@@ -84,14 +58,14 @@ async def probe_loads(
                 timeout_s=max(0.0, probe.deadline - trio.current_time()),
             )
             await stream.write(encode_frame(LoadQuery().to_wire()))
-            report = decode_load_report(await _read_frame(stream))
-        except (PeerUnreachable, BaseLibp2pError, RemoteProtocolError, _Refused) as exc:
+            report = decode_load_report(await read_frame(stream, MAX_LOAD_FRAME_BYTES))
+        except (PeerUnreachable, BaseLibp2pError, RemoteProtocolError, StreamRefused) as exc:
             stats["probe_refused"] += 1
             logger.debug("load probe of %s: %s", peer_id, exc)
             return
         finally:
             if stream is not None:
-                await _reset(stream)
+                await reset_quietly(stream)
         if probe.offer(peer_id, report, trio.current_time()) and probe.done:
             done()
 
@@ -118,12 +92,12 @@ class LoadService:
         """libp2p's stream handler: one query, one report, within the deadline."""
         if self._answering >= MAX_ANSWERING:
             self.stats["load_queries_refused"] += 1
-            await _reset(stream)
+            await reset_quietly(stream)
             return
         self._answering += 1
         try:
             with trio.fail_after(LOAD_ANSWER_TIMEOUT_S):
-                decode_load_query(await _read_frame(stream))
+                decode_load_query(await read_frame(stream, MAX_LOAD_FRAME_BYTES))
                 load = self._engine.load()
                 report = LoadReport(
                     queued_prompt_tokens=load.queued_prompt_tokens,
@@ -134,10 +108,10 @@ class LoadService:
                 self.stats["load_queries_answered"] += 1
                 with contextlib.suppress(BaseLibp2pError):
                     await stream.close()
-        except (trio.TooSlowError, RemoteProtocolError, _Refused, BaseLibp2pError) as exc:
+        except (trio.TooSlowError, RemoteProtocolError, StreamRefused, BaseLibp2pError) as exc:
             self.stats["load_queries_bad"] += 1
             logger.debug("load query: %s", exc)
-            await _reset(stream)
+            await reset_quietly(stream)
         finally:
             self._answering -= 1
 
