@@ -32,7 +32,7 @@ import contextlib
 import logging
 import random
 from collections import Counter, deque
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
@@ -153,8 +153,12 @@ class Pipeline:
         trust: TrustLedger | None = None,
         rng: random.Random | None = None,
         on_quarantine: Callable[[Quarantine], None] | None = None,
+        before_route: Callable[[Sequence[int], float], Awaitable[None]] | None = None,
     ) -> None:
+        """`before_route(tokens, deadline)`, if given, is awaited before each request is
+        ranked (gossip mode ring's lookup, peer/lookup.py: it may add peers to the table)."""
         self._config = config
+        self._before_route = before_route
         self._engine = engine
         self.router = router
         self._table = table
@@ -218,7 +222,9 @@ class Pipeline:
             deadline = start + (timeout_s or self._config.request_timeout_s)
             progress = _Progress(StopTracker(_Detokenizer(self._engine), params.stop))
             route: list[Attempt] = []
-            ranked = self._rank(tokens, params, start)
+            if self._before_route is not None and cache_salt is None:
+                await self._before_route(tokens, deadline)
+            ranked = self._rank(tokens, params, trio.current_time())
             if cache_salt is not None:
                 ranked = [c for c in ranked if c.is_local]
             else:

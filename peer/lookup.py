@@ -1,0 +1,345 @@
+"""Gossip mode ring's lookup beyond the ring: the shell around peer/providers.py and
+peer/interest.py, on /prefixswarm/roots/1.0.0 (protocols/roots.py; docs/protocol.md 5.4).
+
+Three jobs, each deciding in a pure core and doing only the I/O here:
+
+- **Holder.** After each summary it publishes, gossip hands the roots it covers to
+  `on_published`; the announce loop runs `RootAnnouncer.sync` and sends each home its
+  `Announce` (at most MAX_ANNOUNCING streams at once, each within ANNOUNCE_TIMEOUT_S).
+  A home that refuses the protocol (a peer of the previous version) or fails is skipped
+  for REFUSAL_S (`HomeRing.refuse`), and its roots go to the next homes.
+- **Home.** `handle_stream` answers announcements (records name the stream's
+  authenticated peer, within `ProviderIndex`'s bounds), finds (live records of peers we
+  are connected to), and summary queries (our last published summary).
+- **Entry.** `before_route(tokens, deadline)`, awaited by the pipeline before ranking: if
+  `Lookups.wanted` (neither we nor a peer we hear holds the prompt's root), ask the
+  root's homes in turn for its providers, ask `Lookups.holders_to_ask` of them for their
+  summary (in parallel), apply each through `PeerTable.apply` with the holder's
+  authenticated id as the source, and keep hearing those whose summary shows the root
+  (`Lookups.admit`; gossip subscribes). The whole lookup is bounded by `budget_s`
+  (PeerConfig.lookup_wait_s) and the request's deadline; on expiry the request is
+  routed with what arrived.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import trio
+from libp2p.exceptions import BaseLibp2pError
+from libp2p.peer.id import ID
+
+from peer.config import DEFAULT_LOOKUP_WAIT_S
+from peer.host import PeerUnreachable
+from peer.interest import DEFAULT_INTEREST_PEERS, Interest, Lookups
+from peer.peer_table import PeerTable, Verdict
+from peer.providers import Announcement, HomeRing, ProviderIndex, RootAnnouncer
+from peer.streams import StreamRefused, read_frame, reset_quietly
+from protocols.blocks import BlockHasher
+from protocols.errors import RemoteProtocolError
+from protocols.framing import encode_frame
+from protocols.ids import ROOTS_PROTOCOL
+from protocols.roots import (
+    MAX_PROVIDERS_PER_REPLY,
+    MAX_REPLY_FRAME_BYTES,
+    MAX_REQUEST_FRAME_BYTES,
+    Ack,
+    Announce,
+    Find,
+    Providers,
+    Request,
+    SummaryQuery,
+    SummaryReply,
+    decode_ack,
+    decode_providers,
+    decode_request,
+    decode_summary_reply,
+)
+from protocols.summary import decode_summary
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ANNOUNCE_TIMEOUT_S", "ANSWER_TIMEOUT_S", "RootLookup"]
+
+ANSWER_TIMEOUT_S = 2.0  # a request is one small frame sent right after opening
+ANNOUNCE_TIMEOUT_S = 5.0  # an announcement waits for nobody: seconds only on a busy home
+MAX_ANSWERING = 64  # concurrent answers; each is ~1 ms of work, more is a flood
+MAX_ANNOUNCING = 8  # concurrent announcement streams; the rest wait their turn
+# Failures that say "this peer did not answer properly", whatever the layer.
+_CALL_FAILED = (PeerUnreachable, BaseLibp2pError, RemoteProtocolError, StreamRefused)
+
+
+class LookupEngine(Protocol):
+    """What the lookup reads of this peer's engine."""
+
+    @property
+    def block_size(self) -> int: ...
+
+    @property
+    def hasher(self) -> BlockHasher: ...
+
+    def local_match_tokens(self, token_ids: Sequence[int]) -> int: ...
+
+
+class LookupGossip(Protocol):
+    """What the lookup needs of peer/gossip.py's Gossip (ring mode)."""
+
+    @property
+    def neighbours(self) -> frozenset[str]: ...
+
+    def ring_peers(self) -> list[str]: ...
+
+    def last_summary(self) -> bytes | None: ...
+
+    def hear(self, extra: frozenset[str]) -> None: ...
+
+
+class RootLookup:
+    """Announces our roots, answers as a home, and looks roots up for our requests."""
+
+    def __init__(
+        self,
+        host: Any,
+        table: PeerTable,
+        engine: LookupEngine,
+        gossip: LookupGossip,
+        *,
+        self_id: str,
+        interval_s: float,
+        rng: random.Random,
+        budget_s: float = DEFAULT_LOOKUP_WAIT_S,
+        interest_peers: int = DEFAULT_INTEREST_PEERS,
+    ) -> None:
+        self._host = host
+        self._table = table
+        self._engine = engine
+        self._gossip = gossip
+        self._self_id = self_id
+        self._budget_s = budget_s
+        self.ring = HomeRing(self_id)
+        self.index = ProviderIndex()
+        self.announcer = RootAnnouncer()
+        self.lookups = Lookups(Interest(interest_peers, interval_s), rng)
+        self._roots: list[int] = []
+        self._published = trio.Event()
+        self._answering = 0
+        self._announcing = trio.CapacityLimiter(MAX_ANNOUNCING)
+        self.stats: Counter[str] = Counter()
+
+    def serve(self, libp2p_host: Any) -> None:
+        """Register the handler on the libp2p host."""
+        libp2p_host.set_stream_handler(ROOTS_PROTOCOL, self.handle_stream)
+
+    def statistics(self) -> dict[str, Any]:
+        return {
+            **self.stats,
+            "interest": sorted(self.lookups.interest.members),
+            "roots_held": len(self.announcer.held),
+            "roots_indexed": len(self.index),
+        }
+
+    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """Send announcements after each publish until cancelled."""
+        task_status.started()
+        while True:
+            await self._published.wait()
+            self._published = trio.Event()
+            await self._announce_once()
+
+    # -- holder ---------------------------------------------------------------------
+
+    def on_published(self, roots: list[int]) -> None:
+        """Gossip published a summary covering `roots` (the root listener)."""
+        self._roots = roots
+        self._published.set()
+
+    async def _announce_once(self) -> None:
+        now = trio.current_time()
+        self.ring.update(self._gossip.ring_peers())
+        self.index.expire(now)
+        messages = self.announcer.sync(self._roots, self.ring, now)
+        async with trio.open_nursery() as nursery:
+            for msg in messages:
+                if msg.home == self._self_id:
+                    self._record(msg.add, msg.drop, self._self_id, now)
+                else:
+                    nursery.start_soon(self._send, msg)
+
+    async def _send(self, msg: Announcement) -> None:
+        async with self._announcing:
+            self.stats["announcements_sent"] += 1
+            try:
+                with trio.fail_after(ANNOUNCE_TIMEOUT_S):
+                    reply, _ = await self._call(msg.home, Announce(msg.add, msg.drop))
+                    ack = decode_ack(reply)
+            except (*_CALL_FAILED, trio.TooSlowError) as exc:
+                self.stats["announcements_failed"] += 1
+                logger.debug("announcement to %s failed: %s", msg.home, exc)
+                self.ring.refuse(msg.home, trio.current_time())
+                self.announcer.failed(msg.home)  # its roots go to the next homes
+                return
+            if ack.kept < len(msg.add):
+                self.stats["announced_roots_refused"] += len(msg.add) - ack.kept
+
+    # -- home -----------------------------------------------------------------------
+
+    def _record(self, add: Sequence[int], drop: Sequence[int], peer_id: str, now: float) -> int:
+        for root in drop:
+            self.index.withdraw(root, peer_id)
+        return sum(self.index.announce(root, peer_id, now) for root in add)
+
+    def _reply(self, request: Request, remote: str) -> Ack | Providers | SummaryReply:
+        now = trio.current_time()
+        if isinstance(request, Announce):
+            self.stats["announcements_answered"] += 1
+            return Ack(self._record(request.add, request.drop, remote, now))
+        if isinstance(request, Find):
+            self.stats["finds_answered"] += 1
+            live = self._live_providers(request.root, now)
+            return Providers(request.root, tuple(live[:MAX_PROVIDERS_PER_REPLY]))
+        self.stats["summary_queries_answered"] += 1
+        return SummaryReply(self._gossip.last_summary() or b"")
+
+    def _live_providers(self, root: int, now: float) -> list[str]:
+        """The root's live records, less holders we hold no connection to (probably gone)."""
+        return [
+            p for p in self.index.providers(root, now)
+            if p == self._self_id or self._host.is_connected(ID.from_base58(p))
+        ]
+
+    async def handle_stream(self, stream: Any) -> None:
+        """libp2p's stream handler: one request, one reply, within ANSWER_TIMEOUT_S."""
+        if self._answering >= MAX_ANSWERING:
+            self.stats["requests_refused"] += 1
+            await reset_quietly(stream)
+            return
+        self._answering += 1
+        try:
+            remote = stream.muxed_conn.peer_id.to_base58()
+            with trio.fail_after(ANSWER_TIMEOUT_S):
+                request = decode_request(await read_frame(stream, MAX_REQUEST_FRAME_BYTES))
+                reply = self._reply(request, remote)
+                await stream.write(encode_frame(reply.to_wire(), MAX_REPLY_FRAME_BYTES))
+                with contextlib.suppress(BaseLibp2pError):
+                    await stream.close()
+        except (trio.TooSlowError, RemoteProtocolError, StreamRefused, BaseLibp2pError) as exc:
+            self.stats["requests_bad"] += 1
+            logger.debug("roots request: %s", exc)
+            await reset_quietly(stream)
+        finally:
+            self._answering -= 1
+
+    # -- entry ----------------------------------------------------------------------
+
+    async def before_route(self, tokens: Sequence[int], deadline: float) -> None:
+        """Look the prompt's root up if no peer we hear holds it; at most `budget_s`
+        (and never past `deadline`). What arrived is in the table when this returns."""
+        engine = self._engine
+        bs = engine.block_size
+        if len(tokens) < bs:
+            return  # no full block: no root
+        local = engine.local_match_tokens(tokens) // bs
+        if local:
+            return
+        now = trio.current_time()
+        root = engine.hasher.chain(tokens[:bs])[0]
+        rows = self._table.routing_rows([root], now)
+        heard = max((row.match_blocks for row in rows), default=0)
+        if not self.lookups.wanted(root, local, heard, now):
+            return
+        self.stats["lookups"] += 1
+        with trio.move_on_at(min(deadline, now + self._budget_s)) as scope:
+            await self._lookup(root)
+        if scope.cancelled_caught:
+            self.stats["lookups_out_of_time"] += 1
+
+    async def _providers(self, root: int) -> list[str]:
+        """The root's providers from the first of its homes that answers."""
+        now = trio.current_time()
+        self.ring.update(self._gossip.ring_peers())
+        for home in self.ring.homes(root, now):
+            if home == self._self_id:
+                return self._live_providers(root, now)
+            try:
+                with trio.fail_after(self._budget_s):
+                    reply, _ = await self._call(home, Find(root))
+                    return list(decode_providers(reply, root).peers)
+            except _CALL_FAILED as exc:
+                self.stats["finds_failed"] += 1
+                logger.debug("find at %s failed: %s", home, exc)
+                self.ring.refuse(home, trio.current_time())
+            except trio.TooSlowError:  # the budget is spent: no time for the next home
+                self.stats["finds_failed"] += 1
+                break
+        return []
+
+    async def _lookup(self, root: int) -> None:
+        providers = await self._providers(root)
+        self.stats["lookups_with_providers"] += bool(providers)
+        hood = self._gossip.neighbours
+        asked = self.lookups.holders_to_ask(providers, {self._self_id, *hood})
+        answered: list[str] = []
+        try:
+            async with trio.open_nursery() as nursery:
+                for peer_id in asked:
+                    nursery.start_soon(self._fetch_summary, peer_id, answered)
+        finally:  # also when out of time: keep what arrived
+            change = self.lookups.admit(
+                answered, lambda p: self._table.estimate_match(p, [root]) >= 1, exclude=hood
+            )
+            if change.added or change.removed:
+                self.stats["interest_joined"] += len(change.added)
+                self._gossip.hear(self.lookups.interest.members)
+
+    async def _fetch_summary(self, peer_id: str, answered: list[str]) -> None:
+        """Ask a holder for its summary; apply it as if gossiped by `peer_id` (the
+        stream's authenticated peer), with the query's round trip as its RTT."""
+        try:
+            with trio.fail_after(self._budget_s):
+                obj, rtt = await self._call(peer_id, SummaryQuery())
+            reply = decode_summary_reply(obj)
+            summary = decode_summary(reply.data) if reply.data else None
+        except (*_CALL_FAILED, trio.TooSlowError) as exc:
+            self.stats["summary_queries_failed"] += 1
+            logger.debug("summary query to %s failed: %s", peer_id, exc)
+            return
+        if summary is None:
+            return
+        now = trio.current_time()
+        result = self._table.apply(summary, peer_id, now)
+        if not (result.accepted or result.reason is Verdict.STALE_SEQ):
+            self.stats[f"summaries_rejected_{result.reason}"] += 1
+            return
+        self.stats["summaries_fetched"] += 1
+        self._table.record_rtt(peer_id, rtt, now)
+        answered.append(peer_id)
+
+    # -- the wire -------------------------------------------------------------------
+
+    async def _call(
+        self, peer_id: str, request: Announce | Find | SummaryQuery
+    ) -> tuple[object, float]:
+        """One request on a new stream: its reply's decoded frame, and the seconds from
+        sending to the reply (a round trip, the stream's negotiation left out). The
+        caller's deadline bounds it; PeerUnreachable, StreamRefused, RemoteProtocolError
+        or a libp2p error otherwise."""
+        try:
+            remote = ID.from_base58(peer_id)
+        except ValueError as exc:
+            raise PeerUnreachable(f"not a peer id: {peer_id!r}") from exc
+        left = trio.current_effective_deadline() - trio.current_time()
+        stream = await self._host.new_stream(
+            remote, [ROOTS_PROTOCOL], timeout_s=max(0.0, min(left, ANNOUNCE_TIMEOUT_S))
+        )
+        try:
+            sent = trio.current_time()
+            await stream.write(encode_frame(request.to_wire(), MAX_REQUEST_FRAME_BYTES))
+            reply = await read_frame(stream, MAX_REPLY_FRAME_BYTES)
+            return reply, trio.current_time() - sent
+        finally:
+            await reset_quietly(stream)
