@@ -187,6 +187,9 @@ class PeerTable:
         self._expiry_s = float(expiry_s)
         self._entries: dict[str, _Entry] = {}
         self._reaped: dict[str, None] = {}  # dropped by apply() when full, for expire()
+        # At most the oldest entry's received_at: while now is within the expiry of it,
+        # nothing can be reaped and the scan is skipped (a full table refusing newcomers)
+        self._oldest = math.inf
         self._probe_cache = probe_cache if probe_cache is not None else ProbeCache()
         self._counts: dict[str, int] = {}
         self._banks: dict[tuple[int, int], BloomBank] = {}  # entries' filters, by shape
@@ -264,6 +267,7 @@ class PeerTable:
         else:
             self._order = None
         self._entries[peer_id] = entry
+        self._oldest = min(self._oldest, now)
         self._reaped.pop(peer_id, None)
         if live_old:
             return self._result(True, Verdict.UPDATED, f"seq {summary.seq}")
@@ -316,11 +320,14 @@ class PeerTable:
         self._order = None
 
     def _reap(self, now: float) -> None:
+        if now - self._oldest < self._expiry_s:
+            return  # every entry is live
         for peer_id in [p for p, e in self._entries.items() if not self._live(e, now)]:
             self._drop(peer_id)
             self._reaped[peer_id] = None
         while len(self._reaped) > MAX_PEERS:  # only if expire() is never called
             del self._reaped[next(iter(self._reaped))]
+        self._oldest = min((e.received_at for e in self._entries.values()), default=math.inf)
 
     def expire(self, now: float) -> list[str]:
         """Drop peers silent for `expiry_s` or longer; return their ids (sorted)."""
