@@ -39,7 +39,7 @@ from peer.host import PeerUnreachable
 from peer.interest import DEFAULT_INTEREST_PEERS, Interest, Lookups
 from peer.peer_table import PeerTable, Verdict
 from peer.providers import Announcement, HomeRing, ProviderIndex, RootAnnouncer
-from peer.streams import StreamRefused, read_frame, reset_quietly
+from peer.streams import StreamRefused, read_frame_sized, reset_quietly
 from protocols.blocks import BlockHasher
 from protocols.errors import RemoteProtocolError
 from protocols.framing import encode_frame
@@ -222,9 +222,12 @@ class RootLookup:
         try:
             remote = stream.muxed_conn.peer_id.to_base58()
             with trio.fail_after(ANSWER_TIMEOUT_S):
-                request = decode_request(await read_frame(stream, MAX_REQUEST_FRAME_BYTES))
-                reply = self._reply(request, remote)
-                await stream.write(encode_frame(reply.to_wire(), MAX_REPLY_FRAME_BYTES))
+                frame, size = await read_frame_sized(stream, MAX_REQUEST_FRAME_BYTES)
+                self.stats["bytes_in"] += size
+                reply = self._reply(decode_request(frame), remote)
+                data = encode_frame(reply.to_wire(), MAX_REPLY_FRAME_BYTES)
+                await stream.write(data)
+                self.stats["bytes_out"] += len(data)
                 with contextlib.suppress(BaseLibp2pError):
                     await stream.close()
         except (trio.TooSlowError, RemoteProtocolError, StreamRefused, BaseLibp2pError) as exc:
@@ -336,10 +339,14 @@ class RootLookup:
         stream = await self._host.new_stream(
             remote, [ROOTS_PROTOCOL], timeout_s=max(0.0, min(left, ANNOUNCE_TIMEOUT_S))
         )
+        self.stats["requests_sent"] += 1
         try:
             sent = trio.current_time()
-            await stream.write(encode_frame(request.to_wire(), MAX_REQUEST_FRAME_BYTES))
-            reply = await read_frame(stream, MAX_REPLY_FRAME_BYTES)
+            data = encode_frame(request.to_wire(), MAX_REQUEST_FRAME_BYTES)
+            await stream.write(data)
+            self.stats["bytes_out"] += len(data)
+            reply, size = await read_frame_sized(stream, MAX_REPLY_FRAME_BYTES)
+            self.stats["bytes_in"] += size
             return reply, trio.current_time() - sent
         finally:
             await reset_quietly(stream)

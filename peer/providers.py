@@ -274,6 +274,10 @@ class RootAnnouncer:
         self._refresh_s = refresh_s
         self._held: dict[int, _Held] = {}
         self._version = -1  # the HomeRing version the homes were computed at
+        # Withdrawals not sent yet: home -> root -> since when. They ride along with the
+        # next announcement to that home, or go alone once `refresh_s` old (a stale
+        # record costs an entry one summary query, which shows the root is gone).
+        self._drops: dict[str, dict[int, float]] = {}
 
     @property
     def held(self) -> frozenset[int]:
@@ -286,9 +290,10 @@ class RootAnnouncer:
     def sync(self, roots: Iterable[int], ring: HomeRing, now: float) -> list[Announcement]:
         """The roots held now (those the summary just published covers): what to send.
 
-        New roots go to their homes, roots no longer held are withdrawn from theirs, roots
-        whose homes changed move, and roots announced `refresh_s` ago or more are
-        announced again. One Announcement per home (more if over a frame's bound)."""
+        New roots go to their homes, roots no longer held are withdrawn from theirs (with
+        the next announcement there, at the latest `refresh_s` later), roots whose homes
+        changed move, and roots announced `refresh_s` ago or more are announced again.
+        One Announcement per home (more if over a frame's bound)."""
         if not math.isfinite(now):
             raise ValueError(f"now must be finite, got {now}")
         current: dict[int, None] = {}
@@ -297,10 +302,9 @@ class RootAnnouncer:
                 break
             current[root] = None
         adds: dict[str, list[int]] = {}
-        drops: dict[str, list[int]] = {}
         for root in [r for r in self._held if r not in current]:
             for home in self._held.pop(root).homes:
-                drops.setdefault(home, []).append(root)
+                self._drop_later(home, root, now)
         version = ring.version(now)
         moved = version != self._version
         self._version = version
@@ -311,11 +315,19 @@ class RootAnnouncer:
                 continue
             for home in homes:
                 adds.setdefault(home, []).append(root)
+                self._drops.get(home, {}).pop(root, None)  # held again: no withdrawal
             if old is not None:
                 for home in old.homes:
                     if home not in homes:
-                        drops.setdefault(home, []).append(root)
+                        self._drop_later(home, root, now)
             self._held[root] = _Held(homes, now)
+        drops: dict[str, list[int]] = {}
+        for home, pending in list(self._drops.items()):
+            if not pending:
+                del self._drops[home]
+            elif home in adds or now - min(pending.values()) >= self._refresh_s:
+                drops[home] = list(pending)
+                del self._drops[home]
         out: list[Announcement] = []
         for home in sorted(adds.keys() | drops.keys()):
             add, drop = adds.get(home, []), drops.get(home, [])
@@ -324,10 +336,17 @@ class RootAnnouncer:
                 out.append(Announcement(home, tuple(add[i : i + step]), tuple(drop[i : i + step])))
         return out
 
+    def _drop_later(self, home: str, root: int, now: float) -> None:
+        pending = self._drops.setdefault(home, {})
+        pending.setdefault(root, now)
+        if len(pending) > MAX_HELD_ROOTS:  # only if syncs stopped: forget the oldest
+            del pending[next(iter(pending))]
+
     def failed(self, home: str) -> None:
         """A message to `home` was lost or refused: its roots are announced again (to
         their homes then) at the next sync, and nothing more is sent to `home` for them
         (its records lapse with their TTL, as a lost withdrawal does)."""
+        self._drops.pop(home, None)
         for root, held in self._held.items():
             if home in held.homes:
                 homes = tuple(h for h in held.homes if h != home)

@@ -205,16 +205,24 @@ def test_announcer_batches_per_home_moves_roots_and_resends_after_a_failure() ->
     assert sorted(r for m in first for r in m.add) == sorted(r for r in roots for _ in (1, 2))
     assert announcer.sync(roots, ring, 1.0) == []  # nothing new: nothing sent
     gone = roots[0]
-    drops = announcer.sync(roots[1:], ring, 2.0)
-    assert {(m.home, m.drop) for m in drops} == {(h, (gone,)) for h in ring.homes(gone, 2.0)}
-    home = ring.homes(roots[1], 2.0)[0]
+    assert announcer.sync(roots[1:], ring, 1.5) == []  # a withdrawal waits for company
+    shared = ring.homes(gone, 2.0)[0]
+    new = next(r for r in (ring_position(f"n{i}") for i in range(999))
+               if shared in ring.homes(r, 2.0) and r not in roots)
+    roots = [*roots, new]
+    with_new = {m.home: m for m in announcer.sync(roots[1:], ring, 2.0)}
+    assert with_new[shared].add == (new,) and with_new[shared].drop == (gone,)
+    late = {m.home: m.drop for m in announcer.sync(roots[1:], ring, 1.5 + ANNOUNCE_REFRESH_S)}
+    assert all(late.get(h) == (gone,) for h in ring.homes(gone, 2.0) if h != shared)
+    t = 2.5 + ANNOUNCE_REFRESH_S
+    home = ring.homes(roots[1], t)[0]
     announcer.failed(home)
-    ring.refuse(home, 2.0)
-    moved = announcer.sync(roots[1:], ring, 3.0)
+    ring.refuse(home, t)
+    moved = announcer.sync(roots[1:], ring, t + 1.0)
     assert all(m.home != home for m in moved)
     assert roots[1] in {r for m in moved for r in m.add}
     assert home not in announcer.homes_of(roots[1])
-    refreshed = announcer.sync(roots[1:], ring, 3.0 + ANNOUNCE_REFRESH_S)
+    refreshed = announcer.sync(roots[1:], ring, t + 1.0 + ANNOUNCE_REFRESH_S)
     assert sorted(r for m in refreshed for r in m.add) == sorted(
         r for r in roots[1:] for _ in announcer.homes_of(r)
     )

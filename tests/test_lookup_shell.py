@@ -20,7 +20,7 @@ from peer.engine.radix import RadixCache
 from peer.host import PeerUnreachable
 from peer.lookup import RootLookup
 from peer.peer_table import PeerTable
-from peer.providers import HomeRing
+from peer.providers import ANNOUNCE_REFRESH_S, HomeRing
 from protocols.blocks import BlockHasher
 from protocols.summary import CacheSummary, encode_summary
 from tests.fake_host import new_peer_id
@@ -204,8 +204,11 @@ async def test_an_entry_finds_a_holder_it_does_not_hear_and_keeps_hearing_it(
     # the holder is heard now: the same root is not looked up again
     await entry.lookup.before_route(prompt, trio.current_time() + 10.0)
     assert entry.lookup.statistics()["lookups"] == 1
-    # the holder evicts the root: its withdrawal reaches the homes at its next publish
+    # the holder evicts the root: the withdrawal reaches the homes with its next
+    # announcement there, at the latest a refresh period later
     holder.engine.cache.evict(4)
+    await holder.publish()
+    await trio.sleep(ANNOUNCE_REFRESH_S)
     await holder.publish()
     for home in _homes(nodes, prompt):
         assert net.nodes[home].lookup.index.providers(root, trio.current_time()) == []
