@@ -8,14 +8,17 @@ Three jobs, each deciding in a pure core and doing only the I/O here:
   `Announce` (at most MAX_ANNOUNCING streams at once, each within ANNOUNCE_TIMEOUT_S).
   A home that refuses the protocol (a peer of the previous version) or fails is skipped
   for REFUSAL_S (`HomeRing.refuse`), and its roots go to the next homes.
-- **Home.** `handle_stream` answers announcements (records name the stream's
-  authenticated peer, within `ProviderIndex`'s bounds), finds (live records of peers we
-  are connected to), and summary queries (our last published summary).
-- **Entry.** `before_route(tokens, deadline)`, awaited by the pipeline before ranking: if
-  `Lookups.wanted` (neither we nor a peer we hear holds the prompt's root), ask the
-  root's homes in turn for its providers, ask `Lookups.holders_to_ask` of them for their
-  summary (in parallel), apply each through `PeerTable.apply` with the holder's
-  authenticated id as the source, and keep hearing those whose summary shows the root
+- **Home and holder.** `handle_stream` answers announcements (records name the
+  stream's authenticated peer, within `ProviderIndex`'s bounds), finds (live records of
+  peers we are connected to), matches (`RadixCache.match_hashes` of the chain asked
+  about) and summary queries (our last published summary).
+- **Entry.** `before_route(tokens, chain, deadline)`, awaited by the pipeline before
+  ranking: if `Lookups.wanted` (we do not hold the prompt's root, no peer we hear holds
+  the whole prompt), ask the root's homes in turn for its providers, ask
+  `Lookups.holders_to_probe` of them how much of the chain they hold, ask
+  `Lookups.holders_to_ask` of those for their summary (each step in parallel), apply
+  each summary through `PeerTable.apply` with the holder's authenticated id as the
+  source, and keep hearing those whose summary shows the root
   (`Lookups.admit`; gossip subscribes). The whole lookup is bounded by `budget_s`
   (PeerConfig.lookup_wait_s) and the request's deadline; on expiry the request is
   routed with what arrived.
@@ -40,22 +43,25 @@ from peer.interest import DEFAULT_INTEREST_PEERS, Interest, Lookups
 from peer.peer_table import PeerTable, Verdict
 from peer.providers import Announcement, HomeRing, ProviderIndex, RootAnnouncer
 from peer.streams import StreamRefused, read_frame_sized, reset_quietly
-from protocols.blocks import BlockHasher
 from protocols.errors import RemoteProtocolError
 from protocols.framing import encode_frame
 from protocols.ids import ROOTS_PROTOCOL
 from protocols.roots import (
+    MAX_MATCH_BLOCKS,
     MAX_PROVIDERS_PER_REPLY,
     MAX_REPLY_FRAME_BYTES,
     MAX_REQUEST_FRAME_BYTES,
     Ack,
     Announce,
     Find,
+    Match,
+    Matched,
     Providers,
     Request,
     SummaryQuery,
     SummaryReply,
     decode_ack,
+    decode_matched,
     decode_providers,
     decode_request,
     decode_summary_reply,
@@ -74,14 +80,19 @@ MAX_ANNOUNCING = 8  # concurrent announcement streams; the rest wait their turn
 _CALL_FAILED = (PeerUnreachable, BaseLibp2pError, RemoteProtocolError, StreamRefused)
 
 
+class HashMatcher(Protocol):
+    def match_hashes(self, chain: Sequence[int]) -> int: ...
+
+
 class LookupEngine(Protocol):
-    """What the lookup reads of this peer's engine."""
+    """What the lookup reads of this peer's engine (a cache-only one has no
+    `local_match_tokens`: it never routes, so `before_route` is never called)."""
 
     @property
     def block_size(self) -> int: ...
 
     @property
-    def hasher(self) -> BlockHasher: ...
+    def cache(self) -> HashMatcher: ...
 
     def local_match_tokens(self, token_ids: Sequence[int]) -> int: ...
 
@@ -166,7 +177,7 @@ class RootLookup:
         async with trio.open_nursery() as nursery:
             for msg in messages:
                 if msg.home == self._self_id:
-                    self._record(msg.add, msg.drop, self._self_id, now)
+                    self._record(Announce(msg.add, msg.drop), self._self_id, now)
                 else:
                     nursery.start_soon(self._send, msg)
 
@@ -188,20 +199,23 @@ class RootLookup:
 
     # -- home -----------------------------------------------------------------------
 
-    def _record(self, add: Sequence[int], drop: Sequence[int], peer_id: str, now: float) -> int:
-        for root in drop:
+    def _record(self, msg: Announce, peer_id: str, now: float) -> int:
+        for root in msg.drop:
             self.index.withdraw(root, peer_id)
-        return sum(self.index.announce(root, peer_id, now) for root in add)
+        return sum(self.index.announce(root, peer_id, now) for root in msg.add)
 
-    def _reply(self, request: Request, remote: str) -> Ack | Providers | SummaryReply:
+    def _reply(self, request: Request, remote: str) -> Ack | Providers | Matched | SummaryReply:
         now = trio.current_time()
         if isinstance(request, Announce):
             self.stats["announcements_answered"] += 1
-            return Ack(self._record(request.add, request.drop, remote, now))
+            return Ack(self._record(request, remote, now))
         if isinstance(request, Find):
             self.stats["finds_answered"] += 1
             live = self._live_providers(request.root, now)
             return Providers(request.root, tuple(live[:MAX_PROVIDERS_PER_REPLY]))
+        if isinstance(request, Match):
+            self.stats["matches_answered"] += 1
+            return Matched(self._engine.cache.match_hashes(request.chain))
         self.stats["summary_queries_answered"] += 1
         return SummaryReply(self._gossip.last_summary() or b"")
 
@@ -239,25 +253,26 @@ class RootLookup:
 
     # -- entry ----------------------------------------------------------------------
 
-    async def before_route(self, tokens: Sequence[int], deadline: float) -> None:
-        """Look the prompt's root up if no peer we hear holds it; at most `budget_s`
-        (and never past `deadline`). What arrived is in the table when this returns."""
-        engine = self._engine
-        bs = engine.block_size
-        if len(tokens) < bs:
+    async def before_route(
+        self, tokens: Sequence[int], chain: Sequence[int], deadline: float
+    ) -> None:
+        """Look the prompt's root up unless we hold it or a peer we hear holds the whole
+        prompt (`chain`: its block hashes); at most `budget_s` (and never past
+        `deadline`). What arrived is in the table when this returns."""
+        if not chain:
             return  # no full block: no root
-        local = engine.local_match_tokens(tokens) // bs
+        local = self._engine.local_match_tokens(tokens) // self._engine.block_size
         if local:
             return
         now = trio.current_time()
-        root = engine.hasher.chain(tokens[:bs])[0]
-        rows = self._table.routing_rows([root], now)
+        root = chain[0]
+        rows = self._table.routing_rows(chain, now)
         heard = max((row.match_blocks for row in rows), default=0)
-        if not self.lookups.wanted(root, local, heard, now):
+        if not self.lookups.wanted(root, local, heard, len(chain), now):
             return
         self.stats["lookups"] += 1
         with trio.move_on_at(min(deadline, now + self._budget_s)) as scope:
-            await self._lookup(root)
+            await self._lookup(root, chain, heard)
         if scope.cancelled_caught:
             self.stats["lookups_out_of_time"] += 1
 
@@ -281,11 +296,17 @@ class RootLookup:
                 break
         return []
 
-    async def _lookup(self, root: int) -> None:
+    async def _lookup(self, root: int, chain: Sequence[int], heard: int) -> None:
         providers = await self._providers(root)
         self.stats["lookups_with_providers"] += bool(providers)
         hood = self._gossip.neighbours
-        asked = self.lookups.holders_to_ask(providers, {self._self_id, *hood})
+        probed = self.lookups.holders_to_probe(providers, {self._self_id, *hood})
+        match = Match(tuple(chain[:MAX_MATCH_BLOCKS]))
+        matches: dict[str, int] = {}
+        async with trio.open_nursery() as nursery:
+            for peer_id in probed:
+                nursery.start_soon(self._match, peer_id, match, matches)
+        asked = self.lookups.holders_to_ask(matches, heard)
         answered: list[str] = []
         try:
             async with trio.open_nursery() as nursery:
@@ -298,6 +319,16 @@ class RootLookup:
             if change.added or change.removed:
                 self.stats["interest_joined"] += len(change.added)
                 self._gossip.hear(self.lookups.interest.members)
+
+    async def _match(self, peer_id: str, match: Match, matches: dict[str, int]) -> None:
+        """How much of the chain a holder says it holds (checked by its summary later)."""
+        try:
+            with trio.fail_after(self._budget_s):
+                reply, _ = await self._call(peer_id, match)
+            matches[peer_id] = decode_matched(reply, match).blocks
+        except (*_CALL_FAILED, trio.TooSlowError) as exc:
+            self.stats["matches_failed"] += 1
+            logger.debug("match query to %s failed: %s", peer_id, exc)
 
     async def _fetch_summary(self, peer_id: str, answered: list[str]) -> None:
         """Ask a holder for its summary; apply it as if gossiped by `peer_id` (the
@@ -324,9 +355,7 @@ class RootLookup:
 
     # -- the wire -------------------------------------------------------------------
 
-    async def _call(
-        self, peer_id: str, request: Announce | Find | SummaryQuery
-    ) -> tuple[object, float]:
+    async def _call(self, peer_id: str, request: Request) -> tuple[object, float]:
         """One request on a new stream: its reply's decoded frame, and the seconds from
         sending to the reply (a round trip, the stream's negotiation left out). The
         caller's deadline bounds it; PeerUnreachable, StreamRefused, RemoteProtocolError

@@ -76,7 +76,8 @@ class Serving:
         host: StreamOpener,
         self_id: str,
         rng: random.Random | None = None,
-        before_route: Callable[[Sequence[int], float], Awaitable[None]] | None = None,
+        before_route: Callable[[Sequence[int], Sequence[int], float], Awaitable[None]]
+        | None = None,
     ) -> None:
         self.engine = engine
         self.admission = Admission(config.max_queue, name="engine queue")

@@ -11,6 +11,9 @@ the ring. One request per stream, one CBOR map per frame (protocols/framing.py),
   always names the stream's authenticated sender: nobody announces for another peer.
 - ``Find`` (entry -> home): who holds ``root``? Answered by ``Providers`` (peer ids,
   most recent first; a claim to check, never a fact).
+- ``Match`` (entry -> holder): how many leading blocks of this chain (a prompt's block
+  hashes, protocols/blocks.py) do you hold? Answered by ``Matched`` (a count, checked
+  later against the holder's summary before it counts).
 - ``SummaryQuery`` (entry -> holder): your summary, please. Answered by ``SummaryReply``
   holding the holder's last published CacheSummary bytes (decoded and checked like a
   gossiped one, against the stream's authenticated peer id).
@@ -32,9 +35,12 @@ __all__ = [
     "KIND_ACK",
     "KIND_ANNOUNCE",
     "KIND_FIND",
+    "KIND_MATCH",
+    "KIND_MATCHED",
     "KIND_PROVIDERS",
     "KIND_SUMMARY",
     "KIND_SUMMARY_QUERY",
+    "MAX_MATCH_BLOCKS",
     "MAX_PROVIDERS_PER_REPLY",
     "MAX_REPLY_FRAME_BYTES",
     "MAX_REQUEST_FRAME_BYTES",
@@ -43,10 +49,13 @@ __all__ = [
     "Ack",
     "Announce",
     "Find",
+    "Match",
+    "Matched",
     "Providers",
     "SummaryQuery",
     "SummaryReply",
     "decode_ack",
+    "decode_matched",
     "decode_providers",
     "decode_request",
     "decode_summary_reply",
@@ -58,6 +67,8 @@ KIND_ANNOUNCE = "announce"
 KIND_ACK = "ack"
 KIND_FIND = "find"
 KIND_PROVIDERS = "providers"
+KIND_MATCH = "match"
+KIND_MATCHED = "matched"
 KIND_SUMMARY_QUERY = "summary_query"
 KIND_SUMMARY = "summary"
 # Roots per list of one announcement: a cache of 1,456 blocks holds at most that many
@@ -66,6 +77,9 @@ MAX_ROOTS_PER_ANNOUNCE = 512
 MAX_REQUEST_FRAME_BYTES = 16 << 10
 # Provider ids per reply: the home keeps 16 per root (peer/providers.py), an entry asks 2.
 MAX_PROVIDERS_PER_REPLY = 16
+# Blocks of a chain one Match carries: 8,192 tokens at 16 per block, enough to rank
+# holders (4.6 KB of CBOR).
+MAX_MATCH_BLOCKS = 512
 # The largest reply is a summary (at most MAX_SUMMARY_BYTES) plus a few keys.
 MAX_REPLY_FRAME_BYTES = MAX_SUMMARY_BYTES + 1024
 _MAX_ROOT = (1 << 64) - 1  # a root is a 64-bit chain hash (protocols/blocks.py)
@@ -163,6 +177,37 @@ class Providers:
 
 
 @dataclass(frozen=True)
+class Match:
+    """How many leading blocks of `chain` do you hold?"""
+
+    chain: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.chain) > MAX_MATCH_BLOCKS:
+            raise ValueError(f"at most {MAX_MATCH_BLOCKS} blocks, got {len(self.chain)}")
+        for key in self.chain:
+            _check_root(key)
+        object.__setattr__(self, "chain", tuple(self.chain))
+
+    def to_wire(self) -> dict[str, object]:
+        return {**_header(KIND_MATCH), "chain": list(self.chain)}
+
+
+@dataclass(frozen=True)
+class Matched:
+    """The leading blocks of the asked chain the holder says it holds."""
+
+    blocks: int
+
+    def __post_init__(self) -> None:
+        if type(self.blocks) is not int or not 0 <= self.blocks <= MAX_MATCH_BLOCKS:
+            raise ValueError(f"blocks must be in [0, {MAX_MATCH_BLOCKS}], got {self.blocks!r}")
+
+    def to_wire(self) -> dict[str, object]:
+        return {**_header(KIND_MATCHED), "blocks": self.blocks}
+
+
+@dataclass(frozen=True)
 class SummaryQuery:
     """Send me your last published summary. (No fields: the stream is the question.)"""
 
@@ -184,7 +229,7 @@ class SummaryReply:
         return {**_header(KIND_SUMMARY), "data": self.data}
 
 
-Request = Announce | Find | SummaryQuery
+Request = Announce | Find | Match | SummaryQuery
 
 
 def _mapping(obj: object, kinds: Sequence[str]) -> tuple[str, dict[object, object]]:
@@ -218,14 +263,19 @@ def _roots_field(mapping: dict[object, object], key: str) -> tuple[int, ...]:
 
 def decode_request(obj: object) -> Request:
     """The first frame on a stream, as its answerer reads it."""
-    kind, mapping = _mapping(obj, (KIND_ANNOUNCE, KIND_FIND, KIND_SUMMARY_QUERY))
+    kind, mapping = _mapping(obj, (KIND_ANNOUNCE, KIND_FIND, KIND_MATCH, KIND_SUMMARY_QUERY))
     if kind == KIND_ANNOUNCE:
         return Announce(_roots_field(mapping, "add"), _roots_field(mapping, "drop"))
-    if kind == KIND_FIND:
-        try:
+    try:
+        if kind == KIND_FIND:
             return Find(_check_root(_field(mapping, "root")))
-        except ValueError as exc:
-            raise RemoteProtocolError(str(exc)) from exc
+        if kind == KIND_MATCH:
+            chain = _field(mapping, "chain")
+            if not isinstance(chain, list):
+                raise ValueError("'chain' must be an array of block hashes")
+            return Match(tuple(chain))
+    except ValueError as exc:
+        raise RemoteProtocolError(str(exc)) from exc
     return SummaryQuery()
 
 
@@ -235,6 +285,18 @@ def decode_ack(obj: object) -> Ack:
         return Ack(_field(mapping, "kept"))  # type: ignore[arg-type]
     except ValueError as exc:
         raise RemoteProtocolError(f"invalid ack: {exc}") from exc
+
+
+def decode_matched(obj: object, asked: Match) -> Matched:
+    """A reply to `asked`: at most the blocks it asked about."""
+    _, mapping = _mapping(obj, (KIND_MATCHED,))
+    try:
+        matched = Matched(_field(mapping, "blocks"))  # type: ignore[arg-type]
+    except ValueError as exc:
+        raise RemoteProtocolError(f"invalid match reply: {exc}") from exc
+    if matched.blocks > len(asked.chain):
+        raise RemoteProtocolError(f"matched {matched.blocks} of {len(asked.chain)} blocks")
+    return matched
 
 
 def decode_providers(obj: object, root: int) -> Providers:

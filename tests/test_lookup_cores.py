@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from peer.engine.radix import RadixCache
 from peer.interest import Interest, Lookups
 from peer.neighbourhood import ring_position
 from peer.providers import (
@@ -21,6 +22,7 @@ from peer.providers import (
     ProviderIndex,
     RootAnnouncer,
 )
+from protocols.blocks import BlockHasher
 from protocols.errors import RemoteProtocolError
 from protocols.framing import FrameDecoder, encode_cbor, encode_frame
 from protocols.roots import (
@@ -28,10 +30,13 @@ from protocols.roots import (
     Ack,
     Announce,
     Find,
+    Match,
+    Matched,
     Providers,
     SummaryQuery,
     SummaryReply,
     decode_ack,
+    decode_matched,
     decode_providers,
     decode_request,
     decode_summary_reply,
@@ -233,25 +238,43 @@ def test_announcer_batches_per_home_moves_roots_and_resends_after_a_failure() ->
 # -- Lookups (the entry peer) -------------------------------------------------------------
 
 
-def test_lookups_only_when_nobody_heard_holds_the_root_and_spaced() -> None:
+def test_lookups_unless_the_root_is_here_or_the_whole_prompt_is_heard_and_spaced() -> None:
     lookups = Lookups(Interest(4, lookup_gap_s=2.0), random.Random(1))
-    assert not lookups.wanted(7, local_blocks=1, heard_blocks=0, now=0.0)
-    assert not lookups.wanted(7, local_blocks=0, heard_blocks=2, now=0.0)
-    assert lookups.wanted(7, 0, 0, 0.0)
-    assert not lookups.wanted(7, 0, 0, 1.0)  # within the gap
-    assert lookups.wanted(7, 0, 0, 2.0)
+    assert not lookups.wanted(7, local_blocks=1, heard_blocks=0, chain_blocks=5, now=0.0)
+    assert not lookups.wanted(7, local_blocks=0, heard_blocks=5, chain_blocks=5, now=0.0)
+    assert lookups.wanted(7, 0, 4, 5, 0.0)  # a heard peer holds part: another may hold more
+    assert not lookups.wanted(7, 0, 0, 5, 1.0)  # within the gap
+    assert lookups.wanted(7, 0, 0, 5, 2.0)
 
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.sampled_from(PEERS), max_size=16), st.sets(st.sampled_from(PEERS)),
        st.integers(0, 1000))
-def test_holders_asked_are_few_distinct_and_not_heard_already(
+def test_holders_probed_are_few_distinct_and_not_heard_already(
     providers: list[str], heard: set[str], seed: int
 ) -> None:
+    lookups = Lookups(Interest(8), random.Random(seed), probes_per_lookup=4)
+    probed = lookups.holders_to_probe(providers, heard)
+    assert len(probed) == len(set(probed)) == min(4, len(set(providers) - heard))
+    assert set(probed) <= set(providers) - heard
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.dictionaries(st.sampled_from(PEERS), st.integers(0, 20)), st.integers(0, 20),
+       st.integers(0, 1000))
+def test_the_longest_matches_beyond_what_is_heard_are_asked_for_summaries(
+    matches: dict[str, int], heard: int, seed: int
+) -> None:
     lookups = Lookups(Interest(8), random.Random(seed), providers_per_lookup=2)
-    asked = lookups.holders_to_ask(providers, heard)
-    assert len(asked) == len(set(asked)) == min(2, len(set(providers) - heard))
-    assert set(asked) <= set(providers) - heard
+    asked = lookups.holders_to_ask(matches, heard)
+    better = sorted((m for m in matches.values() if m > heard), reverse=True)
+    assert sorted((matches[p] for p in asked), reverse=True) == better[:2]
+    assert len(set(asked)) == len(asked)
+
+
+def test_lookup_settings_are_checked() -> None:
+    with pytest.raises(ValueError):
+        Lookups(Interest(8), random.Random(0), providers_per_lookup=3, probes_per_lookup=2)
 
 
 def test_only_holders_whose_summary_shows_the_root_are_heard() -> None:
@@ -290,14 +313,43 @@ def test_interest_lookups_are_spaced_per_root_and_useful_peers_stay() -> None:
     assert not Interest(0).should_lookup(1, 0.0)  # no room: never look up
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(1, 5), st.integers(0, 99)),
+                min_size=1, max_size=12), st.integers(4, 40))
+def test_a_holder_matches_a_chain_by_hash_as_its_cache_matches_tokens(
+    prompts: list[tuple[int, int, int]], capacity: int
+) -> None:
+    """What a Match answers (the walk by block hash) is what the cache holds of those
+    tokens; private (salted) blocks are never matched."""
+    hasher = BlockHasher("m", 4)
+    cache: RadixCache[None] = RadixCache(4, capacity, hasher)
+
+    def tokens(prefix: int, blocks: int, seed: int) -> list[int]:
+        rng = random.Random(seed)
+        return [prefix] * 8 + [rng.randrange(50) for _ in range(4 * blocks)]
+
+    for i, p in enumerate(prompts):
+        need = cache.num_blocks + len(tokens(*p)) // 4 - capacity
+        if need > 0:
+            cache.evict(need)
+        cache.insert(tokens(*p), lambda _b: None, float(i))
+    for p in prompts:
+        t = tokens(*p)
+        assert cache.match_hashes(hasher.chain(t)) == cache.peek(t) // 4
+    private: RadixCache[None] = RadixCache(4, 64, hasher)
+    t = tokens(*prompts[0])
+    private.insert(t, lambda _b: None, 0.0, salt=b"secret")
+    assert private.match_hashes(hasher.chain(t)) == 0
+
+
 # -- protocols/roots.py ---------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
     "message",
-    [Announce((1, 2**64 - 1), (3,)), Find(5), SummaryQuery()],
+    [Announce((1, 2**64 - 1), (3,)), Find(5), Match((4, 5, 6)), SummaryQuery()],
 )
-def test_requests_round_trip(message: Announce | Find | SummaryQuery) -> None:
+def test_requests_round_trip(message: Announce | Find | Match | SummaryQuery) -> None:
     decoder = FrameDecoder()
     decoder.feed(encode_frame(message.to_wire()))
     assert decode_request(decoder.next_frame()) == message
@@ -310,6 +362,8 @@ def test_replies_round_trip_and_wrong_ones_are_refused() -> None:
     dup = {**providers.to_wire(), "peers": ["a1", "a1", "b2"], "extra": 1}  # unknown key ok
     assert decode_providers(dup, 9) == providers
     assert decode_summary_reply(SummaryReply(b"xyz").to_wire()).data == b"xyz"
+    asked = Match((1, 2, 3))
+    assert decode_matched(Matched(2).to_wire(), asked) == Matched(2)
     seventeen = [f"p{i}" for i in range(17)]
     bad = [
         (lambda: decode_providers(providers.to_wire(), 8)),  # not the root asked about
@@ -323,6 +377,9 @@ def test_replies_round_trip_and_wrong_ones_are_refused() -> None:
         (lambda: decode_request({"t": "find", "v": 1, "root": True})),
         (lambda: decode_request({"t": "find", "v": 1})),
         (lambda: decode_request([1, 2])),
+        (lambda: decode_request({"t": "match", "v": 1, "chain": [0] * 513})),
+        (lambda: decode_request({"t": "match", "v": 1, "chain": 7})),
+        (lambda: decode_matched(Matched(4).to_wire(), asked)),  # more than it was asked
     ]
     for call in bad:
         with pytest.raises(RemoteProtocolError):
@@ -339,7 +396,8 @@ cbor_values = st.recursive(
                                        "data", "x"]), inner, max_size=5),
     max_leaves=12,
 )  # fmt: skip
-kinds = st.sampled_from(["announce", "find", "summary_query", "ack", "providers", "summary"])
+kinds = st.sampled_from(["announce", "find", "match", "summary_query", "ack", "providers",
+                         "matched", "summary"])
 
 
 @settings(max_examples=300, deadline=None)
@@ -357,12 +415,14 @@ def test_decoders_either_return_a_message_or_raise_remote_protocol_error(
         except (RemoteProtocolError, ValueError):
             return
     for decode in (decode_request, decode_ack, lambda v: decode_providers(v, 5),
-                   decode_summary_reply):
+                   lambda v: decode_matched(v, Match((1, 2))), decode_summary_reply):
         try:
             message = decode(value)
         except RemoteProtocolError:
             continue
-        assert isinstance(message, (Announce, Find, SummaryQuery, Ack, Providers, SummaryReply))
+        assert isinstance(
+            message, (Announce, Find, Match, SummaryQuery, Ack, Providers, Matched, SummaryReply)
+        )
 
 
 def test_constants_hold_together() -> None:

@@ -171,6 +171,11 @@ def _prompt(seed: int, blocks: int = 4) -> list[int]:
     return [rng.randrange(100, 40000) for _ in range(BS * blocks)]
 
 
+async def _route(entry: _Node, prompt: list[int], deadline: float) -> None:
+    """What the pipeline does before ranking a request."""
+    await entry.lookup.before_route(prompt, entry.engine.hasher.chain(prompt), deadline)
+
+
 def _homes(nodes: list[_Node], prompt: list[int]) -> tuple[str, ...]:
     ring = HomeRing()
     ring.update(n.peer_id for n in nodes)
@@ -192,7 +197,7 @@ async def test_an_entry_finds_a_holder_it_does_not_hear_and_keeps_hearing_it(
             holder.peer_id
         ]
     start = trio.current_time()
-    await entry.lookup.before_route(prompt, start + 10.0)
+    await _route(entry, prompt, start + 10.0)
     assert trio.current_time() == start  # in memory: no round trip takes time
     chain = entry.engine.hasher.chain(prompt)
     assert entry.table.estimate_match(holder.peer_id, chain) == 4
@@ -201,8 +206,9 @@ async def test_an_entry_finds_a_holder_it_does_not_hear_and_keeps_hearing_it(
     assert entry.gossip.heard == {holder.peer_id} == entry.lookups_members()
     stats = entry.lookup.statistics()
     assert (stats["lookups"], stats["summaries_fetched"], stats["interest_joined"]) == (1, 1, 1)
+    assert holder.lookup.statistics()["matches_answered"] == 1  # asked, then its summary
     # the holder is heard now: the same root is not looked up again
-    await entry.lookup.before_route(prompt, trio.current_time() + 10.0)
+    await _route(entry, prompt, trio.current_time() + 10.0)
     assert entry.lookup.statistics()["lookups"] == 1
     # the holder evicts the root: the withdrawal reaches the homes with its next
     # announcement there, at the latest a refresh period later
@@ -222,13 +228,13 @@ async def test_a_stalled_home_costs_the_budget_and_no_more(
     net.stalling |= {n.peer_id for n in nodes[1:]}
     elsewhere = [s for s in range(100) if entry.peer_id not in _homes(nodes, _prompt(s))]
     start = trio.current_time()
-    await entry.lookup.before_route(_prompt(elsewhere[0]), start + 10.0)
+    await _route(entry, _prompt(elsewhere[0]), start + 10.0)
     assert trio.current_time() == start + DEFAULT_LOOKUP_WAIT_S
     assert entry.lookup.statistics()["lookups_out_of_time"] == 1
     start = trio.current_time()
-    await entry.lookup.before_route(_prompt(elsewhere[1]), start + 0.1)  # the deadline first
+    await _route(entry, _prompt(elsewhere[1]), start + 0.1)  # the deadline first
     assert trio.current_time() == start + 0.1
-    await entry.lookup.before_route(_prompt(elsewhere[2])[: BS - 1], start + 10.0)  # no block
+    await _route(entry, _prompt(elsewhere[2])[: BS - 1], start + 10.0)  # no block
     assert entry.lookup.statistics()["lookups"] == 2
 
 
@@ -247,7 +253,7 @@ async def test_a_home_of_the_previous_version_is_refused_and_skipped(
     root = holder.engine.hasher.chain(prompt[:BS])[0]
     assert old.peer_id not in holder.lookup.ring.homes(root, trio.current_time())
     await holder.publish()  # the next summary re-homes the roots the old peer missed
-    await entry.lookup.before_route(prompt, trio.current_time() + 10.0)
+    await _route(entry, prompt, trio.current_time() + 10.0)
     stats = entry.lookup.statistics()
     assert stats["finds_failed"] == 1  # asked the old peer first, then the next home
     assert entry.gossip.heard == {holder.peer_id}
@@ -263,11 +269,13 @@ async def test_a_provider_record_is_a_claim_and_a_summary_must_be_the_senders(
     root = holder.engine.hasher.chain(prompt[:BS])[0]
     liar.gossip.summary = liar.summary_of(liar.peer_id)  # an honest summary without the root
     impostor.gossip.summary = holder.summary_of(holder.peer_id)  # someone else's summary
+    for node in (liar, impostor):  # both claim to hold the whole prompt
+        node.engine.cache.match_hashes = len  # type: ignore[method-assign]
     now = trio.current_time()
     for home in _homes(nodes, prompt):  # a home says they hold it (only a claim)
         net.nodes[home].lookup.index.announce(root, liar.peer_id, now)
         net.nodes[home].lookup.index.announce(root, impostor.peer_id, now)
-    await entry.lookup.before_route(prompt, now + 10.0)
+    await _route(entry, prompt, now + 10.0)
     stats = entry.lookup.statistics()
     assert stats["summaries_fetched"] == 1  # the liar's, applied: it shows no root
     assert stats["summaries_rejected_identity"] == 1  # the impostor's summary names another

@@ -38,13 +38,15 @@ What is modelled, and how (every number is a field of SimParams or Calibration):
   `RootAnnouncer` (peer/providers.py) tells the home peers of the roots its summary
   covers (`HomeRing`: the 2 nearest on the ring, every peer's id known) what it now
   holds and no longer holds, refreshing each root every ANNOUNCE_REFRESH_S; each home
-  keeps a `ProviderIndex`. An entry peer asked for a root that neither it nor any peer
-  it hears holds (`Lookups.wanted`, peer/interest.py) asks the root's first home
-  (`lookup_rtts` round trips; none when it is its own home), asks `lookup_providers`
-  holders drawn at random from the records for their summary (a stream and a query
-  each, in parallel; the reply is the holder's last published summary), applies them
-  and keeps hearing those whose summary shows the root in its bounded `Interest`. The
-  request waits, at most `lookup_wait_s` (then it is routed with what arrived).
+  keeps a `ProviderIndex`. An entry peer asked for a prompt whose root it does not
+  hold, and whose whole chain no peer it hears holds (`Lookups.wanted`,
+  peer/interest.py), asks the root's first home (`lookup_rtts` round trips; none when
+  it is its own home), asks `lookup_probes` holders drawn at random from the records
+  how much of the chain they hold (`RadixCache.match_hashes`), asks the best
+  `lookup_providers` of those that beat what it hears for their summary (a stream and a
+  query each, in parallel; the reply is the holder's last published summary), applies
+  them and keeps hearing those whose summary shows the root in its bounded `Interest`.
+  The request waits, at most `lookup_wait_s` (then it is routed with what arrived).
   Messages are counted as the live peer sends them (a request and its reply, each
   received once), with their frame sizes from protocols/roots.py.
   Received summaries are applied with `PeerTable.apply` (which holds at most MAX_PEERS).
@@ -91,7 +93,17 @@ from protocols.blocks import BlockHasher
 from protocols.bloom import BloomFilter, ProbeCache
 from protocols.framing import encode_frame
 from protocols.load import LoadReport
-from protocols.roots import Ack, Announce, Find, Providers, SummaryQuery, SummaryReply
+from protocols.roots import (
+    MAX_MATCH_BLOCKS,
+    Ack,
+    Announce,
+    Find,
+    Match,
+    Matched,
+    Providers,
+    SummaryQuery,
+    SummaryReply,
+)
 from protocols.summary import CacheSummary, encode_summary
 
 _SUMMARY_QUERY_BYTES = len(encode_frame(SummaryQuery().to_wire()))
@@ -168,6 +180,7 @@ class _Peer:
             Interest(params.gossip_interest, params.summary_interval_s),
             lookup_rng,
             params.lookup_providers,
+            params.lookup_probes,
         )
         self.announcer = RootAnnouncer()
         cal = params.calibration_of(idx)
@@ -400,36 +413,52 @@ class Simulator:
         self._push(now + wait + delay, _DELIVER, target, job)
 
     def _lookup(self, entry: _Peer, job: _Job, now: float) -> float:
-        """Ring mode: look up the prompt's root when no peer the entry hears holds it;
-        listen to a few holders from now on. Returns the seconds the request waited."""
+        """Ring mode: look up the prompt's root unless the entry holds it or hears a peer
+        that holds the whole prompt; listen to the best holders found from now on.
+        Returns the seconds the request waited."""
         bs = self.params.block_size
         local = entry.cache.peek(job.tokens) // bs
         if local:
             return 0.0
         self._catch_up(entry)
         root = job.chain[0]
-        rows = entry.table.routing_rows(job.chain[:1], now)
+        rows = entry.table.routing_rows(job.chain, now)
         heard = max((row.match_blocks for row in rows), default=0)
-        if not entry.lookups.wanted(root, local, heard, now):
+        if not entry.lookups.wanted(root, local, heard, len(job.chain), now):
             return 0.0
         self._lookups += 1
+        budget = self.params.lookup_wait_s
         home = self._index[self._homes.homes(root, now)[0]]
         index = self._home_index.get(home)
         found = index.providers(root, now) if index is not None else []
         wait = 0.0
         if home != entry.idx:  # one stream to the home: Find, then Providers
             self._count_exchange(Find(root), Providers(root, tuple(found)))
-            wait = sum(self._one_way() + self._one_way() for _ in range(self.params.lookup_rtts))
-            if wait >= self.params.lookup_wait_s:
-                return self.params.lookup_wait_s
+            wait = self._round_trips(self.params.lookup_rtts)
+            if wait >= budget:
+                return budget
         hood = [self.peers[i].peer_id for i in entry.neighbours]
-        chosen = entry.lookups.holders_to_ask(found, {entry.peer_id, *hood})
+        probed = entry.lookups.holders_to_probe(found, {entry.peer_id, *hood})
+        if not probed:
+            return wait
+        # one stream per holder, in parallel: Match, then Matched
+        trips = self.params.stream_setup_rtts + 1
+        match = Match(tuple(job.chain[:MAX_MATCH_BLOCKS]))
+        matches = {}
+        latest = wait
+        for peer_id in probed:
+            at = wait + self._round_trips(trips)
+            latest = max(latest, at)
+            blocks = self.peers[self._index[peer_id]].cache.match_hashes(match.chain)
+            self._count_exchange(match, Matched(blocks))
+            if at <= budget:
+                matches[peer_id] = blocks
+        wait = min(budget, latest)
+        chosen = entry.lookups.holders_to_ask(matches, heard)
         if not chosen:
             return wait
         # one stream per holder, in parallel: SummaryQuery, then the last summary it published
-        trips = self.params.stream_setup_rtts + 1
-        answers = [(wait + sum(self._one_way() + self._one_way() for _ in range(trips)), p)
-                   for p in chosen]
+        answers = [(wait + self._round_trips(trips), p) for p in chosen]
         applied = self._applied_seq[entry.idx]
         answered = []
         for at, peer_id in answers:
@@ -437,13 +466,13 @@ class Simulator:
             summary = self._latest[source]
             self._received += 2
             self._received_bytes += _SUMMARY_QUERY_BYTES + self._reply_bytes[source]
-            if at > self.params.lookup_wait_s:
+            if at > budget:
                 continue  # the request goes on without it
             answered.append(peer_id)
             if summary is not None and entry.table.apply(summary, peer_id, now).accepted:
                 applied[source] = summary.seq
                 self._summaries_applied += 1
-        wait = min(self.params.lookup_wait_s, max(at for at, _ in answers))
+        wait = min(budget, max(at for at, _ in answers))
         change = entry.lookups.admit(
             answered,
             lambda p: entry.table.estimate_match(p, job.chain[:1]) >= 1,
@@ -460,6 +489,9 @@ class Simulator:
             self._audience[source].append(entry.idx)
             self._sources[entry.idx].append(source)
         return wait
+
+    def _round_trips(self, n: int) -> float:
+        return sum(self._one_way() + self._one_way() for _ in range(n))
 
     def _count_exchange(self, request: Any, reply: Any) -> None:
         """A request and its reply on one stream (protocols/roots.py), each received once."""

@@ -20,7 +20,11 @@ from peer.config import (
     Policy,
 )
 from peer.engine.scheduler import DEFAULT_MAX_RUNNING, DEFAULT_STEP_TOKENS
-from peer.interest import DEFAULT_INTEREST_PEERS, DEFAULT_PROVIDERS_PER_LOOKUP
+from peer.interest import (
+    DEFAULT_INTEREST_PEERS,
+    DEFAULT_PROBES_PER_LOOKUP,
+    DEFAULT_PROVIDERS_PER_LOOKUP,
+)
 from peer.publish_policy import bloom_shape
 from peer.ranking import ROUND_TRIPS_PER_FORWARD
 from protocols.bloom import BLOCK_BITS, BloomFilter
@@ -53,7 +57,8 @@ class SimParams:
     gossip_mode: str = GossipMode.FULL.value  # `full` flooding or `ring` neighbourhoods
     gossip_neighbours: int = DEFAULT_GOSSIP_NEIGHBOURS  # ring mode: peers each one hears
     gossip_interest: int = DEFAULT_INTEREST_PEERS  # ring mode: extra peers heard on demand
-    lookup_providers: int = DEFAULT_PROVIDERS_PER_LOOKUP  # ring mode: holders probed
+    lookup_probes: int = DEFAULT_PROBES_PER_LOOKUP  # ring mode: holders asked for a match
+    lookup_providers: int = DEFAULT_PROVIDERS_PER_LOOKUP  # ring mode: ... then a summary
     # ring mode: round trips of a lookup at a root's home peer (peer/lookup.py: a stream's
     # negotiation, then the query), before the holders are asked for their summaries
     lookup_rtts: int = ROUND_TRIPS_PER_FORWARD
