@@ -40,8 +40,8 @@ DEFAULT_LOAD_PROBES = 2  # candidates asked for their load now before forwarding
 DEFAULT_LOAD_PROBE_WAIT_S = 0.25  # never hold a request longer for fresh load
 MAX_LOAD_PROBES = 8  # each probe is a stream opened on a peer that is busy already
 # Gossip mode ring: the longest a request waits for a lookup beyond the ring (the home's
-# answer, then the holders' summaries; peer/lookup.py), then it is routed with what
-# arrived. A lookup is ~4 round trips on two streams: ~20 ms at 5 ms one way.
+# answer, the holders' matches, then the best ones' summaries; peer/lookup.py), then it
+# is routed with what arrived. A lookup is 6 round trips on three streams: ~60 ms at 5 ms one way.
 DEFAULT_LOOKUP_WAIT_S = 0.25
 MAX_LOOKUP_WAIT_S = 10.0
 # Backoff 0.25 s doubling: ~7 dials in 30 s, enough for a peer that is still starting.
