@@ -19,7 +19,7 @@ from protocols.ids import ROOTS_PROTOCOL
 from tests.helpers_swarm import start_peer, wait_until
 from tests.test_pipeline import config, reference, tokens
 
-PEERS = 6
+PEERS = 5
 NEIGHBOURS = 2
 
 
@@ -30,7 +30,7 @@ async def test_an_entry_peer_finds_a_holder_beyond_its_ring_and_routes_there(
         ring_config = dataclasses.replace(
             config(), gossip_mode=GossipMode.RING, gossip_neighbours=NEIGHBOURS,
             policy=Policy.COST,
-            lookup_wait_s=2.0,  # six peers in one process on a shared CPU: streams take
+            lookup_wait_s=2.0,  # five peers in one process on a shared CPU: streams take
             #   ~0.1 s here, not the few ms of an idle loopback
         )
         first = await start_peer(nursery, ring_config, tiny_engine_factory())
@@ -62,7 +62,7 @@ async def test_an_entry_peer_finds_a_holder_beyond_its_ring_and_routes_there(
             s for s in range(10_000)
             if ring.homes(hasher.chain(tokens(16, s))[0], 0.0)[0] == old.peer_id
         )
-        prefix = tokens(16, seed) + tokens(624, seed + 1)  # 40 blocks, the root ground above
+        prefix = tokens(16, seed) + tokens(304, seed + 1)  # 20 blocks, the root ground above
         prompt = prefix + tokens(20, seed + 2)
         root = hasher.chain(prefix[:16])[0]
         await holder.engine.generate(prefix + tokens(9, seed + 3), SamplingParams(max_new_tokens=1))
