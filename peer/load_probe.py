@@ -13,7 +13,6 @@ reset each). It runs in libp2p's handler task, which its deadline bounds.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections import Counter
 from collections.abc import Callable
@@ -25,7 +24,7 @@ from libp2p.peer.id import ID
 
 from peer.host import PeerUnreachable
 from peer.probing import ProbeRound
-from peer.streams import StreamRefused, read_frame, reset_quietly
+from peer.streams import BoundedAnswers, StreamRefused, read_frame, reset_quietly
 from protocols.errors import RemoteProtocolError
 from protocols.framing import encode_frame
 from protocols.ids import LOAD_PROTOCOL
@@ -85,35 +84,25 @@ class LoadService:
 
     def __init__(self, engine: Any) -> None:
         self._engine = engine
-        self._answering = 0
         self.stats: Counter[str] = Counter()
+        self._answers = BoundedAnswers(
+            "load_queries", MAX_ANSWERING, LOAD_ANSWER_TIMEOUT_S, self.stats
+        )
 
     async def handle_stream(self, stream: Any) -> None:
         """libp2p's stream handler: one query, one report, within the deadline."""
-        if self._answering >= MAX_ANSWERING:
-            self.stats["load_queries_refused"] += 1
-            await reset_quietly(stream)
-            return
-        self._answering += 1
-        try:
-            with trio.fail_after(LOAD_ANSWER_TIMEOUT_S):
-                decode_load_query(await read_frame(stream, MAX_LOAD_FRAME_BYTES))
-                load = self._engine.load()
-                report = LoadReport(
-                    queued_prompt_tokens=load.queued_prompt_tokens,
-                    running_requests=load.running_requests,
-                    waiting_requests=getattr(load, "waiting_requests", 0),
-                )
-                await stream.write(encode_frame(report.to_wire()))
-                self.stats["load_queries_answered"] += 1
-                with contextlib.suppress(BaseLibp2pError):
-                    await stream.close()
-        except (trio.TooSlowError, RemoteProtocolError, StreamRefused, BaseLibp2pError) as exc:
-            self.stats["load_queries_bad"] += 1
-            logger.debug("load query: %s", exc)
-            await reset_quietly(stream)
-        finally:
-            self._answering -= 1
+        await self._answers.answer(stream, self._respond)
+
+    async def _respond(self, stream: Any) -> None:
+        decode_load_query(await read_frame(stream, MAX_LOAD_FRAME_BYTES))
+        load = self._engine.load()
+        report = LoadReport(
+            queued_prompt_tokens=load.queued_prompt_tokens,
+            running_requests=load.running_requests,
+            waiting_requests=getattr(load, "waiting_requests", 0),
+        )
+        await stream.write(encode_frame(report.to_wire()))
+        self.stats["load_queries_answered"] += 1
 
     def serve(self, host: Any) -> None:
         """Register the handler on the libp2p host."""

@@ -26,7 +26,6 @@ Three jobs, each deciding in a pure core and doing only the I/O here:
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import random
 from collections import Counter
@@ -42,7 +41,7 @@ from peer.host import PeerUnreachable
 from peer.interest import DEFAULT_INTEREST_PEERS, Interest, Lookups
 from peer.peer_table import PeerTable, Verdict
 from peer.providers import Announcement, HomeRing, ProviderIndex, RootAnnouncer
-from peer.streams import StreamRefused, read_frame_sized, reset_quietly
+from peer.streams import BoundedAnswers, StreamRefused, read_frame_sized, reset_quietly
 from protocols.errors import RemoteProtocolError
 from protocols.framing import encode_frame
 from protocols.ids import ROOTS_PROTOCOL
@@ -138,9 +137,9 @@ class RootLookup:
         self.lookups = Lookups(Interest(interest_peers, interval_s), rng)
         self._roots: list[int] = []
         self._published = trio.Event()
-        self._answering = 0
         self._announcing = trio.CapacityLimiter(MAX_ANNOUNCING)
         self.stats: Counter[str] = Counter()
+        self._answers = BoundedAnswers("requests", MAX_ANSWERING, ANSWER_TIMEOUT_S, self.stats)
 
     def serve(self, libp2p_host: Any) -> None:
         """Register the handler on the libp2p host."""
@@ -228,28 +227,16 @@ class RootLookup:
 
     async def handle_stream(self, stream: Any) -> None:
         """libp2p's stream handler: one request, one reply, within ANSWER_TIMEOUT_S."""
-        if self._answering >= MAX_ANSWERING:
-            self.stats["requests_refused"] += 1
-            await reset_quietly(stream)
-            return
-        self._answering += 1
-        try:
-            remote = stream.muxed_conn.peer_id.to_base58()
-            with trio.fail_after(ANSWER_TIMEOUT_S):
-                frame, size = await read_frame_sized(stream, MAX_REQUEST_FRAME_BYTES)
-                self.stats["bytes_in"] += size
-                reply = self._reply(decode_request(frame), remote)
-                data = encode_frame(reply.to_wire(), MAX_REPLY_FRAME_BYTES)
-                await stream.write(data)
-                self.stats["bytes_out"] += len(data)
-                with contextlib.suppress(BaseLibp2pError):
-                    await stream.close()
-        except (trio.TooSlowError, RemoteProtocolError, StreamRefused, BaseLibp2pError) as exc:
-            self.stats["requests_bad"] += 1
-            logger.debug("roots request: %s", exc)
-            await reset_quietly(stream)
-        finally:
-            self._answering -= 1
+        await self._answers.answer(stream, self._respond)
+
+    async def _respond(self, stream: Any) -> None:
+        remote = stream.muxed_conn.peer_id.to_base58()
+        frame, size = await read_frame_sized(stream, MAX_REQUEST_FRAME_BYTES)
+        self.stats["bytes_in"] += size
+        reply = self._reply(decode_request(frame), remote)
+        data = encode_frame(reply.to_wire(), MAX_REPLY_FRAME_BYTES)
+        await stream.write(data)
+        self.stats["bytes_out"] += len(data)
 
     # -- entry ----------------------------------------------------------------------
 

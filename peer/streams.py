@@ -4,20 +4,34 @@
 (`read_frame_sized` also says how many bytes it read); `StreamRefused` says the stream
 ended or failed before one arrived. `reset_quietly` resets a stream within a second,
 whatever state it is in. Neither sets a deadline: the caller's `trio.fail_after` bounds
-the wait (STYLE.md item 6).
+the wait (STYLE.md item 6). `BoundedAnswers` is the answering side's frame: at most
+`limit` answers at once (beyond, a reset), each within `timeout_s`, a bad one reset.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
+from collections import Counter
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
 from libp2p.exceptions import BaseLibp2pError
 
+from protocols.errors import RemoteProtocolError
 from protocols.framing import FrameDecoder
 
-__all__ = ["READ_BYTES", "StreamRefused", "read_frame", "read_frame_sized", "reset_quietly"]
+__all__ = [
+    "READ_BYTES",
+    "BoundedAnswers",
+    "StreamRefused",
+    "read_frame",
+    "read_frame_sized",
+    "reset_quietly",
+]
+
+logger = logging.getLogger(__name__)
 
 READ_BYTES = 65536  # one read: a whole small frame, or a large one in a few reads
 RESET_TIMEOUT_S = 1.0  # a reset is one small write; a stalled peer must not hold us
@@ -57,3 +71,36 @@ async def reset_quietly(stream: Any) -> None:
         scope.shield = True
         with contextlib.suppress(BaseLibp2pError):
             await stream.reset()
+
+
+class BoundedAnswers:
+    """Runs one-request stream handlers: at most `limit` at once (a flood costs a reset
+    each), each within `timeout_s`; a bad or late request is reset. Counts
+    `<name>_refused` and `<name>_bad` in `stats`."""
+
+    def __init__(self, name: str, limit: int, timeout_s: float, stats: Counter[str]) -> None:
+        self._name = name
+        self._limit = limit
+        self._timeout_s = timeout_s
+        self._stats = stats
+        self._answering = 0
+
+    async def answer(self, stream: Any, respond: Callable[[Any], Awaitable[None]]) -> None:
+        """`respond(stream)` reads the request and writes the reply; then the stream is
+        closed (or reset, on any error from the other side or the deadline)."""
+        if self._answering >= self._limit:
+            self._stats[f"{self._name}_refused"] += 1
+            await reset_quietly(stream)
+            return
+        self._answering += 1
+        try:
+            with trio.fail_after(self._timeout_s):
+                await respond(stream)
+                with contextlib.suppress(BaseLibp2pError):
+                    await stream.close()
+        except (trio.TooSlowError, RemoteProtocolError, StreamRefused, BaseLibp2pError) as exc:
+            self._stats[f"{self._name}_bad"] += 1
+            logger.debug("%s: %s", self._name, exc)
+            await reset_quietly(stream)
+        finally:
+            self._answering -= 1

@@ -104,6 +104,11 @@ def _check_roots(name: str, roots: Sequence[int]) -> tuple[int, ...]:
     return tuple(roots)
 
 
+def _check_count(name: str, value: object, high: int) -> None:
+    if type(value) is not int or not 0 <= value <= high:
+        raise ValueError(f"{name} must be in [0, {high}], got {value!r}")
+
+
 def _check_root(root: object) -> int:
     if type(root) is not int or not 0 <= root <= _MAX_ROOT:
         raise ValueError(f"a root is a 64-bit unsigned int, got {root!r}")
@@ -136,8 +141,7 @@ class Ack:
     kept: int
 
     def __post_init__(self) -> None:
-        if type(self.kept) is not int or not 0 <= self.kept <= MAX_ROOTS_PER_ANNOUNCE:
-            raise ValueError(f"kept must be in [0, {MAX_ROOTS_PER_ANNOUNCE}], got {self.kept!r}")
+        _check_count("kept", self.kept, MAX_ROOTS_PER_ANNOUNCE)
 
     def to_wire(self) -> dict[str, object]:
         return {**_header(KIND_ACK), "kept": self.kept}
@@ -200,8 +204,7 @@ class Matched:
     blocks: int
 
     def __post_init__(self) -> None:
-        if type(self.blocks) is not int or not 0 <= self.blocks <= MAX_MATCH_BLOCKS:
-            raise ValueError(f"blocks must be in [0, {MAX_MATCH_BLOCKS}], got {self.blocks!r}")
+        _check_count("blocks", self.blocks, MAX_MATCH_BLOCKS)
 
     def to_wire(self) -> dict[str, object]:
         return {**_header(KIND_MATCHED), "blocks": self.blocks}
