@@ -36,7 +36,7 @@ lint: $(STAMP)
 	# protocols/ and every pure core (the strict modules of pyproject.toml's [tool.mypy])
 	$(BIN)/mypy protocols peer/router.py peer/ranking.py peer/peer_table.py peer/config.py \
 		peer/admission.py peer/bloom_sizing.py peer/publish_policy.py peer/neighbourhood.py \
-		peer/interest.py peer/demo_data.py peer/engine/radix.py \
+		peer/interest.py peer/providers.py peer/demo_data.py peer/engine/radix.py \
 		peer/engine/speeds.py peer/trust.py peer/request_log.py peer/settings.py \
 		peer/preflight.py peer/logs.py peer/version.py peer/progress.py peer/reach.py peer/punch.py \
 		peer/engine/scheduler.py peer/engine/api.py peer/engine/text.py peer/probing.py \
@@ -44,7 +44,7 @@ lint: $(STAMP)
 	# shells typed as strictly (pyproject's second strict override): the request path
 	$(BIN)/mypy peer/http.py peer/http_response.py peer/http_auth.py peer/serving.py \
 		peer/pipeline.py peer/race.py peer/forward.py peer/inference.py peer/load_probe.py \
-		peer/streams.py
+		peer/streams.py peer/stream_frames.py peer/lookup.py
 
 clean-venv:
 	rm -rf $(VENV)

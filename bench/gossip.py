@@ -22,9 +22,12 @@ What is measured, per peer process:
   `handler_cpu_share_per_peer` is only the time inside our publish/validate code
   (thread CPU time), a lower bound.
 - gossip_bytes_per_s_per_peer: summary payload bytes sent + received per second
-  (protobuf framing, signatures and relayed copies excluded). `wire_bytes_per_s_per_peer`
-  is all libp2p TCP traffic sent + received (after Noise and yamux; counted in
-  peer.host.count_wire_bytes), gossip run minus baseline run.
+  (protobuf framing, signatures and relayed copies excluded), plus in mode ring the
+  lookup protocol's frames (peer/lookup.py: announcements, finds, summary queries and
+  their replies); `summary_bytes_per_s_per_peer` and `lookup_bytes_per_s_per_peer` are
+  the two parts, `lookup_messages_per_s_per_peer` the lookup requests sent + answered.
+  `wire_bytes_per_s_per_peer` is all libp2p TCP traffic sent + received (after Noise and
+  yamux; counted in peer.host.count_wire_bytes), gossip run minus baseline run.
 - propagation delay: every runner logs (seq, wall time) when it publishes and
   (sender, seq, wall time) when it accepts another peer's summary; all run on this
   machine, so one clock. p50/p99 over all (summary, receiver) pairs in the window, and
@@ -77,11 +80,24 @@ def _rates(proc: PeerProcess, start: float, end: float) -> dict[str, float]:
     g0, g1 = first["stats"]["gossip"], last["stats"]["gossip"]
     io0 = p0["wire_sent"] + p0["wire_received"]
     io1 = p1["wire_sent"] + p1["wire_received"]
+    l0, l1 = first["stats"].get("lookup") or {}, last["stats"].get("lookup") or {}
+
+    def lookup_delta(*keys: str) -> float:
+        return float(sum(l1.get(k, 0) - l0.get(k, 0) for k in keys))
+
+    summary_bytes = g1["bytes_in"] + g1["bytes_out"] - g0["bytes_in"] - g0["bytes_out"]
+    lookup_bytes = lookup_delta("bytes_in", "bytes_out")
     return {
         "cpu_share": (p1["cpu_s"] - p0["cpu_s"]) / wall,
         "handler_cpu_share": (g1["cpu_s"] - g0["cpu_s"]) / wall,
-        "payload_bytes_per_s": (g1["bytes_in"] + g1["bytes_out"] - g0["bytes_in"] - g0["bytes_out"])
-        / wall,
+        "payload_bytes_per_s": (summary_bytes + lookup_bytes) / wall,
+        "summary_bytes_per_s": summary_bytes / wall,
+        "lookup_bytes_per_s": lookup_bytes / wall,
+        "lookup_messages_per_s": lookup_delta(
+            "requests_sent", "announcements_answered", "finds_answered",
+            "summary_queries_answered",
+        ) / wall,
+        "lookups_per_s": lookup_delta("lookups") / wall,
         "wire_bytes_per_s": (io1 - io0) / wall,
         "published_per_s": (g1["published"] - g0["published"]) / wall,
         "rejected": float(g1["rejected_total"]),
@@ -265,6 +281,13 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                 "interval_s": args.interval,
                 "gossip_bytes_per_s_per_peer": statistics.mean(
                     r["payload_bytes_per_s"] for r in rates),
+                "summary_bytes_per_s_per_peer": statistics.mean(
+                    r["summary_bytes_per_s"] for r in rates),
+                "lookup_bytes_per_s_per_peer": statistics.mean(
+                    r["lookup_bytes_per_s"] for r in rates),
+                "lookup_messages_per_s_per_peer": statistics.mean(
+                    r["lookup_messages_per_s"] for r in rates),
+                "lookups_per_s_per_peer": statistics.mean(r["lookups_per_s"] for r in rates),
                 "cpu_share_per_peer": statistics.mean(cpu),
                 "propagation_p50_s": prop["p50_s"],
                 "propagation_p99_s": prop["p99_s"],

@@ -92,6 +92,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                     help="--one: how summaries travel (full flooding or ring neighbourhoods)")
     ap.add_argument("--neighbours", type=int, default=SimParams.gossip_neighbours,
                     help="--one, ring mode: the peers each one hears")
+    ap.add_argument("--lookup-probes", type=int, default=SimParams.lookup_probes,
+                    help="--one, ring mode: holders asked how much of a prompt they hold "
+                    "per lookup (peer/interest.py)")
     ap.add_argument("--gossip-modes", help="scale sweep: comma-separated gossip modes "
                     "(default: full,ring)")
     ap.add_argument("--scale-peers", help="scale sweep: comma-separated swarm sizes "
@@ -156,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
                         summary_interval_s=args.interval_s or SimParams.summary_interval_s,
                         seed=args.seed,
                         capacity_blocks=args.capacity_blocks, calibration=cal,
-                        gossip_mode=args.gossip_mode, gossip_neighbours=args.neighbours, **probes)
+                        gossip_mode=args.gossip_mode, gossip_neighbours=args.neighbours,
+                        lookup_probes=args.lookup_probes, **probes)
         if args.regime != "cpu":
             sim = regime_sim(sim, regime(args.regime))
         base = Base(peers=args.peers, delay_ms=args.delay_ms, zipf_s=args.zipf_s,

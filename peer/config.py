@@ -39,6 +39,11 @@ DEFAULT_LOAD_PROBES = 2  # candidates asked for their load now before forwarding
 #   probing.py decides whether it pays); two choices already remove most herding
 DEFAULT_LOAD_PROBE_WAIT_S = 0.25  # never hold a request longer for fresh load
 MAX_LOAD_PROBES = 8  # each probe is a stream opened on a peer that is busy already
+# Gossip mode ring: the longest a request waits for a lookup beyond the ring (the home's
+# answer, the holders' matches, then the best ones' summaries; peer/lookup.py), then it
+# is routed with what arrived. A lookup is 6 round trips on three streams: ~60 ms at 5 ms one way.
+DEFAULT_LOOKUP_WAIT_S = 0.25
+MAX_LOOKUP_WAIT_S = 10.0
 # Backoff 0.25 s doubling: ~7 dials in 30 s, enough for a peer that is still starting.
 DEFAULT_BOOTSTRAP_TIMEOUT_S = 30.0
 
@@ -109,6 +114,7 @@ class PeerConfig:
     hedge_floor_s: float = DEFAULT_HEDGE_FLOOR_S
     load_probes: int = DEFAULT_LOAD_PROBES  # 0: rank on gossiped load only
     load_probe_wait_s: float = DEFAULT_LOAD_PROBE_WAIT_S
+    lookup_wait_s: float = DEFAULT_LOOKUP_WAIT_S  # gossip mode ring; 0: no lookup
     # Reach (peer/relay.py): relay for peers behind NAT when we are reachable (bounded
     # by peer.reach.RelayLimits); reserve relay slots when we are not. Both on by default.
     relay_service: bool = True
@@ -192,6 +198,10 @@ class PeerConfig:
             )
         if not 0 <= self.load_probe_wait_s <= 10.0:
             raise ValueError(f"load_probe_wait_s must be in [0, 10], got {self.load_probe_wait_s}")
+        if not 0 <= self.lookup_wait_s <= MAX_LOOKUP_WAIT_S:
+            raise ValueError(
+                f"lookup_wait_s must be in [0, {MAX_LOOKUP_WAIT_S}], got {self.lookup_wait_s}"
+            )
 
     @property
     def quarantine_path(self) -> Path | None:

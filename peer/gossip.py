@@ -15,6 +15,10 @@ Two gossip modes (peer.config.GossipMode; docs/protocol.md, "Gossip modes"):
   whatever the swarm's size. A ring peer still listens on the version-1 topic, so it
   understands peers of the previous version (they are in its table); it does not
   publish there, so they do not hear it (docs/protocol.md).
+  Beyond its neighbours a ring peer also listens to the extra peers its lookup chose
+  (peer/lookup.py `hear`): it subscribes to the topics of neighbours and extra peers
+  together, and forgets a peer once it is neither. After each publish, the roots the
+  summary covers go to the root listener (the lookup's announcer).
 
 Received summaries are checked inside pubsub's topic validator, so a rejected message
 is neither applied nor forwarded: size and schema (protocols.summary.decode_summary),
@@ -79,6 +83,7 @@ class CacheLike(Protocol):
     @property
     def capacity_blocks(self) -> int: ...
     def cached_hashes(self) -> Iterable[int]: ...
+    def root_hashes(self) -> list[int]: ...
     def drain_events(self) -> list[Any]: ...
 
 
@@ -161,8 +166,14 @@ class Gossip:
             else ring_topic(engine.model_id, self._peer_id_str)
         )
         self._neighbourhood = Neighbourhood(self._peer_id_str, neighbours)
-        # ring mode: neighbour id -> the cancel scope of its subscription's reader
+        # ring mode: the extra peers a lookup chose to hear (peer/lookup.py), and for
+        # each peer listened to (neighbours and extra ones) its reader's cancel scope
+        self._extra: frozenset[str] = frozenset()
         self._listening: dict[str, trio.CancelScope] = {}
+        self._reconciling = trio.Lock()
+        self._extra_changed = trio.Event()
+        self._on_roots: Callable[[list[int]], None] | None = None
+        self._last_data: bytes | None = None  # the last summary published, encoded
         self._interval_s = interval_s
         self._policy = PublishPolicy(interval_s)
         self._fp_rate = fp_rate
@@ -209,8 +220,39 @@ class Gossip:
 
     @property
     def neighbours(self) -> frozenset[str]:
-        """Ring mode: the peers whose summaries we subscribe to (empty in full mode)."""
+        """Ring mode: our ring neighbours, whose summaries we hear (empty in full mode)."""
         return self._neighbourhood.members
+
+    @property
+    def listening(self) -> frozenset[str]:
+        """Ring mode: every peer whose ring topic we are subscribed to now."""
+        return frozenset(self._listening)
+
+    def hear(self, extra: frozenset[str]) -> None:
+        """Ring mode: listen to these peers too, beyond the neighbours (a lookup's
+        Interest); peers dropped from the set are unsubscribed and forgotten."""
+        self._extra = frozenset(extra)
+        self._extra_changed.set()
+
+    def set_root_listener(self, on_roots: Callable[[list[int]], None] | None) -> None:
+        """Call `on_roots(roots)` after each publish with the prefix roots the summary
+        covers (RadixCache.root_hashes at build time)."""
+        self._on_roots = on_roots
+
+    def last_summary(self) -> bytes | None:
+        """The last summary published (wire bytes), or None before the first."""
+        return self._last_data
+
+    def ring_peers(self) -> list[str]:
+        """Connected peers subscribed to their own ring topic: the ring as we know it (a
+        version-1 peer is not on it; it is heard on the version-1 topic anyway)."""
+        topics = self._pubsub.peer_topics
+        known = []
+        for peer_id in list(self._pubsub.peers):
+            name = peer_id.to_base58()
+            if peer_id in topics.get(self._ring_topic(name), ()):
+                known.append(name)
+        return known
 
     def set_hooks(
         self,
@@ -234,6 +276,7 @@ class Gossip:
             **self._stats,
             "mode": self._mode.value,
             "neighbours": sorted(self._neighbourhood.members),
+            "extra_peers": sorted(self._extra),
             "mesh_peers": len(getattr(router, "mesh", {}).get(self._topic, ())),
             "topic_peers": len(self._pubsub.peer_topics.get(self._topic, ())),
             "rejected": dict(self._rejected),
@@ -254,6 +297,8 @@ class Gossip:
                     self._pubsub.set_topic_validator(topic, self._validator(owner), False)
                     nursery.start_soon(self._drain, await self._pubsub.subscribe(topic))
                 nursery.start_soon(self._publish_loop, nursery)
+                if self._mode is GossipMode.RING:
+                    nursery.start_soon(self._extra_loop, nursery)
                 task_status.started()
         finally:
             for topic in [*topics, *(self._ring_topic(p) for p in self._listening)]:
@@ -267,38 +312,41 @@ class Gossip:
 
     async def _update_neighbours(self, nursery: trio.Nursery) -> None:
         """Ring mode: re-choose the neighbourhood among the ring peers we are connected
-        to; listen to those who joined, stop listening to (and forget) those who left."""
-        # Ring peers are those subscribed to their own ring topic: a version-1 peer must
-        # not take a neighbour's place (it is heard on the version-1 topic anyway).
-        topics = self._pubsub.peer_topics
-        known = []
-        for peer_id in list(self._pubsub.peers):
-            name = peer_id.to_base58()
-            if peer_id in topics.get(self._ring_topic(name), ()):
-                known.append(name)
-        change = self._neighbourhood.update(known)
-        # (py-libp2p changes its local subscriptions before announcing them to every
-        # peer; a stalled announcement must not stop the publish loop)
-        for peer_id in change.removed:
-            self._stats["neighbours_left"] += 1
-            scope = self._listening.pop(peer_id, None)
-            if scope is not None:
-                scope.cancel()
-            topic = self._ring_topic(peer_id)
-            with trio.move_on_after(PUBLISH_TIMEOUT_S):
-                await self._pubsub.unsubscribe(topic)
-            self._pubsub.remove_topic_validator(topic)
-            self._table.remove(peer_id)  # no longer hears its summaries
-        for peer_id in change.added:
-            self._stats["neighbours_joined"] += 1
-            topic = self._ring_topic(peer_id)
-            self._pubsub.set_topic_validator(topic, self._validator(peer_id), False)
-            with trio.move_on_after(PUBLISH_TIMEOUT_S):
-                await self._pubsub.subscribe(topic)
-            subscription = await self._pubsub.subscribe(topic)  # subscribed: returns at once
-            scope = trio.CancelScope()
-            self._listening[peer_id] = scope
-            nursery.start_soon(self._drain_until_cancelled, subscription, scope)
+        to, then listen to who joined and stop listening to who left."""
+        change = self._neighbourhood.update(self.ring_peers())
+        self._stats["neighbours_left"] += len(change.removed)
+        self._stats["neighbours_joined"] += len(change.added)
+        await self._reconcile(nursery)
+
+    async def _extra_loop(self, nursery: trio.Nursery) -> None:
+        while True:
+            await self._extra_changed.wait()
+            self._extra_changed = trio.Event()
+            await self._reconcile(nursery)
+
+    async def _reconcile(self, nursery: trio.Nursery) -> None:
+        """Subscribe to the ring topics of neighbours and extra peers, and only those; a
+        peer we stop listening to is dropped from the table (its summaries stop)."""
+        async with self._reconciling:
+            wanted = self._neighbourhood.members | self._extra
+            # (py-libp2p changes its local subscriptions before announcing them to every
+            # peer; a stalled announcement must not stop the publish loop)
+            for peer_id in sorted(set(self._listening) - wanted):
+                self._listening.pop(peer_id).cancel()
+                topic = self._ring_topic(peer_id)
+                with trio.move_on_after(PUBLISH_TIMEOUT_S):
+                    await self._pubsub.unsubscribe(topic)
+                self._pubsub.remove_topic_validator(topic)
+                self._table.remove(peer_id)  # no longer hears its summaries
+            for peer_id in sorted(wanted - set(self._listening)):
+                topic = self._ring_topic(peer_id)
+                self._pubsub.set_topic_validator(topic, self._validator(peer_id), False)
+                with trio.move_on_after(PUBLISH_TIMEOUT_S):
+                    await self._pubsub.subscribe(topic)
+                subscription = await self._pubsub.subscribe(topic)  # subscribed: at once
+                scope = trio.CancelScope()
+                self._listening[peer_id] = scope
+                nursery.start_soon(self._drain_until_cancelled, subscription, scope)
 
     async def _drain_until_cancelled(self, subscription: Any, scope: trio.CancelScope) -> None:
         with scope:
@@ -387,6 +435,7 @@ class Gossip:
             bloom=self._current_bloom(),
         )
         data = encode_summary(summary)
+        roots = self._engine.cache.root_hashes() if self._on_roots is not None else []
         try:
             with trio.fail_after(PUBLISH_TIMEOUT_S):
                 await self._pubsub.publish(self._topic, data)
@@ -399,6 +448,9 @@ class Gossip:
         self._stats["published"] += 1
         self._stats["published_early"] += int(early)
         self._stats["bytes_out"] += len(data)
+        self._last_data = data
+        if self._on_roots is not None:
+            self._on_roots(roots)
         if self._on_published is not None:
             self._on_published(summary, time.time())
 

@@ -13,7 +13,6 @@ reset each). It runs in libp2p's handler task, which its deadline bounds.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections import Counter
 from collections.abc import Callable
@@ -27,9 +26,10 @@ from libp2p.peer.id import ID
 from peer.engine.api import EngineLoad
 from peer.host import PeerUnreachable
 from peer.probing import ProbeRound
+from peer.stream_frames import BoundedAnswers, StreamRefused, read_frame, reset_quietly
 from peer.streams import HandlerHost, StreamLike, StreamOpener
 from protocols.errors import RemoteProtocolError
-from protocols.framing import FrameDecoder, encode_frame
+from protocols.framing import encode_frame
 from protocols.ids import LOAD_PROTOCOL
 from protocols.load import (
     MAX_LOAD_FRAME_BYTES,
@@ -43,33 +43,6 @@ logger = logging.getLogger(__name__)
 
 LOAD_ANSWER_TIMEOUT_S = 2.0  # a query is one tiny frame sent right after opening
 MAX_ANSWERING = 64  # concurrent answers; each is ~1 ms of work, more is a flood
-READ_BYTES = 4096  # one read holds a whole frame (MAX_LOAD_FRAME_BYTES is 1 KiB)
-
-
-class _Refused(Exception):
-    """The peer could not be asked or did not answer properly."""
-
-
-async def _read_frame(stream: StreamLike) -> object:
-    decoder = FrameDecoder(MAX_LOAD_FRAME_BYTES)
-    while True:
-        frame = decoder.next_frame()
-        if frame is not None:
-            return frame
-        try:
-            data = await stream.read(READ_BYTES)
-        except BaseLibp2pError as exc:
-            raise _Refused(f"read failed: {exc!r}") from exc
-        if not data:
-            raise _Refused("end of stream")
-        decoder.feed(data)
-
-
-async def _reset(stream: StreamLike) -> None:
-    with trio.move_on_after(1.0) as scope:
-        scope.shield = True
-        with contextlib.suppress(BaseLibp2pError):
-            await stream.reset()
 
 
 async def probe_loads(
@@ -87,14 +60,14 @@ async def probe_loads(
                 timeout_s=max(0.0, probe.deadline - trio.current_time()),
             )
             await stream.write(encode_frame(LoadQuery().to_wire()))
-            report = decode_load_report(await _read_frame(stream))
-        except (PeerUnreachable, BaseLibp2pError, RemoteProtocolError, _Refused) as exc:
+            report = decode_load_report(await read_frame(stream, MAX_LOAD_FRAME_BYTES))
+        except (PeerUnreachable, BaseLibp2pError, RemoteProtocolError, StreamRefused) as exc:
             stats["probe_refused"] += 1
             logger.debug("load probe of %s: %s", peer_id, exc)
             return
         finally:
             if stream is not None:
-                await _reset(stream)
+                await reset_quietly(stream)
         if probe.offer(peer_id, report, trio.current_time()) and probe.done:
             done()
 
@@ -120,35 +93,25 @@ class LoadService:
 
     def __init__(self, engine: LoadSource) -> None:
         self._engine = engine
-        self._answering = 0
         self.stats: Counter[str] = Counter()
+        self._answers = BoundedAnswers(
+            "load_queries", MAX_ANSWERING, LOAD_ANSWER_TIMEOUT_S, self.stats
+        )
 
     async def handle_stream(self, stream: StreamLike) -> None:
         """libp2p's stream handler: one query, one report, within the deadline."""
-        if self._answering >= MAX_ANSWERING:
-            self.stats["load_queries_refused"] += 1
-            await _reset(stream)
-            return
-        self._answering += 1
-        try:
-            with trio.fail_after(LOAD_ANSWER_TIMEOUT_S):
-                decode_load_query(await _read_frame(stream))
-                load = self._engine.load()
-                report = LoadReport(
-                    queued_prompt_tokens=load.queued_prompt_tokens,
-                    running_requests=load.running_requests,
-                    waiting_requests=load.waiting_requests,
-                )
-                await stream.write(encode_frame(report.to_wire()))
-                self.stats["load_queries_answered"] += 1
-                with contextlib.suppress(BaseLibp2pError):
-                    await stream.close()
-        except (trio.TooSlowError, RemoteProtocolError, _Refused, BaseLibp2pError) as exc:
-            self.stats["load_queries_bad"] += 1
-            logger.debug("load query: %s", exc)
-            await _reset(stream)
-        finally:
-            self._answering -= 1
+        await self._answers.answer(stream, self._respond)
+
+    async def _respond(self, stream: StreamLike) -> None:
+        decode_load_query(await read_frame(stream, MAX_LOAD_FRAME_BYTES))
+        load = self._engine.load()
+        report = LoadReport(
+            queued_prompt_tokens=load.queued_prompt_tokens,
+            running_requests=load.running_requests,
+            waiting_requests=load.waiting_requests,
+        )
+        await stream.write(encode_frame(report.to_wire()))
+        self.stats["load_queries_answered"] += 1
 
     def serve(self, host: HandlerHost) -> None:
         """Register the handler on the libp2p host."""

@@ -21,11 +21,12 @@ from libp2p.kad_dht.kad_dht import KadDHT
 from libp2p.peer.id import ID
 from libp2p.pubsub.pubsub import Pubsub
 
-from peer.config import PeerConfig
+from peer.config import GossipMode, PeerConfig
 from peer.discovery import Discovery
 from peer.gossip import EngineLike, Gossip
 from peer.holepunch import direct_remote
 from peer.host import SwarmHost, new_dht, new_pubsub, open_host, run_service
+from peer.lookup import RootLookup
 from peer.peer_table import PeerTable
 from peer.relay import peer_addrs
 from protocols.ids import provider_key_multihash
@@ -65,6 +66,7 @@ class Peer:
         discovery: Discovery,
         nursery: trio.Nursery,
         serving: Serving | None = None,
+        lookup: RootLookup | None = None,
     ) -> None:
         self.config = config
         self.host = host
@@ -75,6 +77,7 @@ class Peer:
         self.gossip = gossip
         self.discovery = discovery
         self.serving = serving
+        self.lookup = lookup  # gossip mode ring only
         self._nursery = nursery
 
     @property
@@ -214,6 +217,7 @@ class Peer:
             ),
             "holepunch": self.host.holepunch.statistics() if self.host.holepunch else None,
             "serving": self.serving.statistics() if self.serving else None,
+            "lookup": self.lookup.statistics() if self.lookup else None,
             "engine": (
                 dict(self.engine.statistics()) if hasattr(self.engine, "statistics") else None
             ),
@@ -272,6 +276,15 @@ async def open_peer(config: PeerConfig, engine: EngineLike | None = None) -> Asy
             on_forget=table.remove,
             members=lambda: [view.peer_id for view in table.views(trio.current_time())],
         )
+        lookup = None
+        if config.gossip_mode is GossipMode.RING:  # the lookup beyond the ring (peer/lookup.py)
+            lookup = RootLookup(
+                host, table, cast("Any", engine), gossip, self_id=self_id,
+                interval_s=config.summary_interval_s, rng=random.Random(),
+                budget_s=config.lookup_wait_s,
+            )
+            lookup.serve(host.libp2p)
+            gossip.set_root_listener(lookup.on_published)
         async with (
             run_service(dht),
             run_service(pubsub),
@@ -279,6 +292,8 @@ async def open_peer(config: PeerConfig, engine: EngineLike | None = None) -> Asy
             trio.open_nursery() as nursery,
         ):
             await nursery.start(gossip.run)
+            if lookup is not None:
+                await nursery.start(lookup.run)
             await nursery.start(discovery.run)
             if host.reach is not None:
                 host.reach.on_addrs_changed = discovery.provide_soon
@@ -296,6 +311,10 @@ async def open_peer(config: PeerConfig, engine: EngineLike | None = None) -> Asy
                 serving = Serving(
                     config=config, engine=cast("ServingEngine", engine), table=table, host=host,
                     self_id=self_id,
+                    before_route=(
+                        lookup.before_route if lookup is not None and config.lookup_wait_s > 0
+                        else None
+                    ),
                 )
                 await nursery.start(serving.serve, host.libp2p)
             refresh = getattr(engine, "refresh_speeds", None)
@@ -312,6 +331,7 @@ async def open_peer(config: PeerConfig, engine: EngineLike | None = None) -> Asy
                 discovery=discovery,
                 nursery=nursery,
                 serving=serving,
+                lookup=lookup,
             )
             logger.info("peer %s up at %s", peer.peer_id, ", ".join(peer.multiaddrs))
             try:

@@ -11,7 +11,8 @@ Fed by method calls with `now` (seconds on any monotonic clock; the shell passes
   (views, seq ordering) even before `expire` runs, so a peer that restarts with the same
   identity and `seq` from 0 is accepted once its old entry has expired.
 - `estimate_match(peer_id, chain)` walks the chain until the first Bloom miss, using
-  the peer's decoded filter (decoded once per summary) and a shared `ProbeCache`.
+  the peer's decoded filter (decoded once per summary, on first use: routing reads the
+  BloomBank, and apply checks the fill on the bytes) and a shared `ProbeCache`.
 - `routing_rows(chain, now)` answers the router in one pass: every live peer, by id, with
   its summary, RTT, forwards and `estimate_match` for the chain, the matches computed for
   all peers at once by a numpy `BloomBank` per filter shape (kept in step with `apply`).
@@ -139,7 +140,6 @@ _new_row = tuple.__new__  # NamedTuple's __new__ is a Python function; this is ~
 @dataclass
 class _Entry:
     summary: CacheSummary
-    bloom: BloomFilter
     received_at: float
     shape: tuple[int, int]  # (bloom_bits, bloom_hashes): which BloomBank holds the filter
     slot: int  # its slot there; -1 when over MAX_BANK_BYTES (walked in Python instead)
@@ -148,6 +148,13 @@ class _Entry:
     forwards: int = 0
     forwarded_tokens: int = 0
     addrs: tuple[str, ...] = field(default=())
+    decoded: BloomFilter | None = None  # summary.bloom_filter(), made on first use
+
+    @property
+    def bloom(self) -> BloomFilter:
+        if self.decoded is None:
+            self.decoded = self.summary.bloom_filter()
+        return self.decoded
 
 
 def _check_time(now: float) -> None:
@@ -180,6 +187,9 @@ class PeerTable:
         self._expiry_s = float(expiry_s)
         self._entries: dict[str, _Entry] = {}
         self._reaped: dict[str, None] = {}  # dropped by apply() when full, for expire()
+        # At most the oldest entry's received_at: while now is within the expiry of it,
+        # nothing can be reaped and the scan is skipped (a full table refusing newcomers)
+        self._oldest = math.inf
         self._probe_cache = probe_cache if probe_cache is not None else ProbeCache()
         self._counts: dict[str, int] = {}
         self._banks: dict[tuple[int, int], BloomBank] = {}  # entries' filters, by shape
@@ -233,8 +243,7 @@ class PeerTable:
             return self._result(
                 False, Verdict.STALE_SEQ, f"seq {summary.seq} <= current {old.summary.seq}"
             )
-        bloom = summary.bloom_filter()
-        verdict = self._check_bloom(summary, bloom)
+        verdict = self._check_bloom(summary)
         if verdict is not None:
             return verdict
         if old is None and len(self._entries) >= MAX_PEERS:
@@ -250,7 +259,7 @@ class PeerTable:
             slot = self._acquire(shape)
         if slot >= 0:
             self._banks[shape].put(slot, summary.bloom)
-        entry = _Entry(summary=summary, bloom=bloom, received_at=now, shape=shape, slot=slot)
+        entry = _Entry(summary=summary, received_at=now, shape=shape, slot=slot)
         if old is not None:  # keep what we measured; forwards start again from zero
             entry.rtt_s = old.rtt_s
             entry.rtt_samples = old.rtt_samples
@@ -258,25 +267,30 @@ class PeerTable:
         else:
             self._order = None
         self._entries[peer_id] = entry
+        self._oldest = min(self._oldest, now)
         self._reaped.pop(peer_id, None)
         if live_old:
             return self._result(True, Verdict.UPDATED, f"seq {summary.seq}")
         return self._result(True, Verdict.NEW_PEER, f"seq {summary.seq}")
 
-    def _check_bloom(self, summary: CacheSummary, bloom: BloomFilter) -> ApplyResult | None:
-        fill = bloom.fill_ratio()
+    def _check_bloom(self, summary: CacheSummary) -> ApplyResult | None:
+        # BloomFilter.fill_ratio and expected_fill, on the summary's bytes (one popcount
+        # instead of decoding the filter, which routing never needs: it reads the bank)
+        bits = summary.bloom_bits
+        fill = int.from_bytes(summary.bloom, "little").bit_count() / bits
         if fill > MAX_PLAUSIBLE_FILL:
             return self._result(
                 False, Verdict.BLOOM_TOO_FULL, f"fill {fill:.3f} > {MAX_PLAUSIBLE_FILL}"
             )
-        expected = bloom.expected_fill(summary.cached_blocks)
-        sigma = math.sqrt(expected * (1.0 - expected) / bloom.num_bits)
+        expected = 1.0 - math.exp(-summary.cached_blocks * summary.bloom_hashes / bits)
+        sigma = math.sqrt(expected * (1.0 - expected) / bits)
         if abs(fill - expected) > FILL_TOLERANCE + FILL_SIGMAS * sigma:
+            count = summary.bloom_filter().estimated_count()
             return self._result(
                 False,
                 Verdict.BLOOM_INCONSISTENT,
                 f"fill {fill:.3f}, but {summary.cached_blocks} cached blocks give "
-                f"{expected:.3f} (~{bloom.estimated_count():.0f} keys in the filter)",
+                f"{expected:.3f} (~{count:.0f} keys in the filter)",
             )
         return None
 
@@ -306,11 +320,14 @@ class PeerTable:
         self._order = None
 
     def _reap(self, now: float) -> None:
+        if now - self._oldest < self._expiry_s:
+            return  # every entry is live
         for peer_id in [p for p, e in self._entries.items() if not self._live(e, now)]:
             self._drop(peer_id)
             self._reaped[peer_id] = None
         while len(self._reaped) > MAX_PEERS:  # only if expire() is never called
             del self._reaped[next(iter(self._reaped))]
+        self._oldest = min((e.received_at for e in self._entries.values()), default=math.inf)
 
     def expire(self, now: float) -> list[str]:
         """Drop peers silent for `expiry_s` or longer; return their ids (sorted)."""

@@ -32,7 +32,7 @@ import contextlib
 import logging
 import random
 from collections import Counter, deque
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
@@ -153,8 +153,14 @@ class Pipeline:
         trust: TrustLedger | None = None,
         rng: random.Random | None = None,
         on_quarantine: Callable[[Quarantine], None] | None = None,
+        before_route: Callable[[Sequence[int], Sequence[int], float], Awaitable[None]]
+        | None = None,
     ) -> None:
+        """`before_route(tokens, chain, deadline)`, if given, is awaited before each
+        request is ranked (gossip mode ring's lookup, peer/lookup.py: it may add peers to
+        the table)."""
         self._config = config
+        self._before_route = before_route
         self._engine = engine
         self.router = router
         self._table = table
@@ -218,7 +224,10 @@ class Pipeline:
             deadline = start + (timeout_s or self._config.request_timeout_s)
             progress = _Progress(StopTracker(_Detokenizer(self._engine), params.stop))
             route: list[Attempt] = []
-            ranked = self._rank(tokens, params, start)
+            chain = self._engine.hasher.chain(tokens)
+            if self._before_route is not None and cache_salt is None:
+                await self._before_route(tokens, chain, deadline)
+            ranked = self._rank(tokens, params, trio.current_time(), chain)
             if cache_salt is not None:
                 ranked = [c for c in ranked if c.is_local]
             else:
@@ -302,7 +311,10 @@ class Pipeline:
 
     # -- routing ------------------------------------------------------------------------
 
-    def _rank(self, tokens: list[int], params: SamplingParams, now: float) -> list[Candidate]:
+    def _rank(
+        self, tokens: list[int], params: SamplingParams, now: float,
+        chain: list[int] | None = None,
+    ) -> list[Candidate]:
         load = self._engine.load()
         local = LocalState(
             self._self_id,
@@ -315,7 +327,8 @@ class Pipeline:
             load.batch_slots,
             load.step_tokens,
         )
-        chain = self._engine.hasher.chain(tokens)
+        if chain is None:
+            chain = self._engine.hasher.chain(tokens)
         candidates: list[Candidate] = self.router.rank(
             chain, len(tokens), params.max_new_tokens, local, self._table, now
         )

@@ -15,7 +15,7 @@ import os
 import random
 import time
 import uuid
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -79,6 +79,8 @@ class Serving:
         host: StreamOpener,
         self_id: str,
         rng: random.Random | None = None,
+        before_route: Callable[[Sequence[int], Sequence[int], float], Awaitable[None]]
+        | None = None,
     ) -> None:
         self.engine = engine
         self.admission = Admission(config.max_queue, name="engine queue")
@@ -115,6 +117,7 @@ class Serving:
             trust=self.trust,
             rng=rng,
             on_quarantine=self._persist_quarantine,
+            before_route=before_route,
         )
         self.requests = RequestLog()
 

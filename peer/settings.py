@@ -66,6 +66,8 @@ FIELD_HELP = {
     "policy": "routing policy",
     "gossip_mode": "how summaries travel: full (every peer) or ring (bounded neighbours)",
     "gossip_neighbours": "ring gossip mode: the peers whose summaries this peer hears",
+    "lookup_wait_s": "ring gossip mode: seconds a request may wait to find holders beyond "
+    "the ring (0: no lookup)",
     "max_queue": "waiting requests before answering 429 overloaded",
     "max_inbound_per_peer": "concurrent forwarded requests accepted from one peer",
     "forward_first_token_s": "seconds a forward may take to its first token",

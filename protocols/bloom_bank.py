@@ -46,6 +46,9 @@ _MIX_SEEDS = np.uint64(POSITION_SEED) + np.arange(
     0, MAX_BLOOM_HASHES, _CHUNKS_PER_MIX, dtype=np.uint64
 )  # the words whose 9-bit chunks give positions 0-6, 7-13, 14-15
 _CHUNK_SHIFTS = np.arange(0, 9 * _CHUNKS_PER_MIX, 9, dtype=np.uint64)
+# A flush writes the slots of one word together from this many changed slots on (the
+# bit transpose of 64 filters costs about as much as 8 single-slot writes).
+_BATCH_FROM = 8
 
 
 def _mix64(x: U64) -> U64:
@@ -94,6 +97,37 @@ class KeyChain:
         block = ((h >> _S32) * n + (((h & _M32) * n) >> _S32)) >> _S32
         rows: npt.NDArray[Any] = (block << _BLOCK_SHIFT)[:, None] + self.positions(num_hashes)
         return rows
+
+
+_T8_STEPS = tuple(
+    (np.uint64(shift), np.uint64(mask))
+    for shift, mask in ((7, 0x00AA00AA00AA00AA), (14, 0x0000CCCC0000CCCC), (28, 0x00000000F0F0F0F0))
+)
+
+
+def _transpose_64(rows: npt.NDArray[np.uint8]) -> U64:
+    """Bit `s` of word `g` is bit `g` of filter row `s`, for 64 rows of filter bytes.
+
+    Each byte column of 8 rows is an 8x8 bit matrix: gathered into one uint64 (row k
+    in byte k), transposed with the three swap steps of Hacker's Delight's transpose8
+    (element-wise over every such matrix at once), and scattered back so that byte j
+    of word 8b + i holds bit i of byte b of rows 8j .. 8j+7.
+    """
+    nbytes = rows.shape[1]
+    by_row = rows.reshape(8, 8, nbytes)  # (j, k, byte): row 8j + k
+    gathered = np.empty((8, nbytes, 8), dtype=np.uint8)  # (j, byte, k)
+    for k in range(8):
+        gathered[:, :, k] = by_row[:, k, :]
+    x = gathered.view("<u8").reshape(8, nbytes)
+    for shift, mask in _T8_STEPS:
+        t = (x ^ (x >> shift)) & mask
+        x = x ^ t ^ (t << shift)
+    spread = x.astype("<u8", copy=False).view(np.uint8).reshape(8, nbytes, 8)  # (j, byte, i)
+    out = np.empty((nbytes, 8, 8), dtype=np.uint8)  # (byte, i, j): word 8 byte + i
+    for j in range(8):
+        out[:, :, j] = spread[j]
+    words: U64 = out.view("<u8").reshape(nbytes * 8)
+    return words
 
 
 class BloomBank:
@@ -163,13 +197,29 @@ class BloomBank:
             grown = np.zeros((self._bits.shape[0], words), dtype=np.uint64)
             grown[:, : self._bits.shape[1]] = self._bits
             self._bits = grown
+        by_word: dict[int, list[tuple[int, bytes | None]]] = {}
         for slot, data in self._pending.items():
             word, bit = divmod(slot, _WORD)
+            by_word.setdefault(word, []).append((bit, data))
+        for word, changes in by_word.items():
             column = self._bits[:, word]  # a view: updated in place
-            column &= ~np.uint64(1 << bit)
-            if data is not None:
-                bits = np.unpackbits(np.frombuffer(data, dtype=np.uint8), bitorder="little")
-                column |= bits.astype(np.uint64) << np.uint64(bit)
+            if len(changes) < _BATCH_FROM:
+                for bit, data in changes:
+                    column &= ~np.uint64(1 << bit)
+                    if data is not None:
+                        bits = np.unpackbits(np.frombuffer(data, dtype=np.uint8), bitorder="little")
+                        column |= bits.astype(np.uint64) << np.uint64(bit)
+                continue
+            # Many slots of one word (a simulated swarm: every peer's table takes every
+            # summary): write them in one pass over the word's column (_transpose_64).
+            rows = np.zeros((_WORD, self.num_bits // 8), dtype=np.uint8)
+            cleared = 0
+            for bit, data in changes:
+                cleared |= 1 << bit
+                if data is not None:
+                    rows[bit] = np.frombuffer(data, dtype=np.uint8)
+            column &= ~np.uint64(cleared)
+            column |= _transpose_64(rows)
         self._pending.clear()
 
     def prefix_counts(self, chain: KeyChain) -> list[int]:

@@ -19,6 +19,7 @@ __all__ = [
     "PROTOCOL_VERSION",
     "PROVIDER_NAMESPACE",
     "RING_TOPIC_PREFIX",
+    "ROOTS_PROTOCOL",
     "SUMMARY_TOPIC_PREFIX",
     "gossip_topic",
     "provider_key",
@@ -31,6 +32,9 @@ __all__ = [
 PROTOCOL_VERSION = "1.0.0"
 INFER_PROTOCOL = f"/prefixswarm/infer/{PROTOCOL_VERSION}"
 LOAD_PROTOCOL = "/prefixswarm/load/1.0.0"  # load probes (protocols/load.py), versioned apart
+# Gossip mode `ring`'s lookup beyond the ring (protocols/roots.py): provider records of
+# prefix roots at their home peers, and summaries on demand. Versioned apart.
+ROOTS_PROTOCOL = "/prefixswarm/roots/1.0.0"
 SUMMARY_TOPIC_PREFIX = "/prefixswarm/summary/1/"  # the wire version of CacheSummary is 1
 # Gossip mode `ring` (version 2 of the summary protocol): one topic per publishing peer,
 # `<prefix><model id>/@<peer id>`, subscribed to by that peer's ring neighbours only.

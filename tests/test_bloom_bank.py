@@ -66,6 +66,37 @@ def test_prefix_counts_equal_count_prefix(
         assert counts[slot] == expected
 
 
+@settings(max_examples=30, deadline=None)
+@given(
+    chain=st.lists(keys64, min_size=1, max_size=12),
+    rounds=st.lists(
+        st.lists(st.tuples(st.integers(0, 129), st.integers(0, 12), st.booleans()), max_size=90),
+        min_size=1, max_size=4,
+    ),
+)  # fmt: skip
+def test_successive_flushes_of_many_slots_keep_every_other_slot(
+    chain: list[int], rounds: list[list[tuple[int, int, bool]]]
+) -> None:
+    """Flushes that rewrite many slots of a word at once (the batched path) and few
+    (one at a time) leave every slot equal to its own filter, changed or not."""
+    shape = (1024, 5)
+    bank = BloomBank(*shape)
+    for _ in range(130):
+        bank.acquire()
+    held = {slot: BloomFilter(*shape) for slot in range(130)}
+    for changes in rounds:
+        for slot, depth, empty in changes:
+            bf = BloomFilter(*shape)
+            if not empty:
+                bf.update(chain[:depth])
+                bf.add(slot)  # every filter differs from the others
+            bank.put(slot, bf.to_bytes())
+            held[slot] = bf
+        counts = bank.prefix_counts(KeyChain(chain))
+        for slot, bf in held.items():
+            assert (counts[slot] if slot < len(counts) else 0) == bf.count_prefix(chain)
+
+
 def test_slots_are_reused_and_bounded() -> None:
     bank = BloomBank(512, 3)
     slots = [bank.acquire() for _ in range(130)]

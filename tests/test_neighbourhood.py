@@ -252,61 +252,6 @@ async def test_ring_shell_listens_to_its_neighbours_and_understands_version_1(
         nursery.cancel_scope.cancel()
 
 
-# -- on-demand lookup beyond the ring ----------------------------------------------------
-
-
-def test_provider_index_keeps_the_newest_bounded_and_expires() -> None:
-    from peer.interest import ProviderIndex
-
-    index = ProviderIndex(ttl_s=10.0, max_per_root=3)
-    for i in range(5):
-        index.announce(7, f"p{i}", float(i))
-    assert index.providers(7, 5.0) == ["p4", "p3", "p2"]  # newest first, 3 kept
-    index.announce(7, "p2", 6.0)  # a refresh moves it to the front
-    assert index.providers(7, 6.0) == ["p2", "p4", "p3"]
-    index.withdraw(7, "p4")
-    assert index.providers(7, 6.0) == ["p2", "p3"]
-    assert index.providers(7, 13.5) == ["p2"]  # p3's record (t=3) is older than 10 s
-    assert index.providers(8, 0.0) == []
-    index.withdraw(7, "p2")
-    index.withdraw(7, "p3")
-    assert len(index) == 0
-    with pytest.raises(ValueError):
-        ProviderIndex(ttl_s=0.0)
-
-
-@settings(max_examples=60, deadline=None)
-@given(st.lists(st.lists(st.sampled_from([f"p{i}" for i in range(12)]), max_size=4),
-                max_size=30), st.integers(0, 6))
-def test_interest_stays_bounded_and_reports_what_changed(
-    batches: list[list[str]], size: int
-) -> None:
-    from peer.interest import Interest
-
-    interest = Interest(size, lookup_gap_s=1.0)
-    members: set[str] = set()
-    for batch in batches:
-        change = interest.add(batch, exclude=["p0"])
-        members = (members | set(change.added)) - set(change.removed)
-        assert members == interest.members
-        assert len(members) <= size and "p0" not in members
-
-
-def test_interest_lookups_are_spaced_per_root_and_useful_peers_stay() -> None:
-    from peer.interest import Interest
-
-    interest = Interest(2, lookup_gap_s=2.0)
-    assert interest.should_lookup(1, 0.0)
-    assert not interest.should_lookup(1, 1.9)
-    assert interest.should_lookup(2, 1.9)  # another root
-    assert interest.should_lookup(1, 2.0)
-    interest.add(["a", "b"])
-    interest.touch("a")  # a was used: b is the least recently useful
-    change = interest.add(["c"])
-    assert change == (("c",), ("b",))
-    assert not Interest(0).should_lookup(1, 0.0)  # no room: never look up
-
-
 def test_simulated_ring_receipts_do_not_grow_with_the_swarm() -> None:
     """Full flooding: each peer receives ~N summaries per interval; ring: about its
     neighbours' and interests', whatever N. Every request still completes once."""

@@ -33,12 +33,22 @@ What is modelled, and how (every number is a field of SimParams or Calibration):
   reaches every other peer one one-way delay later (a direct flood; real GossipSub adds
   mesh hops and IHAVE gossip). Mode `ring`: it reaches only the peers whose
   `Neighbourhood` (peer/neighbourhood.py, over every peer's id) holds the publisher,
-  plus the entry peers that looked up one of its prefix roots (peer/interest.py): a peer
-  announces each prefix root it caches to the root's PROVIDER_HOMES home peers (and
-  withdraws it on eviction); an entry peer asked for a root that neither it nor any peer
-  it hears holds looks it up (`lookup_rtts` round trips), probes `lookup_providers`
-  holders drawn at random from the records (one more round trip; the reply carries the
-  holder's summary) and keeps hearing them in its bounded `Interest`. The request waits.
+  plus the entry peers that looked up one of its prefix roots, as the live peer does
+  (peer/lookup.py's decisions, from the same cores): at each publish a peer's
+  `RootAnnouncer` (peer/providers.py) tells the home peers of the roots its summary
+  covers (`HomeRing`: the 2 nearest on the ring, every peer's id known) what it now
+  holds and no longer holds, refreshing each root every ANNOUNCE_REFRESH_S; each home
+  keeps a `ProviderIndex`. An entry peer asked for a prompt whose root it does not
+  hold, and whose whole chain no peer it hears holds (`Lookups.wanted`,
+  peer/interest.py), asks the root's first home (`lookup_rtts` round trips; none when
+  it is its own home), asks `lookup_probes` holders drawn at random from the records
+  how much of the chain they hold (`RadixCache.match_hashes`), asks the best
+  `lookup_providers` of those that beat what it hears for their summary (a stream and a
+  query each, in parallel; the reply is the holder's last published summary), applies
+  them and keeps hearing those whose summary shows the root in its bounded `Interest`.
+  The request waits, at most `lookup_wait_s` (then it is routed with what arrived).
+  Messages are counted as the live peer sends them (a request and its reply, each
+  received once), with their frame sizes from protocols/roots.py.
   Received summaries are applied with `PeerTable.apply` (which holds at most MAX_PEERS).
 """
 
@@ -72,7 +82,7 @@ from peer.engine.speeds import (
     warmup_max_prompt_tokens,
     warmup_prefill_speed,
 )
-from peer.interest import Interest, ProviderIndex
+from peer.interest import Interest, Lookups
 from peer.neighbourhood import Neighbourhood
 from peer.peer_table import ForwardCharge, PeerTable, Verdict
 from peer.probing import (
@@ -83,21 +93,28 @@ from peer.probing import (
     ProbeSettings,
     plan_probes,
 )
+from peer.providers import HomeRing, ProviderIndex, RootAnnouncer
 from peer.publish_policy import PublishPolicy, bloom_shape
 from peer.ranking import single_stream_decode
 from peer.router import Candidate, LocalState, PeerEstimate, Router
 from protocols.blocks import BlockHasher
 from protocols.bloom import BloomFilter, ProbeCache
+from protocols.framing import encode_frame
 from protocols.load import LoadReport
+from protocols.roots import (
+    MAX_MATCH_BLOCKS,
+    Ack,
+    Announce,
+    Find,
+    Match,
+    Matched,
+    Providers,
+    SummaryQuery,
+    SummaryReply,
+)
 from protocols.summary import CacheSummary, encode_summary
 
-# Ring mode's lookup, as modelled here (the live shell has no lookup yet).
-PROVIDER_HOMES = 2  # a root's records live on its 2 nearest ring peers (one may be gone)
-LOOKUP_REQUEST_BYTES = 128  # a CBOR request naming one 64-bit root, with framing
-PROVIDER_RECORD_BYTES = 48  # a binary peer id (38 bytes) and a time, per provider returned
-# Provider records are withdrawn exactly on eviction here, so they never go stale; the
-# live DHT's re-announcements (one per held root per record lifetime) are not counted.
-_PROVIDER_TTL_S = 1e12
+_SUMMARY_QUERY_BYTES = len(encode_frame(SummaryQuery().to_wire()))
 _EPS = 1e-9  # virtual-time slack for float round-off in the step schedule
 
 # Event kinds, in the order they are handled when simultaneous (then FIFO).
@@ -152,7 +169,7 @@ class _Peer:
 
     def __init__(self, idx: int, peer_id: str, params: SimParams, hasher: BlockHasher,
                  rng: random.Random, bloom: BloomFilter, memo: dict[int, tuple[int, int]],
-                 probe_cache: ProbeCache) -> None:
+                 probe_cache: ProbeCache, lookup_rng: random.Random) -> None:
         self.idx = idx
         self.peer_id = peer_id
         self.cache: RadixCache[None] = RadixCache(params.block_size, params.capacity_blocks, hasher)
@@ -166,7 +183,14 @@ class _Peer:
             params.summary_interval_s, early_publish=params.early_publish
         )
         self.neighbours: frozenset[int] = frozenset()  # ring mode: whose summaries we hear
-        self.interest = Interest(params.gossip_interest, params.summary_interval_s)
+        # ring mode: the lookup beyond the ring, entry side and holder side
+        self.lookups = Lookups(
+            Interest(params.gossip_interest, params.summary_interval_s),
+            lookup_rng,
+            params.lookup_providers,
+            params.lookup_probes,
+        )
+        self.announcer = RootAnnouncer()
         cal = params.calibration_of(idx)
         self.cal = cal
         # Engine.warmup() seeds the speed estimates: decode (a batch of one), then prefill
@@ -230,7 +254,7 @@ class Simulator:
         probe_cache = ProbeCache()  # one per swarm: every peer probes the same chains
         self.peers = [
             _Peer(i, f"peer{i:0{width}d}", params, self.hasher, route_rng, template, memo,
-                  probe_cache)
+                  probe_cache, self._lookup_rng)
             for i in range(params.peers)
         ]
         # Summaries delivered so far: the latest per source (delivery time, one-way delay,
@@ -238,9 +262,13 @@ class Simulator:
         self._delivered: list[tuple[float, float, CacheSummary] | None] = [None] * params.peers
         self._applied_seq = [[0] * params.peers for _ in range(params.peers)]
         self._index = {p.peer_id: p.idx for p in self.peers}
-        self._providers = ProviderIndex(_PROVIDER_TTL_S)
-        self._roots: set[int] = set()  # first block hash of every prompt seen
+        # ring mode: every peer knows every peer, so all agree on a root's homes
+        self._homes = HomeRing()
+        self._homes.update(self._index)
+        self._home_index: dict[int, ProviderIndex] = {}  # per home peer, made on first use
         self._latest: list[CacheSummary | None] = [None] * params.peers  # last published
+        empty_reply = len(encode_frame(SummaryReply(b"").to_wire()))
+        self._reply_bytes = [empty_reply] * params.peers  # SummaryReply frame of _latest
         self._lookups = 0
         self._ring = params.gossip_mode == GossipMode.RING.value
         # Per source, the peers that hear its summaries.
@@ -314,8 +342,6 @@ class Simulator:
         if cached is None:
             cached = self.hasher.chain(req.prefix)
             self._prefix_chains[req.prefix_key] = cached
-            if cached:
-                self._roots.add(cached[0])
         chain = list(cached)
         prev = chain[-1] if chain else None
         for b in range(len(chain), len(tokens) // bs):
@@ -370,7 +396,8 @@ class Simulator:
         job.entry = self._entry_rng.randrange(self.params.peers)
         entry = self.peers[job.entry]
         wait = 0.0
-        if self._ring and job.chain and self.params.policy != ORACLE:
+        if (self._ring and job.chain and self.params.policy != ORACLE
+                and self.params.lookup_wait_s > 0):
             wait = self._lookup(entry, job, now)
         if self.params.policy == ORACLE:
             target, match_tokens = self._oracle_choice(entry, job, now)
@@ -385,7 +412,7 @@ class Simulator:
             target, match_tokens = self._router_choice(entry, job, now)
         job.target = target
         if self._ring:
-            entry.interest.touch(self.peers[target].peer_id)
+            entry.lookups.touch(self.peers[target].peer_id)
         if target == job.entry:
             if wait > 0:
                 self._push(now + wait, _DELIVER, target, job)
@@ -399,40 +426,71 @@ class Simulator:
         self._push(now + wait + delay, _DELIVER, target, job)
 
     def _lookup(self, entry: _Peer, job: _Job, now: float) -> float:
-        """Ring mode: look up the prompt's root when no peer the entry hears holds it;
-        listen to a few holders from now on. Returns the seconds the request waited."""
+        """Ring mode: look up the prompt's root unless the entry holds it or hears a peer
+        that holds the whole prompt; listen to the best holders found from now on.
+        Returns the seconds the request waited."""
         bs = self.params.block_size
-        if entry.cache.peek(job.tokens) >= bs:
+        local = entry.cache.peek(job.tokens) // bs
+        if local:
             return 0.0
         self._catch_up(entry)
         root = job.chain[0]
-        if any(row.match_blocks for row in entry.table.routing_rows(job.chain[:1], now)):
-            return 0.0
-        if not entry.interest.should_lookup(root, now):
+        rows = entry.table.routing_rows(job.chain, now)
+        heard = max((row.match_blocks for row in rows), default=0)
+        if not entry.lookups.wanted(root, local, heard, len(job.chain), now):
             return 0.0
         self._lookups += 1
-        found = self._providers.providers(root, now)
-        rtts = self.params.lookup_rtts
-        self._received += 2 * rtts
-        self._received_bytes += 2 * rtts * LOOKUP_REQUEST_BYTES + len(found) * PROVIDER_RECORD_BYTES
-        candidates = [
-            i for i in (self._index[p] for p in found)
-            if i != entry.idx and i not in entry.neighbours
-        ]
-        # a random few of the holders: the most recent announcers for every entry would
-        # herd a swarm's requests for a root onto the same two peers
-        chosen = self._lookup_rng.sample(
-            candidates, min(len(candidates), self.params.lookup_providers)
-        )
-        wait = sum(self._one_way() + self._one_way() for _ in range(rtts))
+        budget = self.params.lookup_wait_s
+        home = self._index[self._homes.homes(root, now)[0]]
+        index = self._home_index.get(home)
+        found = index.providers(root, now) if index is not None else []
+        wait = 0.0
+        if home != entry.idx:  # one stream to the home: Find, then Providers
+            self._count_exchange(Find(root), Providers(root, tuple(found)))
+            wait = self._round_trips(self.params.lookup_rtts)
+            if wait >= budget:
+                return budget
+        hood = [self.peers[i].peer_id for i in entry.neighbours]
+        probed = entry.lookups.holders_to_probe(found, {entry.peer_id, *hood})
+        if not probed:
+            return wait
+        # one stream per holder, in parallel: Match, then Matched
+        trips = self.params.stream_setup_rtts + 1
+        match = Match(tuple(job.chain[:MAX_MATCH_BLOCKS]))
+        matches = {}
+        latest = wait
+        for peer_id in probed:
+            at = wait + self._round_trips(trips)
+            latest = max(latest, at)
+            blocks = self.peers[self._index[peer_id]].cache.match_hashes(match.chain)
+            self._count_exchange(match, Matched(blocks))
+            if at <= budget:
+                matches[peer_id] = blocks
+        wait = min(budget, latest)
+        chosen = entry.lookups.holders_to_ask(matches, heard)
         if not chosen:
             return wait
-        wait += max(self._one_way() + self._one_way() for _ in chosen)  # probes, in parallel
-        change = entry.interest.add(
-            [self.peers[i].peer_id for i in chosen],
-            exclude=[self.peers[i].peer_id for i in entry.neighbours],
-        )
+        # one stream per holder, in parallel: SummaryQuery, then the last summary it published
+        answers = [(wait + self._round_trips(trips), p) for p in chosen]
         applied = self._applied_seq[entry.idx]
+        answered = []
+        for at, peer_id in answers:
+            source = self._index[peer_id]
+            summary = self._latest[source]
+            self._received += 2
+            self._received_bytes += _SUMMARY_QUERY_BYTES + self._reply_bytes[source]
+            if at > budget:
+                continue  # the request goes on without it
+            answered.append(peer_id)
+            if summary is not None and entry.table.apply(summary, peer_id, now).accepted:
+                applied[source] = summary.seq
+                self._summaries_applied += 1
+        wait = min(budget, max(at for at, _ in answers))
+        change = entry.lookups.admit(
+            answered,
+            lambda p: entry.table.estimate_match(p, job.chain[:1]) >= 1,
+            exclude=hood,
+        )
         for peer_id in change.removed:
             source = self._index[peer_id]
             self._audience[source].remove(entry.idx)
@@ -443,16 +501,31 @@ class Simulator:
             source = self._index[peer_id]
             self._audience[source].append(entry.idx)
             self._sources[entry.idx].append(source)
-            summary = self._latest[source]
-            self._received += 2
-            self._received_bytes += LOOKUP_REQUEST_BYTES
-            if summary is None:
-                continue
-            self._received_bytes += len(encode_summary(summary))
-            applied[source] = summary.seq
-            if entry.table.apply(summary, peer_id, now).accepted:
-                self._summaries_applied += 1
         return wait
+
+    def _round_trips(self, n: int) -> float:
+        return sum(self._one_way() + self._one_way() for _ in range(n))
+
+    def _count_exchange(self, request: Any, reply: Any) -> None:
+        """A request and its reply on one stream (protocols/roots.py), each received once."""
+        self._received += 2
+        self._received_bytes += len(encode_frame(request.to_wire())) + len(
+            encode_frame(reply.to_wire())
+        )
+
+    def _announce(self, peer: _Peer, now: float) -> None:
+        """Ring mode, at each publish: the holder's RootAnnouncer tells the homes of the
+        roots its new summary covers; each home's ProviderIndex records it at once."""
+        for msg in peer.announcer.sync(peer.cache.root_hashes(), self._homes, now):
+            home = self._index[msg.home]
+            index = self._home_index.get(home)
+            if index is None:
+                index = self._home_index[home] = ProviderIndex()
+            for root in msg.drop:
+                index.withdraw(root, peer.peer_id)
+            kept = sum(index.announce(root, peer.peer_id, now) for root in msg.add)
+            if home != peer.idx:
+                self._count_exchange(Announce(msg.add, msg.drop), Ack(kept))
 
     def _local_state(self, peer: _Peer, tokens: tuple[int, ...]) -> LocalState:
         return LocalState(
@@ -672,20 +745,11 @@ class Simulator:
 
     def _drain(self, peer: _Peer, now: float) -> None:
         events = peer.cache.drain_events()
-        roots = self._roots if self._ring else ()
         for ev in events:
-            stored = ev.kind is EventKind.STORED
-            if stored:
+            if ev.kind is EventKind.STORED:
                 peer.bloom.add(ev.block_hash)
             else:
                 peer.bloom.remove(ev.block_hash)
-            if ev.block_hash in roots:  # announce to / withdraw from the root's homes
-                if stored:
-                    self._providers.announce(ev.block_hash, peer.peer_id, now)
-                else:
-                    self._providers.withdraw(ev.block_hash, peer.peer_id)
-                self._received += PROVIDER_HOMES
-                self._received_bytes += PROVIDER_HOMES * LOOKUP_REQUEST_BYTES
         peer.publish_policy.observe(events, peer.cache.num_blocks)
 
     @property
@@ -737,7 +801,11 @@ class Simulator:
         self._latest[peer.idx] = summary
         if self.on_publish is not None:
             self.on_publish(peer.idx, now, summary)
-        size = len(encode_summary(summary))
+        data = encode_summary(summary)
+        size = len(data)
+        if self._ring:
+            self._reply_bytes[peer.idx] = len(encode_frame(SummaryReply(data).to_wire()))
+            self._announce(peer, now)
         peer.published += 1
         peer.bytes_published += size
         audience = len(self._audience[peer.idx])

@@ -13,13 +13,18 @@ from peer.config import (
     DEFAULT_GOSSIP_NEIGHBOURS,
     DEFAULT_LOAD_PROBE_WAIT_S,
     DEFAULT_LOAD_PROBES,
+    DEFAULT_LOOKUP_WAIT_S,
     DEFAULT_MODEL,
     DEFAULT_SUMMARY_INTERVAL_S,
     GossipMode,
     Policy,
 )
 from peer.engine.scheduler import DEFAULT_MAX_RUNNING, DEFAULT_STEP_TOKENS
-from peer.interest import DEFAULT_INTEREST_PEERS, DEFAULT_PROVIDERS_PER_LOOKUP
+from peer.interest import (
+    DEFAULT_INTEREST_PEERS,
+    DEFAULT_PROBES_PER_LOOKUP,
+    DEFAULT_PROVIDERS_PER_LOOKUP,
+)
 from peer.publish_policy import bloom_shape
 from peer.ranking import ROUND_TRIPS_PER_FORWARD
 from protocols.bloom import BLOCK_BITS, BloomFilter
@@ -60,10 +65,12 @@ class SimParams:
     gossip_mode: str = GossipMode.FULL.value  # `full` flooding or `ring` neighbourhoods
     gossip_neighbours: int = DEFAULT_GOSSIP_NEIGHBOURS  # ring mode: peers each one hears
     gossip_interest: int = DEFAULT_INTEREST_PEERS  # ring mode: extra peers heard on demand
-    lookup_providers: int = DEFAULT_PROVIDERS_PER_LOOKUP  # ring mode: holders probed
-    # ring mode: round trips of a provider lookup (a Kademlia lookup at ~1,000 peers takes
-    # a few, parallel; 2 here), before the probe's own round trip
-    lookup_rtts: int = 2
+    lookup_probes: int = DEFAULT_PROBES_PER_LOOKUP  # ring mode: holders asked for a match
+    lookup_providers: int = DEFAULT_PROVIDERS_PER_LOOKUP  # ring mode: ... then a summary
+    # ring mode: round trips of a lookup at a root's home peer (peer/lookup.py: a stream's
+    # negotiation, then the query), before the holders are asked for their summaries
+    lookup_rtts: int = ROUND_TRIPS_PER_FORWARD
+    lookup_wait_s: float = DEFAULT_LOOKUP_WAIT_S  # ring mode: a request waits at most this
     bloom_fp_rate: float = DEFAULT_BLOOM_FP_RATE  # the live peer's default
     bloom_bits_per_entry: float | None = None  # overrides bloom_fp_rate: bits per capacity block
     capacity_blocks: int = 256  # KV budget per peer: 4,096 tokens, ~190 MB of SmolLM2 fp32 KV

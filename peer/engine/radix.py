@@ -224,6 +224,23 @@ class RadixCache(Generic[V]):
             yield node.block_hash
             stack.extend(node.children.values())
 
+    def root_hashes(self) -> list[int]:
+        """The chain hash of every cached public first block: the prefix roots this cache
+        holds (gossip mode `ring` announces them, peer/providers.py)."""
+        return [node.block_hash for node in self._root.children.values()]
+
+    def match_hashes(self, chain: Sequence[int]) -> int:
+        """Leading blocks of a block-hash chain (protocols/blocks.py) cached as public
+        blocks: the walk by chain hash (another peer's prompt, known by its hashes only;
+        a hash collision costs a cache miss there, never a wrong answer)."""
+        node = self._root
+        for count, block_hash in enumerate(chain):
+            child = next((c for c in node.children.values() if c.block_hash == block_hash), None)
+            if child is None:
+                return count
+            node = child
+        return len(chain)
+
     # -- locks ------------------------------------------------------------------------
 
     def lock(self, match: Match[V]) -> None:
