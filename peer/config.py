@@ -102,7 +102,10 @@ class PeerConfig:
     request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
     bootstrap_timeout_s: float = DEFAULT_BOOTSTRAP_TIMEOUT_S  # `serve` exits if none answered
     served_model_names: tuple[str, ...] = ()  # extra names the HTTP API accepts
-    # Test/bench hook: an added one-way delay before each forward, emulating a WAN.
+    # Test/bench hook: an emulated one-way WAN delay d. A forward waits 3d before its
+    # stream (negotiation round trip, request) and d for its first token (the reply), as
+    # on a WAN; pings count 2d (node.py), so the router sees that round trip. Load probes
+    # and root lookups are not delayed.
     forward_delay_s: float = 0.0
     verify_fraction: float = DEFAULT_VERIFY_FRACTION
     probation_requests: int = DEFAULT_PROBATION_REQUESTS  # 0: no probation

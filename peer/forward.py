@@ -202,8 +202,8 @@ class RemoteAttempt:
             self.peer_id, len(self._request.prompt_token_ids), now
         )
         with self._errors():
-            if self._delay_s:
-                await trio.sleep(self._delay_s)
+            if self._delay_s:  # on a WAN: the stream's negotiation (a round trip) and the
+                await trio.sleep(3 * self._delay_s)  # request's one-way trip
             stream = await self._host.new_stream(
                 ID.from_base58(self.peer_id), [INFER_PROTOCOL], timeout_s=STREAM_OPEN_TIMEOUT_S
             )
