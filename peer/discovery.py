@@ -10,7 +10,10 @@ Three loops in one nursery:
   drop from the DHT) those that stop answering. A new peer is pinged every
   WARMUP_PING_INTERVAL_S until RTT_WARMUP_SAMPLES round trips were kept (`on_rtt` says
   whether the table knew the peer yet), then every liveness interval: routing needs a
-  measured round trip within seconds of a peer's arrival, not the WAN prior.
+  measured round trip within seconds of a peer's arrival, not the WAN prior. A peer
+  whose round trips the table keeps dropping (no summary of it: gossip mode `ring` hears
+  only some peers) is pinged at doubling gaps up to UNKEPT_PING_MAX_INTERVALS liveness
+  intervals.
 """
 
 from __future__ import annotations
@@ -64,6 +67,11 @@ LIVENESS_TIMEOUT_S = 5.0  # a ping takes milliseconds; seconds only on a starved
 LIVENESS_FAILURES_TO_DROP = 3
 WARMUP_PING_INTERVAL_S = 1.0  # a new peer's pings come this often...
 RTT_WARMUP_SAMPLES = 3  # ...until this many were kept: a minimum over 3 is already sane
+# A connected peer whose round trips the table does not keep (no summary of it yet; in
+# gossip mode `ring`, any peer we do not hear) is pinged at doubling gaps from the warm-up
+# interval up to this many liveness intervals: its first summary still gets an RTT within
+# seconds, but a swarm of N peers does not cost each one N pings a second forever.
+UNKEPT_PING_MAX_INTERVALS = 4
 
 
 @dataclass
@@ -104,6 +112,7 @@ class Discovery:
         self._ping_failures: dict[ID, int] = {}
         self._relay_ping_failures: dict[ID, int] = {}  # members reachable only via relays
         self._rtts_kept: dict[ID, int] = {}  # per connected peer, for the warm-up cadence
+        self._rtts_unkept: dict[ID, int] = {}  # consecutive answered pings the table dropped
         self._next_ping: dict[ID, float] = {}
         self._bootstrapped = trio.Event()
         # bootstrap peer id -> its last dial error (cli.py digs out the root cause)
@@ -304,6 +313,7 @@ class Discovery:
             for gone in set(self._next_ping).union(self._ping_failures) - connected:
                 self._next_ping.pop(gone, None)  # a reconnected peer warms up again
                 self._rtts_kept.pop(gone, None)
+                self._rtts_unkept.pop(gone, None)
                 self._ping_failures.pop(gone, None)
                 self._relay_ping_failures.pop(gone, None)
             now = trio.current_time()
@@ -356,7 +366,17 @@ class Discovery:
             return
         self._ping_failures.pop(peer_id, None)
         self._relay_ping_failures.pop(peer_id, None)
-        kept = self._rtts_kept.get(peer_id, 0) + self._on_rtt(str(peer_id), rtt)
+        if not self._on_rtt(str(peer_id), rtt):
+            unkept = min(self._rtts_unkept.get(peer_id, 0) + 1, 16)
+            self._rtts_unkept[peer_id] = unkept
+            gap = min(
+                WARMUP_PING_INTERVAL_S * 2 ** (unkept - 1),
+                UNKEPT_PING_MAX_INTERVALS * self._liveness_interval_s,
+            )
+            self._next_ping[peer_id] = trio.current_time() + gap
+            return
+        self._rtts_unkept.pop(peer_id, None)
+        kept = self._rtts_kept.get(peer_id, 0) + 1
         self._rtts_kept[peer_id] = kept
         if kept < RTT_WARMUP_SAMPLES:
             self._next_ping[peer_id] = trio.current_time() + WARMUP_PING_INTERVAL_S

@@ -1,0 +1,71 @@
+"""Discovery's liveness pings in virtual time: a peer the table keeps round trips for is
+warmed up at 1 s then pinged every liveness interval; one whose round trips the table
+drops (no summary of it yet; in gossip mode `ring`, a peer we do not hear) is pinged at
+doubling gaps up to UNKEPT_PING_MAX_INTERVALS intervals, and warms up once it is kept."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import trio
+from libp2p.peer.id import ID
+
+from peer.discovery import (
+    RTT_WARMUP_SAMPLES,
+    UNKEPT_PING_MAX_INTERVALS,
+    WARMUP_PING_INTERVAL_S,
+    Discovery,
+)
+from tests.fake_host import new_peer_id
+
+KEPT, UNKEPT = ID.from_base58(new_peer_id(1)), ID.from_base58(new_peer_id(2))
+LIVENESS_S = 5.0
+
+
+class PingHost:
+    """Two connected peers that answer every ping at once; records when each was pinged."""
+
+    def __init__(self) -> None:
+        self.pings: dict[ID, list[float]] = {KEPT: [], UNKEPT: []}
+
+    def connected_peers(self) -> list[ID]:
+        return [KEPT, UNKEPT]
+
+    def may_relay_to(self, peer_id: ID) -> bool:
+        return False
+
+    async def ping(self, peer_id: ID, *, timeout_s: float) -> float:
+        self.pings[peer_id].append(trio.current_time())
+        return 0.001
+
+
+async def test_unkept_round_trips_back_off_and_kept_ones_warm_up(autojump_clock):
+    host = PingHost()
+    table_knows = {str(KEPT)}
+    discovery = Discovery(
+        host, None, b"key", (),  # type: ignore[arg-type]
+        liveness_interval_s=LIVENESS_S, rng=random.Random(0),
+        on_rtt=lambda peer, rtt: peer in table_knows,
+    )
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(discovery._liveness_loop)
+        await trio.sleep(60.0)
+        table_knows.add(str(UNKEPT))  # its first summary arrives
+        await trio.sleep(25.0)
+        nursery.cancel_scope.cancel()
+    kept = host.pings[KEPT]
+    # warm-up: RTT_WARMUP_SAMPLES pings a second apart (the loop ticks every second), then
+    # one per liveness interval
+    gaps = [round(b - a) for a, b in itertools.pairwise(kept)]
+    assert gaps[: RTT_WARMUP_SAMPLES - 1] == [WARMUP_PING_INTERVAL_S] * (RTT_WARMUP_SAMPLES - 1)
+    assert set(gaps[RTT_WARMUP_SAMPLES - 1 :]) == {LIVENESS_S}
+    unkept = [t for t in host.pings[UNKEPT] if t < 60.0]
+    gaps = [round(b - a) for a, b in itertools.pairwise(unkept)]
+    cap = UNKEPT_PING_MAX_INTERVALS * LIVENESS_S
+    assert gaps == [min(2.0**i, cap) for i in range(len(gaps))]
+    assert len(unkept) <= 9  # 1, 2, 4, 8, 16, then every 20 s: not 60 pings in 60 s
+    # once kept, it is pinged again within one capped gap and then warms up at 1 s
+    later = [t for t in host.pings[UNKEPT] if t >= 60.0]
+    assert later and later[0] < 60.0 + cap + 1
+    assert [round(b - a) for a, b in itertools.pairwise(later)][:1] == [1]
