@@ -54,7 +54,8 @@ stream's speed at the batch it was measured in; ``single_stream_decode`` turns i
 into a lone stream's with the batch speed and the slope.
 
 Every speed a peer reports within SPEED_NOISE_FACTOR of ours counts as ours
-(``as_measured_here``). Costs within COST_TIE_FRACTION of the cheapest are a tie, which
+(``as_measured_here``). Costs within COST_TIE_FRACTION of the cheapest (of its cost less its
+decode: ``tie_limit_s``) are a tie, which
 goes to the longest match (reasons at the constant).
 """
 
