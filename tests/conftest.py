@@ -28,6 +28,24 @@ for _name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
 
 TINY_CACHE_BYTES = 8 << 20  # 1024 tiny-random blocks of 16 tokens: room for every test prompt
 
+# The longest tests (tens of seconds each, mostly waiting on processes and sockets) run
+# first: under `make test`'s two workers the NAT test (~75-100 s) then overlaps the rest
+# of the suite instead of starting last and setting the wall time alone.
+LONGEST_FIRST = (
+    "tests/test_bench_reach.py",
+    "tests/test_cli.py",
+    "tests/test_pipeline_processes.py",
+    "tests/test_swarm_processes.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    def rank(item):
+        path = item.nodeid.split("::", 1)[0]
+        return LONGEST_FIRST.index(path) if path in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: the rest keeps its order
+
 
 @pytest.fixture(autouse=True)
 def _root_logging_restored():

@@ -29,7 +29,11 @@ async def test_an_entry_peer_finds_a_holder_beyond_its_ring_and_routes_there(
     with trio.fail_after(90):
         ring_config = dataclasses.replace(
             config(), gossip_mode=GossipMode.RING, gossip_neighbours=NEIGHBOURS,
-            policy=Policy.COST,
+            # the longest match decides: under COST a tiny-random prompt recomputes in
+            # less than two round trips of a loaded loopback, so the entry would rightly
+            # replicate it (REPLICATE, peer/ranking.py) and the route would not show the
+            # lookup
+            policy=Policy.LONGEST_PREFIX,
             lookup_wait_s=2.0,  # five peers in one process on a shared CPU: streams take
             #   ~0.1 s here, not the few ms of an idle loopback
         )
