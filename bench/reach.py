@@ -3,24 +3,28 @@
 Builds bench/netns.py's topology (root and iptables needed; where the machine cannot, it
 says why and exits 2): public peers A (198.18.0.1, bootstrap) and B (198.18.0.3, the entry
 that clients call) on a public segment, and N (10.77.0.2) behind a masquerading router.
-Three phases, each with fresh peers (tiny-random, policy longest_prefix so that routing
-depends only on the cached prefix):
+Four cases in two swarms of fresh peers (tiny-random, policy longest_prefix so that routing
+depends only on the cached prefix; each case has its own prefix, cached on its holder
+only):
 
-- no_relay: relays off everywhere, and the home router also refuses N's connections to B
-  (B stands for any peer N holds no connection to: another peer behind NAT, or one whose
-  connection dropped). B cannot dial N: requests whose prefix only N caches are served by
-  B itself.
-- relay: the same network with relays on: N reserves a slot on A, B reaches N through A.
-- direct: relays on, N may dial B: N serves B's requests over its own outbound connection.
-- punch: N and a second peer M behind its own masquerading router (home2), relay A. M is
-  the entry. Neither can dial the other; the relayed streams between them start the
+- no_relay (first swarm): U, behind a second router, runs without relays (`--no-relays`:
+  no reservation), and its router also refuses U's connections to B (B stands for any
+  peer U holds no connection to: another peer behind NAT, or one whose connection
+  dropped). B cannot dial U: requests whose prefix only U caches are served by B itself.
+- relay (first swarm): N, behind the first router, which refuses N's connections to B
+  as well, runs with relays: N reserves a slot on A, B reaches N through A.
+- direct (second swarm): relays on, N may dial B: N serves B's requests over its own
+  outbound connection.
+- punch (second swarm): N and a peer M behind the second router, relay A (B's relay
+  service is off, so A is the only relay). M is the
+  entry. Neither can dial the other; the relayed streams between them start the
   direct-connection upgrade (peer/holepunch.py), here a TCP simultaneous open from both
   listen ports. direct_after_holepunch is true only when M's link to N is a direct
   connection that the upgrade made (M's record of it), whose far end is not the relay's
   address, and N served every request over it; ttft_direct_s is measured on those.
   Connection reversal (a public peer dialled back) is tested on loopback
-  (tests/test_holepunch.py); the relay phase counts its failures (N may not dial B there).
-The peers run under peer.processes (`open_peer_processes`, one block per phase); the
+  (tests/test_holepunch.py); the relay case counts its failures (N may not dial B there).
+The peers run under peer.processes (`open_peer_processes`, one block per swarm); the
 clients run inside the namespaces (`--client` re-invokes this module there).
 """
 
@@ -195,10 +199,11 @@ async def _client(ns: str, args: list[str]) -> dict[str, Any]:
     return json.loads(done.stdout)  # type: ignore[no-any-return]
 
 
-def _block_b(nat: Nat, on: bool) -> None:
+def _block_b(nat: Nat, router: str, on: bool) -> None:
+    """`router` refuses its home peer's connections to B (or stops refusing them)."""
     rule = ["-i", "lan0", "-d", nat.public_ips[1], "-p", "tcp", "-j", "REJECT",
             "--reject-with", "tcp-reset"]
-    subprocess.run(Nat.run_in(nat.router, ["iptables", "-I" if on else "-D", "FORWARD", *rule]),
+    subprocess.run(Nat.run_in(router, ["iptables", "-I" if on else "-D", "FORWARD", *rule]),
                    check=True, capture_output=True)
 
 
@@ -206,104 +211,130 @@ def _progress(message: str) -> None:
     print(f"bench.reach: {time.strftime('%H:%M:%S')} {message}", file=sys.stderr, flush=True)
 
 
-async def run_phase(nat: Nat, name: str, *, relays: bool, block_b: bool, requests: int,
-                    log_dir: Path, seed: int) -> dict[str, Any]:
-    flags = [] if relays else ["--no-relay-service", "--no-relays"]
-    a_ip, b_ip = nat.public_ips
-    if block_b:
-        _block_b(nat, True)
-    try:
-        async with open_peer_processes() as procs:  # every peer stops when the phase ends
-            _progress(f"phase {name}: starting peers")
-            # A's identity is made first, so all three start at once (each loads the model).
-            key_file, boot = _identity_of_a(log_dir, name, a_ip)
-            none = ["--identity", "none"]
-            _a, b, n = await start_peers(procs, log_dir, [
-                (nat.public[0], a_ip, f"{name}-A", [*flags, "--identity", str(key_file)]),
-                (nat.public[1], b_ip, f"{name}-B", [*flags, *none, *boot]),
-                (nat.home, nat.home_ip, f"{name}-N", [*flags, *none, *boot]),
-            ])
-            prompt = prefix_text(seed)
-            _progress(f"phase {name}: peers up; waiting for N's verdict, caching the prefix on N")
-            home = await _client(nat.home, ["home", f"http://{nat.home_ip}:{HTTP_PORT}", prompt])
-            _progress(f"phase {name}: N is {home['reachability']}; requests at B")
-            entry = await _client(nat.public[1], [
-                "entry", f"http://{b_ip}:{HTTP_PORT}", prompt, "--holder", n.peer_id,
-                "--requests", str(requests), *(["--expect-direct"] if not block_b else []),
-                *(["--expect-reachable"] if relays or not block_b else []),
-            ])
-    finally:
-        if block_b:
-            _block_b(nat, False)
-    served = [r for r in entry["results"] if r["served_by"] == n.peer_id]
+async def _cache_on(ns: str, ip: str, prompt: str) -> dict[str, Any]:
+    """The home peer's verdict, then `prompt` cached on it (client_home)."""
+    return await _client(ns, ["home", f"http://{ip}:{HTTP_PORT}", prompt])
+
+
+async def _requests_at(ns: str, ip: str, prompt: str, holder: PeerProcess, requests: int, *,
+                       expect_direct: bool, expect_reachable: bool) -> dict[str, Any]:
+    """The entry peer at `ip` sends `requests` extending `prompt` (client_entry)."""
+    return await _client(ns, [
+        "entry", f"http://{ip}:{HTTP_PORT}", prompt, "--holder", holder.peer_id,
+        "--requests", str(requests), *(["--expect-direct"] if expect_direct else []),
+        *(["--expect-reachable"] if expect_reachable else []),
+    ])
+
+
+def _outcome(home: dict[str, Any], entry: dict[str, Any], holder: PeerProcess,
+             entry_peer: PeerProcess) -> dict[str, Any]:
+    """One case's row: who served the requests extending the holder's prefix."""
+    served = [r for r in entry["results"] if r["served_by"] == holder.peer_id]
     return {
         "natted_reachability": home["reachability"],
         "natted_advertised": home["addrs"],
         "entry_link_to_natted": entry["link"],
+        "entry_link_remote": entry["link_remote"] or "",
         "requests": len(entry["results"]),
         "served_by_natted": len(served),
-        "served_by_entry": sum(r["served_by"] == b.peer_id for r in entry["results"]),
+        "served_by_entry": sum(r["served_by"] == entry_peer.peer_id for r in entry["results"]),
         "errors": sum(r["error"] is not None for r in entry["results"]),
         "ttft_natted_s": [r["ttft_s"] for r in served],
-        "entry_link_remote": entry["link_remote"],
         "routes": [r["route"] for r in entry["results"]],
         "entry_holepunch": {k: v for k, v in (entry["holepunch"] or {}).items()
                             if k.startswith("holepunch_")},
     }
 
 
-async def run_punch_phase(nat: Nat, *, requests: int, log_dir: Path, seed: int
-                          ) -> dict[str, Any]:
-    """Two peers behind two NATs: N (holder, home) and M (entry, home2), relay A.
+async def _start_swarm(
+    procs: PeerProcesses, nat: Nat, log_dir: Path, name: str, *, b_flags: list[str],
+    home2: tuple[str, list[str]],
+) -> tuple[PeerProcess, PeerProcess, PeerProcess]:
+    """A (bootstrap, relay), B, N behind home and the peer `home2` names behind home2, all
+    starting at once (A's identity is made first); returns (B, N, that peer)."""
+    _progress(f"{name}: starting peers")
+    a_ip, b_ip = nat.public_ips
+    key_file, boot = _identity_of_a(log_dir, name, a_ip)
+    none = ["--identity", "none"]
+    other, other_flags = home2
+    _a, b, n, x = await start_peers(procs, log_dir, [
+        (nat.public[0], a_ip, f"{name}-A", ["--identity", str(key_file)]),
+        (nat.public[1], b_ip, f"{name}-B", [*b_flags, *none, *boot]),
+        (nat.home, nat.home_ip, f"{name}-N", [*none, *boot]),
+        (nat.home2, nat.home2_ip, f"{name}-{other}", [*other_flags, *none, *boot]),
+    ])
+    return b, n, x
 
-    Neither can dial the other (both routers drop unsolicited connections), so the only
-    direct connection there can be is one the hole punch (simultaneous open) made."""
-    name = "punch"
-    a_ip = nat.public_ips[0]
-    async with open_peer_processes() as procs:  # every peer stops when the phase ends
-        _progress(f"phase {name}: starting peers")
-        key_file, boot = _identity_of_a(log_dir, name, a_ip)
-        none = ["--identity", "none"]
-        _a, n, m = await start_peers(procs, log_dir, [
-            (nat.public[0], a_ip, f"{name}-A", ["--identity", str(key_file)]),
-            (nat.home, nat.home_ip, f"{name}-N", [*none, *boot]),
-            (nat.home2, nat.home2_ip, f"{name}-M", [*none, *boot]),
-        ])
-        prompt = prefix_text(seed)
-        _progress(f"phase {name}: peers up; verdicts, caching the prefix on N")
-        home = await _client(nat.home, ["home", f"http://{nat.home_ip}:{HTTP_PORT}", prompt])
+
+async def run_relay_swarm(nat: Nat, *, requests: int, log_dir: Path
+                          ) -> dict[str, dict[str, Any]]:
+    """Cases no_relay and relay in one swarm: A (relay), B (entry), N behind home with
+    relays, U behind home2 without (`--no-relays`: no reservation); both routers refuse
+    their home peer's connections to B. Requests at B for U's prefix (seed 1) and for N's
+    (seed 2)."""
+    name = "relays"
+    b_ip = nat.public_ips[1]
+    for router in (nat.router, nat.router2):
+        _block_b(nat, router, True)
+    try:
+        async with open_peer_processes() as procs:  # every peer stops when the swarm ends
+            b, n, u = await _start_swarm(procs, nat, log_dir, name, b_flags=[],
+                                         home2=("U", ["--no-relays"]))
+            no_relay, relay = prefix_text(1), prefix_text(2)
+            _progress(f"{name}: peers up; verdicts, caching a prefix on U and one on N")
+            home_u = await _cache_on(nat.home2, nat.home2_ip, no_relay)
+            home_n = await _cache_on(nat.home, nat.home_ip, relay)
+            _progress(f"{name}: U is {home_u['reachability']}, N is {home_n['reachability']};"
+                      " requests at B")
+            at_u = await _requests_at(nat.public[1], b_ip, no_relay, u, requests,
+                                      expect_direct=False, expect_reachable=False)
+            at_n = await _requests_at(nat.public[1], b_ip, relay, n, requests,
+                                      expect_direct=False, expect_reachable=True)
+    finally:
+        for router in (nat.router, nat.router2):
+            _block_b(nat, router, False)
+    return {"no_relay": _outcome(home_u, at_u, u, b), "relay": _outcome(home_n, at_n, n, b)}
+
+
+async def run_direct_swarm(nat: Nat, *, requests: int, log_dir: Path
+                           ) -> dict[str, dict[str, Any]]:
+    """Cases direct and punch in one swarm: A (relay, the only one), B (public entry), N
+    behind home (holds both prefixes), M behind home2 (the other entry).
+
+    direct: N may dial B, and serves B's requests (seed 3) over its own outbound
+    connection. punch: neither N nor M can dial the other (both routers drop unsolicited
+    connections), so the only direct connection between them is one the hole punch
+    (simultaneous open) made; M's requests (seed 4) go over it."""
+    name = "direct"
+    a_ip, b_ip = nat.public_ips
+    async with open_peer_processes() as procs:  # every peer stops when the swarm ends
+        b, n, m = await _start_swarm(procs, nat, log_dir, name,
+                                     b_flags=["--no-relay-service"], home2=("M", []))
+        direct, punch = prefix_text(3), prefix_text(4)
+        _progress(f"{name}: peers up; verdicts, caching two prefixes on N")
+        home = await _cache_on(nat.home, nat.home_ip, direct)
+        home_again = await _cache_on(nat.home, nat.home_ip, punch)
         entry_self = await _client(nat.home2, ["verdict", f"http://{nat.home2_ip}:{HTTP_PORT}",
-                                               prompt])
-        _progress(f"phase {name}: N is {home['reachability']}, M is "
-                  f"{entry_self['reachability']}; requests at M once its link to N is direct")
-        entry = await _client(nat.home2, [
-            "entry", f"http://{nat.home2_ip}:{HTTP_PORT}", prompt, "--holder", n.peer_id,
-            "--requests", str(requests), "--expect-direct", "--expect-reachable",
-        ])
-    served = [r for r in entry["results"] if r["served_by"] == n.peer_id]
-    remote = entry["link_remote"] or ""
-    stats = entry["holepunch"] or {}
-    return {
-        "natted_reachability": home["reachability"],
+                                               punch])
+        _progress(f"{name}: N is {home['reachability']}, M is {entry_self['reachability']};"
+                  " requests at B, then at M once its link to N is direct")
+        at_b = await _requests_at(nat.public[1], b_ip, direct, n, requests,
+                                  expect_direct=True, expect_reachable=True)
+        at_m = await _requests_at(nat.home2, nat.home2_ip, punch, n, requests,
+                                  expect_direct=True, expect_reachable=True)
+    punched = _outcome(home_again, at_m, n, m)
+    stats = at_m["holepunch"] or {}
+    punched.update({
         "entry_reachability": entry_self["reachability"],
-        "natted_advertised": home["addrs"],
-        "entry_link_to_natted": entry["link"],
-        "entry_link_remote": remote,
-        "link_remote_is_relay": remote.split(":")[0] == a_ip,
-        "requests": len(entry["results"]),
-        "served_by_natted": len(served),
-        "served_by_entry": sum(r["served_by"] == m.peer_id for r in entry["results"]),
-        "errors": sum(r["error"] is not None for r in entry["results"]),
-        "ttft_natted_s": [r["ttft_s"] for r in served],
-        "entry_holepunch": {k: v for k, v in stats.items() if k.startswith("holepunch_")},
-        "routes": [r["route"] for r in entry["results"]],
+        "link_remote_is_relay": punched["entry_link_remote"].split(":")[0] == a_ip,
         "upgraded": stats.get("upgraded", {}).get(n.peer_id),
-    }
+    })
+    return {"direct": _outcome(home, at_b, n, b), "punch": punched}
 
 
 async def run_phases(nat: Nat, requests: int, log_dir: Path) -> dict[str, Any] | None:
-    """The four phases, one after the other; None when a SIGTERM (a CI timeout) stopped
-    them, after every peer was stopped."""
+    """The four cases, in two swarms one after the other; None when a SIGTERM (a CI
+    timeout) stopped them, after every peer was stopped."""
     phases: dict[str, Any] | None = None
     async with trio.open_nursery() as nursery:
 
@@ -315,13 +346,8 @@ async def run_phases(nat: Nat, requests: int, log_dir: Path) -> dict[str, Any] |
 
         nursery.start_soon(stop_on_sigterm)
         phases = {
-            "no_relay": await run_phase(nat, "no_relay", relays=False, block_b=True,
-                                        requests=requests, log_dir=log_dir, seed=1),
-            "relay": await run_phase(nat, "relay", relays=True, block_b=True,
-                                     requests=requests, log_dir=log_dir, seed=2),
-            "direct": await run_phase(nat, "direct", relays=True, block_b=False,
-                                      requests=requests, log_dir=log_dir, seed=3),
-            "punch": await run_punch_phase(nat, requests=requests, log_dir=log_dir, seed=4),
+            **await run_relay_swarm(nat, requests=requests, log_dir=log_dir),
+            **await run_direct_swarm(nat, requests=requests, log_dir=log_dir),
         }
         nursery.cancel_scope.cancel()
     return phases
