@@ -252,6 +252,14 @@ def render(quick: Sequence[Row], final: Sequence[Row], params: dict[str, Any],
         "in the cpu and the gpu regime (the gpu delay sweep is finer: a GPU recomputes a "
         "prefix in tens of milliseconds). Load 1.0 is the arrival rate the swarm could just "
         "serve with no prefix reuse, from the regime's own service times.",
+        "- Warm-up: the metrics leave out the first 10% of a run's requests and at least "
+        "those arriving within the first summary interval (2 s), while the peers' first "
+        "summaries go out (bench/sim/model.py `Simulator._warmup_n`). The second rule is "
+        "new in this version and changes only runs shorter than 20 s, the gpu regime's "
+        "loaded ones (1,200 requests at load 1.5 arrive in 6 s): before it, a third of such "
+        "a run was measured while routing could not yet see some or all peers, which the oracle "
+        "does not need to (gpu, load 1.5: cost 0.067 s against the oracle's 0.045 s, 1.49x, "
+        "in the previous rows; docs/cost-model.md).",
         "- Final grid (`--final`): the mixed regime's delay sweep; cache pressure, the KV "
         "budget per peer set to 0.25x-4x of the MMLU working set (all 57 subject prefixes, "
         "1,725 blocks) spread over the 16 peers, with the `exact_longest_prefix` ceiling "

@@ -68,6 +68,19 @@ def test_tiny_run_completes() -> None:
     assert m["summaries_rejected"] == 0  # the real PeerTable accepts every summary
 
 
+def test_warm_up_covers_the_first_summary_interval() -> None:
+    """Before every peer's first summary (staggered over one interval) routing is blind;
+    a fast workload whose first interval holds more than 10% of it leaves all of those
+    requests out, a slow one only its first 10%, and warmup_fraction 0 none."""
+    fast = workload(200, rate=40.0)
+    early = sum(1 for r in fast if r.arrival_s < SMALL.summary_interval_s)
+    assert early > 20  # the point of the case: more than 10% of 200
+    assert simulate(SMALL, fast).metrics["requests"] == 200 - early
+    assert simulate(SMALL, workload(200, rate=3.0)).metrics["requests"] == 180
+    none = dataclasses.replace(SMALL, warmup_fraction=0.0)
+    assert simulate(none, fast).metrics["requests"] == 200
+
+
 def test_deterministic_under_seed() -> None:
     wl = workload(250)
     a = simulate(SMALL, wl)

@@ -54,6 +54,7 @@ What is modelled, and how (every number is a field of SimParams or Calibration):
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 import random
@@ -752,9 +753,19 @@ class Simulator:
                 peer.bloom.remove(ev.block_hash)
         peer.publish_policy.observe(events, peer.cache.num_blocks)
 
-    @property
+    @functools.cached_property
     def _warmup_n(self) -> int:
-        return int(len(self.workload) * self.params.warmup_fraction)
+        """Requests left out of the metrics: `warmup_fraction` of them, and at least those
+        arriving within the first summary interval, while the peers' first summaries go
+        out (staggered over that interval, run()): until then routing is blind to
+        caches and load, which measures the swarm's start, not its routing.
+        `warmup_fraction` 0: no warm-up at all."""
+        by_fraction = int(len(self.workload) * self.params.warmup_fraction)
+        if self.params.warmup_fraction == 0:
+            return 0
+        interval = self.params.summary_interval_s
+        by_time = sum(1 for r in self.workload if r.arrival_s < interval)
+        return max(by_fraction, by_time)
 
     # -- anti-entropy ---------------------------------------------------------------------
 

@@ -86,7 +86,9 @@ class SimParams:
     # and load_probe_wait_s): 0 ranks on gossiped load only, as before probing existed.
     load_probes: int = DEFAULT_LOAD_PROBES
     load_probe_wait_s: float = DEFAULT_LOAD_PROBE_WAIT_S
-    warmup_fraction: float = 0.1  # the first requests fill caches; left out of the metrics
+    # the first requests fill caches; left out of the metrics with (at least) those of the
+    # first summary interval (Simulator._warmup_n)
+    warmup_fraction: float = 0.1
     seed: int = 0
     model_id: str = DEFAULT_MODEL
     calibration: Calibration = field(default_factory=lambda: NOTES_CALIBRATION)
