@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -59,7 +60,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                     "cpu,gpu,mixed")
     ap.add_argument("--json", type=Path, help="write {'params', 'rows'} here")
     ap.add_argument("--plots", type=Path, help="write Markdown tables and PNG plots here")
-    ap.add_argument("--jobs", type=int, default=1, help="worker processes (runs are independent)")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                    help="worker processes (default: one per CPU; runs are independent and "
+                    "seeded, so the rows do not depend on it)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--requests", type=int, help="requests per run (default: grid's)")
     ap.add_argument("--experiments", help="comma-separated subset: delay,skew,load,"

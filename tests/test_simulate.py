@@ -249,7 +249,8 @@ def test_grid_rows_and_cli_json(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(cli, "load_tokenized_mmlu", lambda: data)
     monkeypatch.setattr(cli, "quick_grid", lambda seed, seeds=1: tiny_grid())
     out = tmp_path / "quick.json"
-    assert cli.main(["--quick", "--json", str(out), "--plots", str(tmp_path / "plots")]) == 0
+    plots = tmp_path / "plots"
+    assert cli.main(["--quick", "--jobs", "1", "--json", str(out), "--plots", str(plots)]) == 0
     doc = json.loads(out.read_text())
     assert set(doc) >= {"params", "rows"}
     rows = doc["rows"]
