@@ -24,18 +24,17 @@ from pathlib import Path
 from typing import Any
 
 from bench.sim.calibration import Calibration
+from bench.sim.checks import compare_cost, scale_checks
 from bench.sim.experiments import (
     WORKLOADS,
     Base,
     Grid,
-    compare_cost,
     final_grid,
     full_grid,
     make_workload,
     quick_grid,
     regime_sim,
     run_grid,
-    scale_checks,
 )
 from bench.sim.model import simulate
 from bench.sim.params import POLICY_NAMES, SimParams

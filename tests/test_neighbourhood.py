@@ -280,7 +280,7 @@ def test_simulated_ring_receipts_do_not_grow_with_the_swarm() -> None:
 
 
 def test_scale_checks_compare_like_with_like() -> None:
-    from bench.sim.experiments import scale_checks
+    from bench.sim.checks import scale_checks
 
     def row(mode: str, n: int, requests: int, msgs: float, hit: float) -> dict[str, Any]:
         return {"experiment": "scale", "policy": "cost", "gossip_mode": mode, "peers": n,

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.sim.experiments import compare_cost, hit_vs_oracle
+from bench.sim.checks import compare_cost, hit_vs_oracle
 
 # experiment -> (file stem, x key, x label, log x, panels as (metric key, label, log y))
 PANELS: dict[str, tuple[str, str, str, bool, tuple[tuple[str, str, bool], ...]]] = {
