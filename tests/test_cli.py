@@ -15,7 +15,7 @@ import httpx
 import pytest
 import trio
 
-from peer import cli
+from peer import cli, cli_clients
 from peer.config import Policy
 from peer.http import serve_http
 from tests.helpers_swarm import start_peer
@@ -64,7 +64,7 @@ def test_format_status_table():
                    "running_requests": 1, "queued_prompt_tokens": 48,
                    "trust": {"state": "probation"}}],
     }
-    lines = cli.format_status(view).splitlines()
+    lines = cli_clients.format_status(view).splitlines()
     assert lines[0] == "model tiny-random, policy cost, 2 peers"
     assert lines[1].split()[:2] == ["PEER", "ADDRESS"]
     assert "12D3Self (this)" in lines[2] and "3/100" in lines[2]
