@@ -40,7 +40,7 @@ lint: $(STAMP)
 		peer/engine/speeds.py peer/trust.py peer/request_log.py peer/settings.py \
 		peer/preflight.py peer/logs.py peer/version.py peer/progress.py peer/reach.py peer/punch.py \
 		peer/engine/scheduler.py peer/engine/api.py peer/engine/text.py peer/probing.py \
-		peer/generation.py peer/face.py
+		peer/generation.py peer/face.py peer/local_summary.py
 	# shells typed as strictly (pyproject's second strict override): the request path
 	$(BIN)/mypy peer/http.py peer/http_response.py peer/http_auth.py peer/serving.py \
 		peer/pipeline.py peer/race.py peer/forward.py peer/inference.py peer/load_probe.py \

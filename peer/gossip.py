@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any
 
 import trio
 from libp2p.peer.id import ID
@@ -42,6 +42,7 @@ from libp2p.pubsub.pubsub import Pubsub
 from peer.bloom_sizing import summary_bloom
 from peer.config import DEFAULT_GOSSIP_NEIGHBOURS, GossipMode
 from peer.engine.radix import EventKind
+from peer.local_summary import EngineLike, build_summary
 from peer.neighbourhood import Neighbourhood
 from peer.peer_table import PeerTable, Verdict
 from peer.publish_policy import PublishPolicy
@@ -56,84 +57,6 @@ PUBLISH_TIMEOUT_S = 5.0  # publishing queues to mesh peers; a stall must not sto
 MAX_LOGGED_REJECTIONS = 256  # (sender, reason) pairs logged at WARNING; later ones at DEBUG
 # Table verdicts that say nothing bad about the message: relayed, not applied.
 _NOT_THE_SENDERS_FAULT = frozenset({Verdict.STALE_SEQ, Verdict.TABLE_FULL})
-
-
-class LoadLike(Protocol):
-    @property
-    def queued_prompt_tokens(self) -> int: ...
-    @property
-    def running_requests(self) -> int: ...
-    @property
-    def prefill_tokens_per_s(self) -> float: ...
-    @property
-    def decode_tokens_per_s(self) -> float: ...
-    @property
-    def waiting_requests(self) -> int: ...
-    @property
-    def batch_slots(self) -> int: ...
-    @property
-    def batch_decode_tokens_per_s(self) -> float: ...
-    @property
-    def step_tokens(self) -> int: ...
-
-
-class CacheLike(Protocol):
-    @property
-    def num_blocks(self) -> int: ...
-    @property
-    def capacity_blocks(self) -> int: ...
-    def cached_hashes(self) -> Iterable[int]: ...
-    def root_hashes(self) -> list[int]: ...
-    def drain_events(self) -> list[Any]: ...
-
-
-class EngineLike(Protocol):
-    """What gossip needs from the engine (peer.engine.Engine has it)."""
-
-    @property
-    def model_id(self) -> str: ...
-    @property
-    def block_size(self) -> int: ...
-    @property
-    def cache(self) -> CacheLike: ...
-    def load(self) -> LoadLike: ...
-
-
-def build_summary(
-    engine: EngineLike,
-    *,
-    peer_id: str,
-    seq: int,
-    fp_rate: float,
-    bloom: BloomFilter | None = None,
-) -> CacheSummary:
-    """This peer's summary now: a Bloom filter of every cached block hash, plus load.
-
-    `bloom`, if given, must already hold exactly the cached hashes (see Gossip)."""
-    cache = engine.cache
-    if bloom is None:
-        bloom = summary_bloom(cache.num_blocks, fp_rate)
-        bloom.update(cache.cached_hashes())
-    load = engine.load()
-    return CacheSummary(
-        peer_id=peer_id,
-        model_id=engine.model_id,
-        block_size=engine.block_size,
-        seq=seq,
-        bloom_bits=bloom.num_bits,
-        bloom_hashes=bloom.num_hashes,
-        bloom=bloom.to_bytes(),
-        cached_blocks=cache.num_blocks,
-        capacity_blocks=cache.capacity_blocks,
-        queued_prompt_tokens=load.queued_prompt_tokens,
-        running_requests=load.running_requests,
-        prefill_tokens_per_s=load.prefill_tokens_per_s,
-        decode_tokens_per_s=load.decode_tokens_per_s,
-        waiting_requests=load.waiting_requests,
-        batch_slots=load.batch_slots,
-        batch_decode_tokens_per_s=load.batch_decode_tokens_per_s,
-        step_tokens=load.step_tokens,
-    )
 
 
 class Gossip:

@@ -23,9 +23,10 @@ from libp2p.pubsub.pubsub import Pubsub
 
 from peer.config import GossipMode, PeerConfig
 from peer.discovery import Discovery
-from peer.gossip import EngineLike, Gossip
+from peer.gossip import Gossip
 from peer.holepunch import direct_remote
 from peer.host import SwarmHost, new_dht, new_pubsub, open_host, run_service
+from peer.local_summary import EngineLike
 from peer.lookup import RootLookup
 from peer.peer_table import PeerTable
 from peer.relay import peer_addrs

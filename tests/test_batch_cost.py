@@ -181,7 +181,7 @@ def test_a_batching_engine_load_reaches_the_summary() -> None:
     from types import SimpleNamespace
 
     from peer.engine.api import EngineLoad
-    from peer.gossip import build_summary
+    from peer.local_summary import build_summary
     from peer.node_runner import CacheOnlyEngine
 
     engine = CacheOnlyEngine("smollm2-135m")

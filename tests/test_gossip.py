@@ -9,7 +9,8 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
 
 from peer.bloom_sizing import summary_bloom
-from peer.gossip import Gossip, build_summary
+from peer.gossip import Gossip
+from peer.local_summary import build_summary
 from peer.node_runner import CacheOnlyEngine
 from peer.peer_table import PeerTable
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import pytest
 
 from peer.bloom_sizing import MAX_SUMMARY_BLOOM_BYTES
-from peer.gossip import build_summary
+from peer.local_summary import build_summary
 from peer.peer_table import PeerTable
 from protocols.summary import encode_summary
 

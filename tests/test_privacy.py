@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from peer.engine.engine import SamplingParams
 from peer.engine.radix import RadixCache
-from peer.gossip import build_summary
+from peer.local_summary import build_summary
 from protocols.blocks import BlockHasher
 from protocols.bloom import BloomFilter
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import trio
 
-from peer.gossip import build_summary
+from peer.local_summary import build_summary
 from peer.node import LIVENESS_INTERVAL_MIN_S
 from peer.node_runner import CacheOnlyEngine, probe_tokens
 from protocols.summary import MAX_SUMMARY_BYTES, encode_summary
