@@ -254,7 +254,7 @@ def render(quick: Sequence[Row], final: Sequence[Row], params: dict[str, Any],
         "serve with no prefix reuse, from the regime's own service times.",
         "- Warm-up: the metrics leave out the first 10% of a run's requests and at least "
         "those arriving within the first summary interval (2 s), while the peers' first "
-        "summaries go out (bench/sim/model.py `Simulator._warmup_n`). The second rule is "
+        "summaries go out (bench/sim/model.py `Simulator._warmup`). The second rule is "
         "new in this version and changes only runs shorter than 20 s, the gpu regime's "
         "loaded ones (1,200 requests at load 1.5 arrive in 6 s): before it, a third of such "
         "a run was measured while routing could not yet see some or all peers, which the oracle "

@@ -733,7 +733,7 @@ class Simulator:
             self._insert(peer, job.tokens + job.req.output, now)
         peer.running -= 1
         peer.served += 1
-        if job.rid >= self._warmup_n:
+        if self._measured(job):
             peer.served_after_warmup += 1
         job.e2e = now + job.ret - job.arrival
         if job.charge is not None:
@@ -754,18 +754,21 @@ class Simulator:
         peer.publish_policy.observe(events, peer.cache.num_blocks)
 
     @functools.cached_property
-    def _warmup_n(self) -> int:
-        """Requests left out of the metrics: `warmup_fraction` of them, and at least those
-        arriving within the first summary interval, while the peers' first summaries go
-        out (staggered over that interval, run()): until then routing is blind to
-        caches and load, which measures the swarm's start, not its routing.
+    def _warmup(self) -> tuple[int, float]:
+        """Requests left out of the metrics: the first `warmup_fraction` of them, and
+        those arriving within the first summary interval, while the peers' first
+        summaries go out (staggered over that interval, run()): until then routing is
+        blind to caches and load, which measures the swarm's start, not its routing.
+        Returns (first measured request id, first measured arrival time);
         `warmup_fraction` 0: no warm-up at all."""
-        by_fraction = int(len(self.workload) * self.params.warmup_fraction)
         if self.params.warmup_fraction == 0:
-            return 0
-        interval = self.params.summary_interval_s
-        by_time = sum(1 for r in self.workload if r.arrival_s < interval)
-        return max(by_fraction, by_time)
+            return 0, -math.inf
+        return (int(len(self.workload) * self.params.warmup_fraction),
+                self.params.summary_interval_s)
+
+    def _measured(self, job: _Job) -> bool:
+        first_id, first_arrival_s = self._warmup
+        return job.rid >= first_id and job.arrival >= first_arrival_s
 
     # -- anti-entropy ---------------------------------------------------------------------
 
@@ -872,7 +875,7 @@ class Simulator:
         for job in jobs:
             if not math.isnan(job.e2e):
                 completions[job.rid] += 1
-        kept = [j for j in jobs if j.rid >= self._warmup_n]
+        kept = [j for j in jobs if self._measured(j)]
         ttft = [j.ttft for j in kept]
         e2e = [j.e2e for j in kept]
         prompt = sum(len(j.tokens) for j in kept)

@@ -87,7 +87,7 @@ class SimParams:
     load_probes: int = DEFAULT_LOAD_PROBES
     load_probe_wait_s: float = DEFAULT_LOAD_PROBE_WAIT_S
     # the first requests fill caches; left out of the metrics with (at least) those of the
-    # first summary interval (Simulator._warmup_n)
+    # first summary interval (Simulator._warmup)
     warmup_fraction: float = 0.1
     seed: int = 0
     model_id: str = DEFAULT_MODEL
