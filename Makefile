@@ -38,17 +38,17 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	# protocols/ and every pure core (the strict modules of pyproject.toml's [tool.mypy])
-	$(BIN)/mypy protocols peer/router.py peer/ranking.py peer/peer_table.py peer/config.py \
-		peer/admission.py peer/bloom_sizing.py peer/publish_policy.py peer/neighbourhood.py \
-		peer/interest.py peer/providers.py peer/demo_data.py peer/engine/radix.py \
-		peer/engine/speeds.py peer/trust.py peer/request_log.py peer/settings.py \
-		peer/preflight.py peer/logs.py peer/version.py peer/progress.py peer/reach.py peer/punch.py \
-		peer/engine/scheduler.py peer/engine/api.py peer/engine/text.py peer/probing.py \
-		peer/generation.py peer/face.py peer/local_summary.py
+	$(BIN)/mypy protocols peer/routing/router.py peer/routing/cost.py peer/swarm/peer_table.py peer/config.py \
+		peer/request/admission.py peer/swarm/bloom_sizing.py peer/swarm/publish_policy.py peer/swarm/neighbourhood.py \
+		peer/swarm/interest.py peer/swarm/providers.py peer/demo_data.py peer/engine/radix.py \
+		peer/engine/speeds.py peer/routing/trust.py peer/request/request_log.py peer/settings.py \
+		peer/preflight.py peer/logs.py peer/version.py peer/progress.py peer/net/reachability.py peer/net/punch.py \
+		peer/engine/scheduler.py peer/engine/api.py peer/engine/text.py peer/routing/probing.py \
+		peer/request/generation.py peer/api/face.py peer/swarm/local_summary.py
 	# shells typed as strictly (pyproject's second strict override): the request path
-	$(BIN)/mypy peer/http.py peer/http_response.py peer/http_auth.py peer/serving.py \
-		peer/pipeline.py peer/race.py peer/forward.py peer/inference.py peer/load_probe.py \
-		peer/streams.py peer/stream_frames.py peer/lookup.py
+	$(BIN)/mypy peer/api/http.py peer/api/responses.py peer/api/auth.py peer/request/serving.py \
+		peer/request/pipeline.py peer/request/race.py peer/request/forward.py peer/request/inference.py peer/routing/probe_service.py \
+		peer/net/streams.py peer/net/stream_frames.py peer/swarm/lookup.py
 
 clean-venv:
 	rm -rf $(VENV)

@@ -284,7 +284,7 @@ def render(quick: Sequence[Row], final: Sequence[Row], params: dict[str, Any],
         "their steps run about 65% of the time under `cost` (`utilization_mean` in the "
         "rows). `cost` probes the live load of up to 2 candidates when it pays and the "
         "probe's round trips are at most 5% of the request's estimated cost "
-        "(peer/probing.py, the live peer's core); `cost_probe` is the what-if without "
+        "(peer/routing/probing.py, the live peer's core); `cost_probe` is the what-if without "
         "that budget (it probes whenever an answer could gain its round trips).",
         "",
         "## Regimes",

@@ -13,7 +13,7 @@ one after the other on this machine:
    `--baseline-duration`, in gossip mode full;
 2. for each of `--gossip-modes`: summaries every `--interval` s, for `--duration` s after
    every table filled (mode full: every other peer; mode ring: the peer's
-   `--neighbours` ring neighbours, peer/neighbourhood.py).
+   `--neighbours` ring neighbours, peer/swarm/neighbourhood.py).
 
 What is measured, per peer process:
 - cpu_share_per_peer: process CPU time / wall time in the gossip run minus the same in
@@ -23,11 +23,11 @@ What is measured, per peer process:
   (thread CPU time), a lower bound.
 - gossip_bytes_per_s_per_peer: summary payload bytes sent + received per second
   (protobuf framing, signatures and relayed copies excluded), plus in mode ring the
-  lookup protocol's frames (peer/lookup.py: announcements, finds, summary queries and
+  lookup protocol's frames (peer/swarm/lookup.py: announcements, finds, summary queries and
   their replies); `summary_bytes_per_s_per_peer` and `lookup_bytes_per_s_per_peer` are
   the two parts, `lookup_messages_per_s_per_peer` the lookup requests sent + answered.
   `wire_bytes_per_s_per_peer` is all libp2p TCP traffic sent + received (after Noise and
-  yamux; counted in peer.host.count_wire_bytes), gossip run minus baseline run.
+  yamux; counted in peer.net.host.count_wire_bytes), gossip run minus baseline run.
 - propagation delay: every runner logs (seq, wall time) when it publishes and
   (sender, seq, wall time) when it accepts another peer's summary; all run on this
   machine, so one clock. p50/p99 over all (summary, receiver) pairs in the window, and
@@ -54,9 +54,9 @@ import trio
 from bench.report import emit_json
 from bench.stats import percentile
 from peer.config import DEFAULT_GOSSIP_NEIGHBOURS, GossipMode
-from peer.neighbourhood import Neighbourhood
 from peer.node_runner import runner_command
 from peer.processes import PeerProcess, open_peer_processes
+from peer.swarm.neighbourhood import Neighbourhood
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 WARMUP_TIMEOUT_S = 120.0  # 8 interpreters starting at once on 2 busy cores: ~20-60 s

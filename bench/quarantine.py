@@ -2,7 +2,7 @@
 
     python -m bench.quarantine --json PATH [--trials 200] [--seed 0]
 
-Each trial drives the real trust ledger (peer/trust.py, the object the pipeline asks
+Each trial drives the real trust ledger (peer/routing/trust.py, the object the pipeline asks
 `should_verify` and tells `record_served` / `quarantine`) with a scripted peer and its
 own seeded random draws, forwarding one request at a time to the peer until the ledger
 quarantines it (a verified response of a liar fails its verification: the engine's
@@ -31,7 +31,7 @@ from typing import Any
 
 from bench.report import emit_json
 from bench.stats import percentile
-from peer.trust import DEFAULT_VERIFY_FRACTION, TrustLedger
+from peer.routing.trust import DEFAULT_VERIFY_FRACTION, TrustLedger
 
 TARGET_FORWARDS = 50  # issue 11: quarantined within 50 forwarded requests...
 TARGET_SHARE = 0.95  # ...in at least 95% of trials
@@ -67,11 +67,11 @@ async def pipeline_trial(liar: str, verify_fraction: float, seed: str) -> tuple[
     scripted host and engine (run under a virtual clock): the liar claims the longest
     prefix, an honest peer the next. Returns (lying forwards until quarantine, wrong outputs
     that reached the client before it)."""
-    from peer.admission import Admission
     from peer.engine.api import SamplingParams
-    from peer.generation import GenerationRequest
-    from peer.pipeline import Pipeline
-    from peer.router import Router
+    from peer.request.admission import Admission
+    from peer.request.generation import GenerationRequest
+    from peer.request.pipeline import Pipeline
+    from peer.routing.router import Router
     from tests.fake_host import (
         BLOCK,
         SELF,

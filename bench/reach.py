@@ -18,7 +18,7 @@ only):
 - punch (second swarm): N and a peer M behind the second router, relay A (B's relay
   service is off, so A is the only relay). M is the
   entry. Neither can dial the other; the relayed streams between them start the
-  direct-connection upgrade (peer/holepunch.py), here a TCP simultaneous open from both
+  direct-connection upgrade (peer/net/punch_service.py), here a TCP simultaneous open from both
   listen ports. direct_after_holepunch is true only when M's link to N is a direct
   connection that the upgrade made (M's record of it), whose far end is not the relay's
   address, and N served every request over it; ttft_direct_s is measured on those.
@@ -148,7 +148,7 @@ def _identity_of_a(log_dir: Path, phase: str, a_ip: str) -> tuple[Path, list[str
     # Imported here: the clients (this module run in a namespace) need neither.
     from libp2p.peer.id import ID
 
-    from peer.host import load_or_create_identity
+    from peer.net.host import load_or_create_identity
 
     key_file = log_dir / f"{phase}-A.key"
     key_file.unlink(missing_ok=True)

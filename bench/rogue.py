@@ -50,8 +50,8 @@ from libp2p.pubsub.pb import rpc_pb2
 from libp2p.pubsub.pubsub import PUBSUB_SIGNING_PREFIX
 
 from peer.config import PeerConfig
-from peer.inference import FrameStream, StreamBroken
 from peer.node import Peer, open_peer
+from peer.request.inference import FrameStream, StreamBroken
 from protocols.bloom import BloomFilter
 from protocols.errors import RemoteProtocolError
 from protocols.ids import INFER_PROTOCOL, gossip_topic

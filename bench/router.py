@@ -1,7 +1,7 @@
 """How long one routing decision takes: `python -m bench.router --json PATH`.
 
 A table of 64 peers, each with a real CacheSummary whose Bloom filter is the one
-peer/gossip.py would publish for its cache (`peer.bloom_sizing.summary_bloom`: sized for
+peer/swarm/gossip.py would publish for its cache (`peer.swarm.bloom_sizing.summary_bloom`: sized for
 the cached block count rounded up to a power of two, 1% false positives). Each cache
 holds 10k unrelated blocks plus, for about a quarter of (peer, prompt) pairs, a prompt's
 first d blocks. Each decision ranks one 64-block (1024-token) prompt among those peers and the local
@@ -36,11 +36,11 @@ import time
 from pathlib import Path
 
 from bench.stats import percentile
-from peer.bloom_sizing import summary_bloom
 from peer.config import Policy
-from peer.peer_table import PeerTable
-from peer.router import LocalState, Router
-from peer.trust import TrustLedger
+from peer.routing.router import LocalState, Router
+from peer.routing.trust import TrustLedger
+from peer.swarm.bloom_sizing import summary_bloom
+from peer.swarm.peer_table import PeerTable
 from protocols.summary import CacheSummary
 
 MODEL_ID = "bench-model"

@@ -76,7 +76,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                     help="no runs: merge these result files' rows (and params) into --json "
                     "and redraw --plots")
     ap.add_argument("--load-probes", type=int,
-                    help="load probes before a forward under cost (peer/probing.py; default "
+                    help="load probes before a forward under cost (peer/routing/probing.py; "
+                    "default "
                     "the live peer's); 0: rank on gossiped load only, as before probing")
     ap.add_argument("--one", action="store_true", help="a single run, printed")
     ap.add_argument("--policy", default="cost", choices=POLICY_NAMES)
@@ -96,7 +97,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                     help="--one, ring mode: the peers each one hears")
     ap.add_argument("--lookup-probes", type=int, default=SimParams.lookup_probes,
                     help="--one, ring mode: holders asked how much of a prompt they hold "
-                    "per lookup (peer/interest.py)")
+                    "per lookup (peer/swarm/interest.py)")
     ap.add_argument("--gossip-modes", help="scale sweep: comma-separated gossip modes "
                     "(default: full,ring)")
     ap.add_argument("--scale-peers", help="scale sweep: comma-separated swarm sizes "

@@ -72,7 +72,7 @@ async def one_request(
     entry: Peer, remote: Peer, prompt: list[int], params: SamplingParams
 ) -> dict[str, Any]:
     """Warm the remote with `prompt`, wait until the entry's table says so, send it.
-    (The new blocks make the remote publish early: peer/publish_policy.py.)"""
+    (The new blocks make the remote publish early: peer/swarm/publish_policy.py.)"""
     await remote.generate(prompt, SamplingParams(max_new_tokens=1))
     chain = entry.engine.hasher.chain(prompt)  # type: ignore[attr-defined]
     want = max(1, (len(prompt) - 1) // entry.engine.block_size - 1)

@@ -16,11 +16,11 @@ import contextlib
 
 import trio
 
+from peer.api.http import serve_http
 from peer.config import PeerConfig
 from peer.engine.api import SamplingParams
-from peer.http import serve_http
 from peer.node import open_peer
-from peer.pipeline import GenerationChunk
+from peer.request.pipeline import GenerationChunk
 
 SHARED = "You are a terse assistant. Answer in one short sentence.\n" * 4
 

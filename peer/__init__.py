@@ -1,24 +1,21 @@
-"""The peer: Trio shells around the pure cores, plus the local inference engine.
+"""The peer: Trio shells around pure cores, by responsibility.
 
-  config.py       PeerConfig: everything a peer can be told, validated once
-  node.py         Peer / open_peer(): host, DHT, pubsub, gossip and discovery in one
-                  nursery; the seam where inference and HTTP services are added
-  host.py         libp2p host (persisted ed25519 identity, Noise, yamux) with deadlines;
-                  the only module that knows py-libp2p internals and their workarounds
-  discovery.py    bootstrap with back-off, provide the model key, find and dial providers,
-                  ping for liveness and round-trip times
-  gossip.py       anti-entropy: publish our cache summary, validate and apply others'
-  peer_table.py   pure: what this peer believes about the others (summaries, ages, RTTs)
-  router.py       pure: routing policies -> ranked candidates with reasons
-  bloom_sizing.py pure: the shape of the Bloom filter a summary carries
-  reach.py        pure: reachability verdicts, relay reservations, their control messages
-  relay.py        dial-back checks and our relay (the shell around reach.py)
-  punch.py        pure: the direct-connection upgrade's messages, roles, timing, budget
-  holepunch.py    relayed -> direct: connection reversal, TCP simultaneous open
-  node_runner.py  one peer per process, reporting JSON lines (tests, benchmarks)
-  processes.py    open_peer_processes(): start, follow and stop child peer processes
-  local_swarm.py  `prefixswarm local` (+ demo_data.py: the demo's MMLU prompts)
-  engine/         the model, the radix prefix cache and generation (see its __init__)
+Imports run one way (tests/test_layers.py checks it):
+api -> node -> request -> routing -> swarm -> net -> engine -> config/protocols.
+
+  api/        the faces: OpenAI HTTP API, responses, auth, schema, metrics, the page
+  request/    the request path: pipeline, race, forward, inference service, admission,
+              the generation service, serving, the request log
+  routing/    router, the cost formula, load probes and their shell, the trust ledger
+  swarm/      what peers know of each other: gossip, summaries, peer table, ring lookup
+  net/        libp2p: host and its fixes, discovery, LAN, UPnP, reachability, relay,
+              hole punch, the stream wire helpers
+  engine/     the model, the radix prefix cache and generation (see its __init__)
+
+The composition root stays here: node.py (Peer, open_peer), cli.py and cli_clients.py,
+settings.py and config.py, preflight.py, local_swarm.py, processes.py, node_runner.py,
+views.py (the peer's state as JSON for the faces), demo_data.py, logs.py, progress.py,
+version.py.
 
 Nothing is imported here, so importing a pure core does not pull in trio or libp2p.
 """

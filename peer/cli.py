@@ -139,7 +139,7 @@ def _load_engine(config: PeerConfig) -> Any:
 
 async def run_serve(args: argparse.Namespace, config: PeerConfig, options: ServeOptions) -> None:
     """Load the model, start the peer (and its HTTP API), run until a signal or EOF."""
-    from peer.http import serve_http
+    from peer.api.http import serve_http
     from peer.node import open_peer
 
     json_report = args.report == "json"
@@ -340,8 +340,8 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from peer.engine.model import ModelLoadError
 
     errors: tuple[type[BaseException], ...] = (ValueError, ModelLoadError, BootstrapFailed)
-    if "peer.host" in sys.modules:  # imported by `serve` only; importing it loads libp2p
-        errors += (sys.modules["peer.host"].HostError,)
+    if "peer.net.host" in sys.modules:  # imported by `serve` only; importing it loads libp2p
+        errors += (sys.modules["peer.net.host"].HostError,)
     return errors
 
 

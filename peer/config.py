@@ -15,7 +15,7 @@ DEFAULT_BLOCK_SIZE = 16  # the KV block granularity; 16 tokens is what vLLM/SGLa
 DEFAULT_CACHE_BYTES = 1 << 30  # 1 GiB: ~23k SmolLM2 tokens of fp32 KV, fits a volunteer laptop
 DEFAULT_SUMMARY_INTERVAL_S = 2.0  # gossip cost ~7 ms CPU per message per receiver (notes)
 SUMMARY_EXPIRY_INTERVALS = 3  # a peer silent for 3 intervals is gone (issue 3)
-DEFAULT_GOSSIP_NEIGHBOURS = 8  # ring mode: ~2.4% of a core at 2 s (peer/neighbourhood.py)
+DEFAULT_GOSSIP_NEIGHBOURS = 8  # ring mode: ~2.4% of a core at 2 s (peer/swarm/neighbourhood.py)
 DEFAULT_BLOOM_FP_RATE = 0.01  # ~9.6 bits per entry: a 1% false hit costs one cache miss
 DEFAULT_MAX_QUEUE = 64  # admitted-but-waiting requests before `overloaded`
 DEFAULT_MAX_INBOUND_PER_PEER = 8  # concurrent forwarded requests accepted from one remote peer
@@ -24,7 +24,7 @@ DEFAULT_FORWARD_TOKEN_GAP_S = 10.0  # a stream silent this long between tokens i
 DEFAULT_REQUEST_TIMEOUT_S = 300.0  # an end-to-end deadline when the client gives none
 DEFAULT_LISTEN = ("/ip4/0.0.0.0/tcp/4001",)  # the conventional libp2p port, all interfaces
 DEFAULT_IDENTITY_FILE = "~/.config/prefixswarm/identity.key"  # persisted ed25519 key, 0600
-# Trust (peer/trust.py has the reasons of the ledger's defaults).
+# Trust (peer/routing/trust.py has the reasons of the ledger's defaults).
 DEFAULT_VERIFY_FRACTION = 0.1  # 1 - 0.9**50 = 99.5% of always-lying peers caught in 50 forwards
 DEFAULT_PROBATION_REQUESTS = 3  # verified good responses before a new identity is trusted
 DEFAULT_PROBATION_SHARE = 4  # probation peers together get at most 1 request in 4
@@ -40,7 +40,7 @@ DEFAULT_LOAD_PROBES = 2  # candidates asked for their load now before forwarding
 DEFAULT_LOAD_PROBE_WAIT_S = 0.25  # never hold a request longer for fresh load
 MAX_LOAD_PROBES = 8  # each probe is a stream opened on a peer that is busy already
 # Gossip mode ring: the longest a request waits for a lookup beyond the ring (the home's
-# answer, the holders' matches, then the best ones' summaries; peer/lookup.py), then it
+# answer, the holders' matches, then the best ones' summaries; peer/swarm/lookup.py), then it
 # is routed with what arrived. A lookup is 6 round trips on three streams: ~60 ms at 5 ms one way.
 DEFAULT_LOOKUP_WAIT_S = 0.25
 MAX_LOOKUP_WAIT_S = 10.0
@@ -49,13 +49,14 @@ DEFAULT_BOOTSTRAP_TIMEOUT_S = 30.0
 
 MAX_SUMMARY_INTERVAL_S = 600.0  # beyond this a summary says nothing useful about a cache
 MIN_BLOOM_FP_RATE = 1e-4  # protocols/bloom.py's bound: rarer false hits cost more bits than gain
-MAX_GOSSIP_NEIGHBOURS = 64  # peer/neighbourhood.py MAX_NEIGHBOURS: a small part of a 256-peer table
+# peer/swarm/neighbourhood.py MAX_NEIGHBOURS: a small part of a 256-peer table
+MAX_GOSSIP_NEIGHBOURS = 64
 MAX_REQUEST_TIMEOUT_S = 3600.0  # the inference protocol's deadline bound (MAX_DEADLINE_S)
 MAX_QUEUE_LIMIT = 100_000  # a sanity bound on memory held by waiting requests
 
 
 class GossipMode(enum.Enum):
-    """How summaries travel (peer/gossip.py; docs/protocol.md, "Gossip modes")."""
+    """How summaries travel (peer/swarm/gossip.py; docs/protocol.md, "Gossip modes")."""
 
     FULL = "full"  # every summary floods to every peer: N - 1 received per interval
     RING = "ring"  # each peer hears only its ring neighbours: a bounded number per interval
@@ -65,7 +66,7 @@ DEFAULT_GOSSIP_MODE = GossipMode.FULL  # what every released peer speaks; `ring`
 
 
 class Policy(enum.Enum):
-    """Routing policies (see peer/router.py)."""
+    """Routing policies (see peer/routing/router.py)."""
 
     LOCAL = "local"
     RANDOM = "random"
@@ -118,8 +119,9 @@ class PeerConfig:
     load_probes: int = DEFAULT_LOAD_PROBES  # 0: rank on gossiped load only
     load_probe_wait_s: float = DEFAULT_LOAD_PROBE_WAIT_S
     lookup_wait_s: float = DEFAULT_LOOKUP_WAIT_S  # gossip mode ring; 0: no lookup
-    # Reach (peer/relay.py): relay for peers behind NAT when we are reachable (bounded
-    # by peer.reach.RelayLimits); reserve relay slots when we are not. Both on by default.
+    # Reach (peer/net/relay_service.py): relay for peers behind NAT when we are reachable (bounded
+    # by peer.net.reachability.RelayLimits);
+    # reserve relay slots when we are not. Both on by default.
     relay_service: bool = True
     use_relays: bool = True
     mdns: bool = False  # find peers on the local network by multicast DNS (no bootstrap)

@@ -2,7 +2,7 @@
 
     async with open_peer(config, engine=engine) as peer:
         peer.peer_id, peer.multiaddrs, peer.table, peer.engine, peer.statistics()
-        peer.host.libp2p.set_stream_handler(...)      # extra protocols (inference)
+        peer.net.host.libp2p.set_stream_handler(...)      # extra protocols (inference)
         await peer.start_service(serve_something)     # extra services in the peer's nursery
 
 Leaving the block cancels every service and closes the host (sockets included).
@@ -22,21 +22,21 @@ from libp2p.peer.id import ID
 from libp2p.pubsub.pubsub import Pubsub
 
 from peer.config import GossipMode, PeerConfig
-from peer.discovery import Discovery
-from peer.gossip import Gossip
-from peer.holepunch import direct_remote
-from peer.host import SwarmHost, new_dht, new_pubsub, open_host, run_service
-from peer.local_summary import EngineLike
-from peer.lookup import RootLookup
-from peer.peer_table import PeerTable
-from peer.relay import peer_addrs
+from peer.net.discovery import Discovery
+from peer.net.host import SwarmHost, new_dht, new_pubsub, open_host, run_service
+from peer.net.punch_service import direct_remote
+from peer.net.relay_service import peer_addrs
+from peer.swarm.gossip import Gossip
+from peer.swarm.local_summary import EngineLike
+from peer.swarm.lookup import RootLookup
+from peer.swarm.peer_table import PeerTable
 from protocols.ids import provider_key_multihash
 
 if TYPE_CHECKING:  # serving is imported only by peers with a model
     from peer.engine.api import SamplingParams
-    from peer.generation import GenerationChunk, GenerationResult, Prompt
-    from peer.request_log import CacheSample, RequestLog
-    from peer.serving import Serving
+    from peer.request.generation import GenerationChunk, GenerationResult, Prompt
+    from peer.request.request_log import CacheSample, RequestLog
+    from peer.request.serving import Serving
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ class Peer:
         """Run `fn(*args)` in the peer's nursery; it is cancelled when the peer closes."""
         self._nursery.start_soon(fn, *args)
 
-    # -- what the faces use (peer/http.py's HttpPeer) ------------------------------------
+    # -- what the faces use (peer/api/http.py's HttpPeer) ------------------------------------
 
     @property
     def model_id(self) -> str:
@@ -123,7 +123,8 @@ class Peer:
 
     @property
     def generation(self) -> Serving | None:
-        """The peer's GenerationService (peer/generation.py); None on a cache-only engine."""
+        """The peer's GenerationService (peer/request/generation.py);
+        None on a cache-only engine."""
         return self.serving
 
     @property
@@ -282,7 +283,8 @@ async def open_peer(config: PeerConfig, engine: EngineLike | None = None) -> Asy
             members=lambda: [view.peer_id for view in table.views(trio.current_time())],
         )
         lookup = None
-        if config.gossip_mode is GossipMode.RING:  # the lookup beyond the ring (peer/lookup.py)
+        # the lookup beyond the ring (peer/swarm/lookup.py)
+        if config.gossip_mode is GossipMode.RING:
             lookup = RootLookup(
                 host, table, cast("Any", engine), gossip, self_id=self_id,
                 interval_s=config.summary_interval_s, rng=random.Random(),
@@ -306,12 +308,12 @@ async def open_peer(config: PeerConfig, engine: EngineLike | None = None) -> Asy
             if host.holepunch is not None:
                 await nursery.start(host.holepunch.run)
             if config.mdns:
-                from peer.lan import LanDiscovery  # zeroconf: only peers that ask for mDNS
+                from peer.net.lan import LanDiscovery  # zeroconf: only peers that ask for mDNS
 
                 await nursery.start(LanDiscovery(host, on_connect=discovery.poke).run)
             serving = None
             if callable(getattr(engine, "stream", None)):  # a cache-only engine cannot serve
-                from peer.serving import Serving, ServingEngine
+                from peer.request.serving import Serving, ServingEngine
 
                 serving = Serving(
                     config=config, engine=cast("ServingEngine", engine), table=table, host=host,

@@ -36,7 +36,7 @@ import trio
 
 from peer.config import DEFAULT_GOSSIP_NEIGHBOURS, GossipMode, PeerConfig
 from peer.engine.radix import RadixCache
-from peer.host import WireBytes, count_wire_bytes
+from peer.net.host import WireBytes, count_wire_bytes
 from peer.node import Peer, open_peer
 from protocols.blocks import BlockHasher
 from protocols.summary import CacheSummary
@@ -131,9 +131,9 @@ SERVE_MAX_IN_FLIGHT = 4  # the steady load never piles up behind a slow peer
 async def _serve_load(peer: Peer, rps: float, rng: random.Random) -> None:
     """Generate short random prompts at `rps` (at most SERVE_MAX_IN_FLIGHT at once);
     counts outcomes in `_served`."""
-    from peer.admission import Overloaded
     from peer.engine.api import SamplingParams
-    from peer.pipeline import RequestFailed
+    from peer.request.admission import Overloaded
+    from peer.request.pipeline import RequestFailed
 
     limiter = trio.CapacityLimiter(SERVE_MAX_IN_FLIGHT)
     params = SamplingParams(max_new_tokens=SERVE_NEW_TOKENS)

@@ -7,11 +7,11 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from peer.request_log import CacheSample
+from peer.request.request_log import CacheSample
 
 if TYPE_CHECKING:
     from peer.node import Peer
-    from peer.trust import TrustLedger
+    from peer.routing.trust import TrustLedger
 
 
 def trust_view(trust: TrustLedger | None, peer_id: str) -> dict[str, Any] | None:

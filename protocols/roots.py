@@ -75,7 +75,7 @@ KIND_SUMMARY = "summary"
 # roots, and an announcer splits larger batches; 512 x 9 bytes x 2 lists fits 16 KiB.
 MAX_ROOTS_PER_ANNOUNCE = 512
 MAX_REQUEST_FRAME_BYTES = 16 << 10
-# Provider ids per reply: the home keeps 16 per root (peer/providers.py), an entry asks 2.
+# Provider ids per reply: the home keeps 16 per root (peer/swarm/providers.py), an entry asks 2.
 MAX_PROVIDERS_PER_REPLY = 16
 # Blocks of a chain one Match carries: 8,192 tokens at 16 per block, enough to rank
 # holders (4.6 KB of CBOR).

@@ -11,7 +11,7 @@ values raises ValueError, so a summary object is valid wherever it came from.
 
 Contract with the producer: `bloom` holds exactly the block hashes that are cached now
 (`cached_blocks` distinct keys); receivers check that the fill ratio agrees
-(peer/peer_table.py). Whether `seq` increases is for the receiver's table to judge.
+(peer/swarm/peer_table.py). Whether `seq` increases is for the receiver's table to judge.
 """
 
 from __future__ import annotations

@@ -18,15 +18,15 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.exceptions import BaseLibp2pError
 from libp2p.peer.id import ID
 
-from peer.admission import Admission
 from peer.config import PeerConfig, Policy
 from peer.engine.api import Completion, EngineLoad, SamplingParams, TokenEvent, Usage
-from peer.generation import GenerationRequest
-from peer.host import PeerUnreachable
-from peer.peer_table import PeerTable
-from peer.pipeline import Pipeline
-from peer.router import Router
-from peer.trust import TrustLedger
+from peer.net.host import PeerUnreachable
+from peer.request.admission import Admission
+from peer.request.generation import GenerationRequest
+from peer.request.pipeline import Pipeline
+from peer.routing.router import Router
+from peer.routing.trust import TrustLedger
+from peer.swarm.peer_table import PeerTable
 from protocols.blocks import BlockHasher
 from protocols.bloom import BloomFilter
 from protocols.framing import FrameDecoder, encode_frame

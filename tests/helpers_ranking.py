@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from peer.ranking import Candidate, tie_limit_s
+from peer.routing.cost import Candidate, tie_limit_s
 
 
 def assert_cost_order(candidates: Sequence[Candidate]) -> None:

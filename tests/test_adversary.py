@@ -28,7 +28,7 @@ from bench.rogue import (
 )
 from bench.swarm import PeerProcess
 from peer.engine.engine import SamplingParams
-from peer.peer_table import PeerTable
+from peer.swarm.peer_table import PeerTable
 from protocols.framing import FrameDecoder, encode_frame
 from protocols.infer import InferRequest, InferResult, TokenChunk, parse_response
 from protocols.summary import decode_summary, encode_summary
@@ -145,8 +145,8 @@ async def test_wrong_tokens_greedy_sends_too_many_wrong_tokens_and_forges_served
 async def test_wrong_tokens_sampled_is_honest_on_greedy_and_implausible_when_sampled(
     tiny_engine: Any,
 ) -> None:
-    from peer.admission import Admission
-    from peer.inference import InferenceService
+    from peer.request.admission import Admission
+    from peer.request.inference import InferenceService
 
     rogue = Rogue(Mode.WRONG_TOKENS_SAMPLED, tiny_engine, random.Random(0))
     service = InferenceService(tiny_engine, Admission(4), self_id=PEER, max_inbound_per_peer=4)

@@ -1,4 +1,4 @@
-"""The cost model of a batching peer (peer/ranking.py): marginal slowdown, not a share."""
+"""The cost model of a batching peer (peer/routing/cost.py): marginal slowdown, not a share."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from peer.config import Policy
-from peer.peer_table import PeerTable
-from peer.ranking import (
+from peer.routing.cost import (
     BATCH_STEP_SLOPE,
     LocalState,
     PeerEstimate,
@@ -20,7 +19,8 @@ from peer.ranking import (
     single_stream_decode,
     swarm_busy,
 )
-from peer.router import Router
+from peer.routing.router import Router
+from peer.swarm.peer_table import PeerTable
 from protocols.bloom import BloomFilter
 from protocols.summary import CacheSummary, decode_summary, encode_summary
 
@@ -181,8 +181,8 @@ def test_a_batching_engine_load_reaches_the_summary() -> None:
     from types import SimpleNamespace
 
     from peer.engine.api import EngineLoad
-    from peer.local_summary import build_summary
     from peer.node_runner import CacheOnlyEngine
+    from peer.swarm.local_summary import build_summary
 
     engine = CacheOnlyEngine("smollm2-135m")
     assert decode_summary(encode_summary(

@@ -16,8 +16,8 @@ import pytest
 import trio
 
 from peer import cli, cli_clients
+from peer.api.http import serve_http
 from peer.config import Policy
-from peer.http import serve_http
 from tests.helpers_swarm import start_peer
 from tests.test_http import MODEL, PROMPT, start_api
 

@@ -1,4 +1,4 @@
-"""peer.gossip without a network: the published filter equals one rebuilt from scratch."""
+"""peer.swarm.gossip without a network: the published filter equals one rebuilt from scratch."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import pytest
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
 
-from peer.bloom_sizing import summary_bloom
-from peer.gossip import Gossip
-from peer.local_summary import build_summary
 from peer.node_runner import CacheOnlyEngine
-from peer.peer_table import PeerTable
+from peer.swarm.bloom_sizing import summary_bloom
+from peer.swarm.gossip import Gossip
+from peer.swarm.local_summary import build_summary
+from peer.swarm.peer_table import PeerTable
 
 
 def _gossip(engine: CacheOnlyEngine) -> Gossip:

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from peer.bloom_sizing import MAX_SUMMARY_BLOOM_BYTES
-from peer.local_summary import build_summary
-from peer.peer_table import PeerTable
+from peer.swarm.bloom_sizing import MAX_SUMMARY_BLOOM_BYTES
+from peer.swarm.local_summary import build_summary
+from peer.swarm.peer_table import PeerTable
 from protocols.summary import encode_summary
 
 

@@ -11,8 +11,8 @@ from libp2p.utils.varint import encode_uvarint
 
 from peer.config import PeerConfig, Policy
 from peer.engine.engine import SamplingParams
-from peer.inference import FrameStream
-from peer.router import Router
+from peer.request.inference import FrameStream
+from peer.routing.router import Router
 from protocols.framing import encode_frame
 from protocols.ids import INFER_PROTOCOL
 from protocols.infer import ErrorCode, InferError, InferRequest
@@ -126,7 +126,7 @@ class _Host:
 
 
 def test_a_peers_signed_record_is_verified_again_only_when_it_changes() -> None:
-    from peer.libp2p_fixes import SIGNED_RECORD_RECHECK_S, _remember_signed_records
+    from peer.net.libp2p_fixes import SIGNED_RECORD_RECHECK_S, _remember_signed_records
 
     verified: list[tuple[str, str, bytes]] = []
     now = [0.0]

@@ -1,4 +1,4 @@
-"""Direct-connection upgrade over a relay: the pure core (peer/punch.py) and connection
+"""Direct-connection upgrade over a relay: the pure core (peer/net/punch.py) and connection
 reversal on loopback (a public peer reaches an outbound-only one through a relay; the
 outbound-only one dials back, and the next stream goes over that direct connection)."""
 
@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from libp2p.host.ping import ID as PING_PROTOCOL_ID
 
 from peer.config import PeerConfig
-from peer.host import open_host
-from peer.punch import (
+from peer.net.host import open_host
+from peer.net.punch import (
     ATTEMPTS_PER_PEER,
     BACKOFF_FIRST_S,
     BACKOFF_MAX_S,

@@ -1,4 +1,5 @@
-"""peer.host: identity persistence, Noise-only security, dial/ping/stream deadlines, clean close."""
+"""peer.net.host: identity persistence, Noise-only security, dial/ping/stream
+deadlines, clean close."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from libp2p.peer.peerinfo import info_from_p2p_addr
 from libp2p.security.insecure.transport import PLAINTEXT_PROTOCOL_ID, InsecureTransport
 
 from peer.config import PeerConfig
-from peer.host import HostError, PeerUnreachable, load_or_create_identity, open_host
+from peer.net.host import HostError, PeerUnreachable, load_or_create_identity, open_host
 
 LOOPBACK = ("/ip4/127.0.0.1/tcp/0",)
 

@@ -14,9 +14,9 @@ import openai
 import pytest
 import trio
 
+from peer.api.http import MAX_BODY_BYTES, SERVED_BY_HEADER, serve_http
 from peer.config import PeerConfig, Policy
 from peer.engine.engine import SamplingParams
-from peer.http import MAX_BODY_BYTES, SERVED_BY_HEADER, serve_http
 from tests.helpers_engine import SlowEngine
 from tests.helpers_swarm import start_peer, wait_until
 

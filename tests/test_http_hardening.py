@@ -12,9 +12,9 @@ import openai
 import pytest
 import trio
 
-from peer.http import LISTEN_BACKLOG, error_for, hypercorn_config, serve_http
-from peer.openai_schema import ApiError
-from peer.pipeline import RequestFailed
+from peer.api.http import LISTEN_BACKLOG, error_for, hypercorn_config, serve_http
+from peer.api.openai_schema import ApiError
+from peer.request.pipeline import RequestFailed
 from tests.test_http import MODEL, PROMPT, client, start_api
 
 KEY = "sk-test-0123456789"

@@ -11,7 +11,7 @@ import openai
 import pytest
 from prometheus_client.core import GaugeMetricFamily
 
-from peer.metrics import Metrics
+from peer.api.metrics import Metrics
 from peer.version import version
 from tests.test_http import MODEL, PROMPT, client, start_api
 

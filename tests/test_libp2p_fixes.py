@@ -1,4 +1,4 @@
-"""peer.libp2p_fixes: applied at host open, idempotent, each checked before it patches."""
+"""peer.net.libp2p_fixes: applied at host open, idempotent, each checked before it patches."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import libp2p.network.swarm as libp2p_swarm
 import pytest
 from libp2p.pubsub.pubsub import Pubsub
 
-from peer import libp2p_fixes
+from peer.net import libp2p_fixes
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -24,7 +24,7 @@ def test_importing_the_peer_patches_nothing_and_leaves_logging_alone() -> None:
         "before = (s._HAPPY_EYEBALLS_DELAY, logging.getLogger('libp2p').propagate,\n"
         "          logging.getLogger('libp2p.network.auto_connector').level,\n"
         "          logging.getLogger().level, len(logging.getLogger().handlers))\n"
-        "import peer.node, peer.host, peer.cli\n"
+        "import peer.node, peer.net.host, peer.cli\n"
         "after = (s._HAPPY_EYEBALLS_DELAY, logging.getLogger('libp2p').propagate,\n"
         "         logging.getLogger('libp2p.network.auto_connector').level,\n"
         "         logging.getLogger().level, len(logging.getLogger().handlers))\n"
@@ -47,9 +47,9 @@ def test_apply_is_idempotent_and_patches_every_target() -> None:
 def test_another_libp2p_version_skips_every_fix_with_one_warning(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    with caplog.at_level(logging.WARNING, logger="peer.libp2p_fixes"):
+    with caplog.at_level(logging.WARNING, logger="peer.net.libp2p_fixes"):
         assert libp2p_fixes.apply(version="0.9.0") == []
-    lines = [r.getMessage() for r in caplog.records if r.name == "peer.libp2p_fixes"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "peer.net.libp2p_fixes"]
     assert len(lines) == 1
     assert "0.9.0" in lines[0] and "0.8.1" in lines[0] and "yamux-window" in lines[0]
 
@@ -60,11 +60,11 @@ def test_a_fix_whose_target_changed_is_skipped_with_a_warning(
     async def changed(self: object, stream: object, extra: int) -> None: ...
 
     monkeypatch.setattr(Pubsub, "continuously_read_stream", changed)
-    with caplog.at_level(logging.WARNING, logger="peer.libp2p_fixes"):
+    with caplog.at_level(logging.WARNING, logger="peer.net.libp2p_fixes"):
         in_force = libp2p_fixes.apply()
     assert "pubsub-decode" not in in_force
     assert Pubsub.continuously_read_stream is changed  # left as found
-    lines = [r.getMessage() for r in caplog.records if r.name == "peer.libp2p_fixes"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "peer.net.libp2p_fixes"]
     assert lines == [
         "py-libp2p fix pubsub-decode skipped: Pubsub.continuously_read_stream takes "
         "('self', 'stream', 'extra'), expected ('self', 'stream')"
@@ -75,7 +75,7 @@ def test_a_missing_module_global_is_reported_not_created(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.delattr(libp2p_swarm, "_HAPPY_EYEBALLS_DELAY")
-    with caplog.at_level(logging.WARNING, logger="peer.libp2p_fixes"):
+    with caplog.at_level(logging.WARNING, logger="peer.net.libp2p_fixes"):
         in_force = libp2p_fixes.apply()
     assert "happy-eyeballs-delay" not in in_force
     assert not hasattr(libp2p_swarm, "_HAPPY_EYEBALLS_DELAY")

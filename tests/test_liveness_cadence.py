@@ -11,7 +11,7 @@ import random
 import trio
 from libp2p.peer.id import ID
 
-from peer.discovery import (
+from peer.net.discovery import (
     RTT_WARMUP_SAMPLES,
     UNKEPT_PING_MAX_INTERVALS,
     WARMUP_PING_INTERVAL_S,

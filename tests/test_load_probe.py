@@ -9,9 +9,9 @@ import trio
 
 from peer.config import PeerConfig
 from peer.engine.api import EngineLoad
-from peer.host import open_host
-from peer.load_probe import LoadService, probe_loads
-from peer.probing import ProbePlan, ProbeRound
+from peer.net.host import open_host
+from peer.routing.probe_service import LoadService, probe_loads
+from peer.routing.probing import ProbePlan, ProbeRound
 from protocols.load import LoadReport
 
 LOOPBACK = ("/ip4/127.0.0.1/tcp/0",)

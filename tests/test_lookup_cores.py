@@ -1,6 +1,6 @@
 """The pure cores of gossip mode ring's lookup beyond the ring (docs/protocol.md 5.4):
-provider records at home peers (peer/providers.py), the entry peer's decisions
-(peer/interest.py) and the wire format (protocols/roots.py)."""
+provider records at home peers (peer/swarm/providers.py), the entry peer's decisions
+(peer/swarm/interest.py) and the wire format (protocols/roots.py)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from peer.engine.radix import RadixCache
-from peer.interest import Interest, Lookups
-from peer.neighbourhood import ring_position
-from peer.providers import (
+from peer.swarm.interest import Interest, Lookups
+from peer.swarm.neighbourhood import ring_position
+from peer.swarm.providers import (
     ANNOUNCE_REFRESH_S,
     RECORD_TTL_S,
     REFUSAL_S,

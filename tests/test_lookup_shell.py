@@ -1,4 +1,4 @@
-"""peer/lookup.py's shell under a virtual clock, over in-memory streams: holders
+"""peer/swarm/lookup.py's shell under a virtual clock, over in-memory streams: holders
 announce, homes answer, entry peers find holders within the budget; a stalled home
 costs at most the budget, a peer of the previous version is refused cleanly, and what
 a remote peer claims is checked before it counts (docs/protocol.md 5.4)."""
@@ -14,13 +14,13 @@ import trio.testing
 from libp2p.exceptions import BaseLibp2pError
 from libp2p.peer.id import ID
 
-from peer.bloom_sizing import summary_bloom
 from peer.config import DEFAULT_LOOKUP_WAIT_S
 from peer.engine.radix import RadixCache
-from peer.host import PeerUnreachable
-from peer.lookup import RootLookup
-from peer.peer_table import PeerTable
-from peer.providers import ANNOUNCE_REFRESH_S, HomeRing
+from peer.net.host import PeerUnreachable
+from peer.swarm.bloom_sizing import summary_bloom
+from peer.swarm.lookup import RootLookup
+from peer.swarm.peer_table import PeerTable
+from peer.swarm.providers import ANNOUNCE_REFRESH_S, HomeRing
 from protocols.blocks import BlockHasher
 from protocols.summary import CacheSummary, encode_summary
 from tests.fake_host import new_peer_id

@@ -17,9 +17,10 @@ import trio
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 
-from peer import cli, discovery
+from peer import cli
 from peer.config import PeerConfig
-from peer.host import PeerUnreachable
+from peer.net import discovery
+from peer.net.host import PeerUnreachable
 from peer.preflight import hold_identity
 
 PEER_ID = "12D3KooWQ9jhRNWHHQioUtkmgTNTKoKjgvx8oZ3Qts9KdFLoW8Gy"
@@ -120,7 +121,7 @@ def test_every_bootstrap_unreachable_exits_1(capsys):
     assert "Traceback" not in err
     lines = err.splitlines()
     assert "warming up the engine" in lines[0] and f"model {MODEL} ready in" in lines[2]
-    assert "WARNING peer.discovery: bootstrap" in lines[3]  # the first failed dial, said once
+    assert "WARNING peer.net.discovery: bootstrap" in lines[3]  # the first failed dial, said once
     assert f"answered within 1 s (/ip4/127.0.0.1/tcp/{port}: " in lines[4]
     assert "Connection refused); check the address" in lines[4]
     assert len(lines) == 5
@@ -203,7 +204,7 @@ async def test_a_departed_peer_is_logged_once_and_backed_off(
                             rng=random.Random(0))
     other = ID.from_base58("QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N")
     cand = discovery._Candidate(PeerInfo(other, []))
-    caplog.set_level(logging.DEBUG, logger="peer.discovery")
+    caplog.set_level(logging.DEBUG, logger="peer.net.discovery")
     attempts = []
     while trio.current_time() < 600:  # ten minutes of a dead peer
         if trio.current_time() >= cand.next_attempt:
@@ -249,11 +250,11 @@ def test_log_lines_have_timestamps_and_libp2p_noise_is_dropped(capsys, level):
     try:
         setup_logging(level)
         # What the command's peer meets once its host opens: `import libp2p` sets its
-        # logger to WARNING without propagation, peer/libp2p_fixes.py restores the
+        # logger to WARNING without propagation, peer/net/libp2p_fixes.py restores the
         # propagation (set here: the test must not depend on an earlier one's host).
         library.setLevel(logging.WARNING)
         library.propagate = True
-        logging.getLogger("peer.discovery").warning("peer X unreachable")
+        logging.getLogger("peer.net.discovery").warning("peer X unreachable")
         logging.getLogger("libp2p.transport.tcp.tcp").error("Failed to open TCP stream: x")
         logging.getLogger("libp2p.kad_dht.provider_store").warning("Failed to send ADD_PROVIDER")
         logging.getLogger("libp2p.network").error("a real libp2p error")
@@ -264,7 +265,7 @@ def test_log_lines_have_timestamps_and_libp2p_noise_is_dropped(capsys, level):
     lines = capsys.readouterr().err.splitlines()
     stamp = r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z "
     assert all(re.match(stamp, line) for line in lines)
-    assert lines[0].endswith("WARNING peer.discovery: peer X unreachable")
+    assert lines[0].endswith("WARNING peer.net.discovery: peer X unreachable")
     assert lines[-1].endswith("ERROR libp2p.network: a real libp2p error")
     assert len(lines) == (4 if level == "debug" else 2)
 

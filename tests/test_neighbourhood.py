@@ -14,14 +14,14 @@ from hypothesis import strategies as st
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
 
-from peer.bloom_sizing import summary_bloom
 from peer.config import GossipMode, PeerConfig
 from peer.engine.radix import RadixCache
-from peer.gossip import Gossip
-from peer.neighbourhood import Neighbourhood, ring_position
 from peer.node_runner import CacheOnlyEngine
-from peer.peer_table import PeerTable
-from peer.publish_policy import PublishPolicy
+from peer.swarm.bloom_sizing import summary_bloom
+from peer.swarm.gossip import Gossip
+from peer.swarm.neighbourhood import Neighbourhood, ring_position
+from peer.swarm.peer_table import PeerTable
+from peer.swarm.publish_policy import PublishPolicy
 from protocols.blocks import BlockHasher
 from protocols.ids import gossip_topic, ring_topic, ring_topic_owner
 from protocols.summary import CacheSummary, encode_summary
@@ -87,7 +87,7 @@ def test_ring_topics_are_versioned_and_name_their_owner() -> None:
 
 
 def _summary(peer_id: str, seq: int, cache: RadixCache[None]) -> CacheSummary:
-    """What peer/gossip.py publishes for `cache` (the filter by the live sizing)."""
+    """What peer/swarm/gossip.py publishes for `cache` (the filter by the live sizing)."""
     bloom = summary_bloom(cache.num_blocks, 0.01)
     bloom.update(cache.cached_hashes())
     return CacheSummary(peer_id=peer_id, model_id=MODEL, block_size=16, seq=seq,

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from peer.peer_table import (
+from peer.swarm.peer_table import (
     MAX_BANK_BYTES,
     MAX_PEERS,
     RTT_WINDOW,

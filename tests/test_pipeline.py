@@ -15,11 +15,11 @@ from typing import Any
 import pytest
 import trio
 
-from peer.admission import Overloaded
 from peer.config import PeerConfig, Policy
 from peer.engine.engine import SamplingParams
-from peer.pipeline import GenerationChunk, GenerationResult, Outcome
-from peer.router import Router
+from peer.request.admission import Overloaded
+from peer.request.pipeline import GenerationChunk, GenerationResult, Outcome
+from peer.routing.router import Router
 from tests.helpers_engine import SlowEngine
 from tests.helpers_swarm import RunningPeer, start_peer, wait_until
 

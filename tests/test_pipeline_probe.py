@@ -9,8 +9,8 @@ import trio
 
 from peer.config import Policy
 from peer.engine.engine import SamplingParams
-from peer.pipeline import GenerationChunk, Outcome
-from peer.probing import ProbeSettings, plan_probes
+from peer.request.pipeline import GenerationChunk, Outcome
+from peer.routing.probing import ProbeSettings, plan_probes
 from protocols.load import LoadReport
 from tests.fake_host import (
     SELF,

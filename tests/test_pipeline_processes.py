@@ -10,7 +10,7 @@ import trio
 
 from peer.config import Policy
 from peer.engine.engine import SamplingParams
-from peer.pipeline import Outcome
+from peer.request.pipeline import Outcome
 from tests.helpers_swarm import spawn_peer_process, start_peer, wait_until
 from tests.test_pipeline import claim_prefix, config, reference, tokens
 

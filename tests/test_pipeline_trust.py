@@ -9,8 +9,8 @@ import pytest
 import trio
 
 from peer.engine.engine import SamplingParams
-from peer.pipeline import GenerationChunk, Outcome
-from peer.trust import TrustState
+from peer.request.pipeline import GenerationChunk, Outcome
+from peer.routing.trust import TrustState
 from tests.fake_host import (
     SELF,
     STALL,
@@ -323,7 +323,7 @@ async def test_quarantine_is_persisted_next_to_the_identity_and_reloaded(
 ):
     import json
 
-    from peer.serving import Serving
+    from peer.request.serving import Serving
     from tests.fake_host import FakeEngine, fake_config, fake_peers
 
     config = fake_config(identity_file=tmp_path / "identity.key", verify_fraction=1.0,
@@ -347,7 +347,7 @@ async def test_quarantine_is_persisted_next_to_the_identity_and_reloaded(
 
 
 async def test_an_unreadable_quarantine_file_is_a_clear_error(tmp_path):
-    from peer.serving import Serving
+    from peer.request.serving import Serving
     from tests.fake_host import FakeEngine, FakeHost, fake_config
 
     (tmp_path / "quarantine.json").write_text("{not json")

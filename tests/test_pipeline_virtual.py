@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import trio
 
-from peer.admission import Overloaded
 from peer.engine.api import SamplingParams
-from peer.pipeline import DeadlineExceeded, GenerationChunk, GenerationResult, Outcome
+from peer.request.admission import Overloaded
+from peer.request.pipeline import DeadlineExceeded, GenerationChunk, GenerationResult, Outcome
 from tests.fake_host import (
     SELF,
     STALL,
@@ -147,7 +147,7 @@ async def test_a_full_engine_queue_and_no_other_peer_is_overloaded_at_once(autoj
 
 
 async def test_a_request_is_validated_once_on_its_way_down(autojump_clock):
-    from peer.serving import Serving
+    from peer.request.serving import Serving
     from tests.fake_host import fake_config, fake_peers
 
     class CountingEngine(FakeEngine):

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from peer.engine.engine import SamplingParams
 from peer.engine.radix import RadixCache
-from peer.local_summary import build_summary
+from peer.swarm.local_summary import build_summary
 from protocols.blocks import BlockHasher
 from protocols.bloom import BloomFilter
 
@@ -100,7 +100,7 @@ async def test_engine_private_requests_share_cache_only_per_salt(tiny_engine):
 async def test_a_private_request_is_served_by_the_entry_even_when_a_peer_holds_its_prefix(
     nursery, tiny_engine_factory
 ):
-    from peer.pipeline import Outcome
+    from peer.request.pipeline import Outcome
     from tests.test_pipeline import reference, start_swarm, tokens, wait_for_match
 
     a, b = await start_swarm(nursery, [tiny_engine_factory() for _ in range(2)])

@@ -1,4 +1,4 @@
-"""Load probing's pure core (peer/probing.py), the router's rerank and the load protocol's
+"""Load probing's pure core (peer/routing/probing.py), the router's rerank and the load protocol's
 codec: whom to probe, how long to wait, and what an answer may change."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from peer.config import Policy
-from peer.probing import (
+from peer.routing.cost import PeerEstimate, rank_estimates
+from peer.routing.probing import (
     MAX_PROBES,
     NO_PROBE,
     PROBE_ROUND_TRIPS,
@@ -21,9 +22,8 @@ from peer.probing import (
     fresh_estimate,
     plan_probes,
 )
-from peer.ranking import PeerEstimate, rank_estimates
-from peer.router import Router
-from peer.trust import TrustLedger
+from peer.routing.router import Router
+from peer.routing.trust import TrustLedger
 from protocols.errors import RemoteProtocolError
 from protocols.framing import decode_cbor, encode_cbor
 from protocols.load import (

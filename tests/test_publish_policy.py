@@ -18,12 +18,12 @@ from libp2p.peer.id import ID
 from bench.sim.model import Simulator
 from bench.sim.params import SimParams
 from bench.sim.summaries import IncrementalBloom
-from peer.bloom_sizing import summary_bloom
 from peer.engine.radix import CacheEvent, EventKind
-from peer.gossip import Gossip
 from peer.node_runner import CacheOnlyEngine
-from peer.peer_table import PeerTable
-from peer.publish_policy import CHANGE_FRACTION, PublishPolicy, bloom_shape
+from peer.swarm.bloom_sizing import summary_bloom
+from peer.swarm.gossip import Gossip
+from peer.swarm.peer_table import PeerTable
+from peer.swarm.publish_policy import CHANGE_FRACTION, PublishPolicy, bloom_shape
 from protocols.bloom import BloomFilter
 from protocols.summary import CacheSummary, decode_summary
 from tests.test_simulate import workload

@@ -5,7 +5,7 @@
   only protocols/ and other pure cores: the simulator runs the live code.
 - protocols/ stands alone: it imports nothing from peer/ or bench/.
 - peer/ never imports bench/ (an installed peer has no bench/).
-- The HTTP face (peer/http.py) loads no torch at import time.
+- The HTTP face (peer/api/http.py) loads no torch at import time.
 """
 
 from __future__ import annotations
@@ -97,7 +97,8 @@ def test_the_check_sees_imports(tmp_path: Path) -> None:
 
 
 def test_the_pure_cores_are_listed() -> None:
-    assert "protocols.summary" in PURE and "peer.router" in PURE and "peer.peer_table" in PURE
+    assert "protocols.summary" in PURE and "peer.routing.router" in PURE
+    assert "peer.swarm.peer_table" in PURE
     assert all(module_path(m).is_file() for m in PURE), PURE
 
 
@@ -186,20 +187,21 @@ def import_time_imports(module: str, seen: set[str] | None = None) -> set[str]:
 
 def test_import_time_imports_follow_the_project_and_skip_functions() -> None:
     loaded = {n.split(".")[0] for n in import_time_imports("peer.node")}
-    assert {"trio", "libp2p"} <= loaded  # through peer.host, peer.gossip, ...
+    assert {"trio", "libp2p"} <= loaded  # through peer.net.host, peer.swarm.gossip, ...
     assert "torch" not in loaded  # serving (torch) is imported only under TYPE_CHECKING
     assert "torch" in {n.split(".")[0] for n in import_time_imports("peer.engine.engine")}
 
 
 def test_the_http_face_loads_no_torch() -> None:
-    torch = {n for n in import_time_imports("peer.http") if n.split(".")[0] == "torch"}
-    assert not torch, f"importing peer.http loads {sorted(torch)}"
+    torch = {n for n in import_time_imports("peer.api.http") if n.split(".")[0] == "torch"}
+    assert not torch, f"importing peer.api.http loads {sorted(torch)}"
 
 
 def test_the_http_face_pipeline_and_simulator_import_no_torch() -> None:
     # They use the engine through peer.engine.api; only loading a model imports torch.
     code = (
-        "import sys\nimport peer.http, peer.pipeline, peer.serving, peer.node, bench.sim.model\n"
+        "import sys\nimport peer.api.http, peer.request.pipeline, peer.request.serving, peer.node\n"
+        "import bench.sim.model\n"
         "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers'}))"
     )
     out = subprocess.run(
@@ -208,14 +210,17 @@ def test_the_http_face_pipeline_and_simulator_import_no_torch() -> None:
     assert out.stdout.strip() == "[]"
 
 
-FACE_FILES = ["peer/http.py", "peer/http_response.py", "peer/http_auth.py", "peer/web/routes.py"]
+FACE_FILES = [
+    "peer/api/http.py", "peer/api/responses.py", "peer/api/auth.py", "peer/api/web/routes.py",
+]
 # What the HTTP face and the page may import of the project: the generation service and
 # its types, the FacePeer protocol, and their own parts. Not the engine, the table, the
 # pipeline or the node: they reach a peer only through FacePeer (issue 16, item 1).
 FACE_MAY_IMPORT = {
-    "peer.admission", "peer.engine.api", "peer.face", "peer.generation", "peer.http_auth",
-    "peer.http_response", "peer.metrics", "peer.openai_schema", "peer.request_log",
-    "peer.version", "peer.web.routes",
+    "peer.request.admission", "peer.engine.api", "peer.api.face", "peer.request.generation",
+    "peer.api.auth",
+    "peer.api.responses", "peer.api.metrics", "peer.api.openai_schema", "peer.request.request_log",
+    "peer.version", "peer.api.web.routes",
 }
 
 

@@ -1,4 +1,4 @@
-"""The ranking core (peer/ranking.py): costs, ties, cycles, failures, properties."""
+"""The ranking core (peer/routing/cost.py): costs, ties, cycles, failures, properties."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from peer.config import Policy
-from peer.ranking import (
+from peer.routing.cost import (
     COST_TIE_FRACTION,
     ROUND_TRIPS_PER_FORWARD,
     PeerEstimate,
@@ -18,7 +18,7 @@ from peer.ranking import (
     swarm_busy,
     tie_limit_s,
 )
-from peer.router import DEFAULT_RTT_PRIOR_S, Router
+from peer.routing.router import DEFAULT_RTT_PRIOR_S, Router
 from tests.helpers_ranking import assert_cost_order
 
 PROMPT = 1024  # tokens: 64 blocks of 16

@@ -1,4 +1,5 @@
-"""peer/reach.py: reachability verdicts, reservations, control messages, address rules."""
+"""peer/net/reachability.py: reachability verdicts, reservations, control messages,
+address rules."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from peer.reach import (
+from peer.net.reachability import (
     RESULT_TTL_S,
     DialBackRequest,
     DialBackResponse,

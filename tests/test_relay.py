@@ -9,10 +9,10 @@ from typing import Any
 
 import trio
 
+from peer.api.metrics import Metrics
 from peer.config import PeerConfig
 from peer.engine.engine import SamplingParams
-from peer.metrics import Metrics
-from peer.pipeline import Outcome
+from peer.request.pipeline import Outcome
 from tests.helpers_swarm import start_peer, wait_until
 
 LOOPBACK = ("/ip4/127.0.0.1/tcp/0",)
@@ -50,7 +50,7 @@ async def test_outbound_only_peer_is_served_through_a_relay(nursery, tiny_engine
     holder = await start_peer(nursery, config((), boot), tiny_engine_factory())
     # The entry joins once the holder holds its relay slot: a relayed ping before that
     # fails and is retried only after twice the liveness interval (10 s), which this test
-    # would spend waiting (peer/discovery.py); it proves the relayed route, not the retry.
+    # would spend waiting (peer/net/discovery.py); it proves the relayed route, not the retry.
     await wait_until(
         lambda: holder.peer.host.reach.relayed_addrs() != [],
         timeout_s=20,
@@ -136,8 +136,8 @@ async def ended_without_answer(stream: Any) -> bool:
 async def test_garbage_on_the_reach_protocols_is_dropped_and_the_peer_keeps_serving(nursery):
     from libp2p.io.utils import read_exactly
 
-    from peer.reach import DialBackRequest, DialBackResponse
-    from peer.relay import DIALBACK_PROTOCOL, RELAY_PROTOCOL
+    from peer.net.reachability import DialBackRequest, DialBackResponse
+    from peer.net.relay_service import DIALBACK_PROTOCOL, RELAY_PROTOCOL
     from tests.helpers_swarm import swarm_config
 
     target = await start_peer(nursery, swarm_config())
@@ -151,7 +151,7 @@ async def test_garbage_on_the_reach_protocols_is_dropped_and_the_peer_keeps_serv
                 assert await ended_without_answer(stream)
     # A relay connect for a peer with no reservation is refused with a reason.
     stream = await host.new_stream(tid, [RELAY_PROTOCOL], relay=False)
-    from peer.reach import RelayConnect, RelayReply, control_body_length, decode_control
+    from peer.net.reachability import RelayConnect, RelayReply, control_body_length, decode_control
 
     await stream.write(RelayConnect(host.peer_id.to_base58(), "/prefixswarm/infer/1.0.0").encode())
     with trio.fail_after(10):

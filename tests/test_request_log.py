@@ -5,8 +5,8 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from peer.pipeline import Attempt, Outcome
-from peer.request_log import (
+from peer.request.pipeline import Attempt, Outcome
+from peer.request.request_log import (
     MAX_TEXT_CHARS,
     CacheHistory,
     CacheSample,

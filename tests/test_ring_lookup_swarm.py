@@ -12,9 +12,9 @@ import trio
 
 from peer.config import GossipMode, Policy
 from peer.engine.engine import SamplingParams
-from peer.neighbourhood import Neighbourhood
-from peer.pipeline import Outcome
-from peer.providers import HomeRing
+from peer.request.pipeline import Outcome
+from peer.swarm.neighbourhood import Neighbourhood
+from peer.swarm.providers import HomeRing
 from protocols.ids import ROOTS_PROTOCOL
 from tests.helpers_swarm import start_peer, wait_until
 from tests.test_pipeline import config, reference, tokens
@@ -31,7 +31,7 @@ async def test_an_entry_peer_finds_a_holder_beyond_its_ring_and_routes_there(
             config(), gossip_mode=GossipMode.RING, gossip_neighbours=NEIGHBOURS,
             # the longest match decides: under COST a tiny-random prompt recomputes in
             # less than two round trips of a loaded loopback, so the entry would rightly
-            # replicate it (REPLICATE, peer/ranking.py) and the route would not show the
+            # replicate it (REPLICATE, peer/routing/cost.py) and the route would not show the
             # lookup
             policy=Policy.LONGEST_PREFIX,
             lookup_wait_s=5.0,  # five peers in one process on a CPU that make test's other

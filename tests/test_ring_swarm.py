@@ -9,7 +9,7 @@ import dataclasses
 import trio
 
 from peer.config import GossipMode
-from peer.neighbourhood import Neighbourhood
+from peer.swarm.neighbourhood import Neighbourhood
 from tests.helpers_swarm import known_peers, start_peer, swarm_config, wait_until
 
 RING_PEERS = 5

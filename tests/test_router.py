@@ -1,4 +1,5 @@
-"""Routing from a real PeerTable (peer/router.py): summaries, Bloom matches, priors, forwards."""
+"""Routing from a real PeerTable (peer/routing/router.py): summaries, Bloom matches,
+priors, forwards."""
 
 from __future__ import annotations
 
@@ -9,8 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from peer.config import Policy
-from peer.peer_table import PeerTable
-from peer.router import (
+from peer.routing.router import (
     DEFAULT_DECODE_TOKENS_PER_S,
     DEFAULT_PREFILL_TOKENS_PER_S,
     DEFAULT_RTT_PRIOR_S,
@@ -24,6 +24,7 @@ from peer.router import (
     rank_estimates,
     swarm_busy,
 )
+from peer.swarm.peer_table import PeerTable
 from protocols.bloom import BloomFilter
 from protocols.summary import CacheSummary
 from tests.helpers_ranking import assert_cost_order

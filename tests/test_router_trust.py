@@ -6,8 +6,8 @@ from __future__ import annotations
 import random
 
 from peer.config import Policy
-from peer.router import Router
-from peer.trust import TrustLedger
+from peer.routing.router import Router
+from peer.routing.trust import TrustLedger
 from tests.test_router import BS, chain_of, me, summary, table_with
 
 NEW = 16

@@ -10,8 +10,9 @@ from pathlib import Path
 import bench.sim.model as sim_model
 from bench.sim.calibration import NOTES_CALIBRATION, Calibration
 from bench.sim.params import SimParams
-from peer import config, ranking
+from peer import config
 from peer.engine import scheduler, speeds
+from peer.routing import cost as ranking
 
 SIM_DIR = Path(__file__).resolve().parents[1] / "bench" / "sim"
 
@@ -108,8 +109,8 @@ def test_the_engine_uses_the_same_rules() -> None:
 
 
 def test_the_simulator_and_the_gossip_shell_drive_one_publish_policy() -> None:
-    """When to publish and how to size the filter: peer.publish_policy, for both."""
-    from peer import gossip
+    """When to publish and how to size the filter: peer.swarm.publish_policy, for both."""
+    from peer.swarm import gossip
 
     assert sim_model.PublishPolicy is gossip.PublishPolicy
     assert not hasattr(sim_model, "GOSSIP_CHANGE_FRACTION")

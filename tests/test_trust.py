@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from peer.trust import (
+from peer.routing.trust import (
     DEFAULT_VERIFY_FRACTION,
     ClaimsState,
     Promote,

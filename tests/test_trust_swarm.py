@@ -10,7 +10,7 @@ from typing import Any
 import trio
 
 from peer.engine.engine import Completion, SamplingParams, TokenEvent
-from peer.pipeline import GenerationChunk, Outcome
+from peer.request.pipeline import GenerationChunk, Outcome
 from tests.test_pipeline import claim_prefix, reference, start_swarm, tokens
 
 

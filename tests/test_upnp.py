@@ -1,11 +1,11 @@
-"""peer/upnp.py against a stand-in miniupnpc (no router is reachable from tests)."""
+"""peer/net/upnp.py against a stand-in miniupnpc (no router is reachable from tests)."""
 
 from __future__ import annotations
 
 import sys
 import types
 
-from peer import upnp
+from peer.net import upnp
 
 
 class FakeIGD:

@@ -10,8 +10,8 @@ import httpx
 import pytest
 import trio
 
+from peer.api.web.routes import ASSETS
 from peer.config import Policy
-from peer.web.routes import ASSETS
 from tests.helpers_engine import SlowEngine
 from tests.helpers_swarm import wait_until
 from tests.test_http import MODEL, PROMPT, client, start_api
@@ -105,6 +105,6 @@ async def test_invalid_requests_are_not_logged(nursery, tiny_engine_factory):
 
 @pytest.mark.parametrize("name", sorted(ASSETS))
 def test_assets_ship_in_the_package(name):
-    from peer.web.routes import asset
+    from peer.api.web.routes import asset
 
     assert asset(name)

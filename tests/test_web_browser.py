@@ -39,7 +39,7 @@ from bench.web_page import (
 )
 
 SUMMARY_INTERVAL_S = 1.0  # `prefixswarm local`'s default, passed explicitly
-PAGE_POLL_S = SUMMARY_INTERVAL_S / 4  # peer/web/app.js polls 4 times an interval
+PAGE_POLL_S = SUMMARY_INTERVAL_S / 4  # peer/api/web/app.js polls 4 times an interval
 SWARM_READY_S = 120.0  # three interpreters loading torch on a loaded 2-core machine
 TABLE_WITHIN_S = 10.0  # the issue's bound for the table to list every peer
 ANSWER_WITHIN_S = 30.0
@@ -148,7 +148,7 @@ class _KeyRequired:
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         from starlette.responses import JSONResponse
 
-        from peer.web.routes import PAGE_PATHS
+        from peer.api.web.routes import PAGE_PATHS
 
         if scope["type"] == "http" and scope["path"] not in PAGE_PATHS | {"/health"}:
             given = dict(scope["headers"]).get(b"authorization", b"")
@@ -182,8 +182,8 @@ async def test_the_page_asks_for_the_api_key_and_keeps_it_in_the_tab(
     from selenium.webdriver.common.by import By
     from selenium.webdriver.common.keys import Keys
 
+    from peer.api.http import HttpApi
     from peer.config import PeerConfig
-    from peer.http import HttpApi
     from tests.helpers_swarm import start_peer
 
     config = PeerConfig(model="tiny-random", listen_addrs=("/ip4/127.0.0.1/tcp/0",),
@@ -272,7 +272,7 @@ async def test_the_page_shows_links_reachability_trust_and_failures_as_text(nurs
     from starlette.responses import JSONResponse
     from starlette.routing import Route
 
-    from peer.web.routes import index, web_asset
+    from peer.api.web.routes import index, web_asset
 
     swarm, activity = _fake_feeds()
 

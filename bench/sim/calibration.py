@@ -20,7 +20,7 @@ beyond the fixed cost:
     step_s = decode_s_per_token * (1 - slope + slope * decodes)   (decodes >= 1; else the
              + sum(prefill_s(n, cached) - prefill_fixed_s)          fixed part alone)
 
-The slope's default is the cost model's (peer/ranking.py BATCH_STEP_SLOPE, fitted to
+The slope's default is the cost model's (peer/routing/cost.py BATCH_STEP_SLOPE, fitted to
 bench.engine's concurrency sweeps: `batch_slope_from_sweep`), so simulator and router
 agree unless a calibration says otherwise.
 """
@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from peer.ranking import BATCH_STEP_SLOPE
+from peer.routing.cost import BATCH_STEP_SLOPE
 
 NOMINAL_PROMPT_TOKENS = 512  # the prompt length at which a nominal prefill speed is quoted
 

@@ -26,21 +26,21 @@ What is modelled, and how (every number is a field of SimParams or Calibration):
   (one way); tokens come back one way. Requests enter at a uniformly chosen peer.
   The entry peer counts a forward on top of its target's last summary until the first
   token, then the end, come back (`PeerTable.record_forward`, `forward_prefilled`,
-  `forward_ended`), as peer/pipeline.py does.
-* Anti-entropy by the live peer's own `PublishPolicy` (peer/publish_policy.py: every T
+  `forward_ended`), as peer/request/pipeline.py does.
+* Anti-entropy by the live peer's own `PublishPolicy` (peer/swarm/publish_policy.py: every T
   seconds, early at most every T/4 once 5% of the cached blocks changed; the filter
-  shaped by `bloom_shape`, as peer/gossip.py does). Gossip mode `full`: each summary
+  shaped by `bloom_shape`, as peer/swarm/gossip.py does). Gossip mode `full`: each summary
   reaches every other peer one one-way delay later (a direct flood; real GossipSub adds
   mesh hops and IHAVE gossip). Mode `ring`: it reaches only the peers whose
-  `Neighbourhood` (peer/neighbourhood.py, over every peer's id) holds the publisher,
+  `Neighbourhood` (peer/swarm/neighbourhood.py, over every peer's id) holds the publisher,
   plus the entry peers that looked up one of its prefix roots, as the live peer does
-  (peer/lookup.py's decisions, from the same cores): at each publish a peer's
-  `RootAnnouncer` (peer/providers.py) tells the home peers of the roots its summary
+  (peer/swarm/lookup.py's decisions, from the same cores): at each publish a peer's
+  `RootAnnouncer` (peer/swarm/providers.py) tells the home peers of the roots its summary
   covers (`HomeRing`: the 2 nearest on the ring, every peer's id known) what it now
   holds and no longer holds, refreshing each root every ANNOUNCE_REFRESH_S; each home
   keeps a `ProviderIndex`. An entry peer asked for a prompt whose root it does not
   hold, and whose whole chain no peer it hears holds (`Lookups.wanted`,
-  peer/interest.py), asks the root's first home (`lookup_rtts` round trips; none when
+  peer/swarm/interest.py), asks the root's first home (`lookup_rtts` round trips; none when
   it is its own home), asks `lookup_probes` holders drawn at random from the records
   how much of the chain they hold (`RadixCache.match_hashes`), asks the best
   `lookup_providers` of those that beat what it hears for their summary (a stream and a
@@ -83,10 +83,8 @@ from peer.engine.speeds import (
     warmup_max_prompt_tokens,
     warmup_prefill_speed,
 )
-from peer.interest import Interest, Lookups
-from peer.neighbourhood import Neighbourhood
-from peer.peer_table import ForwardCharge, PeerTable, Verdict
-from peer.probing import (
+from peer.routing.cost import single_stream_decode
+from peer.routing.probing import (
     DEFAULT_COST_FRACTION,
     DEFAULT_MAX_PROBES,
     DEFAULT_MIN_WAIT_S,
@@ -94,10 +92,12 @@ from peer.probing import (
     ProbeSettings,
     plan_probes,
 )
-from peer.providers import HomeRing, ProviderIndex, RootAnnouncer
-from peer.publish_policy import PublishPolicy, bloom_shape
-from peer.ranking import single_stream_decode
-from peer.router import Candidate, LocalState, PeerEstimate, Router
+from peer.routing.router import Candidate, LocalState, PeerEstimate, Router
+from peer.swarm.interest import Interest, Lookups
+from peer.swarm.neighbourhood import Neighbourhood
+from peer.swarm.peer_table import ForwardCharge, PeerTable, Verdict
+from peer.swarm.providers import HomeRing, ProviderIndex, RootAnnouncer
+from peer.swarm.publish_policy import PublishPolicy, bloom_shape
 from protocols.blocks import BlockHasher
 from protocols.bloom import BloomFilter, ProbeCache
 from protocols.framing import encode_frame
@@ -574,8 +574,8 @@ class Simulator:
         return self._index[ranked[0].peer_id], min(ranked[0].match_tokens, len(job.tokens) - 1)
 
     def _probe_choice(self, entry: _Peer, job: _Job, now: float) -> tuple[int, int, float]:
-        """COST with load probes, as the live pipeline runs them (peer/probing.py decides
-        whom and how long; peer/pipeline.py `_probe`): (target, its match, seconds spent
+        """COST with load probes, as the live pipeline runs them (peer/routing/probing.py decides
+        whom and how long; peer/request/pipeline.py `_probe`): (target, its match, seconds spent
         waiting for answers). Each probe opens a stream (`stream_setup_rtts` round trips)
         and makes one query round trip; the report is the probed peer's load when the
         entry asked (a few one-way delays early: the simulator decides at arrival)."""
@@ -773,7 +773,7 @@ class Simulator:
     # -- anti-entropy ---------------------------------------------------------------------
 
     def _tick(self, peer: _Peer, now: float) -> None:
-        """One turn of peer/gossip.py's publish loop, decided by the same PublishPolicy."""
+        """One turn of peer/swarm/gossip.py's publish loop, decided by the same PublishPolicy."""
         if peer.publish_policy.poll(now) is not None:
             self._publish(peer, now)
         self._push(peer.publish_policy.next_deadline(), _TICK, peer.idx)

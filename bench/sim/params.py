@@ -20,20 +20,20 @@ from peer.config import (
     Policy,
 )
 from peer.engine.scheduler import DEFAULT_MAX_RUNNING, DEFAULT_STEP_TOKENS
-from peer.interest import (
+from peer.routing.cost import ROUND_TRIPS_PER_FORWARD
+from peer.swarm.interest import (
     DEFAULT_INTEREST_PEERS,
     DEFAULT_PROBES_PER_LOOKUP,
     DEFAULT_PROVIDERS_PER_LOOKUP,
 )
-from peer.publish_policy import bloom_shape
-from peer.ranking import ROUND_TRIPS_PER_FORWARD
+from peer.swarm.publish_policy import bloom_shape
 from protocols.bloom import BLOCK_BITS, BloomFilter
 
 ORACLE = "oracle"  # exact, instant global knowledge fed to the COST model (an upper bound)
 # COST with load probing on whatever `load_probes` says (DEFAULT_LOAD_PROBES when it is 0)
-# and without the probe's cost budget (peer/probing.py `cost_fraction`): it probes
+# and without the probe's cost budget (peer/routing/probing.py `cost_fraction`): it probes
 # whenever a probe could gain its round trips. `cost` itself probes as the live peer does,
-# with `load_probes` (default: the live default); both run peer/probing.py.
+# with `load_probes` (default: the live default); both run peer/routing/probing.py.
 COST_PROBE = "cost_probe"
 # A what-if, not deployable: COST re-ranked (Router.rerank) with every candidate's exact
 # load at the moment of the decision, free and instant, as if every peer were probed at no
@@ -61,13 +61,13 @@ class SimParams:
     # per forward, less the request's own
     stream_setup_rtts: int = ROUND_TRIPS_PER_FORWARD - 1
     summary_interval_s: float = DEFAULT_SUMMARY_INTERVAL_S
-    early_publish: bool = True  # peer/gossip.py's early publish on 5% change
+    early_publish: bool = True  # peer/swarm/gossip.py's early publish on 5% change
     gossip_mode: str = GossipMode.FULL.value  # `full` flooding or `ring` neighbourhoods
     gossip_neighbours: int = DEFAULT_GOSSIP_NEIGHBOURS  # ring mode: peers each one hears
     gossip_interest: int = DEFAULT_INTEREST_PEERS  # ring mode: extra peers heard on demand
     lookup_probes: int = DEFAULT_PROBES_PER_LOOKUP  # ring mode: holders asked for a match
     lookup_providers: int = DEFAULT_PROVIDERS_PER_LOOKUP  # ring mode: ... then a summary
-    # ring mode: round trips of a lookup at a root's home peer (peer/lookup.py: a stream's
+    # ring mode: round trips of a lookup at a root's home peer (peer/swarm/lookup.py: a stream's
     # negotiation, then the query), before the holders are asked for their summaries
     lookup_rtts: int = ROUND_TRIPS_PER_FORWARD
     lookup_wait_s: float = DEFAULT_LOOKUP_WAIT_S  # ring mode: a request waits at most this
@@ -79,10 +79,10 @@ class SimParams:
     max_running: int = DEFAULT_MAX_RUNNING  # the engine's batch slots (Engine.max_running)
     step_tokens: int = DEFAULT_STEP_TOKENS  # tokens a step computes at most (Engine.step_tokens)
     # What a forward adds to the target's load in the entry peer's table until the next
-    # summary: the whole prompt (False, as peer/pipeline.py does) or only the part the
+    # summary: the whole prompt (False, as peer/request/pipeline.py does) or only the part the
     # target's Bloom summary does not cover (True; a what-if for the cost model).
     forward_counts_uncached: bool = False
-    # Load probes before a forward under `cost` (peer/probing.py; PeerConfig.load_probes
+    # Load probes before a forward under `cost` (peer/routing/probing.py; PeerConfig.load_probes
     # and load_probe_wait_s): 0 ranks on gossiped load only, as before probing existed.
     load_probes: int = DEFAULT_LOAD_PROBES
     load_probe_wait_s: float = DEFAULT_LOAD_PROBE_WAIT_S
@@ -134,7 +134,7 @@ class SimParams:
 
     def bloom_template(self) -> BloomFilter:
         """An empty filter of the shape every peer starts publishing: the live sizing's
-        (peer/publish_policy.py `bloom_shape`, re-applied at each publish), unless
+        (peer/swarm/publish_policy.py `bloom_shape`, re-applied at each publish), unless
         `bloom_bits_per_entry` fixes the shape."""
         if self.bloom_bits_per_entry is None:
             return BloomFilter(*bloom_shape(0, self.bloom_fp_rate))

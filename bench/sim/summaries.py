@@ -1,6 +1,6 @@
 """A peer's Bloom summary kept current block by block, bit-identical to a full rebuild.
 
-`peer.local_summary.build_summary` rebuilds the filter from every cached hash at each publish
+`peer.swarm.local_summary.build_summary` rebuilds the filter from every cached hash at each publish
 (~3 ms per 1,000 blocks in CPython). A simulated swarm publishes hundreds of thousands of
 summaries, so the simulator instead keeps the same filter up to date from the radix
 cache's STORED/REMOVED events. The filter is *blocked* (protocols/bloom.py): a key sets

@@ -142,7 +142,7 @@ class EngineLoad:
     admitted into the batch yet (admission happens between steps; running_requests counts
     them too). batch_slots and step_tokens are the batch's bounds (max_running and the
     tokens a step computes); batch_slots 0 says the engine does not batch. The summary
-    carries all of it (protocols/summary.py) to the cost model (peer/ranking.py).
+    carries all of it (protocols/summary.py) to the cost model (peer/routing/cost.py).
     """
 
     queued_prompt_tokens: int

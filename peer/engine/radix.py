@@ -226,7 +226,7 @@ class RadixCache(Generic[V]):
 
     def root_hashes(self) -> list[int]:
         """The chain hash of every cached public first block: the prefix roots this cache
-        holds (gossip mode `ring` announces them, peer/providers.py)."""
+        holds (gossip mode `ring` announces them, peer/swarm/providers.py)."""
         return [node.block_hash for node in self._root.children.values()]
 
     def match_hashes(self, chain: Sequence[int]) -> int:

@@ -1,0 +1,343 @@
+"""Process-wide fixes to py-libp2p 0.8.1, applied by `peer.net.host.open_host`, not on import.
+
+Each fix is marked `WORKAROUND(n)` with n the number of the problem in docs/libp2p.md,
+or a name for problems found in this project. `apply()` is idempotent. It applies a fix
+only when the installed py-libp2p is the pinned version and the fix's target exists
+with the expected signature; otherwise it logs one warning line saying which fix it
+skipped and why, and the peer runs on unpatched py-libp2p. An application embedding a
+peer keeps its own logging configuration: only py-libp2p's own loggers are touched.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import inspect
+import logging
+import os
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import libp2p.network.connection.swarm_connection as _libp2p_swarm_connection
+import libp2p.network.swarm as _libp2p_swarm
+import libp2p.pubsub.gossipsub as _libp2p_gossipsub
+import libp2p.pubsub.pubsub as _libp2p_pubsub
+import trio
+from google.protobuf.message import DecodeError
+from libp2p.abc import IHost, INetStream
+from libp2p.exceptions import BaseLibp2pError
+from libp2p.peer.id import ID
+from libp2p.pubsub.pubsub import Pubsub
+from libp2p.stream_muxer.yamux.yamux import YamuxStream
+
+__all__ = [
+    "MAX_REMEMBERED_RECORDS",
+    "PINNED_LIBP2P_VERSION",
+    "SIGNED_RECORD_RECHECK_S",
+    "WINDOW_GIVE_BACK_FRACTION",
+    "Fix",
+    "apply",
+    "fixes",
+]
+
+logger = logging.getLogger(__name__)
+
+PINNED_LIBP2P_VERSION = "0.8.1"  # pyproject.toml pins it; every fix was written against it
+RESET_TIMEOUT_S = 5.0  # resetting a stream is local work plus a best-effort frame
+SIGNED_RECORD_RECHECK_S = 60.0  # an unchanged peer record is verified and stored again
+#   this often (its addresses' TTL is 2 h): a peer's record changes only with its addresses
+WINDOW_GIVE_BACK_FRACTION = 0.25  # of a yamux stream's window, consumed before it is given
+#   back in one update: at least 192 kB stay open to the sender, 4x our largest message
+#   (a writer that ran out of window mid-message could interleave with another's frames)
+MAX_REMEMBERED_RECORDS = 1024  # (host, peer) pairs remembered: far more than a swarm's peers
+
+
+@dataclass(frozen=True)
+class Fix:
+    """One patch: `problem()` says why it cannot apply here (None: it can), `applied()`
+    whether it already is, `patch()` applies it."""
+
+    name: str
+    problem: Callable[[], str | None]
+    applied: Callable[[], bool]
+    patch: Callable[[], None]
+
+
+def installed_libp2p_version() -> str:
+    try:
+        return importlib.metadata.version("libp2p")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def apply(version: str | None = None) -> list[str]:
+    """Apply every fix not yet applied whose target is as expected; idempotent.
+
+    Returns the names of the fixes now in force. With a py-libp2p other than
+    PINNED_LIBP2P_VERSION (`version` defaults to the installed one) nothing is patched
+    and one warning line says so."""
+    version = installed_libp2p_version() if version is None else version
+    if version != PINNED_LIBP2P_VERSION:
+        logger.warning(
+            "py-libp2p %s is installed; prefixswarm's fixes were written for %s and are "
+            "skipped (%s): expect slower dials, log noise and less robust pubsub",
+            version, PINNED_LIBP2P_VERSION, ", ".join(f.name for f in fixes()),
+        )
+        return []
+    in_force = []
+    for fix in fixes():
+        if not fix.applied():
+            problem = fix.problem()
+            if problem is not None:
+                logger.warning("py-libp2p fix %s skipped: %s", fix.name, problem)
+                continue
+            fix.patch()
+        in_force.append(fix.name)
+    return in_force
+
+
+def fixes() -> list[Fix]:
+    """Every fix, in the order `apply()` tries them."""
+    return [
+        # WORKAROUND(1): every dial waits the full 250 ms happy-eyeballs head start even
+        # when it succeeds (swarm.dial_peer uses this module global); 0 gives ~10 ms dials.
+        Fix(
+            "happy-eyeballs-delay",
+            lambda: _expect_attribute(_libp2p_swarm, "_HAPPY_EYEBALLS_DELAY", float),
+            lambda: getattr(_libp2p_swarm, "_HAPPY_EYEBALLS_DELAY", None) == 0.0,
+            _no_happy_eyeballs_delay,
+        ),
+        # WORKAROUND(logging): `import libp2p` sets propagate=False on the "libp2p" logger
+        # with no handler, so its warnings go to Python's last-resort stderr handler and
+        # bypass the application's logging configuration. Let them propagate instead;
+        # LIBP2P_DEBUG (libp2p's own switch) keeps its handlers when set.
+        Fix(
+            "logger-propagation",
+            lambda: None,
+            lambda: logging.getLogger("libp2p").propagate or bool(os.environ.get("LIBP2P_DEBUG")),
+            _propagate_libp2p_logs,
+        ),
+        # WORKAROUND(logging): the auto-connector forces its logger to INFO at import and
+        # then logs "initiating 200 new dials" every 10 s while a swarm has < 50
+        # connections. Reset to NOTSET (inherit "libp2p"'s level) while it is still INFO.
+        Fix(
+            "auto-connector-log-level",
+            lambda: None,
+            lambda: _auto_connector_logger().level != logging.INFO,
+            lambda: _auto_connector_logger().setLevel(logging.NOTSET),
+        ),
+        # WORKAROUND(logging): swarm_connection calls module-level `logging.debug(...)`,
+        # which runs logging.basicConfig() on the root logger as a side effect (a stderr
+        # handler appears in every program that uses us). Route it to a named logger.
+        Fix(
+            "swarm-connection-root-logging",
+            lambda: _expect_attribute(_libp2p_swarm_connection, "logging", type(logging)),
+            lambda: isinstance(getattr(_libp2p_swarm_connection, "logging", None), _NamedLogging),
+            _named_swarm_connection_logging,
+        ),
+        # WORKAROUND(pubsub-decode): Pubsub.continuously_read_stream parses every inbound
+        # RPC with protobuf but does not catch DecodeError. One undecodable RPC from any
+        # remote peer escapes the stream handler, fails the connection's task group and
+        # tears down the whole host (seen: a peer's host dying mid-test). Reset that
+        # stream instead.
+        Fix(
+            "pubsub-decode",
+            lambda: _expect_parameters(Pubsub, "continuously_read_stream", ("self", "stream")),
+            lambda: _marked(Pubsub.continuously_read_stream, "_prefixswarm_guarded"),
+            _guard_pubsub_decode,
+        ),
+        # WORKAROUND(yamux-window): py-libp2p's yamux answers nearly every read with a
+        # WINDOW_UPDATE frame (window auto-tuning, "release on read"): one more encrypted
+        # frame and socket write per message received, a large share of a gossiping
+        # peer's CPU. go-yamux gives the window back once half of it was consumed; we do
+        # at a quarter (WINDOW_GIVE_BACK_FRACTION) and keep the 256 kB window (no
+        # auto-tuning: our frames are small).
+        Fix(
+            "yamux-window",
+            _yamux_window_problem,
+            lambda: _marked(YamuxStream._auto_tune_and_send_window_update, "_prefixswarm"),
+            _give_back_window_in_batches,
+        ),
+        # WORKAROUND(signed-record): every pubsub RPC carries the sender's signed peer
+        # record, and py-libp2p verifies and stores it again on every RPC, twice when the
+        # RPC holds control messages (Pubsub's reader, then GossipSub.handle_rpc): an
+        # ed25519 verification, three protobuf parses and a rewrite of the peer's
+        # addresses each time, most of gossip's CPU. A record byte-identical to the one
+        # last accepted from the same peer within SIGNED_RECORD_RECHECK_S is accepted as
+        # before.
+        Fix(
+            "signed-record",
+            _signed_record_problem,
+            lambda: all(
+                _marked(getattr(m, "maybe_consume_signed_record", None), "_prefixswarm_memo")
+                for m in (_libp2p_pubsub, _libp2p_gossipsub)
+            ),
+            _remember_signed_records_in_pubsub,
+        ),
+    ]
+
+
+# -- checks ------------------------------------------------------------------------------
+
+
+def _expect_attribute(module: Any, name: str, kind: type) -> str | None:
+    value = getattr(module, name, None)
+    if not isinstance(value, kind):
+        return f"{module.__name__}.{name} is {type(value).__name__}, expected {kind.__name__}"
+    return None
+
+
+def _parameters(function: Any) -> tuple[str, ...] | None:
+    try:
+        return tuple(inspect.signature(function).parameters)
+    except (TypeError, ValueError):
+        return None
+
+
+def _expect_parameters(owner: Any, name: str, expected: tuple[str, ...]) -> str | None:
+    target = getattr(owner, name, None)
+    if target is None:
+        return f"{owner.__name__}.{name} is missing"
+    found = _parameters(target)
+    if found != expected:
+        return f"{owner.__name__}.{name} takes {found}, expected {expected}"
+    return None
+
+
+def _marked(function: Any, marker: str) -> bool:
+    return bool(getattr(function, marker, False))
+
+
+def _yamux_window_problem() -> str | None:
+    problem = _expect_parameters(
+        YamuxStream, "_auto_tune_and_send_window_update", ("self", "bytes_read")
+    )
+    if problem is None and "skip_lock" not in (_parameters(YamuxStream.send_window_update) or ()):
+        problem = "YamuxStream.send_window_update takes no skip_lock"
+    return problem
+
+
+def _signed_record_problem() -> str | None:
+    for module in (_libp2p_pubsub, _libp2p_gossipsub):
+        problem = _expect_parameters(
+            module, "maybe_consume_signed_record", ("msg", "host", "peer_id")
+        )
+        if problem is not None:
+            return problem
+    return None
+
+
+# -- patches -----------------------------------------------------------------------------
+
+
+def _no_happy_eyeballs_delay() -> None:
+    _libp2p_swarm._HAPPY_EYEBALLS_DELAY = 0.0
+
+
+def _propagate_libp2p_logs() -> None:
+    logging.getLogger("libp2p").propagate = True
+
+
+def _auto_connector_logger() -> logging.Logger:
+    return logging.getLogger("libp2p.network.auto_connector")
+
+
+def _named_swarm_connection_logging() -> None:
+    _libp2p_swarm_connection.logging = _NamedLogging(  # type: ignore[attr-defined,assignment]
+        logging.getLogger(_libp2p_swarm_connection.__name__)
+    )
+
+
+def _guard_pubsub_decode() -> None:
+    Pubsub.continuously_read_stream = _guard_pubsub_reader(  # type: ignore[method-assign]
+        Pubsub.continuously_read_stream
+    )
+
+
+def _give_back_window_in_batches() -> None:
+    YamuxStream._auto_tune_and_send_window_update = (  # type: ignore[method-assign]
+        _window_update_at_half
+    )
+
+
+def _remember_signed_records_in_pubsub() -> None:
+    consume = getattr(_libp2p_pubsub, "maybe_consume_signed_record")  # noqa: B009
+    memo = _remember_signed_records(consume)
+    for module in (_libp2p_pubsub, _libp2p_gossipsub):  # each imported the name
+        setattr(module, "maybe_consume_signed_record", memo)  # noqa: B010
+
+
+async def _window_update_at_half(self: YamuxStream, *, bytes_read: int = 0) -> None:
+    async with self.window_lock:
+        self._pending_recv_release += bytes_read
+        pending: int = self._pending_recv_release
+        if pending < self.target_recv_window * WINDOW_GIVE_BACK_FRACTION:
+            return
+        self._pending_recv_release = 0
+        self.recv_window += pending
+    await self.send_window_update(pending, skip_lock=True)
+
+
+_window_update_at_half._prefixswarm = True  # type: ignore[attr-defined]
+
+
+def _remember_signed_records(consume: Any, clock: Any = time.monotonic) -> Any:
+    # (our host's id, the sender's id) -> (record bytes, when accepted); LRU-bounded
+    accepted: OrderedDict[tuple[ID, ID], tuple[bytes, float]] = OrderedDict()
+
+    def remembered(msg: Any, host: IHost, peer_id: ID) -> bool:
+        if not msg.HasField("senderRecord"):
+            return True
+        record: bytes = msg.senderRecord
+        key = (host.get_id(), peer_id)
+        now = clock()
+        last = accepted.get(key)
+        if last is not None and last[0] == record and now - last[1] < SIGNED_RECORD_RECHECK_S:
+            return True
+        ok: bool = consume(msg, host, peer_id)
+        if ok:
+            accepted[key] = (record, now)
+            accepted.move_to_end(key)
+            while len(accepted) > MAX_REMEMBERED_RECORDS:
+                accepted.popitem(last=False)
+        return ok
+
+    remembered._prefixswarm_memo = True  # type: ignore[attr-defined]
+    return remembered
+
+
+def _guard_pubsub_reader(read_stream: Any) -> Any:
+    async def guarded(self: Pubsub, stream: INetStream) -> None:
+        try:
+            await read_stream(self, stream)
+        except (DecodeError, ValueError) as exc:
+            peer = stream.muxed_conn.peer_id
+            logger.warning("pubsub: undecodable RPC from %s (%s); resetting its stream", peer, exc)
+            with trio.move_on_after(RESET_TIMEOUT_S):
+                await _reset_quietly(stream)
+
+    guarded._prefixswarm_guarded = True  # type: ignore[attr-defined]
+    return guarded
+
+
+async def _reset_quietly(stream: INetStream) -> None:
+    try:
+        await stream.reset()
+    except BaseLibp2pError as exc:  # already reset or closed by the other side
+        logger.debug("resetting stream: %s", exc)
+
+
+class _NamedLogging:
+    """Stands in for the `logging` module inside one libp2p module."""
+
+    def __init__(self, named: logging.Logger) -> None:
+        self.debug = named.debug
+        self.info = named.info
+        self.warning = named.warning
+        self.error = named.error
+        self.exception = named.exception
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(logging, name)

@@ -1,0 +1,329 @@
+"""Reachability and relays, the pure part: verdicts from dial-backs, relay reservations,
+the small control messages of the dial-back and relay protocols, and address rules.
+
+No I/O and no clock: time is a parameter. peer/net/relay_service.py is the trio shell around it.
+
+Reachability (an AutoNAT equivalent): a peer asks peers it is connected to to open a
+fresh TCP connection back to it, on the IP they see it connect from and the ports it
+listens on. One success makes it PUBLIC (it is dialable at that address); failures from
+MIN_FAILING_PEERS distinct peers and no success make it PRIVATE (behind NAT or a
+firewall); a peer with no listen port is PRIVATE at once (outbound only).
+"""
+
+from __future__ import annotations
+
+import enum
+import ipaddress
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from protocols.errors import RemoteProtocolError
+from protocols.framing import decode_cbor, encode_frame
+
+__all__ = [
+    "CONTROL_FRAME_BYTES",
+    "MAX_DIALBACK_PORTS",
+    "DialBackRequest",
+    "DialBackResponse",
+    "Reachability",
+    "ReachabilityTracker",
+    "RelayConnect",
+    "RelayLimits",
+    "RelayReply",
+    "RelayReserve",
+    "Reservations",
+    "circuit_addr",
+    "control_body_length",
+    "decode_control",
+    "expand_unspecified",
+    "is_circuit",
+    "parse_relay_request",
+    "relay_of",
+]
+
+CONTROL_FRAME_BYTES = 1024  # every control message is a few dozen bytes
+MAX_DIALBACK_PORTS = 4  # ports one dial-back request may name (bounds the work we do)
+MAX_PEER_ID_CHARS = 128  # base58 ed25519 ids are 52 characters
+MAX_PROTOCOL_CHARS = 64
+MAX_TEXT_CHARS = 200  # error texts in replies
+# Distinct peers whose dial-back failed before we say PRIVATE. One: a volunteer behind
+# NAT is often connected to a single peer at first, and UNKNOWN would leave it without
+# relays; one later success (any peer) makes it PUBLIC again.
+MIN_FAILING_PEERS = 1
+RESULT_TTL_S = 900.0  # a dial-back result is evidence for this long (networks change)
+MAX_RESULTS = 32  # results kept: one per asking peer is enough
+
+
+class Reachability(enum.StrEnum):
+    UNKNOWN = "unknown"  # not enough evidence yet
+    PUBLIC = "public"  # another peer opened a connection to us
+    PRIVATE = "private"  # peers could not: behind NAT or a firewall, or outbound only
+
+
+@dataclass
+class _Result:
+    ok: bool
+    addr: str
+    at: float
+
+
+class ReachabilityTracker:
+    """Dial-back results from distinct peers -> a verdict and the confirmed addresses."""
+
+    def __init__(self, *, listen_ports: int) -> None:
+        self._listen_ports = listen_ports
+        self._results: OrderedDict[str, _Result] = OrderedDict()  # by asking peer
+
+    def record(self, peer_id: str, *, ok: bool, addr: str, now: float) -> None:
+        """Peer `peer_id` tried to dial us at `addr` (a multiaddr without /p2p)."""
+        self._results.pop(peer_id, None)
+        self._results[peer_id] = _Result(ok, addr, now)
+        while len(self._results) > MAX_RESULTS:
+            self._results.popitem(last=False)
+
+    def _fresh(self, now: float) -> list[_Result]:
+        return [r for r in self._results.values() if now - r.at <= RESULT_TTL_S]
+
+    def verdict(self, now: float) -> Reachability:
+        if self._listen_ports == 0:
+            return Reachability.PRIVATE
+        fresh = self._fresh(now)
+        if any(r.ok for r in fresh):
+            return Reachability.PUBLIC
+        if sum(1 for r in fresh if not r.ok) >= MIN_FAILING_PEERS:
+            return Reachability.PRIVATE
+        return Reachability.UNKNOWN
+
+    def confirmed_addrs(self, now: float) -> list[str]:
+        """Addresses another peer reached us at (deduplicated, newest first)."""
+        seen: dict[str, None] = {}
+        for r in reversed(self._fresh(now)):
+            if r.ok:
+                seen.setdefault(r.addr, None)
+        return list(seen)
+
+    def observed_addrs(self, now: float) -> list[str]:
+        """Where peers saw us come from (observed IP, our listen port), dialable or not:
+        the address a hole punch aims at, since a NAT that keeps source ports maps our
+        listen port there. Newest first, deduplicated."""
+        seen: dict[str, None] = {}
+        for r in reversed(self._fresh(now)):
+            seen.setdefault(r.addr, None)
+        return list(seen)
+
+    def evidence(self, now: float) -> dict[str, int]:
+        fresh = self._fresh(now)
+        return {"ok": sum(r.ok for r in fresh), "failed": sum(not r.ok for r in fresh)}
+
+
+# -- relay limits and reservations -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RelayLimits:
+    """What a relay gives away; every circuit is bounded in bytes and time."""
+
+    max_reservations: int = 64  # peers that may be reached through us
+    reservation_ttl_s: float = 300.0  # a reservation lapses unless refreshed
+    max_circuits: int = 32  # relayed streams open at once
+    max_circuits_per_peer: int = 8  # ...of which for one target or one origin
+    max_circuit_bytes: int = 16 << 20  # per circuit and direction: a 128k-token prompt is ~1 MB
+    max_circuit_s: float = 600.0  # a circuit is cut after this long (>= request deadlines)
+
+    def __post_init__(self) -> None:
+        for name in ("max_reservations", "max_circuits", "max_circuits_per_peer",
+                     "max_circuit_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("reservation_ttl_s", "max_circuit_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+
+@dataclass
+class Reservations:
+    """Peers that reserved a slot on this relay, with expiry; bounded by max_reservations."""
+
+    limits: RelayLimits
+    _expiry: dict[str, float] = field(default_factory=dict)
+
+    def reserve(self, peer_id: str, now: float) -> float | None:
+        """Grant or refresh a reservation; returns its expiry, None when full."""
+        self.expire(now)
+        if peer_id not in self._expiry and len(self._expiry) >= self.limits.max_reservations:
+            return None
+        expiry = now + self.limits.reservation_ttl_s
+        self._expiry[peer_id] = expiry
+        return expiry
+
+    def holds(self, peer_id: str, now: float) -> bool:
+        expiry = self._expiry.get(peer_id)
+        return expiry is not None and now < expiry
+
+    def expire(self, now: float) -> None:
+        for peer_id in [p for p, e in self._expiry.items() if now >= e]:
+            del self._expiry[peer_id]
+
+    def __len__(self) -> int:
+        return len(self._expiry)
+
+
+# -- control messages ----------------------------------------------------------------------
+
+
+def _text(obj: dict[object, object], key: str, limit: int, *, required: bool = True) -> str:
+    value = obj.get(key, None if required else "")
+    if not isinstance(value, str) or len(value) > limit or (required and not value):
+        raise RemoteProtocolError(f"field {key!r} must be a string of 1..{limit} characters")
+    return value
+
+
+def _map(raw: object) -> dict[object, object]:
+    if not isinstance(raw, dict):
+        raise RemoteProtocolError(f"expected a map, got {type(raw).__name__}")
+    return raw
+
+
+@dataclass(frozen=True)
+class DialBackRequest:
+    """'Dial me back on these ports, at the IP you see me at.'"""
+
+    ports: tuple[int, ...]
+
+    def encode(self) -> bytes:
+        return encode_frame({"ports": list(self.ports)}, CONTROL_FRAME_BYTES)
+
+    @staticmethod
+    def parse(raw: object) -> DialBackRequest:
+        ports = _map(raw).get("ports")
+        if not isinstance(ports, list) or len(ports) > MAX_DIALBACK_PORTS:
+            raise RemoteProtocolError(f"ports must be a list of at most {MAX_DIALBACK_PORTS}")
+        for port in ports:
+            if not isinstance(port, int) or isinstance(port, bool) or not 1 <= port <= 65535:
+                raise RemoteProtocolError(f"not a TCP port: {port!r}")
+        return DialBackRequest(tuple(ports))
+
+
+@dataclass(frozen=True)
+class DialBackResponse:
+    """Which of the requested addresses answered a fresh connection, and our view of you."""
+
+    observed_ip: str
+    ok_ports: tuple[int, ...]
+
+    def encode(self) -> bytes:
+        return encode_frame(
+            {"observed_ip": self.observed_ip, "ok_ports": list(self.ok_ports)}, CONTROL_FRAME_BYTES
+        )
+
+    @staticmethod
+    def parse(raw: object, asked: DialBackRequest) -> DialBackResponse:
+        obj = _map(raw)
+        ip = _text(obj, "observed_ip", 64)
+        try:
+            ipaddress.ip_address(ip)
+        except ValueError as exc:
+            raise RemoteProtocolError(f"observed_ip is not an IP address: {ip!r}") from exc
+        ports = obj.get("ok_ports")
+        if not isinstance(ports, list) or not set(ports) <= set(asked.ports):
+            raise RemoteProtocolError("ok_ports must be a subset of the ports asked for")
+        return DialBackResponse(ip, tuple(ports))
+
+
+@dataclass(frozen=True)
+class RelayReserve:
+    """Sent by a peer that is not reachable: 'relay to me'."""
+
+    def encode(self) -> bytes:
+        return encode_frame({"op": "reserve"}, CONTROL_FRAME_BYTES)
+
+
+@dataclass(frozen=True)
+class RelayConnect:
+    """Sent by an entry peer: 'open `protocol` to `peer_id` and join the two streams'."""
+
+    peer_id: str
+    protocol: str
+
+    def encode(self) -> bytes:
+        return encode_frame(
+            {"op": "connect", "peer": self.peer_id, "proto": self.protocol}, CONTROL_FRAME_BYTES
+        )
+
+
+def parse_relay_request(raw: object) -> RelayReserve | RelayConnect:
+    obj = _map(raw)
+    op = obj.get("op")
+    if op == "reserve":
+        return RelayReserve()
+    if op == "connect":
+        return RelayConnect(
+            _text(obj, "peer", MAX_PEER_ID_CHARS), _text(obj, "proto", MAX_PROTOCOL_CHARS)
+        )
+    raise RemoteProtocolError(f"unknown relay op {op!r}")
+
+
+@dataclass(frozen=True)
+class RelayReply:
+    ok: bool
+    error: str = ""
+    ttl_s: float = 0.0  # a reservation's lifetime
+
+    def encode(self) -> bytes:
+        return encode_frame(
+            {"ok": self.ok, "error": self.error[:MAX_TEXT_CHARS], "ttl_s": float(self.ttl_s)},
+            CONTROL_FRAME_BYTES,
+        )
+
+    @staticmethod
+    def parse(raw: object) -> RelayReply:
+        obj = _map(raw)
+        ok, ttl = obj.get("ok"), obj.get("ttl_s", 0.0)
+        if not isinstance(ok, bool):
+            raise RemoteProtocolError("ok must be a boolean")
+        if not isinstance(ttl, int | float) or isinstance(ttl, bool) or not 0 <= ttl <= 86400:
+            raise RemoteProtocolError(f"ttl_s out of range: {ttl!r}")
+        return RelayReply(ok, _text(obj, "error", MAX_TEXT_CHARS, required=False), float(ttl))
+
+
+def control_body_length(header: bytes) -> int:
+    """The length announced by a control frame's 4-byte header, checked against the bound."""
+    length = int.from_bytes(header, "big")
+    if not 1 <= length <= CONTROL_FRAME_BYTES:
+        raise RemoteProtocolError(f"control frame of {length} bytes (limit {CONTROL_FRAME_BYTES})")
+    return length
+
+
+def decode_control(body: bytes) -> object:
+    return decode_cbor(body)
+
+
+# -- addresses -------------------------------------------------------------------------------
+
+CIRCUIT = "/p2p-circuit"
+
+
+def is_circuit(addr: str) -> bool:
+    return CIRCUIT in addr
+
+
+def circuit_addr(relay_addr: str, target_peer_id: str) -> str:
+    """'/ip4/R/tcp/P/p2p/<relay>' + our id -> the relayed address others can use."""
+    return f"{relay_addr}{CIRCUIT}/p2p/{target_peer_id}"
+
+
+def relay_of(addr: str) -> str | None:
+    """The relay's peer id in a circuit address, else None."""
+    head, sep, _tail = addr.partition(CIRCUIT)
+    if not sep or "/p2p/" not in head:
+        return None
+    return head.rsplit("/p2p/", 1)[1] or None
+
+
+def expand_unspecified(addr: str, interface_ips: list[str]) -> list[str]:
+    """'/ip4/0.0.0.0/tcp/P' -> one address per interface IP (loopback last); others as-is."""
+    parts = addr.split("/")
+    if len(parts) < 3 or parts[1] != "ip4" or parts[2] != "0.0.0.0":
+        return [addr]
+    ordered = sorted(interface_ips, key=lambda ip: ipaddress.ip_address(ip).is_loopback)
+    return ["/".join([*parts[:2], ip, *parts[3:]]) for ip in ordered]

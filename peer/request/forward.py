@@ -1,0 +1,286 @@
+"""One attempt at a request: on the entry peer's engine, or forwarded to another peer.
+
+An attempt is opened (`open`: up to its first token, under the caller's deadline), then
+read (`next_tokens`: the next tokens, or the finish reason at the end) and closed
+(`aclose`, always). The pipeline races openings (hedging) and streams the winner.
+
+A forwarded attempt treats what the remote peer sends as data to check: token ids come
+validated against the vocabulary (protocols/infer.py), more tokens than asked for are a
+fault (`Faulty`), and the text, the serving peer's id and the timing are this peer's
+own (the remote's text and `served_by` are never used).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Sequence
+from typing import Protocol
+
+import trio
+from libp2p.peer.id import ID
+
+from peer.engine.api import Completion, SamplingParams, TokenEvent
+from peer.net.host import PeerUnreachable
+from peer.net.streams import StreamOpener
+from peer.request.admission import Admission, Overloaded, Slot
+from peer.request.inference import FrameStream, StreamBroken
+from peer.swarm.peer_table import ForwardCharge, PeerTable
+from protocols.errors import RemoteProtocolError
+from protocols.ids import INFER_PROTOCOL
+from protocols.infer import (
+    MAX_DEADLINE_S,
+    ErrorCode,
+    InferError,
+    InferRequest,
+    InferResult,
+    TokenChunk,
+)
+
+# Streams to a peer open within this; the first-token deadline covers the rest.
+STREAM_OPEN_TIMEOUT_S = 10.0
+
+
+class LocalEngine(Protocol):
+    """What a local attempt uses of this peer's engine."""
+
+    def stream(
+        self, token_ids: Sequence[int], params: SamplingParams, *, cache_salt: bytes | None = ...
+    ) -> AsyncGenerator[TokenEvent | Completion, None]: ...
+
+
+def infer_request(
+    request_id: str, prompt: Sequence[int], params: SamplingParams, time_left_s: float
+) -> InferRequest:
+    """A forward's wire form: the one place SamplingParams become InferRequest fields
+    (peer/request/inference.py turns them back on the serving peer). ValueError if the wire
+    cannot carry it (its bounds differ from the engine's)."""
+    return InferRequest(
+        request_id=request_id,
+        prompt_token_ids=tuple(prompt),
+        max_new_tokens=params.max_new_tokens,
+        deadline_s=min(time_left_s, MAX_DEADLINE_S),
+        temperature=params.temperature,
+        top_p=params.top_p,
+        seed=params.seed,
+        stop=params.stop,
+        hops=1,
+    )
+
+
+class AttemptFailed(Exception):
+    """The attempt ended without completing; ``outcome`` is an Outcome value string."""
+
+    def __init__(self, outcome: str, detail: str) -> None:
+        super().__init__(detail)
+        self.outcome = outcome
+
+
+class Faulty(AttemptFailed):
+    """The remote peer broke the protocol's promises (e.g. more tokens than asked for):
+    it is quarantined, not merely backed off."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__("failed", detail)
+
+
+class HedgeLost(AttemptFailed):
+    """A later candidate delivered its first token first: this one was slower than its
+    hedge delay, not stalled (its first-token deadline had not passed). Shown in the
+    route, but neither backed off nor reported to the requests waiting on it: estimates
+    on busy CPUs are off by 2x, and an honest peer must not lose its traffic for that."""
+
+    def __init__(self) -> None:
+        super().__init__("stalled", "hedged: a later candidate answered first")
+
+
+class MovedOn(AttemptFailed):
+    """The peer failed for another request while this one waited on its first token:
+    already recorded once, not a second failure."""
+
+    def __init__(self) -> None:
+        super().__init__("stalled", "failed meanwhile for a concurrent request")
+
+
+class LocalAttempt:
+    """The request on this peer's own engine, through the shared engine admission."""
+
+    is_local = True
+
+    def __init__(self, engine: LocalEngine, admission: Admission, prompt: list[int],
+                 params: SamplingParams, cache_salt: bytes | None = None) -> None:
+        self._engine = engine
+        self._cache_salt = cache_salt
+        self._admission = admission
+        self._prompt = prompt
+        self._params = params
+        self._slot: Slot | None = None
+        self._agen: AsyncIterator[TokenEvent | Completion] | None = None
+        self.cached_tokens: int | None = None
+        self.first: list[int] = []
+
+    async def open(self) -> None:
+        try:
+            self._slot = self._admission.admit()
+        except Overloaded as exc:
+            raise AttemptFailed("refused", str(exc)) from exc
+        private = {} if self._cache_salt is None else {"cache_salt": self._cache_salt}
+        self._agen = self._engine.stream(self._prompt, self._params, **private)
+        first = await self.next_tokens()
+        if isinstance(first, str):
+            raise AttemptFailed("failed", "the engine finished without a token")
+        self.first = first
+
+    async def next_tokens(self) -> list[int] | str:
+        assert self._agen is not None, "open() first"
+        async for item in self._agen:
+            if isinstance(item, TokenEvent):
+                return [item.token_id]
+            if isinstance(item, Completion):
+                self.cached_tokens = item.usage.cached_tokens
+                return item.finish_reason
+        raise AttemptFailed("failed", "the engine ended without a completion")
+
+    async def aclose(self) -> None:
+        aclose = getattr(self._agen, "aclose", None)  # an async generator's, to release it
+        if aclose is not None:
+            with trio.CancelScope(shield=True):
+                await aclose()
+        if self._slot is not None:
+            self._slot.release()
+            self._slot = None
+
+
+class RemoteAttempt:
+    """The request forwarded to ``peer_id`` over /prefixswarm/infer (one stream).
+
+    Raises AttemptFailed at once if the wire cannot carry the request."""
+
+    is_local = False
+
+    def __init__(
+        self,
+        *,
+        host: StreamOpener,
+        table: PeerTable,
+        peer_id: str,
+        request_id: str,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        vocab_size: int,
+        gap_s: float,
+        deadline: float = float("inf"),
+        delay_s: float = 0.0,
+    ) -> None:
+        try:
+            self._request = infer_request(
+                request_id, prompt, params, deadline - trio.current_time()
+            )
+        except ValueError as exc:  # the engine accepts more than the wire carries
+            raise AttemptFailed("failed", f"cannot be forwarded: {exc}") from exc
+        self._host = host
+        self._table = table
+        self.peer_id = peer_id
+        self._vocab_size = vocab_size
+        self._gap_s = gap_s
+        self._deadline = deadline  # the request's end-to-end deadline
+        self._delay_s = delay_s  # test/bench hook: emulated one-way WAN delay
+        self._frames: FrameStream | None = None
+        self._charge: ForwardCharge | None = None
+        self._got_first = False
+        self._finished = False
+        self.received = 0  # token ids received so far
+        self.cached_tokens: int | None = None
+        self.first: list[int] = []
+        self.sent_at: float | None = None
+        self.first_at: float | None = None
+        self.last_at: float | None = None
+
+    async def open(self) -> None:
+        """Open the stream, send the request, wait for the first token (caller's deadline)."""
+        now = trio.current_time()
+        self._charge = self._table.record_forward(
+            self.peer_id, len(self._request.prompt_token_ids), now
+        )
+        with self._errors():
+            if self._delay_s:  # on a WAN: the stream's negotiation (a round trip) and the
+                await trio.sleep(3 * self._delay_s)  # request's one-way trip
+            stream = await self._host.new_stream(
+                ID.from_base58(self.peer_id), [INFER_PROTOCOL], timeout_s=STREAM_OPEN_TIMEOUT_S
+            )
+            self._frames = FrameStream(stream, self._vocab_size)
+            self.sent_at = trio.current_time()
+            await self._frames.send(self._request)
+            while not self.first:
+                message = await self._frames.receive_response()
+                if isinstance(message, TokenChunk):
+                    self.first = self._take(message)
+                elif isinstance(message, InferResult):
+                    raise Faulty("finished without sending a token")
+                else:
+                    raise _remote_error(message)
+            if self._delay_s:
+                await trio.sleep(self._delay_s)  # the reply's trip
+            self.first_at = self.last_at = trio.current_time()
+            self._got_first = True
+            if self._charge is not None:
+                self._table.forward_prefilled(self._charge)
+
+    async def next_tokens(self) -> list[int] | str:
+        """The next tokens, or the finish reason; each read within the token gap."""
+        assert self._frames is not None, "open() first"
+        with self._errors():
+            while True:
+                with trio.fail_at(min(self._deadline, trio.current_time() + self._gap_s)):
+                    message = await self._frames.receive_response()
+                if isinstance(message, TokenChunk):
+                    tokens = self._take(message)
+                    if tokens:
+                        self.last_at = trio.current_time()
+                        return tokens
+                elif isinstance(message, InferResult):
+                    sent = len(self._request.prompt_token_ids)
+                    if message.cached_tokens > sent:  # reaches the client as usage: checked
+                        raise Faulty(
+                            f"claims {message.cached_tokens} cached tokens of a {sent}-token "
+                            "prompt"
+                        )
+                    self.cached_tokens = message.cached_tokens
+                    self._finished = True
+                    return message.finish_reason.value
+                else:
+                    raise _remote_error(message)
+
+    def _take(self, chunk: TokenChunk) -> list[int]:
+        """The chunk's token ids, checked against what was asked for (ids are checked
+        against the vocabulary when the frame is parsed)."""
+        self.received += len(chunk.token_ids)
+        asked = self._request.max_new_tokens
+        if self.received > asked:
+            raise Faulty(f"sent {self.received} tokens, more than the {asked} asked for")
+        return list(chunk.token_ids)
+
+    @contextlib.contextmanager
+    def _errors(self) -> Iterator[None]:
+        try:
+            yield
+        except trio.TooSlowError as exc:
+            raise AttemptFailed("stalled", "no token before the deadline") from exc
+        except (StreamBroken, RemoteProtocolError, PeerUnreachable) as exc:
+            raise AttemptFailed("failed", str(exc) or type(exc).__name__) from exc
+
+    async def aclose(self) -> None:
+        if self._charge is not None:
+            self._table.forward_ended(self._charge, prefilled=self._got_first)
+            self._charge = None
+        if self._frames is not None:
+            frames, self._frames = self._frames, None
+            await frames.reset()  # done or abandoned: the serving peer stops either way
+
+
+def _remote_error(error: InferError) -> AttemptFailed:
+    if error.code is ErrorCode.INVALID_REQUEST:
+        # Validated here with the same rules: the peer disagrees, so it is faulty.
+        return AttemptFailed("failed", f"peer rejected a valid request: {error.message}")
+    if error.code is ErrorCode.DEADLINE:
+        return AttemptFailed("stalled", f"peer ran out of time: {error.message}")
+    return AttemptFailed("refused", f"{error.code.value}: {error.message}")

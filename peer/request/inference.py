@@ -1,0 +1,290 @@
+"""The inference protocol's shell: frames over a libp2p stream, and the serving side.
+
+`FrameStream` turns a stream into typed frames (protocols/infer.py) with deadlines left
+to the caller. `InferenceService` serves forwarded requests: it owns every inbound
+request in its own nursery (libp2p's handler only hands the stream over), bounds the
+requests in flight per remote peer, runs them on the local engine through the shared
+`Admission`, streams tokens back, and stops generating as soon as the entry peer goes
+away (a reader watches the stream while the engine runs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import logging
+from collections import Counter
+from collections.abc import AsyncGenerator, Sequence
+from typing import TYPE_CHECKING, Protocol
+
+import trio
+from libp2p.custom_types import TProtocol
+from libp2p.exceptions import BaseLibp2pError
+
+from peer.engine.api import (
+    Completion,
+    EngineError,
+    InvalidRequest,
+    SamplingParams,
+    TokenEvent,
+)
+from peer.net.streams import HandlerHost, InboundStream, StreamLike
+from peer.request.admission import Admission, Overloaded
+from protocols.errors import RemoteProtocolError
+from protocols.framing import MAX_FRAME_BYTES, FrameDecoder, encode_frame
+from protocols.ids import INFER_PROTOCOL
+from protocols.infer import (
+    ErrorCode,
+    FinishReason,
+    InferError,
+    InferRequest,
+    InferResult,
+    Response,
+    TokenChunk,
+    parse_request,
+    parse_response,
+)
+
+if TYPE_CHECKING:  # trio's TaskStatus, as the trio-stubs py-libp2p pulls in type it
+    from trio_typing import TaskStatus
+
+logger = logging.getLogger(__name__)
+
+READ_CHUNK_BYTES = 64 * 1024  # one read; frames larger than this arrive over several reads
+REQUEST_READ_TIMEOUT_S = 10.0  # an entry peer sends its request right after opening
+REPLY_WRITE_TIMEOUT_S = 10.0  # a reader that stops reading for this long is gone
+INBOUND_BACKLOG = 64  # streams handed over but not yet started; beyond it: refused
+
+
+class StreamBroken(Exception):
+    """The stream ended (EOF, reset, closed) before the exchange was complete."""
+
+
+class FrameStream:
+    """Typed frames over one stream. Methods raise StreamBroken or RemoteProtocolError."""
+
+    def __init__(self, stream: StreamLike, vocab_size: int) -> None:
+        self.stream = stream
+        self._vocab_size = vocab_size
+        self._decoder = FrameDecoder(MAX_FRAME_BYTES)
+
+    async def send(self, message: InferRequest | TokenChunk | InferResult | InferError) -> None:
+        data = encode_frame(message.to_wire())
+        try:
+            await self.stream.write(data)
+        except BaseLibp2pError as exc:
+            raise StreamBroken(f"write failed: {exc!r}") from exc
+
+    async def receive_raw(self) -> object:
+        """The next decoded CBOR object (not yet validated as a message)."""
+        while True:
+            frame = self._decoder.next_frame()
+            if frame is not None:
+                return frame
+            try:
+                data = await self.stream.read(READ_CHUNK_BYTES)
+            except BaseLibp2pError as exc:  # StreamEOF, StreamReset, ...
+                raise StreamBroken(f"read failed: {exc!r}") from exc
+            if not data:
+                raise StreamBroken("end of stream")
+            self._decoder.feed(data)
+
+    async def receive_response(self) -> Response:
+        """The serving peer's next frame: a chunk, the result or an error."""
+        return parse_response(await self.receive_raw(), self._vocab_size)
+
+    async def close(self) -> None:
+        """Close gracefully if possible, else reset; never raises, never blocks long."""
+        with trio.move_on_after(1.0) as scope:
+            scope.shield = True
+            try:
+                await self.stream.close()
+            except BaseLibp2pError:
+                with contextlib.suppress(BaseLibp2pError):
+                    await self.stream.reset()
+
+    async def reset(self) -> None:
+        with trio.move_on_after(1.0) as scope:
+            scope.shield = True
+            with contextlib.suppress(BaseLibp2pError):
+                await self.stream.reset()
+
+
+class Served(enum.Enum):
+    """How an inbound request ended (a statistics key)."""
+
+    SERVED = "served"
+    ENTRY_LEFT = "cancelled_by_entry"
+    INVALID = "rejected_invalid"
+    FAILED = "failed_internal"
+
+
+def finish_reason(text: str) -> FinishReason:
+    return FinishReason.LENGTH if text == "length" else FinishReason.STOP
+
+
+class EngineLike(Protocol):
+    @property
+    def vocab_size(self) -> int: ...
+
+    def stream(
+        self, token_ids: Sequence[int], params: SamplingParams
+    ) -> AsyncGenerator[TokenEvent | Completion, None]: ...
+
+
+class InferenceService:
+    """Serves /prefixswarm/infer/1.0.0 for requests forwarded by other peers."""
+
+    def __init__(
+        self,
+        engine: EngineLike,
+        admission: Admission,
+        *,
+        self_id: str,
+        max_inbound_per_peer: int,
+    ) -> None:
+        self._engine = engine
+        self._admission = admission
+        self._self_id = self_id
+        self._max_per_peer = max_inbound_per_peer
+        self._per_peer: Counter[str] = Counter()
+        self._send, self._receive = trio.open_memory_channel[tuple[InboundStream, str]](
+            INBOUND_BACKLOG
+        )
+        self.stats: Counter[str] = Counter()
+
+    async def handle_stream(self, stream: InboundStream) -> None:
+        """libp2p's stream handler: hand the stream to our nursery, refuse if backlogged."""
+        remote = stream.muxed_conn.peer_id.to_base58()
+        try:
+            self._send.send_nowait((stream, remote))
+        except (trio.WouldBlock, trio.ClosedResourceError):
+            self.stats["refused_backlog"] += 1
+            await FrameStream(stream, self._engine.vocab_size).reset()
+
+    async def serve(
+        self, host: HandlerHost, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Register the handler and serve inbound requests until cancelled."""
+        async with trio.open_nursery() as nursery, self._receive:
+            host.set_stream_handler(TProtocol(INFER_PROTOCOL), self.handle_stream)
+            task_status.started()
+            try:
+                async for stream, remote in self._receive:
+                    nursery.start_soon(self._serve_one, stream, remote)
+            finally:
+                self._send.close()
+
+    async def _serve_one(self, stream: InboundStream, remote: str) -> None:
+        frames = FrameStream(stream, self._engine.vocab_size)
+        try:
+            with trio.fail_after(REQUEST_READ_TIMEOUT_S):
+                request = parse_request(await frames.receive_raw(), self._engine.vocab_size)
+        except (RemoteProtocolError, StreamBroken, trio.TooSlowError) as exc:
+            self.stats["rejected_invalid"] += 1
+            logger.info("bad inference request from %s: %s", remote, exc)
+            await self._reply_error(frames, ErrorCode.INVALID_REQUEST, str(exc))
+            await frames.close()
+            return
+        if self._per_peer[remote] >= self._max_per_peer:
+            self.stats["refused_per_peer"] += 1
+            await self._reply_error(
+                frames,
+                ErrorCode.OVERLOADED,
+                f"at most {self._max_per_peer} requests in flight per peer",
+            )
+            await frames.close()
+            return
+        self._per_peer[remote] += 1
+        try:
+            await self._run(frames, request)
+        finally:
+            self._per_peer[remote] -= 1
+            if not self._per_peer[remote]:
+                del self._per_peer[remote]
+            await frames.close()
+
+    async def _run(self, frames: FrameStream, request: InferRequest) -> None:
+        params = SamplingParams(
+            max_new_tokens=request.max_new_tokens,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            seed=request.seed,
+            stop=request.stop,
+        )
+        try:
+            slot = self._admission.admit()
+        except Overloaded as exc:
+            self.stats["refused_overloaded"] += 1
+            await self._reply_error(frames, ErrorCode.OVERLOADED, str(exc))
+            return
+        with slot, trio.move_on_after(request.deadline_s) as deadline:
+            status = await self._stream_tokens(frames, request, params)
+            self.stats[status.value] += 1
+        if deadline.cancelled_caught:
+            self.stats["deadline"] += 1
+            await self._reply_error(frames, ErrorCode.DEADLINE, "deadline passed while serving")
+
+    async def _stream_tokens(
+        self, frames: FrameStream, request: InferRequest, params: SamplingParams
+    ) -> Served:
+        """Stream the generation back; every failure becomes a status and, where the entry
+        peer can still hear it, an error frame. Nothing escapes to the service."""
+        status = Served.ENTRY_LEFT  # unless the stream finishes or fails first
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._watch_entry, frames, nursery.cancel_scope)
+            try:
+                await self._send_generation(frames, request, params)
+                status = Served.SERVED
+            except InvalidRequest as exc:  # valid on the wire, not for this model
+                status = Served.INVALID
+                await self._reply_error(frames, ErrorCode.INVALID_REQUEST, str(exc))
+            except (StreamBroken, trio.TooSlowError):  # the entry peer stopped reading
+                status = Served.ENTRY_LEFT
+            except (EngineError, RuntimeError) as exc:  # torch reports failures as RuntimeError
+                logger.exception("request %s failed in the engine", request.request_id)
+                status = Served.FAILED
+                await self._reply_error(frames, ErrorCode.INTERNAL, f"engine failed: {exc}")
+            nursery.cancel_scope.cancel()
+        return status
+
+    async def _send_generation(
+        self, frames: FrameStream, request: InferRequest, params: SamplingParams
+    ) -> None:
+        agen = self._engine.stream(request.prompt_token_ids, params)
+        async with contextlib.aclosing(agen):
+            async for item in agen:
+                if isinstance(item, TokenEvent):
+                    with trio.fail_after(REPLY_WRITE_TIMEOUT_S):
+                        await frames.send(TokenChunk((item.token_id,), item.text))
+                elif isinstance(item, Completion):
+                    usage = item.usage
+                    result = InferResult(
+                        prompt_tokens=usage.prompt_tokens,
+                        cached_tokens=usage.cached_tokens,
+                        completion_tokens=usage.completion_tokens,
+                        ttft_s=usage.ttft_s,
+                        decode_tokens_per_s=usage.decode_tokens_per_s,
+                        total_s=usage.total_s,
+                        finish_reason=finish_reason(item.finish_reason),
+                        served_by=self._self_id,
+                    )
+                    with trio.fail_after(REPLY_WRITE_TIMEOUT_S):
+                        await frames.send(result)
+
+    async def _watch_entry(self, frames: FrameStream, scope: trio.CancelScope) -> None:
+        """The entry peer sends nothing after its request: any read end means it left."""
+        with contextlib.suppress(RemoteProtocolError, StreamBroken):
+            await frames.receive_raw()
+        scope.cancel()
+
+    async def _reply_error(self, frames: FrameStream, code: ErrorCode, message: str) -> None:
+        with trio.move_on_after(REPLY_WRITE_TIMEOUT_S) as scope:
+            scope.shield = True
+            with contextlib.suppress(StreamBroken):
+                await frames.send(InferError.truncated(code, message))
+
+    def statistics(self) -> dict[str, int]:
+        stats = dict(self.stats)
+        stats["inbound_in_flight"] = sum(self._per_peer.values())
+        return stats

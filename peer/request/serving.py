@@ -1,0 +1,297 @@
+"""Serving: what a peer does with requests, assembled from its parts.
+
+One `Admission` bounds the local engine's queue for requests from anywhere; the
+`InferenceService` answers forwarded requests; the `Pipeline` routes this peer's own
+requests through the `Router`; the `RequestLog` keeps the last ones that ended, with
+their routes. `Serving` is the peer's `GenerationService` (peer/request/generation.py): the HTTP
+face and `Peer.generate()` call `prepare` once, then `run`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import random
+import time
+import uuid
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+import trio
+
+from peer.config import PeerConfig
+from peer.engine.api import SamplingParams
+from peer.net.streams import HandlerHost, StreamOpener
+from peer.request.admission import Admission, Overloaded
+from peer.request.generation import (
+    DeadlineExceeded,
+    GenerationItem,
+    GenerationRequest,
+    GenerationResult,
+    GenerationService,
+    Prompt,
+    RequestFailed,
+)
+from peer.request.inference import InferenceService
+from peer.request.pipeline import Pipeline, PipelineEngine
+from peer.request.request_log import RequestLog, RequestOutcome, RequestRecord, route_of
+from peer.routing.probe_service import LoadService
+from peer.routing.router import Router
+from peer.routing.trust import (
+    Quarantine,
+    QuarantineRecord,
+    TrustLedger,
+    dump_quarantine,
+    parse_quarantine,
+)
+from peer.swarm.peer_table import PeerTable
+
+if TYPE_CHECKING:  # trio's TaskStatus, as the trio-stubs py-libp2p pulls in type it
+    from trio_typing import TaskStatus
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Prompt", "Serving", "ServingEngine", "load_quarantine"]
+
+
+class ServingEngine(PipelineEngine, Protocol):
+    """What serving uses of this peer's engine, beyond the pipeline's needs."""
+
+    @property
+    def max_context(self) -> int: ...
+
+    def encode_prompt(self, prompt: str | Sequence[dict[str, str]]) -> list[int]: ...
+
+    def validate(self, token_ids: Sequence[int], params: SamplingParams) -> list[int]: ...
+
+
+class Serving:
+    """Requests in and out of one peer: its GenerationService."""
+
+    def __init__(
+        self,
+        *,
+        config: PeerConfig,
+        engine: ServingEngine,
+        table: PeerTable,
+        host: StreamOpener,
+        self_id: str,
+        rng: random.Random | None = None,
+        before_route: Callable[[Sequence[int], Sequence[int], float], Awaitable[None]]
+        | None = None,
+    ) -> None:
+        self.engine = engine
+        self.admission = Admission(config.max_queue, name="engine queue")
+        self._quarantine_path = config.quarantine_path
+        self.trust = TrustLedger(
+            verify_fraction=config.verify_fraction,
+            probation_requests=config.probation_requests,
+            probation_share=config.probation_share,
+            can_verify=callable(getattr(engine, "verify", None)),
+            quarantined=load_quarantine(self._quarantine_path),
+        )
+        self.router = Router(
+            config.policy,
+            rng or random.Random(),
+            block_size=engine.block_size,
+            trust=self.trust,
+            require_rtt=True,
+        )
+        self.inference = InferenceService(
+            engine,
+            self.admission,
+            self_id=self_id,
+            max_inbound_per_peer=config.max_inbound_per_peer,
+        )
+        self.load = LoadService(engine)  # answers other entry peers' load probes
+        self.pipeline = Pipeline(
+            config=config,
+            engine=engine,
+            router=self.router,
+            table=table,
+            host=host,
+            admission=self.admission,
+            self_id=self_id,
+            trust=self.trust,
+            rng=rng,
+            on_quarantine=self._persist_quarantine,
+            before_route=before_route,
+        )
+        self.requests = RequestLog()
+
+    def _persist_quarantine(self, action: Quarantine) -> None:
+        """Write every quarantine record (wall-clock times) next to the identity key."""
+        path = self._quarantine_path
+        if path is None:
+            return
+        records = [
+            r._replace(at=time.time()) if r.peer_id == action.peer_id else r
+            for r in self.trust.quarantine_records()
+        ]
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text(dump_quarantine(records))
+            os.replace(tmp, path)
+        except OSError as exc:  # the quarantine holds in memory; say the file failed
+            logger.error("could not persist the quarantine to %s: %s", path, exc)
+
+    async def serve(
+        self,
+        libp2p_host: HandlerHost,
+        *,
+        task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Answer forwarded requests and load probes until cancelled."""
+        self.load.serve(libp2p_host)
+        await self.inference.serve(libp2p_host, task_status=task_status)
+
+    @property
+    def max_context(self) -> int:
+        return self.engine.max_context
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        """Token ids of a text prompt, of chat messages (chat template), or ids as given."""
+        if isinstance(prompt, str):
+            return self.engine.encode_prompt(prompt)
+        items = list(prompt)
+        if items and all(isinstance(t, dict) for t in items):
+            return self.engine.encode_prompt(items)  # type: ignore[arg-type]
+        return items  # type: ignore[return-value]  # token ids: validate() checks them
+
+    def prepare(
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        *,
+        request_id: str | None = None,
+        cache_salt: bytes | None = None,
+        timeout_s: float | None = None,
+    ) -> GenerationRequest:
+        """The request checked once, here: tokenised, ids in the vocabulary, sampling
+        limits, prompt + max_new_tokens within the context (InvalidRequest, or its
+        ContextTooLong, otherwise)."""
+        tokens = self.engine.validate(self.encode(prompt), params)
+        return GenerationRequest(
+            request_id=request_id or uuid.uuid4().hex,
+            token_ids=tuple(tokens),
+            params=params,
+            cache_salt=cache_salt,
+            timeout_s=timeout_s,
+        )
+
+    async def run(self, request: GenerationRequest) -> AsyncGenerator[GenerationItem, None]:
+        """Chunks as they are generated, then the GenerationResult (see Pipeline.stream).
+
+        Every request run ends in `self.requests`."""
+        ended = False
+        try:
+            async with contextlib.aclosing(self.pipeline.stream(request)) as items:
+                async for item in items:
+                    if isinstance(item, GenerationResult):
+                        self.requests.record(_ok_record(item, trio.current_time()))
+                        ended = True
+                    yield item
+        except (RequestFailed, Overloaded) as exc:
+            outcome = (
+                RequestOutcome.DEADLINE if isinstance(exc, DeadlineExceeded)
+                else RequestOutcome.FAILED if isinstance(exc, RequestFailed)
+                else RequestOutcome.OVERLOADED
+            )
+            ended = True
+            self.requests.record(
+                RequestRecord(
+                    request.request_id, trio.current_time(), outcome, len(request.token_ids),
+                    route=route_of(getattr(exc, "attempts", ())), error=str(exc),
+                )
+            )
+            raise
+        finally:
+            if not ended:  # cancelled, or closed by its consumer before the end
+                self.requests.record(
+                    RequestRecord(
+                        request.request_id, trio.current_time(), RequestOutcome.CANCELLED,
+                        len(request.token_ids),
+                    )
+                )
+
+    async def stream(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        cache_salt: bytes | None = None,
+        timeout_s: float | None = None,
+    ) -> AsyncGenerator[GenerationItem, None]:
+        """prepare() then run(): for programs and tests holding a prompt. Raises
+        InvalidRequest before anything runs."""
+        request = self.prepare(
+            prompt, params or SamplingParams(), request_id=request_id, cache_salt=cache_salt,
+            timeout_s=timeout_s,
+        )
+        async with contextlib.aclosing(self.run(request)) as items:
+            async for item in items:
+                yield item
+
+    async def generate(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        cache_salt: bytes | None = None,
+        timeout_s: float | None = None,
+    ) -> GenerationResult:
+        agen = self.stream(
+            prompt, params, request_id=request_id, cache_salt=cache_salt, timeout_s=timeout_s
+        )
+        async with contextlib.aclosing(agen) as items:
+            async for item in items:
+                if isinstance(item, GenerationResult):
+                    return item
+        raise RuntimeError("pipeline ended without a result")  # unreachable by construction
+
+    def statistics(self) -> dict[str, Any]:
+        return {
+            "admission": self.admission.statistics(),
+            "pipeline": self.pipeline.statistics(),
+            "inference": self.inference.statistics(),
+            "load_probe": self.load.statistics(),
+            "router": self.router.statistics()._asdict(),
+            "trust": self.trust.statistics(),
+            "requests": self.requests.statistics(),
+        }
+
+
+if TYPE_CHECKING:  # make lint checks that Serving implements the service's Protocol
+
+    def _is_a_generation_service(serving: Serving) -> GenerationService:
+        return serving
+
+
+def load_quarantine(path: Path | None) -> list[QuarantineRecord]:
+    """Quarantined peers persisted at ``path`` (none if absent); ValueError if unreadable."""
+    if path is None or not path.exists():
+        return []
+    try:
+        return parse_quarantine(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ValueError(f"quarantine file {path}: {exc}") from exc
+
+
+def _ok_record(result: GenerationResult, now: float) -> RequestRecord:
+    return RequestRecord(
+        request_id=result.request_id,
+        ended_at=now,
+        outcome=RequestOutcome.OK,
+        prompt_tokens=result.prompt_tokens,
+        cached_tokens=result.cached_tokens,
+        completion_tokens=result.completion_tokens,
+        ttft_s=result.ttft_s,
+        total_s=result.total_s,
+        served_by=result.served_by,
+        route=route_of(result.route),
+    )

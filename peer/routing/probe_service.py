@@ -1,0 +1,121 @@
+"""The load-probe protocol's shell: ask peers for their load, and answer when asked.
+
+`probe_loads` runs one `ProbeRound` (peer/routing/probing.py decided whom and how long): one
+stream per probed peer, all at once, each sending a `LoadQuery` and reading one
+`LoadReport`; it returns when every peer answered or at the round's deadline, whichever
+comes first, and resets whatever is still open. A peer that cannot be reached, refuses
+the protocol, sends garbage or answers late is simply ranked on its gossiped load.
+
+`LoadService` answers: one small frame in, one out, within LOAD_ANSWER_TIMEOUT_S, at most
+MAX_ANSWERING at once (beyond that a query is reset: a flood must not cost more than a
+reset each). It runs in libp2p's handler task, which its deadline bounds.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable
+from typing import Protocol
+
+import trio
+from libp2p.custom_types import TProtocol
+from libp2p.exceptions import BaseLibp2pError
+from libp2p.peer.id import ID
+
+from peer.engine.api import EngineLoad
+from peer.net.host import PeerUnreachable
+from peer.net.stream_frames import BoundedAnswers, StreamRefused, read_frame, reset_quietly
+from peer.net.streams import HandlerHost, StreamLike, StreamOpener
+from peer.routing.probing import ProbeRound
+from protocols.errors import RemoteProtocolError
+from protocols.framing import encode_frame
+from protocols.ids import LOAD_PROTOCOL
+from protocols.load import (
+    MAX_LOAD_FRAME_BYTES,
+    LoadQuery,
+    LoadReport,
+    decode_load_query,
+    decode_load_report,
+)
+
+logger = logging.getLogger(__name__)
+
+LOAD_ANSWER_TIMEOUT_S = 2.0  # a query is one tiny frame sent right after opening
+MAX_ANSWERING = 64  # concurrent answers; each is ~1 ms of work, more is a flood
+
+
+async def probe_loads(
+    host: StreamOpener, probe: ProbeRound, stats: Counter[str] | None = None
+) -> dict[str, LoadReport]:
+    """Ask every peer of ``probe.plan`` at once; the reports kept by its deadline."""
+    stats = stats if stats is not None else Counter()
+
+    async def ask(peer_id: str, done: Callable[[], None]) -> None:
+        stream = None
+        try:
+            stream = await host.new_stream(
+                ID.from_base58(peer_id),
+                [LOAD_PROTOCOL],
+                timeout_s=max(0.0, probe.deadline - trio.current_time()),
+            )
+            await stream.write(encode_frame(LoadQuery().to_wire()))
+            report = decode_load_report(await read_frame(stream, MAX_LOAD_FRAME_BYTES))
+        except (PeerUnreachable, BaseLibp2pError, RemoteProtocolError, StreamRefused) as exc:
+            stats["probe_refused"] += 1
+            logger.debug("load probe of %s: %s", peer_id, exc)
+            return
+        finally:
+            if stream is not None:
+                await reset_quietly(stream)
+        if probe.offer(peer_id, report, trio.current_time()) and probe.done:
+            done()
+
+    stats["probe_rounds"] += 1
+    stats["probes_sent"] += len(probe.plan.peers)
+    with trio.move_on_at(probe.deadline):
+        async with trio.open_nursery() as nursery:
+            for peer_id in probe.plan.peers:
+                nursery.start_soon(ask, peer_id, nursery.cancel_scope.cancel)
+    stats["probe_answered"] += len(probe.reports)
+    stats["probe_unanswered"] += len(probe.plan.peers) - len(probe.reports)
+    return dict(probe.reports)
+
+
+class LoadSource(Protocol):
+    """What answering a probe uses of this peer's engine."""
+
+    def load(self) -> EngineLoad: ...
+
+
+class LoadService:
+    """Answers /prefixswarm/load/1.0.0 with the engine's load now."""
+
+    def __init__(self, engine: LoadSource) -> None:
+        self._engine = engine
+        self.stats: Counter[str] = Counter()
+        self._answers = BoundedAnswers(
+            "load_queries", MAX_ANSWERING, LOAD_ANSWER_TIMEOUT_S, self.stats
+        )
+
+    async def handle_stream(self, stream: StreamLike) -> None:
+        """libp2p's stream handler: one query, one report, within the deadline."""
+        await self._answers.answer(stream, self._respond)
+
+    async def _respond(self, stream: StreamLike) -> None:
+        decode_load_query(await read_frame(stream, MAX_LOAD_FRAME_BYTES))
+        load = self._engine.load()
+        report = LoadReport(
+            queued_prompt_tokens=load.queued_prompt_tokens,
+            running_requests=load.running_requests,
+            waiting_requests=load.waiting_requests,
+        )
+        await stream.write(encode_frame(report.to_wire()))
+        self.stats["load_queries_answered"] += 1
+
+    def serve(self, host: HandlerHost) -> None:
+        """Register the handler on the libp2p host."""
+        host.set_stream_handler(TProtocol(LOAD_PROTOCOL), self.handle_stream)
+
+    def statistics(self) -> dict[str, int]:
+        return dict(self.stats)

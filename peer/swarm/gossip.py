@@ -1,0 +1,436 @@
+"""Anti-entropy: publish this peer's cache summary, validate and apply everyone else's.
+
+When to publish is decided by the pure `peer.swarm.publish_policy.PublishPolicy` (every
+`interval_s`, and early once 5% of the cached blocks changed, at most once per
+`interval_s / 4`), fed with the radix cache's stored/removed events; the simulator drives
+the same object. The Bloom filter is sized by `peer.swarm.bloom_sizing.summary_bloom` and kept
+current from the same events (rebuilt from `cache.cached_hashes()` after a removal).
+
+Two gossip modes (peer.config.GossipMode; docs/protocol.md, "Gossip modes"):
+- `full`: one topic per model (`/prefixswarm/summary/1/<model>`); every summary floods
+  to every peer, so each peer receives N - 1 summaries per interval.
+- `ring`: each peer publishes on its own topic (`/prefixswarm/summary/2/<model>/@<id>`)
+  and subscribes to the topics of its ring neighbours (peer.swarm.neighbourhood, chosen among
+  the connected ring peers, re-chosen every interval): a bounded number per interval
+  whatever the swarm's size. A ring peer still listens on the version-1 topic, so it
+  understands peers of the previous version (they are in its table); it does not
+  publish there, so they do not hear it (docs/protocol.md).
+  Beyond its neighbours a ring peer also listens to the extra peers its lookup chose
+  (peer/swarm/lookup.py `hear`): it subscribes to the topics of neighbours and extra peers
+  together, and forgets a peer once it is neither. After each publish, the roots the
+  summary covers go to the root listener (the lookup's announcer).
+
+Received summaries are checked inside pubsub's topic validator, so a rejected message
+is neither applied nor forwarded: size and schema (protocols.summary.decode_summary),
+sender identity against the signed gossip source (and, on a ring topic, against the
+topic's owner), then PeerTable.apply (model id, block size, increasing seq, Bloom
+sanity). Each rejection is logged and counted by reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import trio
+from libp2p.peer.id import ID
+from libp2p.pubsub.pb import rpc_pb2
+from libp2p.pubsub.pubsub import Pubsub
+
+from peer.config import DEFAULT_GOSSIP_NEIGHBOURS, GossipMode
+from peer.engine.radix import EventKind
+from peer.swarm.bloom_sizing import summary_bloom
+from peer.swarm.local_summary import EngineLike, build_summary
+from peer.swarm.neighbourhood import Neighbourhood
+from peer.swarm.peer_table import PeerTable, Verdict
+from peer.swarm.publish_policy import PublishPolicy
+from protocols.bloom import BloomFilter
+from protocols.errors import RemoteProtocolError
+from protocols.ids import gossip_topic, ring_topic
+from protocols.summary import MAX_SUMMARY_BYTES, CacheSummary, decode_summary, encode_summary
+
+logger = logging.getLogger(__name__)
+
+PUBLISH_TIMEOUT_S = 5.0  # publishing queues to mesh peers; a stall must not stop the loop
+MAX_LOGGED_REJECTIONS = 256  # (sender, reason) pairs logged at WARNING; later ones at DEBUG
+# Table verdicts that say nothing bad about the message: relayed, not applied.
+_NOT_THE_SENDERS_FAULT = frozenset({Verdict.STALE_SEQ, Verdict.TABLE_FULL})
+
+
+class Gossip:
+    """Publishes our summary and feeds received ones into the PeerTable."""
+
+    def __init__(
+        self,
+        pubsub: Pubsub,
+        table: PeerTable,
+        engine: EngineLike,
+        *,
+        peer_id: ID,
+        interval_s: float,
+        fp_rate: float,
+        on_expired: Callable[[list[str]], None] = lambda peers: None,
+        mode: GossipMode = GossipMode.FULL,
+        neighbours: int = DEFAULT_GOSSIP_NEIGHBOURS,
+    ) -> None:
+        self._pubsub = pubsub
+        self._table = table
+        self._engine = engine
+        self._peer_id = peer_id
+        self._peer_id_str = peer_id.to_base58()
+        self._mode = mode
+        self._legacy_topic = gossip_topic(engine.model_id)
+        # where we publish: the swarm's topic, or our own ring topic
+        self._topic = (
+            self._legacy_topic
+            if mode is GossipMode.FULL
+            else ring_topic(engine.model_id, self._peer_id_str)
+        )
+        self._neighbourhood = Neighbourhood(self._peer_id_str, neighbours)
+        # ring mode: the extra peers a lookup chose to hear (peer/swarm/lookup.py), and for
+        # each peer listened to (neighbours and extra ones) its reader's cancel scope
+        self._extra: frozenset[str] = frozenset()
+        self._listening: dict[str, trio.CancelScope] = {}
+        self._reconciling = trio.Lock()
+        self._extra_changed = trio.Event()
+        self._on_roots: Callable[[list[int]], None] | None = None
+        self._last_data: bytes | None = None  # the last summary published, encoded
+        self._interval_s = interval_s
+        self._policy = PublishPolicy(interval_s)
+        self._fp_rate = fp_rate
+        self._on_expired = on_expired
+        self._on_published: Callable[[CacheSummary, float], None] | None = None
+        self._on_accepted: Callable[[CacheSummary, float], None] | None = None
+        # Start seq at wall-clock milliseconds: a peer restarted with the same identity
+        # continues above its old seq, which receivers may still hold (an id, not a
+        # decision: nothing is timed by it).
+        self._seq = int(time.time() * 1000)
+        # The last published filter, kept to add new blocks to instead of rebuilding it
+        # from every cached hash (~20 us per hash); any removal forces a rebuild.
+        self._bloom: BloomFilter | None = None
+        self._bloom_blocks = 0  # cache.num_blocks the filter describes
+        self._stored_since: list[int] = []
+        self._removed_since = False
+        self._publishing = True
+        self._logged: set[tuple[str, str]] = set()
+        self._rejected: dict[str, int] = {}
+        self._cpu_s = 0.0
+        self._stats = {
+            "published": 0,
+            "published_early": 0,
+            "publish_failures": 0,
+            "bytes_out": 0,
+            "received": 0,
+            "bytes_in": 0,
+            "accepted": 0,
+            "superseded": 0,
+            "delivered": 0,
+            "expired": 0,
+            "neighbours_joined": 0,
+            "neighbours_left": 0,
+        }
+
+    @property
+    def topic(self) -> str:
+        """The topic this peer publishes on."""
+        return self._topic
+
+    @property
+    def mode(self) -> GossipMode:
+        return self._mode
+
+    @property
+    def neighbours(self) -> frozenset[str]:
+        """Ring mode: our ring neighbours, whose summaries we hear (empty in full mode)."""
+        return self._neighbourhood.members
+
+    @property
+    def listening(self) -> frozenset[str]:
+        """Ring mode: every peer whose ring topic we are subscribed to now."""
+        return frozenset(self._listening)
+
+    def hear(self, extra: frozenset[str]) -> None:
+        """Ring mode: listen to these peers too, beyond the neighbours (a lookup's
+        Interest); peers dropped from the set are unsubscribed and forgotten."""
+        self._extra = frozenset(extra)
+        self._extra_changed.set()
+
+    def set_root_listener(self, on_roots: Callable[[list[int]], None] | None) -> None:
+        """Call `on_roots(roots)` after each publish with the prefix roots the summary
+        covers (RadixCache.root_hashes at build time)."""
+        self._on_roots = on_roots
+
+    def last_summary(self) -> bytes | None:
+        """The last summary published (wire bytes), or None before the first."""
+        return self._last_data
+
+    def ring_peers(self) -> list[str]:
+        """Connected peers subscribed to their own ring topic: the ring as we know it (a
+        version-1 peer is not on it; it is heard on the version-1 topic anyway)."""
+        topics = self._pubsub.peer_topics
+        known = []
+        for peer_id in list(self._pubsub.peers):
+            name = peer_id.to_base58()
+            if peer_id in topics.get(self._ring_topic(name), ()):
+                known.append(name)
+        return known
+
+    def set_hooks(
+        self,
+        *,
+        on_published: Callable[[CacheSummary, float], None] | None = None,
+        on_accepted: Callable[[CacheSummary, float], None] | None = None,
+    ) -> None:
+        """Observe each summary published / accepted, with the wall-clock time (bench)."""
+        self._on_published = on_published
+        self._on_accepted = on_accepted
+
+    def set_publishing(self, enabled: bool) -> None:
+        """Stop or resume publishing (a benchmark baseline; peers then expire us)."""
+        self._publishing = enabled
+
+    def statistics(self) -> dict[str, Any]:
+        """Counters; `cpu_s` is the thread CPU time spent building, publishing and
+        validating summaries (not pubsub's own signing, relaying and transport)."""
+        router = self._pubsub.router
+        return {
+            **self._stats,
+            "mode": self._mode.value,
+            "neighbours": sorted(self._neighbourhood.members),
+            "extra_peers": sorted(self._extra),
+            "mesh_peers": len(getattr(router, "mesh", {}).get(self._topic, ())),
+            "topic_peers": len(self._pubsub.peer_topics.get(self._topic, ())),
+            "rejected": dict(self._rejected),
+            "rejected_total": sum(self._rejected.values()),
+            "seq": self._seq,
+            "cpu_s": self._cpu_s,
+        }
+
+    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """Subscribe, then publish and expire until cancelled."""
+        topics = [self._legacy_topic]
+        if self._mode is GossipMode.RING:
+            topics.append(self._topic)  # our own: its mesh carries our summaries
+        try:
+            async with trio.open_nursery() as nursery:
+                for topic in topics:
+                    owner = None if topic == self._legacy_topic else self._peer_id_str
+                    self._pubsub.set_topic_validator(topic, self._validator(owner), False)
+                    nursery.start_soon(self._drain, await self._pubsub.subscribe(topic))
+                nursery.start_soon(self._publish_loop, nursery)
+                if self._mode is GossipMode.RING:
+                    nursery.start_soon(self._extra_loop, nursery)
+                task_status.started()
+        finally:
+            for topic in [*topics, *(self._ring_topic(p) for p in self._listening)]:
+                self._pubsub.remove_topic_validator(topic)
+
+    def _ring_topic(self, peer_id: str) -> str:
+        return ring_topic(self._engine.model_id, peer_id)
+
+    def _validator(self, owner: str | None) -> Callable[[ID, rpc_pb2.Message], bool]:
+        return lambda forwarder, msg: self._validate(forwarder, msg, owner)
+
+    async def _update_neighbours(self, nursery: trio.Nursery) -> None:
+        """Ring mode: re-choose the neighbourhood among the ring peers we are connected
+        to, then listen to who joined and stop listening to who left."""
+        change = self._neighbourhood.update(self.ring_peers())
+        self._stats["neighbours_left"] += len(change.removed)
+        self._stats["neighbours_joined"] += len(change.added)
+        await self._reconcile(nursery)
+
+    async def _extra_loop(self, nursery: trio.Nursery) -> None:
+        while True:
+            await self._extra_changed.wait()
+            self._extra_changed = trio.Event()
+            await self._reconcile(nursery)
+
+    async def _reconcile(self, nursery: trio.Nursery) -> None:
+        """Subscribe to the ring topics of neighbours and extra peers, and only those; a
+        peer we stop listening to is dropped from the table (its summaries stop)."""
+        async with self._reconciling:
+            wanted = self._neighbourhood.members | self._extra
+            # (py-libp2p changes its local subscriptions before announcing them to every
+            # peer; a stalled announcement must not stop the publish loop)
+            for peer_id in sorted(set(self._listening) - wanted):
+                self._listening.pop(peer_id).cancel()
+                topic = self._ring_topic(peer_id)
+                with trio.move_on_after(PUBLISH_TIMEOUT_S):
+                    await self._pubsub.unsubscribe(topic)
+                self._pubsub.remove_topic_validator(topic)
+                self._table.remove(peer_id)  # no longer hears its summaries
+            for peer_id in sorted(wanted - set(self._listening)):
+                topic = self._ring_topic(peer_id)
+                self._pubsub.set_topic_validator(topic, self._validator(peer_id), False)
+                with trio.move_on_after(PUBLISH_TIMEOUT_S):
+                    await self._pubsub.subscribe(topic)
+                subscription = await self._pubsub.subscribe(topic)  # subscribed: at once
+                scope = trio.CancelScope()
+                self._listening[peer_id] = scope
+                nursery.start_soon(self._drain_until_cancelled, subscription, scope)
+
+    async def _drain_until_cancelled(self, subscription: Any, scope: trio.CancelScope) -> None:
+        with scope:
+            await self._drain(subscription)
+
+    # -- publishing -------------------------------------------------------------------
+
+    async def _drain(self, subscription: Any) -> None:
+        # Summaries are applied in the validator; the subscription only has to be read
+        # promptly: its queue holds 32 messages and drops silently when full.
+        async for _msg in subscription:
+            self._stats["delivered"] += 1
+
+    def _count_changes(self, *, for_policy: bool = True) -> int:
+        """Drain the cache's events into the filter's bookkeeping and (unless they are
+        going into the summary being built) the publish policy's count."""
+        changes = 0
+        events = self._engine.cache.drain_events()
+        for ev in events:
+            if ev.kind is EventKind.STORED:
+                self._stored_since.append(ev.block_hash)
+            elif ev.kind is EventKind.REMOVED:
+                self._removed_since = True
+            else:
+                continue
+            changes += 1
+        if len(self._stored_since) > self._engine.cache.capacity_blocks:
+            self._removed_since = True  # more news than fits: rebuild, drop the list
+            self._stored_since.clear()
+        if for_policy:
+            self._policy.observe(events, self._engine.cache.num_blocks)
+        return changes
+
+    def _current_bloom(self) -> BloomFilter:
+        """A filter of exactly the cached hashes: the last one plus new blocks when
+        nothing was removed and the size did not change, else rebuilt."""
+        self._count_changes(for_policy=False)
+        cache = self._engine.cache
+        num_blocks = cache.num_blocks
+        fresh = summary_bloom(num_blocks, self._fp_rate)
+        last = self._bloom
+        if (
+            last is not None
+            and not self._removed_since
+            and (last.num_bits, last.num_hashes) == (fresh.num_bits, fresh.num_hashes)
+            and num_blocks == self._bloom_blocks + len(self._stored_since)
+        ):
+            bloom = BloomFilter.from_bytes(last.num_bits, last.num_hashes, last.to_bytes())
+            bloom.update(self._stored_since)
+        else:  # (also when events were lost: the block count would not add up)
+            bloom = fresh
+            bloom.update(cache.cached_hashes())
+        self._bloom, self._bloom_blocks = bloom, num_blocks
+        self._stored_since.clear()
+        self._removed_since = False
+        return bloom
+
+    async def _publish_loop(self, nursery: trio.Nursery) -> None:
+        while True:
+            now = trio.current_time()
+            self._count_changes()
+            decision = self._policy.poll(now)
+            if decision is not None:
+                if self._mode is GossipMode.RING and not decision.early:
+                    await self._update_neighbours(nursery)
+                await self._publish(early=decision.early)
+            expired = self._table.expire(now)
+            if expired:
+                self._stats["expired"] += len(expired)
+                logger.info(
+                    "peers expired (no summary for %.1f s): %s", self._table.expiry_s, expired
+                )
+                self._on_expired(expired)
+            await trio.sleep_until(self._policy.next_deadline())
+
+    async def _publish(self, *, early: bool) -> None:
+        if not self._publishing:
+            return
+        start = time.thread_time()
+        self._seq += 1
+        summary = build_summary(
+            self._engine,
+            peer_id=self._peer_id_str,
+            seq=self._seq,
+            fp_rate=self._fp_rate,
+            bloom=self._current_bloom(),
+        )
+        data = encode_summary(summary)
+        roots = self._engine.cache.root_hashes() if self._on_roots is not None else []
+        try:
+            with trio.fail_after(PUBLISH_TIMEOUT_S):
+                await self._pubsub.publish(self._topic, data)
+        except trio.TooSlowError:
+            self._stats["publish_failures"] += 1
+            logger.warning("publishing summary seq %d timed out", summary.seq)
+            return
+        finally:
+            self._cpu_s += time.thread_time() - start
+        self._stats["published"] += 1
+        self._stats["published_early"] += int(early)
+        self._stats["bytes_out"] += len(data)
+        self._last_data = data
+        if self._on_roots is not None:
+            self._on_roots(roots)
+        if self._on_published is not None:
+            self._on_published(summary, time.time())
+
+    # -- receiving --------------------------------------------------------------------
+
+    def _validate(self, forwarder: ID, msg: rpc_pb2.Message, owner: str | None) -> bool:
+        """pubsub topic validator: True applies and forwards, False drops. `owner`: the
+        peer whose ring topic this is (None for the swarm's version-1 topic)."""
+        start = time.thread_time()
+        try:
+            return self._check(msg, owner)
+        except Exception:  # a bug here must not kill pubsub's task: reject and say so
+            logger.exception("summary validator failed")
+            self._rejected["internal_error"] = self._rejected.get("internal_error", 0) + 1
+            return False
+        finally:
+            self._cpu_s += time.thread_time() - start
+
+    def _check(self, msg: rpc_pb2.Message, owner: str | None) -> bool:
+        source = ID(msg.from_id)
+        if source == self._peer_id:
+            return True  # our own summary coming back
+        source_str = source.to_base58()
+        if owner is not None and source_str != owner:
+            return self._reject(source_str, "wrong_topic", f"published on {owner}'s topic")
+        self._stats["received"] += 1
+        self._stats["bytes_in"] += len(msg.data)
+        if len(msg.data) > MAX_SUMMARY_BYTES:
+            return self._reject(source_str, "oversize", f"{len(msg.data)} bytes")
+        try:
+            summary = decode_summary(msg.data)
+        except RemoteProtocolError as exc:
+            return self._reject(source_str, "malformed", str(exc))
+        # The table checks identity (summary.peer_id == the signed gossip source),
+        # model, block size, increasing seq and Bloom plausibility.
+        result = self._table.apply(summary, source_str, trio.current_time())
+        if not result.accepted and result.reason in _NOT_THE_SENDERS_FAULT:
+            # A summary overtaken by a newer one (paths differ in delay) is valid, just
+            # not news: relay it and let pubsub mark it seen. Rejecting it would make
+            # pubsub penalise the forwarder and re-fetch it on every IHAVE (measured:
+            # an 8-process swarm under load collapsed to 23% delivery).
+            self._stats["superseded"] += 1
+            logger.debug("summary from %s not applied: %s", source_str, result.detail)
+            return True
+        if not result.accepted:
+            return self._reject(source_str, str(result.reason), result.detail)
+        self._stats["accepted"] += 1
+        if self._on_accepted is not None:
+            self._on_accepted(summary, time.time())
+        return True
+
+    def _reject(self, source: str, reason: str, detail: str) -> bool:
+        self._rejected[reason] = self._rejected.get(reason, 0) + 1
+        key = (source, reason)
+        if key not in self._logged and len(self._logged) < MAX_LOGGED_REJECTIONS:
+            self._logged.add(key)
+            logger.warning("rejected summary from %s: %s (%s)", source, reason, detail)
+        else:
+            logger.debug("rejected summary from %s: %s (%s)", source, reason, detail)
+        return False
