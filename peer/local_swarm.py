@@ -31,6 +31,7 @@ from peer.processes import (
     open_peer_processes,
     peer_process_environment,
 )
+from peer.settings import ENV_PREFIX
 
 LOCAL_SUMMARY_INTERVAL_S = 1.0  # a few loopback peers: fresher summaries cost little
 MAX_LOCAL_PEERS = 64  # each child holds a model copy: more than this is surely a typo
@@ -76,6 +77,9 @@ def child_command(
         "--log-level", options.log_level,
         "--report", "json",
         "--exit-with-stdin",
+        # A throwaway swarm: the operator's config file and PREFIXSWARM_* variables (an
+        # API key, a bootstrap list) are for their real peer, not for these children.
+        "--config", "none",
         # These peers are this operator's own processes on this machine, not strangers:
         # no probation among them (they still verify verify_fraction of what they forward).
         "--probation-requests", "0",
@@ -83,6 +87,12 @@ def child_command(
     if bootstrap:
         cmd += ["--bootstrap", *bootstrap]
     return cmd
+
+
+def local_child_environment(peers: int) -> dict[str, str]:
+    """A child's environment: the peer-process one without any PREFIXSWARM_* variable."""
+    env = peer_process_environment(peers)
+    return {k: v for k, v in env.items() if not k.startswith(ENV_PREFIX)}
 
 
 @asynccontextmanager
@@ -108,7 +118,7 @@ async def open_local_swarm(
             return await procs.start(
                 child_command(options, workdir, index, http, bootstrap),
                 log_path=workdir / f"peer-{index}.log",
-                env=peer_process_environment(n),
+                env=local_child_environment(n),
             )
 
         peers: list[PeerProcess] = []

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -120,12 +121,21 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def _start_local(*extra: str) -> subprocess.Popen[str]:
+def _start_local(*extra: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-m", "peer.cli", "local", "--model", MODEL, "--http", "127.0.0.1:0",
          "--summary-interval", "0.5", "--json", *extra],
-        cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
     )
+
+
+def _operator_settings(home: Path) -> dict[str, str]:
+    """An environment whose user has a real peer's settings: an API key in the config
+    file and in PREFIXSWARM_API_KEY."""
+    config = home / ".config" / "prefixswarm" / "config.toml"
+    config.parent.mkdir(parents=True)
+    config.write_text('api_key = "from-the-file"\n')
+    return {**os.environ, "HOME": str(home), "PREFIXSWARM_API_KEY": "from-the-environment"}
 
 
 def _read_ready(process: subprocess.Popen[str]) -> dict[str, Any]:
@@ -147,8 +157,10 @@ def _wait_gone(pids: list[int], timeout_s: float) -> list[int]:
 
 
 @pytest.mark.slow
-def test_local_swarm_serves_and_stops_every_process_on_sigint():
-    process = _start_local("--peers", "3")
+def test_local_swarm_serves_and_stops_every_process_on_sigint(tmp_path: Path):
+    """Also: a throwaway swarm ignores the operator's config file and PREFIXSWARM_*
+    variables (its API answers without their key)."""
+    process = _start_local("--peers", "3", env=_operator_settings(tmp_path))
     try:
         ready = _read_ready(process)
         pids = [p["pid"] for p in ready["peers"]]
