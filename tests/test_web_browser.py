@@ -7,9 +7,9 @@ page poll: see the last assertion). With an API key, the page asks for it and ke
 the tab only. Fields other parts add (nat's link and reachability, trust's ledger view)
 and failed routes show as text, from fixed feeds.
 
-.ci/run installs chromium and chromium-driver when they are missing; on a machine without
-them these tests are skipped (under CI they fail instead). The browser helpers live in
-bench/web_page.py, which also takes the README's screenshots.
+make test installs chromium and chromium-driver when they are missing and it runs as root;
+on a machine without them these tests are skipped (under CI they fail instead). The
+browser helpers live in bench/web_page.py, which also takes the README's screenshots.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def browser(tmp_path: Path) -> Iterator[Any]:
     if missing:
         message = f"{', '.join(missing)} missing: apt-get install chromium chromium-driver"
         if os.environ.get("CI"):
-            pytest.fail(message + " (.ci/run installs them)")
+            pytest.fail(message + " (make test installs them as root)")
         pytest.skip(message)
     with open_browser(tmp_path / "chromium") as driver:
         yield driver
