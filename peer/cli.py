@@ -50,6 +50,7 @@ from peer.settings import (
     to_toml,
 )
 from peer.version import version
+from protocols.invite import Invite
 
 __all__ = ["build_parser", "config_from_args", "main", "split_host_port"]
 
@@ -113,7 +114,12 @@ async def _watch_join(peer: Any, config: PeerConfig) -> None:
                 "the address, or leave out --bootstrap to start a new swarm"
             )
     else:
-        _say("no --bootstrap: started a new swarm; waiting for others to join")
+        invite = peer.invite()
+        how = f"others join it with: prefixswarm serve --join {invite}" if invite else (
+            "others join it with the invite `prefixswarm status` prints once this peer has "
+            "a dialable address"
+        )
+        _say(f"no --bootstrap: started a new swarm; {how}")
     while not (others := peer.table.views(trio.current_time())):
         await trio.sleep(JOIN_POLL_S)
     _say(f"joined: {len(others) + 1} peers")
@@ -135,6 +141,19 @@ def _load_engine(config: PeerConfig) -> Any:
         finally:
             bar.close()
     return engine
+
+
+class InviteMismatch(Exception):
+    """The model loaded is not the one the --join invite's swarm serves."""
+
+
+def check_invite_model(invite: Invite | None, model_id: str) -> None:
+    """Peers with different models (or weights) cannot share a swarm: say so and stop."""
+    if invite is not None and invite.model_id != model_id:
+        raise InviteMismatch(
+            f"the invite's swarm serves {invite.model_id}, but this peer loaded {model_id}: "
+            f"give --model and --dtype of that model, or leave them out to use the invite's"
+        )
 
 
 async def run_serve(args: argparse.Namespace, config: PeerConfig, options: ServeOptions) -> None:
@@ -163,6 +182,7 @@ async def run_serve(args: argparse.Namespace, config: PeerConfig, options: Serve
                 abandon_on_cancel=True,  # a signal during loading stops the process at once
             )
             _say(f"model {engine.model_id} ready in {trio.current_time() - started:.1f} s")
+            check_invite_model(options.invite, engine.model_id)
             async with open_peer(config, engine=engine) as peer:
                 url = None
                 if options.http:
@@ -184,9 +204,10 @@ async def run_serve(args: argparse.Namespace, config: PeerConfig, options: Serve
                         await trio.sleep(PEERS_REPORT_INTERVAL_S)
                 else:
                     print(f"peer {peer.peer_id} serves {engine.model_id}; others join with:")
-                    for addr in peer.multiaddrs:
-                        print(f"  prefixswarm serve --bootstrap {addr}")
-                    if not peer.multiaddrs:
+                    invite = peer.invite()
+                    if invite:
+                        print(f"  prefixswarm serve --join {invite}")
+                    else:
                         print("  (no dialable address yet: behind NAT, see docs/joining.md)")
                     print("reachability is checked with the first peers; a line follows.")
                     if url:
@@ -228,6 +249,8 @@ def _metavar(name: str, hint: Any) -> str:
         hint = next(a for a in typing.get_args(hint) if a is not type(None))
     if name.endswith("addrs") or name == "bootstrap":
         return "MULTIADDR"
+    if name == "join":
+        return "INVITE"
     suffixes = {"_s": "S", "_bytes": "BYTES", "_file": "FILE", "http": "HOST:PORT", "_key": "KEY"}
     for suffix, metavar in suffixes.items():
         if name.endswith(suffix):
@@ -339,7 +362,9 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     """Errors that are the user's to fix: shown as one line each, never a traceback."""
     from peer.engine.model import ModelLoadError
 
-    errors: tuple[type[BaseException], ...] = (ValueError, ModelLoadError, BootstrapFailed)
+    errors: tuple[type[BaseException], ...] = (
+        ValueError, ModelLoadError, BootstrapFailed, InviteMismatch,
+    )
     if "peer.net.host" in sys.modules:  # imported by `serve` only; importing it loads libp2p
         errors += (sys.modules["peer.net.host"].HostError,)
     return errors

@@ -121,7 +121,11 @@ def format_status(view: dict[str, Any]) -> str:
     title = f"model {me['model']}, policy {me['policy']}, {len(view['peers']) + 1} peers"
     if "reachability" in me:
         title += f", this peer is {me['reachability']}"
-    return title + "\n" + _table(rows)
+    invite = view.get("invite")
+    join = f"others join with: prefixswarm serve --join {invite}" if invite else (
+        "no dialable address to invite others with yet (behind NAT: see docs/joining.md)"
+    )
+    return title + "\n" + _table(rows) + "\n" + join
 
 
 def run_status(args: argparse.Namespace) -> int:

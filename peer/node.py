@@ -31,12 +31,15 @@ from peer.swarm.local_summary import EngineLike
 from peer.swarm.lookup import RootLookup
 from peer.swarm.peer_table import PeerTable
 from protocols.ids import provider_key_multihash
+from protocols.invite import Invite, encode_invite, is_invite_addr
 
 if TYPE_CHECKING:  # serving is imported only by peers with a model
     from peer.engine.api import SamplingParams
     from peer.request.generation import GenerationChunk, GenerationResult, Prompt
     from peer.request.request_log import CacheSample, RequestLog
     from peer.request.serving import Serving
+
+INVITE_ADDRS = 4  # a few ways in: this peer's addresses first, then known peers'
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +92,20 @@ class Peer:
     def multiaddrs(self) -> list[str]:
         """Dialable addresses, each ending in /p2p/<peer id>."""
         return self.host.multiaddrs
+
+    def invite(self) -> str | None:
+        """One string that hands this swarm to someone (protocols/invite.py): the model id,
+        this peer's dialable addresses, then known peers' up to INVITE_ADDRS; None while
+        no address is known (behind NAT, before a relay slot)."""
+        addrs = list(self.multiaddrs)
+        for view in self.table.views(trio.current_time()):
+            suffix = f"/p2p/{view.peer_id}"
+            addrs += [a if a.endswith(suffix) else a + suffix for a in view.addrs]
+        usable = [a for a in dict.fromkeys(addrs) if is_invite_addr(a)][:INVITE_ADDRS]
+        if not usable:
+            return None
+        invite = Invite(self.engine.model_id, tuple(usable), self.config.swarm_name)
+        return encode_invite(invite)
 
     @property
     def reachability(self) -> str:

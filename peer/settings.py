@@ -24,6 +24,7 @@ import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -37,6 +38,7 @@ from pydantic_settings import (
 )
 
 from peer.config import PeerConfig
+from protocols.invite import Invite, InviteError, decode_invite
 
 ENV_PREFIX = "PREFIXSWARM_"
 CONFIG_ENV = "PREFIXSWARM_CONFIG"  # the config file, when --config is not given
@@ -44,6 +46,7 @@ DEFAULT_CONFIG_FILE = "~/.config/prefixswarm/config.toml"  # read when it exists
 DEFAULT_HTTP = "127.0.0.1:8000"  # loopback only: the API has no authentication
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 MAX_BOOTSTRAP_FILE_BYTES = 1 << 20  # a list of multiaddrs; anything bigger is a mistake
+PUBLIC_BOOTSTRAP_FILE = "public_bootstrap.txt"  # package data, versioned with the code
 
 # Flags whose name is not the field name minus its `_s` unit suffix.
 FLAG_NAMES = {
@@ -89,6 +92,10 @@ FIELD_HELP = {
     "http": "serve the HTTP API at HOST:PORT ('' to disable)",
     "log_level": "log level",
     "bootstrap_file": "file of bootstrap multiaddrs, one a line ('#' comments)",
+    "join": "an invite string (printed by `prefixswarm status` and on the page): joins that "
+    "swarm with its model",
+    "public": "join the public swarm: the bootstrap list shipped with this version",
+    "swarm_name": "a name for the swarm, carried in this peer's invites",
     "api_key": "require 'Authorization: Bearer KEY' on every HTTP path but /health and the "
     "page (prefer the variable: a flag shows in `ps`)",
 }
@@ -114,6 +121,8 @@ class ServeOptions:
     log_level: str = "warning"
     bootstrap_file: Path | None = None
     api_key: str | None = None  # None: the HTTP API is open (it listens on loopback by default)
+    join: str | None = None  # an invite (protocols/invite.py): its bootstrap and model
+    public: bool = False  # the shipped public bootstrap list (peer/public_bootstrap.txt)
 
     def __post_init__(self) -> None:
         if self.http:
@@ -123,6 +132,13 @@ class ServeOptions:
                 raise ValueError(f"http address: {exc}") from None
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}")
+        if self.join is not None:
+            decode_invite(self.join)  # InviteError (a ValueError) says what is wrong
+
+    @property
+    def invite(self) -> Invite | None:
+        """The decoded `join` invite, if any."""
+        return decode_invite(self.join) if self.join is not None else None
 
 
 SETTINGS_CLASSES: tuple[type[PeerConfig], type[ServeOptions]] = (PeerConfig, ServeOptions)
@@ -256,6 +272,27 @@ def _where(name: str, flags: Mapping[str, Any], file: Path | None) -> str:
     return name
 
 
+def _decode_join(text: str) -> Invite:
+    try:
+        return decode_invite(text)
+    except InviteError as exc:
+        raise ConfigError(f"--join: {exc}") from None
+
+
+def public_bootstrap() -> tuple[str, ...]:
+    """The public swarm's bootstrap list shipped with this version; ConfigError while it
+    lists no peer (none are public yet)."""
+    text = resources.files("peer").joinpath(PUBLIC_BOOTSTRAP_FILE).read_text()
+    lines = (line.split("#", 1)[0].strip() for line in text.splitlines())
+    addrs = tuple(line for line in lines if line)
+    if not addrs:
+        raise ConfigError(
+            f"--public: the bootstrap list shipped with this version (peer/{PUBLIC_BOOTSTRAP_FILE})"
+            " lists no public peers yet; join with an invite (--join) or --bootstrap"
+        )
+    return addrs
+
+
 def read_bootstrap_file(path: Path) -> tuple[str, ...]:
     """One multiaddr a line; blank lines and '#' comments are skipped."""
     try:
@@ -292,6 +329,19 @@ def load_settings(
     if serve_values.get("bootstrap_file") is not None:
         extra = read_bootstrap_file(serve_values["bootstrap_file"])
         peer_values["bootstrap"] = tuple(dict.fromkeys((*peer_values["bootstrap"], *extra)))
+    if serve_values.get("public"):
+        extra = public_bootstrap()
+        peer_values["bootstrap"] = tuple(dict.fromkeys((*peer_values["bootstrap"], *extra)))
+    if serve_values.get("join"):
+        invite = _decode_join(serve_values["join"])
+        peer_values["bootstrap"] = tuple(dict.fromkeys((*peer_values["bootstrap"],
+                                                        *invite.bootstrap)))
+        if "model" not in settings.model_fields_set:  # the invite's model, unless named
+            peer_values["model"], _, dtype = invite.model_id.partition("@")
+            if dtype and "dtype" not in settings.model_fields_set:
+                peer_values["dtype"] = dtype.split("+", 1)[0]
+        if invite.name and "swarm_name" not in settings.model_fields_set:
+            peer_values["swarm_name"] = invite.name
     try:
         return peer_cls(**peer_values), serve_cls(**serve_values)
     except ValueError as exc:

@@ -63,6 +63,7 @@ def swarm_view(peer: Peer) -> dict[str, Any]:
             }
         )
     return {
+        "invite": peer.invite(),
         "self": {
             "peer_id": peer.peer_id,
             "addrs": list(peer.multiaddrs),

@@ -37,6 +37,7 @@ from bench.web_page import (
     rows,
     wait,
 )
+from protocols.invite import decode_invite
 
 SUMMARY_INTERVAL_S = 1.0  # `prefixswarm local`'s default, passed explicitly
 PAGE_POLL_S = SUMMARY_INTERVAL_S / 4  # peer/api/web/app.js polls 4 times an interval
@@ -97,6 +98,9 @@ def test_the_page_shows_the_swarm_streams_answers_and_drops_a_dead_peer(local_sw
                  "the table lists the 3 peers")
     assert rows(browser)[0] == ids[0]  # this peer (the entry) first
     print(f"table lists 3 peers after {took:.2f} s")
+    invite = browser.find_element("id", "invite").text.removeprefix("prefixswarm serve --join ")
+    assert decode_invite(invite).bootstrap[0] == local_swarm["peers"][0]["multiaddrs"][0]
+    assert browser.find_element("id", "copy-invite").is_enabled()
 
     first = _ask(browser, PROMPT, 32)
     assert first["state"] == "done" and first["answer"]

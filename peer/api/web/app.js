@@ -317,6 +317,26 @@ function renderRequests(recent) {
   }
 }
 
+// -- the invite ------------------------------------------------------------------------
+
+function renderInvite(invite) {
+  const command = invite ? 'prefixswarm serve --join ' + invite : null;
+  $('invite').textContent = command ?? 'no dialable address to invite others with yet';
+  $('copy-invite').disabled = !command;
+  $('copy-invite').dataset.command = command ?? '';
+}
+
+async function copyInvite() {
+  const command = $('copy-invite').dataset.command;
+  try {
+    await navigator.clipboard.writeText(command);
+    $('invite-note').textContent = 'copied';
+  } catch {  // no clipboard (plain http on another host): select it for Ctrl-C
+    getSelection().selectAllChildren($('invite'));
+    $('invite-note').textContent = 'selected: press Ctrl-C';
+  }
+}
+
 // -- polling ---------------------------------------------------------------------------
 
 function showKeyForm(message) {
@@ -332,6 +352,7 @@ async function poll() {
     state.pollMs = Math.min(POLL_MAX_MS, Math.max(POLL_MIN_MS, interval / 4));
     state.expiryS = activity.summary_expiry_s || null;
     renderSwarm(swarm);
+    renderInvite(swarm.invite);
     renderSelf(swarm, activity);
     renderRequests(activity.recent);
     state.lastOk = new Date();
@@ -443,6 +464,7 @@ async function complete(event) {
 function init() {
   $('try-form').addEventListener('submit', complete);
   $('stop').addEventListener('click', () => running && running.abort());
+  $('copy-invite').addEventListener('click', copyInvite);
   $('prompt').addEventListener('keydown', (e) => {
     if (e.key === 'Enter' && (e.ctrlKey || e.metaKey)) $('try-form').requestSubmit();
   });
