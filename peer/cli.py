@@ -50,6 +50,7 @@ from peer.settings import (
     to_toml,
 )
 from peer.version import version
+from protocols.errors import RemoteProtocolError
 from protocols.invite import Invite
 
 __all__ = ["build_parser", "config_from_args", "main", "split_host_port"]
@@ -58,6 +59,7 @@ API_KEY_ENV = "PREFIXSWARM_API_KEY"  # the key from the environment keeps it out
 DEFAULT_URL = "http://127.0.0.1:8000"
 PEERS_REPORT_INTERVAL_S = 0.5  # how often `--report json` says which peers are known
 JOIN_POLL_S = 0.25  # how often `serve` looks whether the first other peer has arrived
+MODEL_QUERY_TIMEOUT_S = 10.0  # one small frame each way with a bootstrap peer
 EXIT_CONFIG = 2  # a configuration error, found before anything ran (argparse uses 2 too)
 
 
@@ -101,7 +103,9 @@ async def _watch_join(peer: Any, config: PeerConfig) -> None:
         timeout = config.bootstrap_timeout_s or math.inf
         with trio.move_on_after(timeout):
             await peer.discovery.wait_bootstrapped()
-        if not peer.discovery.bootstrapped:
+        if peer.discovery.bootstrapped:
+            await check_bootstrap_models(peer, config)
+        else:
             errors = peer.discovery.bootstrap_errors
             causes = [
                 f"{addr.split('/p2p/')[0]}: {root_cause(errors[peer_id])}"
@@ -132,7 +136,7 @@ def _load_engine(config: PeerConfig) -> Any:
 
     engine = load_engine(
         config.model, config.cache_bytes, config.block_size, warmup=False,
-        dtype=config.dtype, device=config.device, threads=config.threads,
+        **config.load_options(),
     )
     with stage("warming up the engine (measuring its speeds)"):
         bar = Bar("warm-up")  # on a terminal only
@@ -141,6 +145,38 @@ def _load_engine(config: PeerConfig) -> Any:
         finally:
             bar.close()
     return engine
+
+
+class ModelMismatch(Exception):
+    """Every bootstrap peer that answered serves another model (or weights, or dtype)."""
+
+
+async def check_bootstrap_models(peer: Any, config: PeerConfig) -> None:
+    """Stop with one line when the bootstrap peers serve another model: such peers never
+    see each other (the model id names the topic), so waiting for them is pointless."""
+    from libp2p.exceptions import BaseLibp2pError
+
+    from peer.net.host import PeerUnreachable
+    from peer.net.stream_frames import StreamRefused
+    from peer.routing.probe_service import query_model
+
+    theirs: dict[str, str] = {}
+    for addr in config.bootstrap:
+        peer_id = addr.rsplit("/p2p/", 1)[-1]
+        try:
+            theirs[peer_id] = await query_model(
+                peer.host, peer_id, peer.model_id, MODEL_QUERY_TIMEOUT_S
+            )
+        except (PeerUnreachable, StreamRefused, RemoteProtocolError, BaseLibp2pError):
+            continue  # not connected yet, or a peer that does not answer: no verdict
+    others = {pid: model for pid, model in theirs.items() if model and model != peer.model_id}
+    if theirs and len(others) == len(theirs):
+        pid, model = next(iter(others.items()))
+        raise ModelMismatch(
+            f"bootstrap peer {pid[:16]}... serves {model}, this peer {peer.model_id}: peers of "
+            "different models (or weights, or dtype) cannot share a swarm; check --model "
+            "and --dtype, or join with that swarm's invite"
+        )
 
 
 class InviteMismatch(Exception):
@@ -363,7 +399,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from peer.engine.model import ModelLoadError
 
     errors: tuple[type[BaseException], ...] = (
-        ValueError, ModelLoadError, BootstrapFailed, InviteMismatch,
+        ValueError, ModelLoadError, BootstrapFailed, InviteMismatch, ModelMismatch,
     )
     if "peer.net.host" in sys.modules:  # imported by `serve` only; importing it loads libp2p
         errors += (sys.modules["peer.net.host"].HostError,)

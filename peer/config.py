@@ -6,6 +6,7 @@ import enum
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from peer.engine.api import DEVICES, DTYPES
 
@@ -130,6 +131,17 @@ class PeerConfig:
     dtype: str = "float32"  # bfloat16 halves KV bytes; a non-float32 dtype is in the model id
     device: str = "auto"  # cuda, then mps, then cpu
     threads: int | None = None  # torch CPU threads; None: torch's default
+    revision: str | None = None  # a hub id's branch, tag or commit
+    max_model_len: int | None = None  # cap the context below the model's own
+    chat_template: Path | None = None  # a Jinja file replacing the tokenizer's template
+
+    def load_options(self) -> dict[str, Any]:
+        """What loading the model takes besides its name (peer/engine/model.py load_model)."""
+        return {
+            "dtype": self.dtype, "device": self.device, "threads": self.threads,
+            "revision": self.revision, "max_model_len": self.max_model_len,
+            "chat_template": self.chat_template,
+        }  # fmt: skip
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -183,6 +195,10 @@ class PeerConfig:
             )
         if self.bootstrap_timeout_s < 0:
             raise ValueError(f"bootstrap_timeout_s must be >= 0, got {self.bootstrap_timeout_s}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.revision is not None and not self.revision.strip():
+            raise ValueError("revision must not be empty")
         if not all(self.served_model_names):
             raise ValueError("served_model_names must not hold an empty name")
         if self.forward_delay_s < 0:

@@ -248,7 +248,7 @@ def _load_engine(config: PeerConfig) -> EngineLike:
     from peer.engine.engine import load_engine  # torch: import only when a model is needed
 
     return load_engine(config.model, config.cache_bytes, config.block_size,
-                       dtype=config.dtype, device=config.device, threads=config.threads)
+                       **config.load_options())
 
 
 def _note_peer(table: PeerTable, host: SwarmHost, peer_id: str, rtt_s: float) -> bool:

@@ -38,6 +38,7 @@ from pydantic_settings import (
 )
 
 from peer.config import PeerConfig
+from protocols.ids import split_model_id
 from protocols.invite import Invite, InviteError, decode_invite
 
 ENV_PREFIX = "PREFIXSWARM_"
@@ -85,6 +86,9 @@ FIELD_HELP = {
     "dtype": "weights and KV precision (float32, bfloat16; float16 needs a GPU)",
     "device": "auto, cpu, cuda or mps",
     "threads": "torch CPU threads (none: torch's default)",
+    "revision": "a hub id's branch, tag or commit",
+    "max_model_len": "cap the context (prompt + output tokens) below the model's own",
+    "chat_template": "a Jinja file replacing the tokenizer's chat template",
     "relay_service": "relay for peers behind NAT when this peer is reachable",
     "use_relays": "behind NAT, reserve relay slots (without them nobody reaches you)",
     "mdns": "find and announce peers on the local network (multicast DNS)",
@@ -337,9 +341,9 @@ def load_settings(
         peer_values["bootstrap"] = tuple(dict.fromkeys((*peer_values["bootstrap"],
                                                         *invite.bootstrap)))
         if "model" not in settings.model_fields_set:  # the invite's model, unless named
-            peer_values["model"], _, dtype = invite.model_id.partition("@")
-            if dtype and "dtype" not in settings.model_fields_set:
-                peer_values["dtype"] = dtype.split("+", 1)[0]
+            peer_values["model"], dtype, _ = split_model_id(invite.model_id)
+            if "dtype" not in settings.model_fields_set:
+                peer_values["dtype"] = dtype
         if invite.name and "swarm_name" not in settings.model_fields_set:
             peer_values["swarm_name"] = invite.name
     try:

@@ -22,10 +22,12 @@ __all__ = [
     "ROOTS_PROTOCOL",
     "SUMMARY_TOPIC_PREFIX",
     "gossip_topic",
+    "model_id_for",
     "provider_key",
     "provider_key_multihash",
     "ring_topic",
     "ring_topic_owner",
+    "split_model_id",
     "validate_model_id",
 ]
 
@@ -42,6 +44,10 @@ SUMMARY_TOPIC_PREFIX = "/prefixswarm/summary/1/"  # the wire version of CacheSum
 RING_TOPIC_PREFIX = "/prefixswarm/summary/2/"
 RING_TOPIC_OWNER_MARK = "/@"  # cannot occur in a model id (segments start alphanumeric)
 MAX_PEER_ID_CHARS = 128  # protocols.summary's bound on a peer id
+# A model id: NAME[@DTYPE]+wFINGERPRINT (peer/engine/model.py computes the fingerprint of
+# the weights and config); the dtype is left out when it is float32.
+UNNAMED_DTYPE = "float32"
+FINGERPRINT_MARK = "+w"
 PROVIDER_NAMESPACE = "/prefixswarm/provider/1/"  # hashed with the model id into the DHT key
 
 # Hub ids are at most 96 characters ("org/name"); 200 leaves room for a revision suffix
@@ -114,3 +120,19 @@ def provider_key(model_id: str) -> str:
     """
     cid = bytes((_CID_V1, _CODEC_RAW)) + provider_key_multihash(model_id)
     return "b" + base64.b32encode(cid).decode("ascii").lower().rstrip("=")
+
+
+def model_id_for(name: str, dtype: str, fingerprint: str) -> str:
+    """The swarm-wide id: the name, the dtype unless float32, the weights' fingerprint."""
+    named = name if dtype == UNNAMED_DTYPE else f"{name}@{dtype}"
+    return f"{named}{FINGERPRINT_MARK}{fingerprint}"
+
+
+def split_model_id(model_id: str) -> tuple[str, str, str]:
+    """(name, dtype, fingerprint) of a model id: the inverse of `model_id_for`; an id
+    without a fingerprint gives ''."""
+    named, mark, fingerprint = model_id.rpartition(FINGERPRINT_MARK)
+    if not mark:
+        named, fingerprint = model_id, ""
+    name, _, dtype = named.partition("@")
+    return name, dtype or UNNAMED_DTYPE, fingerprint

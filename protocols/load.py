@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from protocols.errors import RemoteProtocolError
+from protocols.ids import validate_model_id
 
 __all__ = [
     "KIND_LOAD_QUERY",
@@ -48,12 +49,26 @@ def _check_count(name: str, value: object) -> None:
         raise ValueError(f"{name} must be in [0, {MAX_LOAD_COUNT}], got {value}")
 
 
+def _check_model_id(model_id: object) -> None:
+    if model_id != "":
+        validate_model_id(model_id)  # type: ignore[arg-type]
+
+
 @dataclass(frozen=True)
 class LoadQuery:
-    """What is your load now? (No fields: the stream is the question.)"""
+    """What is your load now? The asker's model id ('' unsaid) lets the answering peer see
+    a peer of another model knocking (a misconfigured join)."""
+
+    model_id: str = ""
+
+    def __post_init__(self) -> None:
+        _check_model_id(self.model_id)
 
     def to_wire(self) -> dict[str, object]:
-        return {"t": KIND_LOAD_QUERY, "v": LOAD_VERSION}
+        wire: dict[str, object] = {"t": KIND_LOAD_QUERY, "v": LOAD_VERSION}
+        if self.model_id:
+            wire["model_id"] = self.model_id
+        return wire
 
 
 @dataclass(frozen=True)
@@ -63,20 +78,25 @@ class LoadReport:
     queued_prompt_tokens: int  # prompt tokens admitted and not yet prefilled
     running_requests: int  # requests admitted and not yet finished
     waiting_requests: int = 0  # not yet in the batch (a batching engine); informational
+    model_id: str = ""  # the model this peer serves ('' from peers that do not say)
 
     def __post_init__(self) -> None:
         _check_count("queued_prompt_tokens", self.queued_prompt_tokens)
         _check_count("running_requests", self.running_requests)
         _check_count("waiting_requests", self.waiting_requests)
+        _check_model_id(self.model_id)
 
     def to_wire(self) -> dict[str, object]:
-        return {
+        wire: dict[str, object] = {
             "t": KIND_LOAD_REPORT,
             "v": LOAD_VERSION,
             "queued_prompt_tokens": self.queued_prompt_tokens,
             "running_requests": self.running_requests,
             "waiting_requests": self.waiting_requests,
         }
+        if self.model_id:
+            wire["model_id"] = self.model_id
+        return wire
 
 
 def _mapping(obj: object, kind: str) -> dict[object, object]:
@@ -93,8 +113,11 @@ def _mapping(obj: object, kind: str) -> dict[object, object]:
 
 def decode_load_query(obj: object) -> LoadQuery:
     """A query from a decoded frame (the answering side's first frame)."""
-    _mapping(obj, KIND_LOAD_QUERY)
-    return LoadQuery()
+    mapping = _mapping(obj, KIND_LOAD_QUERY)
+    try:
+        return LoadQuery(model_id=mapping.get("model_id", ""))  # type: ignore[arg-type]
+    except (TypeError, ValueError) as exc:
+        raise RemoteProtocolError(f"invalid load query: {exc}") from exc
 
 
 def decode_load_report(obj: object) -> LoadReport:
@@ -105,8 +128,9 @@ def decode_load_report(obj: object) -> LoadReport:
             queued_prompt_tokens=mapping["queued_prompt_tokens"],  # type: ignore[arg-type]
             running_requests=mapping["running_requests"],  # type: ignore[arg-type]
             waiting_requests=mapping.get("waiting_requests", 0),  # type: ignore[arg-type]
+            model_id=mapping.get("model_id", ""),  # type: ignore[arg-type]
         )
     except KeyError as exc:
         raise RemoteProtocolError(f"load report lacks {exc.args[0]!r}") from exc
-    except ValueError as exc:
+    except (TypeError, ValueError) as exc:
         raise RemoteProtocolError(f"invalid load report: {exc}") from exc

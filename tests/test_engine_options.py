@@ -10,6 +10,7 @@ from peer.config import PeerConfig
 from peer.engine.api import SamplingParams
 from peer.engine.engine import Engine
 from peer.engine.model import ModelLoadError, load_model, resolve_device
+from protocols.ids import split_model_id
 
 
 def prompt(n, start=100):
@@ -22,10 +23,10 @@ def bf16_model():
 
 
 async def test_bfloat16_serves_with_reuse_and_matches_transformers(bf16_model):
-    assert bf16_model.model_id == "tiny-random@bfloat16"
+    assert split_model_id(bf16_model.model_id)[:2] == ("tiny-random", "bfloat16")
     assert next(bf16_model.model.parameters()).dtype == torch.bfloat16
     engine = Engine.from_model(bf16_model)
-    assert engine.layout.itemsize == 2 and engine.hasher.model_id == "tiny-random@bfloat16"
+    assert engine.layout.itemsize == 2 and engine.hasher.model_id == bf16_model.model_id
     tokens = prompt(40)
     first = await engine.generate(tokens, SamplingParams(max_new_tokens=8))
     second = await engine.generate(tokens, SamplingParams(max_new_tokens=8))
@@ -38,8 +39,11 @@ async def test_bfloat16_serves_with_reuse_and_matches_transformers(bf16_model):
     assert second.token_ids == first.token_ids and second.usage.cached_tokens == 32
 
 
-def test_float32_keeps_the_bare_model_id(tiny_model, tiny_engine):
-    assert tiny_model.model_id == "tiny-random"
+def test_the_model_id_names_the_dtype_unless_float32_and_the_weights(tiny_model, tiny_engine,
+                                                                     bf16_model):
+    _, _, fingerprint = split_model_id(tiny_model.model_id)
+    assert tiny_model.model_id == f"tiny-random+w{fingerprint}" and len(fingerprint) == 12
+    assert split_model_id(bf16_model.model_id)[2] != fingerprint  # other bytes, other id
     assert tiny_engine.layout.itemsize == 4
     # the two precisions hash the same tokens to different blocks: never shared
     from protocols.blocks import BlockHasher

@@ -38,7 +38,7 @@ async def test_openai_client_example(nursery, tiny_engine_factory, capsys):
     _, url = await start_api(nursery, tiny_engine_factory())
     await trio.to_thread.run_sync(load_example("openai_client.py").main, url, MODEL)
     out = capsys.readouterr().out
-    assert "models: ['tiny-random']" in out
+    assert "models: ['tiny-random', 'tiny-random+w" in out  # its name, then its full id
     assert "route ['ok']" in out
     assert "(16 tokens)" in out
     assert "an unknown model is refused: 404 model_not_found" in out

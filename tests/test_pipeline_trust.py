@@ -309,7 +309,8 @@ async def test_swarm_view_shows_each_peers_trust():
     )
     peer = SimpleNamespace(
         engine=engine, table=swarm.table, serving=SimpleNamespace(trust=swarm.trust),
-        peer_id=SELF, multiaddrs=[], config=SimpleNamespace(policy=SimpleNamespace(value="cost")),
+        peer_id=SELF, multiaddrs=[], invite=lambda: None,
+        config=SimpleNamespace(policy=SimpleNamespace(value="cost")),
     )
     view = {p["peer_id"]: p["trust"] for p in swarm_view(peer)["peers"]}
     assert view[A] == {"state": "probation", "reason": "new identity", "verified": 1,

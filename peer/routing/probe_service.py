@@ -82,8 +82,26 @@ async def probe_loads(
     return dict(probe.reports)
 
 
+async def query_model(host: StreamOpener, peer_id: str, model_id: str, timeout_s: float) -> str:
+    """The model id `peer_id` serves ('' when it does not say), telling it ours; raises
+    PeerUnreachable, StreamRefused or RemoteProtocolError (libp2p's errors too)."""
+    stream = await host.new_stream(ID.from_base58(peer_id), [LOAD_PROTOCOL], timeout_s=timeout_s)
+    try:
+        with trio.fail_after(timeout_s):
+            await stream.write(encode_frame(LoadQuery(model_id=model_id).to_wire()))
+            report = decode_load_report(await read_frame(stream, MAX_LOAD_FRAME_BYTES))
+    except trio.TooSlowError:
+        raise PeerUnreachable(f"{peer_id} did not answer a load query in {timeout_s:g} s") from None
+    finally:
+        await reset_quietly(stream)
+    return report.model_id
+
+
 class LoadSource(Protocol):
     """What answering a probe uses of this peer's engine."""
+
+    @property
+    def model_id(self) -> str: ...
 
     def load(self) -> EngineLoad: ...
 
@@ -103,12 +121,21 @@ class LoadService:
         await self._answers.answer(stream, self._respond)
 
     async def _respond(self, stream: StreamLike) -> None:
-        decode_load_query(await read_frame(stream, MAX_LOAD_FRAME_BYTES))
+        query = decode_load_query(await read_frame(stream, MAX_LOAD_FRAME_BYTES))
+        ours = self._engine.model_id
+        if query.model_id and query.model_id != ours:
+            self.stats["load_queries_other_model"] += 1
+            logger.warning(
+                "a peer serving %s asked for this peer's load; this peer serves %s: peers "
+                "of different models (or weights, or dtype) cannot share a swarm",
+                query.model_id, ours,
+            )
         load = self._engine.load()
         report = LoadReport(
             queued_prompt_tokens=load.queued_prompt_tokens,
             running_requests=load.running_requests,
             waiting_requests=load.waiting_requests,
+            model_id=ours,
         )
         await stream.write(encode_frame(report.to_wire()))
         self.stats["load_queries_answered"] += 1
