@@ -19,7 +19,7 @@ Two drivers: the ledger alone, and the real Pipeline + Router + TrustLedger over
 scripted fake host and engine of tests/fake_host.py (virtual clock; the fake engine's
 `verify` flags a wrong token as the real teacher-forced check does). Reported per liar:
 the lying forwards until quarantine (p50, p95, max), the share of trials quarantined
-within 50 (issue 11's target: >= 95% of >= 20 trials), and (pipeline) how many wrong
+within 50 (the target: >= 95% of >= 20 trials), and (pipeline) how many wrong
 outputs reached the client before: the price of verifying a fraction only.
 """
 
@@ -33,7 +33,7 @@ from bench.report import emit_json
 from bench.stats import percentile
 from peer.routing.trust import DEFAULT_VERIFY_FRACTION, TrustLedger
 
-TARGET_FORWARDS = 50  # issue 11: quarantined within 50 forwarded requests...
+TARGET_FORWARDS = 50  # the target: quarantined within 50 forwarded requests...
 TARGET_SHARE = 0.95  # ...in at least 95% of trials
 MAX_FORWARDS = 10_000  # a trial that never ends is a bug: stop and report it as not caught
 LIARS = ("always", "after_probation")

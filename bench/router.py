@@ -51,7 +51,7 @@ FILLER_BLOCKS = 10_000  # half the capacity cached
 MIXED_FILLER_BLOCKS = (2_500, 5_000, 10_000, 20_000, 40_000)  # filters of 4 shapes
 HOLD_FRACTION = 0.25  # share of (peer, prompt) pairs where the peer caches a prefix
 PREFIX_BLOCKS = 48  # a new prompt's shared part; the rest of its 64 blocks is new
-TARGET_US = 200.0  # the budget for one decision
+TARGET_US = 200.0  # the budget for one decision: far below a network round trip
 
 
 def _peer_id(i: int) -> str:

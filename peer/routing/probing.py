@@ -74,7 +74,7 @@ DEFAULT_MIN_WAIT_S = 0.02  # loopback round trips are ~4 ms but 20+ ms on a load
 # wait is paid by every request that probes, the saving only by those whose choice it
 # changes, so a probe that costs as much as the differences it could find (a GPU peer
 # at a few ms of delay: ~20 ms of probe against ~90 ms of request) loses on average. 5%
-# is the margin within which the router is held to the best other policy (issue 14);
+# is the margin within which the router is held to the best other policy;
 # docs/cost-model.md has the sweep behind it.
 DEFAULT_COST_FRACTION = 0.05
 # How far off the best's cost its gossiped load may be (a close call below it): a
