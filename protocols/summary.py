@@ -32,14 +32,12 @@ __all__ = [
     "MAX_SEQ",
     "MAX_SUMMARY_BYTES",
     "MAX_TOKENS_PER_S",
-    "SUMMARY_VERSION",
     "CacheSummary",
     "decode_summary",
     "encode_summary",
 ]
 
-SUMMARY_VERSION = 2  # the newest version this module writes and reads (it reads 1 too)
-BATCH_VERSION = 2  # the first version with BATCH_FIELDS
+BATCH_VERSION = 2  # the newest version, the first with BATCH_FIELDS (1 is read too)
 # Fields other than the filter take < 600 bytes; 4 KiB leaves room without allowing junk.
 MAX_SUMMARY_BYTES = MAX_BLOOM_BITS // 8 + 4096
 # Base58 ids of ed25519 keys have 52 characters, of RSA keys ~46; 128 is generous.
