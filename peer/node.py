@@ -23,7 +23,8 @@ from libp2p.pubsub.pubsub import Pubsub
 
 from peer.config import GossipMode, PeerConfig
 from peer.net.discovery import Discovery
-from peer.net.host import SwarmHost, new_dht, new_pubsub, open_host, run_service
+from peer.net.host import SwarmHost, open_host
+from peer.net.host_services import new_dht, new_pubsub, run_service
 from peer.net.punch_service import direct_remote
 from peer.net.relay_service import peer_addrs
 from peer.swarm.gossip import Gossip

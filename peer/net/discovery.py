@@ -30,15 +30,13 @@ from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 
 from peer.logs import root_cause
-from peer.net.host import (
-    PeerUnreachable,
-    SwarmHost,
+from peer.net.host import PeerUnreachable, SwarmHost, parse_peer_addr
+from peer.net.host_services import (
     dht_add_peer,
     dht_forget_peer,
     dht_local_providers,
     dht_provide,
     dht_query_providers,
-    parse_peer_addr,
 )
 
 logger = logging.getLogger(__name__)
