@@ -1,19 +1,10 @@
 """Swarm discovery: bootstrap, provide the model key in the DHT, find and dial providers.
 
-Three loops in one nursery:
-- bootstrap: dial every configured address with exponential back-off until it answers
-  (no bootstrap addresses: this peer starts a new swarm and waits to be found);
-- providers: announce the model's provider key, ask connected DHT peers for the other
-  providers, dial the new ones (deduplicated, with a back-off per peer), and keep the DHT
-  routing table fed with every connected peer;
-- liveness: ping the peers we know, report round-trip times, and forget (disconnect,
-  drop from the DHT) those that stop answering. A new peer is pinged every
-  WARMUP_PING_INTERVAL_S until RTT_WARMUP_SAMPLES round trips were kept (`on_rtt` says
-  whether the table knew the peer yet), then every liveness interval: routing needs a
-  measured round trip within seconds of a peer's arrival, not the WAN prior. A peer
-  whose round trips the table keeps dropping (no summary of it: gossip mode `ring` hears
-  only some peers) is pinged at doubling gaps up to UNKEPT_PING_MAX_INTERVALS liveness
-  intervals.
+Three loops in one nursery: bootstrap (dial the configured addresses with back-off),
+providers (announce the model's key, ask connected peers for the others, dial the new
+ones) and liveness (ping known peers, report round trips, forget those that stop
+answering). A new peer is pinged every second until its first round trips are kept, so
+routing has a measured delay within seconds; docs/protocol.md section 8 has the timings.
 """
 
 from __future__ import annotations
