@@ -72,7 +72,7 @@ SYBIL_IDENTITIES = 10
 FORGED_IDENTITIES = 40
 READY_TIMEOUT_S = 180.0  # model loading on 2 busy cores
 READY_ROGUE_S = 45.0  # honest peers learn the rogue's summaries within a few intervals
-REQUEST_TIMEOUT_S = 150.0  # one request end to end; a stalled forward costs 30 s on main
+REQUEST_TIMEOUT_S = 150.0  # one request end to end; a stalled forward alone can cost 30 s
 SAMPLED = {"temperature": 0.8, "top_p": 0.9}
 
 
