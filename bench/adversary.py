@@ -5,27 +5,12 @@
                      forged_origins,sybil]
         [--peer-args "--verify-fraction 1.0"] [--model tiny-random]
 
-For each scenario a fresh swarm starts: 3 honest `serve` processes (tiny-random) and, except
-for `baseline`, one rogue process (`sybil`: one process with 10 identities, each its own
-libp2p host). Once the honest peers know each other (and, for up to READY_ROGUE_S, the
-rogue's identities), the same seeded MMLU requests are sent over HTTP to the honest peers in
-turn, `--concurrency` at a time, streamed. Greedy requests, except under
-`wrong_tokens_sampled` (temperature 0.8, top_p 0.9, a seed per request).
-
-Wrong outputs are counted against a reference computed here by the honest model (the same
-checkpoint, loaded in this process): greedy, the exact text; sampled with a seed, honest
-sampling is deterministic too, so the reference is the honest seeded text (stricter than a
-probability test). An output is wrong when it differs and a rogue identity contributed
-tokens to it (by the entry's route); one that differs though only honest peers served it
-(a seeded draw at a near tie over a cached prefix, a re-seeded handover) is counted apart.
-TTFT is measured by this client (send to first text). Each response's route says which
-peers were tried (the attempts on rogue identities). After the requests, each honest
-peer's /v1/swarm says what its trust ledger holds of the rogue identities:
-`requests_until_quarantine` is the forwards all entry peers sent to the liar when at
-least one ledger quarantined it, null when none did (as on code without a ledger).
-
-The JSON: {"params", "baseline": {...}, "adversaries": {NAME: {...}},
-"quarantine_trials": {...}} (the last from bench.quarantine, in process).
+Each scenario starts a fresh swarm (3 honest tiny-random `serve` processes and, except
+for `baseline`, one rogue), sends the same seeded MMLU requests over HTTP to the honest
+peers in turn, and counts wrong outputs against the honest model's own (`summarise`),
+the client's TTFT, and what each honest trust ledger then holds of the rogue
+(`_add_trust_states`). The JSON: {"params", "baseline", "adversaries": {NAME: ...},
+"quarantine_trials"} (the last from bench.quarantine, in process).
 """
 
 from __future__ import annotations
@@ -72,7 +57,7 @@ SYBIL_IDENTITIES = 10
 FORGED_IDENTITIES = 40
 READY_TIMEOUT_S = 180.0  # model loading on 2 busy cores
 READY_ROGUE_S = 45.0  # honest peers learn the rogue's summaries within a few intervals
-REQUEST_TIMEOUT_S = 150.0  # one request end to end; a stalled forward costs 30 s on main
+REQUEST_TIMEOUT_S = 150.0  # one request end to end; a stalled forward alone can cost 30 s
 SAMPLED = {"temperature": 0.8, "top_p": 0.9}
 
 
@@ -218,6 +203,12 @@ def summarise(
     rogue: RogueProcess | None,
     max_tokens: int,
 ) -> dict[str, Any]:
+    """One scenario's row. The reference is the honest model's text (`references`):
+    greedy, the exact text; sampled with a seed, honest sampling is deterministic too, so
+    the honest seeded text (stricter than a probability test). An output is wrong when it
+    differs and a rogue identity contributed tokens to it (by the entry's route); one that
+    differs though only honest peers served it (a seeded draw at a near tie over a cached
+    prefix, a re-seeded handover) is counted apart. TTFT is send to first text."""
     ok = sorted((o for o in outcomes if o.ok), key=lambda o: o.index)
     ttft = [o.ttft_s for o in ok]
     swarm_ids = {p.peer_id for p in honest} | set(rogue.peer_ids if rogue else ())
@@ -282,6 +273,10 @@ def summarise(
 async def run_scenario(
     args: argparse.Namespace, name: str, workload: list[TokenRequest], refs: Sequence[str]
 ) -> dict[str, Any]:
+    """A fresh swarm (`sybil`: the rogue is one process with SYBIL_IDENTITIES identities,
+    each its own libp2p host); once the honest peers know each other (and, for up to
+    READY_ROGUE_S, the rogue's identities), the requests go to the honest peers in turn,
+    `--concurrency` at a time, streamed; greedy except under `wrong_tokens_sampled`."""
     sampled = name == "wrong_tokens_sampled"
     async with open_peer_processes() as procs:  # every child stops when this block ends
         honest: list[PeerProcess] = []
@@ -338,7 +333,9 @@ async def _add_trust_states(
     row: dict[str, Any], honest: list[PeerProcess], fakes: set[str]
 ) -> None:
     """What each honest peer's trust ledger says of the rogue identities (/v1/swarm; a
-    peer without a ledger says nothing), and requests_until_quarantine from it."""
+    peer without a ledger says nothing), and requests_until_quarantine from it: the
+    forwards all entry peers sent to the liar when at least one ledger quarantined it,
+    null when none did."""
     states: Counter[str] = Counter()
     reasons: set[str] = set()
     quarantined_by = 0

@@ -47,7 +47,7 @@ KV_BYTES_PER_TOKEN = {
 }
 DEFAULT_DRAWS = 200
 MAX_DRAWS = 10_000
-TARGET_RATIO = 2.0  # issue #6: prefix routing at >= 2x random's hit ratio
+TARGET_RATIO = 2.0  # the target: prefix routing at >= 2x random's hit ratio
 
 
 def replay_hit_ratio(

@@ -24,15 +24,7 @@ concurrency 8 on an engine with a zero cache budget: batching alone, without reu
 
 --compare transformers_cb runs, at each sweep level right after ours, transformers' own
 continuous batching (bench/transformers_cb.py) on the same prompts and closed loop, with
-block sharing ("transformers_cb") and without ("transformers_cb_no_sharing"). Keys:
-`compare_by_core` {core: {FIELD_by_concurrency: {"c": value}}} for the cores "engine",
-"transformers_cb" and "transformers_cb_no_sharing", FIELD one of tokens_per_s,
-ttft_p50_s, ttft_p99_s (transformers: first token timestamp - request creation),
-cached_tokens (prompt tokens found cached), peak_rss_bytes (VmHWM, reset before each
-level and core: model included), outputs_identical (greedy, against sequential
-`generate`); `ratio_engine_vs_transformers_cb_by_concurrency` and
-`ratio_engine_vs_transformers_cb_no_sharing_by_concurrency` (our tokens/s over theirs);
-`transformers_cb_config`, `transformers_version`, `compare`.
+block sharing and without (the keys: `compare_keys`).
 Progress goes to stderr; the JSON to --json and stdout.
 """
 
@@ -209,7 +201,14 @@ COMPARED_FIELDS = ["tokens_per_s", "ttft_p50_s", "ttft_p99_s", "cached_tokens",
 
 
 def compare_keys(compared: dict[str, dict[str, dict[str, Any]]], page_size: int) -> dict[str, Any]:
-    """The `--compare transformers_cb` keys (module docstring) from per-core, per-level runs."""
+    """The `--compare transformers_cb` keys from per-core, per-level runs.
+
+    `compare_by_core` {core: {FIELD_by_concurrency: {"c": value}}} for the cores "engine",
+    "transformers_cb" and "transformers_cb_no_sharing", FIELD one of COMPARED_FIELDS:
+    ttft_* for transformers is first token timestamp - request creation, cached_tokens the
+    prompt tokens found cached, peak_rss_bytes VmHWM (reset before each level and core:
+    model included), outputs_identical greedy against sequential `generate`;
+    `ratio_engine_vs_CORE_by_concurrency` is our tokens/s over theirs."""
     out: dict[str, Any] = {
         "compare": "transformers_cb",
         "transformers_version": transformers.__version__,

@@ -3,39 +3,12 @@
     python -m bench.gossip --json PATH [--peers 8] [--duration 60] [--interval 2]
         [--gossip-modes full,ring] [--neighbours 8] [--model tiny-random --serve-rps 2]
 
-Swarms of `--peers` runner processes (peer.node_runner, cache-only engines with
-`--fill-blocks` cached blocks and `--churn-tokens-per-s` of new tokens each; or, with
-`--model`, a real model serving `--serve-rps` short random prompts per second per peer),
-one after the other on this machine:
-
-1. baseline: the swarm with publishing switched off (discovery, DHT, pings, pubsub
-   heartbeats, the runner's own reporting and the served load still run), for
-   `--baseline-duration`, in gossip mode full;
-2. for each of `--gossip-modes`: summaries every `--interval` s, for `--duration` s after
-   every table filled (mode full: every other peer; mode ring: the peer's
-   `--neighbours` ring neighbours, peer/swarm/neighbourhood.py).
-
-What is measured, per peer process:
-- cpu_share_per_peer: process CPU time / wall time in the gossip run minus the same in
-  the baseline run (both from getrusage), i.e. the extra CPU that gossip costs, pubsub
-  signing, relaying, Noise and yamux included. The mean over peers is the headline;
-  `handler_cpu_share_per_peer` is only the time inside our publish/validate code
-  (thread CPU time), a lower bound.
-- gossip_bytes_per_s_per_peer: summary payload bytes sent + received per second
-  (protobuf framing, signatures and relayed copies excluded), plus in mode ring the
-  lookup protocol's frames (peer/swarm/lookup.py: announcements, finds, summary queries and
-  their replies); `summary_bytes_per_s_per_peer` and `lookup_bytes_per_s_per_peer` are
-  the two parts, `lookup_messages_per_s_per_peer` the lookup requests sent + answered.
-  `wire_bytes_per_s_per_peer` is all libp2p TCP traffic sent + received (after Noise and
-  yamux; counted in peer.net.host.count_wire_bytes), gossip run minus baseline run.
-- propagation delay: every runner logs (seq, wall time) when it publishes and
-  (sender, seq, wall time) when it accepts another peer's summary; all run on this
-  machine, so one clock. p50/p99 over all (summary, receiver) pairs in the window, and
-  the fraction of such pairs that arrived at all. In mode ring the pairs are a summary
-  and each peer whose neighbourhood holds its sender (its audience).
-
-CPU shares are only meaningful on a quiet machine: the JSON records the load average at
-the start and end of every run (`machine`).
+Swarms of `--peers` runner processes (peer.node_runner: cache-only engines with churning
+content, or with `--model` a real model under a steady load), one after the other: a
+baseline with publishing off, then one run per gossip mode. Per peer: the CPU and bytes
+that gossip costs (run minus baseline) and the delay from publish to acceptance (each
+key is defined in `bench()`). CPU shares mean something only on a quiet machine: the
+JSON records the load average of every run.
 """
 
 from __future__ import annotations
@@ -249,6 +222,30 @@ def _machine() -> dict[str, Any]:
 
 
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
+    """A baseline run (publishing off, for `--baseline-duration`, mode full: discovery,
+    DHT, pings, heartbeats, reports and the served load still run), then one run per
+    `--gossip-modes`, summaries every `--interval` s for `--duration` s once every table
+    filled (mode ring: each peer's `--neighbours` ring neighbours).
+
+    What is measured, per peer process:
+    - cpu_share_per_peer: process CPU time / wall time in the gossip run minus the same in
+      the baseline run (both from getrusage), i.e. the extra CPU that gossip costs, pubsub
+      signing, relaying, Noise and yamux included. The mean over peers is the headline;
+      `handler_cpu_share_per_peer` is only the time inside our publish/validate code
+      (thread CPU time), a lower bound.
+    - gossip_bytes_per_s_per_peer: summary payload bytes sent + received per second
+      (protobuf framing, signatures and relayed copies excluded), plus in mode ring the
+      lookup protocol's frames (peer/swarm/lookup.py: announcements, finds, summary queries and
+      their replies); `summary_bytes_per_s_per_peer` and `lookup_bytes_per_s_per_peer` are
+      the two parts, `lookup_messages_per_s_per_peer` the lookup requests sent + answered.
+      `wire_bytes_per_s_per_peer` is all libp2p TCP traffic sent + received (after Noise and
+      yamux; counted in peer.net.host.count_wire_bytes), gossip run minus baseline run.
+    - propagation delay: every runner logs (seq, wall time) when it publishes and
+      (sender, seq, wall time) when it accepts another peer's summary; all run on this
+      machine, so one clock. p50/p99 over all (summary, receiver) pairs in the window, and
+      the fraction of such pairs that arrived at all. In mode ring the pairs are a summary
+      and each peer whose neighbourhood holds its sender (its audience).
+    """
     modes = args.gossip_modes.split(",")
     runs: list[dict[str, Any]] = []
     readiness: dict[str, Any] = {}

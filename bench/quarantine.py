@@ -2,25 +2,12 @@
 
     python -m bench.quarantine --json PATH [--trials 200] [--seed 0]
 
-Each trial drives the real trust ledger (peer/routing/trust.py, the object the pipeline asks
-`should_verify` and tells `record_served` / `quarantine`) with a scripted peer and its
-own seeded random draws, forwarding one request at a time to the peer until the ledger
-quarantines it (a verified response of a liar fails its verification: the engine's
-teacher-forced check catches wrong tokens, see tests/test_adversary.py and bench.adversary).
-
-Two liars:
-- `always`: lies on every response from its first one (a new identity: on probation,
-  every response is verified);
-- `after_probation`: answers honestly until the ledger trusts it, then lies on every
-  response; counted are the forwards from its first lie (only verify_fraction draws can
-  catch it now).
-
-Two drivers: the ledger alone, and the real Pipeline + Router + TrustLedger over the
-scripted fake host and engine of tests/fake_host.py (virtual clock; the fake engine's
-`verify` flags a wrong token as the real teacher-forced check does). Reported per liar:
-the lying forwards until quarantine (p50, p95, max), the share of trials quarantined
-within 50 (issue 11's target: >= 95% of >= 20 trials), and (pipeline) how many wrong
-outputs reached the client before: the price of verifying a fraction only.
+Seeded trials forward one request at a time to a scripted liar until the real trust
+ledger (peer/routing/trust.py) quarantines it, driven by the ledger alone and by the real
+Pipeline + Router + TrustLedger over tests/fake_host.py (virtual clock). Reported per
+liar (LIARS): the lying forwards until quarantine (p50, p95, max), the share of trials
+quarantined within TARGET_FORWARDS, and (pipeline) the wrong outputs that reached the
+client before: the price of verifying a fraction only.
 """
 
 from __future__ import annotations
@@ -33,9 +20,12 @@ from bench.report import emit_json
 from bench.stats import percentile
 from peer.routing.trust import DEFAULT_VERIFY_FRACTION, TrustLedger
 
-TARGET_FORWARDS = 50  # issue 11: quarantined within 50 forwarded requests...
+TARGET_FORWARDS = 50  # the target: quarantined within 50 forwarded requests...
 TARGET_SHARE = 0.95  # ...in at least 95% of trials
 MAX_FORWARDS = 10_000  # a trial that never ends is a bug: stop and report it as not caught
+# always: lies on every response from its first one (a new identity: on probation, every
+#   response is verified); after_probation: honest until the ledger trusts it, then lies
+#   on every response, counted from its first lie (only verify_fraction draws catch it).
 LIARS = ("always", "after_probation")
 MAX_PIPELINE_REQUESTS = 500  # requests per pipeline trial; the liar gets most of them
 PEER = "12D3KooWScriptedLiar"

@@ -1,31 +1,12 @@
 """A peer behind a real NAT: does it know, and does it get work? `python -m bench.reach --json PATH`
 
-Builds bench/netns.py's topology (root and iptables needed; where the machine cannot, it
-says why and exits 2): public peers A (198.18.0.1, bootstrap) and B (198.18.0.3, the entry
-that clients call) on a public segment, and N (10.77.0.2) behind a masquerading router.
-Four cases in two swarms of fresh peers (tiny-random, policy longest_prefix so that routing
-depends only on the cached prefix; each case has its own prefix, cached on its holder
-only):
-
-- no_relay (first swarm): U, behind a second router, runs without relays (`--no-relays`:
-  no reservation), and its router also refuses U's connections to B (B stands for any
-  peer U holds no connection to: another peer behind NAT, or one whose connection
-  dropped). B cannot dial U: requests whose prefix only U caches are served by B itself.
-- relay (first swarm): N, behind the first router, which refuses N's connections to B
-  as well, runs with relays: N reserves a slot on A, B reaches N through A.
-- direct (second swarm): relays on, N may dial B: N serves B's requests over its own
-  outbound connection.
-- punch (second swarm): N and a peer M behind the second router, relay A (B's relay
-  service is off, so A is the only relay). M is the
-  entry. Neither can dial the other; the relayed streams between them start the
-  direct-connection upgrade (peer/net/punch_service.py), here a TCP simultaneous open from both
-  listen ports. direct_after_holepunch is true only when M's link to N is a direct
-  connection that the upgrade made (M's record of it), whose far end is not the relay's
-  address, and N served every request over it; ttft_direct_s is measured on those.
-  Connection reversal (a public peer dialled back) is tested on loopback
-  (tests/test_holepunch.py); the relay case counts its failures (N may not dial B there).
-The peers run under peer.processes (`open_peer_processes`, one block per swarm); the
-clients run inside the namespaces (`--client` re-invokes this module there).
+On bench/netns.py's topology (root and iptables needed; where the machine cannot, it says
+why and exits 2): public peers A (bootstrap, relay) and B (the entry clients call), peers
+behind masquerading routers, and four cases in two swarms of tiny-random peers routing by
+longest prefix, each case with its own prefix cached on its holder only: no_relay and
+relay (`run_relay_swarm`), direct and punch (`run_direct_swarm`). Connection reversal is
+tested on loopback (tests/test_holepunch.py). The clients run inside the namespaces
+(`--client` re-invokes this module there).
 """
 
 from __future__ import annotations
@@ -270,8 +251,9 @@ async def run_relay_swarm(nat: Nat, *, requests: int, log_dir: Path
                           ) -> dict[str, dict[str, Any]]:
     """Cases no_relay and relay in one swarm: A (relay), B (entry), N behind home with
     relays, U behind home2 without (`--no-relays`: no reservation); both routers refuse
-    their home peer's connections to B. Requests at B for U's prefix (seed 1) and for N's
-    (seed 2)."""
+    their home peer's connections to B (B stands for any peer a home peer holds no
+    connection to). Requests at B for U's prefix (seed 1): B cannot dial U, so it serves
+    them itself; for N's (seed 2): N reserved a slot on A, and B reaches N through A."""
     name = "relays"
     b_ip = nat.public_ips[1]
     for router in (nat.router, nat.router2):

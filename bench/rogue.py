@@ -3,7 +3,7 @@
     python -m bench.rogue --mode MODE --bootstrap MULTIADDR [--model tiny-random]
         [--identities 10] [--forged 40] [--summary-interval 1]
 
-Modes (issue 11's attacks, each within what an honest peer's validation accepts):
+Modes (the attacks bench.adversary measures, each within what an honest peer's validation accepts):
 - liar_staller: gossips a plausible poisoned summary (Bloom filter with k=1 and 88% of
   its bits set, a cached-block count that matches that fill, zero load, 10^9 tokens/s),
   then holds every inference stream it is given without answering.

@@ -1,27 +1,11 @@
 """How long one routing decision takes: `python -m bench.router --json PATH`.
 
-A table of 64 peers, each with a real CacheSummary whose Bloom filter is the one
-peer/swarm/gossip.py would publish for its cache (`peer.swarm.bloom_sizing.summary_bloom`: sized for
-the cached block count rounded up to a power of two, 1% false positives). Each cache
-holds 10k unrelated blocks plus, for about a quarter of (peer, prompt) pairs, a prompt's
-first d blocks. Each decision ranks one 64-block (1024-token) prompt among those peers and the local
-peer with `Router.rank()`, the full call the request pipeline makes.
-
-Three kinds of prompt, all reported:
-- new (the headline, `rank_median_us`): what a request usually is. A shared prefix of 48
-  blocks (one of 32 system prompts / few-shot headers / conversations, each held by about
-  a quarter of the peers to a depth uniform in 1..48) followed by 16 blocks nobody has
-  seen, so every decision's chain is new;
-- warm: one of those 32 prefixes extended by a fixed 16-block suffix, asked again and
-  again (retries, identical prompts); peers hold it to a depth in 1..64;
-- cold: 64 blocks this router never saw that peers nonetheless hold to a depth in 1..64
-  (a prompt cached elsewhere by other clients): the most matching work per decision.
-A second table whose peers cache 2.5k..40k blocks (so four filter shapes, four bit-sliced
-banks instead of one) measures the new kind again (`rank_new_mixed_shapes_median_us`).
-Wall-clock medians are the targets; CPU-time medians (thread time) and the load average
-are reported beside them because a busy machine inflates wall time. `table_part_*` is the
-CPU time of `PeerTable.routing_rows` alone (live peers and all Bloom matches) on the same
-prompt, right after its rank() call: the rest of rank() is the router's own.
+`Router.rank()`, the full call the request pipeline makes, ranks a 64-block prompt among
+64 peers whose summaries carry the Bloom filters peer/swarm/gossip.py would publish
+(`summary_bloom`: 10k unrelated blocks each, plus prefixes of the prompts). Three kinds
+of prompt (new, the headline; warm; cold, defined where `main` builds them) and a table
+of four filter shapes; wall-clock medians are the targets, CPU-time medians and the load
+average beside them, and `table_part_*` is `PeerTable.routing_rows` alone.
 """
 
 from __future__ import annotations
@@ -51,7 +35,7 @@ FILLER_BLOCKS = 10_000  # half the capacity cached
 MIXED_FILLER_BLOCKS = (2_500, 5_000, 10_000, 20_000, 40_000)  # filters of 4 shapes
 HOLD_FRACTION = 0.25  # share of (peer, prompt) pairs where the peer caches a prefix
 PREFIX_BLOCKS = 48  # a new prompt's shared part; the rest of its 64 blocks is new
-TARGET_US = 200.0  # the issue's budget for one decision
+TARGET_US = 200.0  # the budget for one decision: far below a network round trip
 
 
 def _peer_id(i: int) -> str:
@@ -157,6 +141,13 @@ def main(argv: list[str] | None = None) -> int:
     def chain(n: int) -> list[int]:
         return [rng.getrandbits(64) for _ in range(n)]
 
+    # new (the headline, `rank_median_us`): what a request usually is, one of the shared
+    #   prefixes (system prompts, few-shot headers, conversations; each held by about a
+    #   quarter of the peers to a depth in 1..48) then 16 blocks nobody has seen;
+    # warm: a shared prefix extended by a fixed suffix, asked again and again (retries,
+    #   identical prompts); peers hold it to a depth in 1..64;
+    # cold: 64 blocks this router never saw that peers hold to a depth in 1..64 (cached
+    #   elsewhere by other clients): the most matching work per decision.
     prefixes = [chain(prefix_blocks) for _ in range(args.prompts)]
     warm_prompts = [p + chain(args.blocks - prefix_blocks) for p in prefixes]
     new_prompts = [
@@ -202,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         results[f"table_part_{label}_cpu_median_us"] = _summary(table_cpu)["median_us"]
     ranked = router.rank(warm_prompts[0], args.blocks * BLOCK_SIZE, 64, LOCAL, table, 1.0)
     results["example_best"] = ranked[0].reason
+    # Peers caching 2.5k..40k blocks: four filter shapes, four bit-sliced banks, not one.
     mixed = build_table(args.peers, warm_prompts, random.Random(args.seed), MIXED_FILLER_BLOCKS)
     results["mixed_shapes"] = len({(v.summary.bloom_bits, v.summary.bloom_hashes)
                                    for v in mixed.views(1.0)})

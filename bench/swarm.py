@@ -56,7 +56,7 @@ MAX_IN_FLIGHT = 64  # client-side bound; the peers' own admission bounds sit beh
 # of the ~880 prefix blocks in play (32 subjects drawn), so where requests go decides what
 # stays cached. At 2 MB the peers together hold them all, and bench.ceiling shows that even
 # an exact longest-prefix router then reaches only ~2.1x random's hit ratio, with about one
-# random run in five above half of it: luck would decide issue #6's 2x bar.
+# random run in five above half of it: luck would decide the 2x bar.
 DEFAULT_CACHE_BYTES = 1_000_000
 
 

@@ -37,7 +37,7 @@ from peer.engine.model import DEFAULT_MODEL, LoadedModel, load_model
 from peer.engine.verify import accepted_fraction
 
 DEFAULT_RUNS = 3  # x 2 modes x (2 generations + 2 verifications): minutes on 2 cores
-DEFAULT_ANSWER_TOKENS = 32  # the unit (TOPLOC commits to 32 tokens)
+DEFAULT_ANSWER_TOKENS = 32  # TOPLOC's unit: it commits to 32 tokens
 MAX_SEED_TRIES = 32  # cached-prompt generations spent looking for a full-length sample
 
 

@@ -15,7 +15,7 @@ DEFAULT_MODEL = "smollm2-135m"  # the embedded model: works offline from the llm
 DEFAULT_BLOCK_SIZE = 16  # the KV block granularity; 16 tokens is what vLLM/SGLang use too
 DEFAULT_CACHE_BYTES = 1 << 30  # 1 GiB: ~23k SmolLM2 tokens of fp32 KV, fits a volunteer laptop
 DEFAULT_SUMMARY_INTERVAL_S = 2.0  # gossip cost ~7 ms CPU per message per receiver (notes)
-SUMMARY_EXPIRY_INTERVALS = 3  # a peer silent for 3 intervals is gone (issue 3)
+SUMMARY_EXPIRY_INTERVALS = 3  # a peer silent for 3 intervals is gone
 DEFAULT_GOSSIP_NEIGHBOURS = 8  # ring mode: ~2.4% of a core at 2 s (peer/swarm/neighbourhood.py)
 DEFAULT_BLOOM_FP_RATE = 0.01  # ~9.6 bits per entry: a 1% false hit costs one cache miss
 DEFAULT_MAX_QUEUE = 64  # admitted-but-waiting requests before `overloaded`
@@ -63,7 +63,7 @@ class GossipMode(enum.Enum):
     RING = "ring"  # each peer hears only its ring neighbours: a bounded number per interval
 
 
-DEFAULT_GOSSIP_MODE = GossipMode.FULL  # what every released peer speaks; `ring` scales (issue 15)
+DEFAULT_GOSSIP_MODE = GossipMode.FULL  # what every released peer speaks; `ring` scales
 
 
 class Policy(enum.Enum):

@@ -21,9 +21,11 @@ from libp2p.kad_dht.kad_dht import KadDHT
 from libp2p.peer.id import ID
 from libp2p.pubsub.pubsub import Pubsub
 
+from peer import views
 from peer.config import GossipMode, PeerConfig
 from peer.net.discovery import Discovery
-from peer.net.host import SwarmHost, new_dht, new_pubsub, open_host, run_service
+from peer.net.host import SwarmHost, open_host
+from peer.net.host_services import new_dht, new_pubsub, run_service
 from peer.net.punch_service import direct_remote
 from peer.net.relay_service import peer_addrs
 from peer.swarm.gossip import Gossip
@@ -158,15 +160,25 @@ class Peer:
 
     def cache_sample(self, now: float) -> CacheSample:
         """The engine's prefix-cache counters and size now (for the page's history)."""
-        from peer.views import cache_sample
-
-        return cache_sample(self.engine, now)
+        return views.cache_sample(self.engine, now)
 
     def swarm_view(self) -> dict[str, Any]:
         """This peer's view of the swarm as plain JSON (GET /v1/swarm)."""
-        from peer.views import swarm_view
-
-        return swarm_view(self)
+        holepunch = self.host.holepunch
+        return views.swarm_view(
+            now=trio.current_time(),
+            engine=self.engine,
+            table=self.table,
+            peer_id=self.peer_id,
+            addrs=self.multiaddrs,
+            policy=self.config.policy.value,
+            reachability=self.reachability,
+            invite=self.invite(),
+            trust=self.serving.trust if self.serving is not None else None,
+            holepunch=holepunch.statistics() if holepunch is not None else None,
+            link_to=self.link_to,
+            link_remote=self.link_remote,
+        )
 
     def _serving(self) -> Serving:
         if self.serving is None:

@@ -1,17 +1,21 @@
 """This peer's state as plain JSON for its faces: the swarm as it sees it (GET /v1/swarm)
-and its cache counters (the page's history). Read-only views of a running `Peer`."""
+and its cache counters (the page's history). Functions of the parts they read, so the
+node that owns those parts (peer/node.py) calls them and nothing here knows the node."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
-
-import trio
 
 from peer.request.request_log import CacheSample
 
 if TYPE_CHECKING:
-    from peer.node import Peer
     from peer.routing.trust import TrustLedger
+    from peer.swarm.peer_table import PeerTable
+
+
+def _no_link(peer_id: str) -> str | None:
+    return None
 
 
 def trust_view(trust: TrustLedger | None, peer_id: str) -> dict[str, Any] | None:
@@ -29,17 +33,30 @@ def trust_view(trust: TrustLedger | None, peer_id: str) -> dict[str, Any] | None
     }
 
 
-def swarm_view(peer: Peer) -> dict[str, Any]:
-    """This peer's view of the swarm, as plain JSON: itself, then every peer in its table."""
-    now = trio.current_time()
-    engine = peer.engine
+def swarm_view(
+    *,
+    now: float,
+    engine: Any,
+    table: PeerTable,
+    peer_id: str,
+    addrs: Sequence[str],
+    policy: str,
+    reachability: str = "unknown",
+    invite: str | None = None,
+    trust: TrustLedger | None = None,
+    holepunch: dict[str, Any] | None = None,
+    link_to: Callable[[str], str | None] = _no_link,
+    link_remote: Callable[[str], str | None] = _no_link,
+) -> dict[str, Any]:
+    """This peer's view of the swarm, as plain JSON: itself, then every peer in its table.
+
+    `invite` is the string others join with (None while no address is dialable);
+    `holepunch` is the hole punch's statistics(); `link_to` and `link_remote` say how a
+    peer is reached ('direct', 'relayed') and the far end of a direct connection."""
     load = engine.load()
     cache = engine.cache
     peers = []
-    serving = getattr(peer, "serving", None)
-    trust = serving.trust if serving is not None else None
-    holepunch = getattr(getattr(peer, "host", None), "holepunch", None)
-    for view in peer.table.views(now):
+    for view in table.views(now):
         s = view.summary
         peers.append(
             {
@@ -56,17 +73,15 @@ def swarm_view(peer: Peer) -> dict[str, Any]:
                 "decode_tokens_per_s": s.decode_tokens_per_s,
                 "forwards_since_summary": view.forwards_since_summary,
                 "trust": trust_view(trust, view.peer_id),
-                "link": peer.link_to(view.peer_id) if hasattr(peer, "link_to") else None,
-                "link_remote": (
-                    peer.link_remote(view.peer_id) if hasattr(peer, "link_remote") else None
-                ),
+                "link": link_to(view.peer_id),
+                "link_remote": link_remote(view.peer_id),
             }
         )
     return {
-        "invite": peer.invite(),
+        "invite": invite,
         "self": {
-            "peer_id": peer.peer_id,
-            "addrs": list(peer.multiaddrs),
+            "peer_id": peer_id,
+            "addrs": list(addrs),
             "model": engine.model_id,
             "block_size": engine.block_size,
             "cached_blocks": cache.num_blocks,
@@ -75,15 +90,16 @@ def swarm_view(peer: Peer) -> dict[str, Any]:
             "running_requests": load.running_requests,
             "prefill_tokens_per_s": load.prefill_tokens_per_s,
             "decode_tokens_per_s": load.decode_tokens_per_s,
-            "policy": peer.config.policy.value,
-            "reachability": getattr(peer, "reachability", "unknown"),
-            "holepunch": None if holepunch is None else holepunch.statistics(),
+            "policy": policy,
+            "reachability": reachability,
+            "holepunch": holepunch,
         },
         "peers": sorted(peers, key=lambda p: p["peer_id"]),
     }
 
 
 def cache_sample(engine: Any, now: float) -> CacheSample:
+    """The engine's prefix-cache counters and size at `now` (for the page's history)."""
     stats = engine.statistics() if hasattr(engine, "statistics") else {}
     cache = engine.cache
     return CacheSample(

@@ -1,26 +1,10 @@
 """Bloom filter over 64-bit block hashes: sizing, membership, prefix walks, (de)serialising.
 
-Layout (the wire format of `CacheSummary.bloom`): a little-endian bit array of `num_bits`
-bits, `num_bits` a multiple of 512, split into 512-bit blocks. Bit ``i`` is bit ``i % 8``
-of byte ``i // 8``. A key lives in one block (a "blocked" Bloom filter, Putze, Sanders and
-Singler 2007, as in RocksDB's cache-local filter):
-
-* ``h = mix64(key ^ KEY_SEED)``, the splitmix64 finalizer, a bijection on 64 bits, so
-  structured keys (consecutive, or sharing their low or high bits) still spread. The
-  mixer is public: someone grinding prompts could still aim at one block, which costs
-  only cache misses (a false hit is never a wrong answer);
-* block ``(h * num_blocks) >> 64`` (high bits of ``h``);
-* inside the block, ``num_hashes`` positions: position ``i`` is 9-bit chunk ``i % 7``
-  (low bits first) of ``mix64(h ^ (POSITION_SEED + 7 * (i // 7)))``.
-  (Double hashing ``a + i*b mod 512`` was measured 2.3x over its target at k=9: in a
-  512-bit block its arithmetic-progression patterns overlap far more than random ones.)
-
-Why blocked: a membership test is one big-int AND and compare (~0.1-0.15 us in CPython),
+A blocked filter (each key in one 512-bit block): a membership test is one big-int AND,
 and a key's in-block mask does not depend on the filter's size, so a prompt's chain is
-mixed once (`Probes`, memoised across requests by `ProbeCache`) and tested against every
-peer's filter. The cost is ~4% more bits than a classic filter for the same
-false-positive rate; `for_capacity` sizes with the exact rate of this layout under
-uniform hashing (`_fp_rate`). There are no false negatives.
+mixed once (`Probes`, memoised by `ProbeCache`) and tested against every peer's filter.
+No false negatives; a false hit costs a cache miss, never a wrong answer. The layout is
+the wire format of `CacheSummary.bloom` (docs/protocol.md section 4).
 """
 
 from __future__ import annotations

@@ -1,21 +1,10 @@
 """BloomBank: many Bloom filters of one shape, tested against a key chain all at once (numpy).
 
 A routing decision asks every peer's filter how many leading blocks of a prompt's chain
-it holds (walk until the first miss). One filter at a time in CPython that costs ~0.15 us
-a probe plus ~3 us to mix each new key; with 64 peers it dominated a decision. A bank
-stores the filters of one shape (`num_bits`, `num_hashes`) *bit-sliced*: row ``g`` of an
-``(num_bits, words)`` uint64 matrix holds bit ``g`` of every filter, filter ``s`` at bit
-``s % 64`` of word ``s // 64``. A key's ``num_hashes`` bit positions (the layout of
-protocols/bloom.py, computed for the whole chain with numpy) then select ``num_hashes``
-rows whose AND says which filters hold the key; a running AND down the chain says which
-still hold every key so far, and each filter's count is the number of keys it survives.
-The cost is a few dozen numpy calls per chain, whatever the number of filters or how deep
-they match.
-
-Memory is one bit per filter bit (like the filters themselves), rounded up to 64 filters.
-Writes are deferred: `put` and `release` record the change, and the next `prefix_counts`
-applies each slot's latest state (~0.4 ms for a 160k-bit filter), so a peer that gossips
-twice between two decisions costs one update.
+it holds; one filter at a time in CPython (~0.15 us a probe, ~3 us to mix a key) that
+dominated a decision at 64 peers. The bank stores the filters bit-sliced (row `g` holds
+bit `g` of every filter), so a chain costs a few dozen numpy calls whatever the number
+of filters. Writes are deferred to the next `prefix_counts`.
 """
 
 from __future__ import annotations

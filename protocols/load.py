@@ -1,16 +1,9 @@
 """The load-probe protocol /prefixswarm/load/1.0.0: one query, one report, one stream.
 
-An entry peer about to forward a request asks a few candidates for their load now, not
-as of their last summary (peer/routing/probing.py decides whom and how long to wait). The asker
-sends one ``LoadQuery``; the answering peer sends one ``LoadReport`` with the load its
-engine reports (the same figures a summary carries) and closes. Each frame is a CBOR map
-carried by protocols/framing.py; the key ``"t"`` names its kind, ``"v"`` the version.
-
-A report is a remote claim like a summary's load: bounded here, clamped and weighed by
-the asker's trust rules (peer/routing/probing.py), never a reason to route to a peer that was
-not a candidate already. Parsers raise only ``RemoteProtocolError`` on what came from the
-network; building a message with bad values in our own code raises ``ValueError``.
-Unknown keys are ignored, so a field added later (batch figures) needs no new id.
+An entry peer about to forward asks a few candidates for their load now
+(peer/routing/probing.py decides whom): one ``LoadQuery``, one ``LoadReport`` with the
+figures a summary carries. A report is a claim, bounded here and weighed by the asker's
+trust rules. Parsers raise only ``RemoteProtocolError``; unknown keys are ignored.
 """
 
 from __future__ import annotations

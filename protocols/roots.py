@@ -1,26 +1,10 @@
 """The prefix-root protocol /prefixswarm/roots/1.0.0: provider records and summaries on demand.
 
-Gossip mode `ring` (docs/protocol.md 5.4): a peer hears only its ring neighbours'
-summaries; beyond them it finds the holders of a prompt's *prefix root* (the chain hash
-of the prompt's first block) at the root's *home peers*, the peers nearest the root on
-the ring. One request per stream, one CBOR map per frame (protocols/framing.py), the key
-``"t"`` naming its kind and ``"v"`` the version:
-
-- ``Announce`` (holder -> home): the roots the sender now holds (``add``) and no longer
-  holds (``drop``); answered by ``Ack`` (how many of ``add`` were recorded). A record
-  always names the stream's authenticated sender: nobody announces for another peer.
-- ``Find`` (entry -> home): who holds ``root``? Answered by ``Providers`` (peer ids,
-  most recent first; a claim to check, never a fact).
-- ``Match`` (entry -> holder): how many leading blocks of this chain (a prompt's block
-  hashes, protocols/blocks.py) do you hold? Answered by ``Matched`` (a count, checked
-  later against the holder's summary before it counts).
-- ``SummaryQuery`` (entry -> holder): your summary, please. Answered by ``SummaryReply``
-  holding the holder's last published CacheSummary bytes (decoded and checked like a
-  gossiped one, against the stream's authenticated peer id).
-
-Decoders raise only ``RemoteProtocolError`` on what came from the network; building a
-message with bad values in our own code raises ``ValueError``. Unknown keys are ignored,
-so a field added later needs no new id; an unknown version or kind is refused.
+Gossip mode `ring`: beyond its neighbours, a peer finds the holders of a prompt's prefix
+root at the root's home peers. One request per stream, one CBOR map per frame: `Announce`
+/ `Ack` (holder -> home), `Find` / `Providers` (entry -> home), `Match` / `Matched` and
+`SummaryQuery` / `SummaryReply` (entry -> holder); every answer is a claim the asker checks.
+Decoders raise only `RemoteProtocolError`; docs/protocol.md 5.5 has the format.
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
 """CacheSummary: what a peer gossips about its cache, load and speed; CBOR codec.
 
-Wire format: one CBOR map with the key ``"v"`` and the field names of `CacheSummary`; no
-other key is accepted. Version 1 has every field but the batch fields (BATCH_FIELDS);
-version 2 has them all. A peer that does not batch (its batch fields at their defaults)
-sends version 1, which peers older than the batch fields still read; a version 1 summary
-decodes with the batch fields at their defaults (``batch_slots = 0``: priced as a
-processor-sharing server, as before). `decode_summary` raises only
-`RemoteProtocolError`, for any input. Constructing a `CacheSummary` with out-of-bounds
-values raises ValueError, so a summary object is valid wherever it came from.
-
-Contract with the producer: `bloom` holds exactly the block hashes that are cached now
-(`cached_blocks` distinct keys); receivers check that the fill ratio agrees
-(peer/swarm/peer_table.py). Whether `seq` increases is for the receiver's table to judge.
+One CBOR map with the key ``"v"`` and the field names of `CacheSummary`. A peer that does
+not batch sends version 1 (older peers read it), one that batches version 2 with
+BATCH_FIELDS. `decode_summary` raises only `RemoteProtocolError`; a `CacheSummary` with
+out-of-bounds values raises ValueError, so a summary object is valid wherever it came
+from. docs/protocol.md 5.1 has the format and the producer's contract.
 """
 
 from __future__ import annotations
@@ -32,14 +25,12 @@ __all__ = [
     "MAX_SEQ",
     "MAX_SUMMARY_BYTES",
     "MAX_TOKENS_PER_S",
-    "SUMMARY_VERSION",
     "CacheSummary",
     "decode_summary",
     "encode_summary",
 ]
 
-SUMMARY_VERSION = 2  # the newest version this module writes and reads (it reads 1 too)
-BATCH_VERSION = 2  # the first version with BATCH_FIELDS
+BATCH_VERSION = 2  # the newest version, the first with BATCH_FIELDS (1 is read too)
 # Fields other than the filter take < 600 bytes; 4 KiB leaves room without allowing junk.
 MAX_SUMMARY_BYTES = MAX_BLOOM_BITS // 8 + 4096
 # Base58 ids of ed25519 keys have 52 characters, of RSA keys ~46; 128 is generous.

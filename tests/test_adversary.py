@@ -1,5 +1,5 @@
 """The rogue really misbehaves (so bench.adversary cannot measure an honest rogue by
-mistake), and the bench's JSON has the keys issue 11 asks for."""
+mistake), and the bench's JSON has the keys docs/security.md reports."""
 
 from __future__ import annotations
 
@@ -179,7 +179,7 @@ async def test_wrong_tokens_sampled_is_honest_on_greedy_and_implausible_when_sam
     assert rogue.answered == {"honest_greedy": 1, "wrong_sampled": 1}
 
 
-def test_bench_json_rows_have_the_issue_keys() -> None:
+def test_bench_json_rows_have_the_reported_keys() -> None:
     args = parse_args(["--json", "/dev/null"])
     assert args.scenarios == list(SCENARIOS)
     honest = [PeerProcess(i + 1, process=None, log_path=None, peer_id=f"H{i}") for i in range(3)]  # type: ignore[arg-type]

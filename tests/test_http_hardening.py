@@ -1,4 +1,4 @@
-"""HTTP hardening (issue 11, item 6) and private requests over HTTP (item 7), tiny-random:
+"""HTTP hardening and private requests over HTTP, tiny-random:
 bad input is a 4xx error object, bugs are counted 500s, bursts are accepted, every 429 and
 503 says Retry-After, an optional API key, and `cache_salt`."""
 

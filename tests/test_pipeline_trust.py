@@ -307,12 +307,11 @@ async def test_swarm_view_shows_each_peers_trust():
         load=lambda: EngineLoad(0, 0, 0.0, 0.0), cache=SimpleNamespace(num_blocks=0,
         capacity_blocks=1), model_id="m", block_size=4,
     )
-    peer = SimpleNamespace(
-        engine=engine, table=swarm.table, serving=SimpleNamespace(trust=swarm.trust),
-        peer_id=SELF, multiaddrs=[], invite=lambda: None,
-        config=SimpleNamespace(policy=SimpleNamespace(value="cost")),
+    swarm_json = swarm_view(
+        now=trio.current_time(), engine=engine, table=swarm.table, trust=swarm.trust,
+        peer_id=SELF, addrs=[], policy="cost",
     )
-    view = {p["peer_id"]: p["trust"] for p in swarm_view(peer)["peers"]}
+    view = {p["peer_id"]: p["trust"] for p in swarm_json["peers"]}
     assert view[A] == {"state": "probation", "reason": "new identity", "verified": 1,
                        "served": 1, "discount": 1.0, "claims": "believed"}
     assert view[B]["state"] == "quarantined" and view[B]["reason"] == "wrong output: token 2"

@@ -215,7 +215,7 @@ FACE_FILES = [
 ]
 # What the HTTP face and the page may import of the project: the generation service and
 # its types, the FacePeer protocol, and their own parts. Not the engine, the table, the
-# pipeline or the node: they reach a peer only through FacePeer (issue 16, item 1).
+# pipeline or the node: they reach a peer only through FacePeer.
 FACE_MAY_IMPORT = {
     "peer.request.admission", "peer.engine.api", "peer.api.face", "peer.request.generation",
     "peer.api.auth",

@@ -1,5 +1,5 @@
 """The simulator keeps no copy of a peer's constant or rule: it imports them, and these
-tests fail the day one is copied or drifts (issue 14: one copy of every decision)."""
+tests fail the day one is copied or drifts (one copy of every decision)."""
 
 from __future__ import annotations
 

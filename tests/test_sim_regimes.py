@@ -23,7 +23,7 @@ FLAT = Calibration("flat", 0.0, 1e-3, 0.0, 0.01, "test")
 
 def test_regimes_are_parameter_sets() -> None:
     gpu = regime("gpu")
-    # the figure: recomputing a 377-token prefix costs ~40 ms on a GPU-class peer
+    # the figure to match: recomputing a 377-token prefix costs ~40 ms on a GPU-class peer
     assert 0.03 < gpu.calibration.prefill_s(377, 0) < 0.06
     assert gpu.calibration.source and "vLLM" in gpu.calibration.source
     cpu = regime("cpu")

@@ -42,7 +42,7 @@ from protocols.invite import decode_invite
 SUMMARY_INTERVAL_S = 1.0  # `prefixswarm local`'s default, passed explicitly
 PAGE_POLL_S = SUMMARY_INTERVAL_S / 4  # peer/api/web/app.js polls 4 times an interval
 SWARM_READY_S = 120.0  # three interpreters loading torch on a loaded 2-core machine
-TABLE_WITHIN_S = 10.0  # the issue's bound for the table to list every peer
+TABLE_WITHIN_S = 10.0  # the bound for the table to list every peer
 ANSWER_WITHIN_S = 30.0
 # ~420 tokens and a short answer for the second prompt: the prefill a cache saves then
 # outweighs the peers' differences in decode speed, so the cost policy routes the second

@@ -113,10 +113,6 @@ class Calibration:
             decode_s_per_token=self.decode_s_per_token * factor,
         )
 
-    def with_batch_slope(self, slope: float) -> Calibration:
-        """The same peer with another batch step slope (0: a batch costs one lone step)."""
-        return replace(self, name=f"{self.name}/slope{slope:g}", batch_step_slope=slope)
-
     def as_dict(self) -> dict[str, Any]:
         """The parameter set, for result files."""
         return {

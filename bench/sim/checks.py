@@ -1,5 +1,5 @@
 """Checks over result rows: the claims the sweeps are run for (cost against the best
-deployable policy, issue 15's scale targets, hit ratio against the oracle's). Pure
+deployable policy, the scale targets of ring gossip, hit ratio against the oracle's). Pure
 functions of the rows, used by bench.simulate, the plots and the tests."""
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def compare_cost(rows: Sequence[dict[str, Any]], metric: str, experiments: Itera
 
 def scale_checks(rows: Sequence[dict[str, Any]], mode: str = GossipMode.RING.value,
                  policy: str = Policy.COST.value) -> dict[str, Any]:
-    """Issue 15's targets from the scale rows: `mode` against full flooding at the largest
+    """The scale targets from the scale rows: `mode` against full flooding at the largest
     N both ran with the same requests (messages and bytes per peer per second, hit ratio),
     and `mode`'s growth from 64 peers (its longest runs at each size)."""
     by: dict[tuple[str, int, int], dict[str, Any]] = {}

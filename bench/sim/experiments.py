@@ -104,7 +104,7 @@ class Grid:
     bloom_bits: tuple[float, ...] = (4.0, 8.0, 16.0)
     scale_peers: tuple[int, ...] = (16, 64, 256, 1024)
     # scale runs use max(requests, this x peers): 72 x 0.9 (after the warm-up) >= 64 per
-    # peer, a steady state (issue 15)
+    # peer, a steady state
     scale_requests_per_peer: int = 72
     scale_policies: tuple[str, ...] = (Policy.COST.value,)
     scale_gossip_modes: tuple[str, ...] = (GossipMode.FULL.value, GossipMode.RING.value)

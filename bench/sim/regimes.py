@@ -35,8 +35,8 @@ GPU_SOURCES = (
     "vLLM performance benchmark (buildkite.com/vllm/performance-benchmark), "
     "latency_llama8B_tp1: input 32, output 128 tokens, batch 8, mean latency 997.5 ms on "
     "H100 (7.8 ms per decode step) and 833.4 ms on H200 (6.5 ms per step)",
-    "prefill: 10,000 tokens/s, an assumption inside the 5,000-20,000 tokens/s range quoted in "
-    "issue 14 (compute-bound: 16 GFLOP per token of an 8B model against ~990 dense bf16 "
+    "prefill: 10,000 tokens/s, an assumption inside the 5,000-20,000 tokens/s range expected "
+    "for this peer (compute-bound: 16 GFLOP per token of an 8B model against ~990 dense bf16 "
     "TFLOP/s of an H100 is 62,000 tokens/s at full use); no published prefill-only "
     "measurement was found",
 )

@@ -1,19 +1,10 @@
 """Swarm discovery: bootstrap, provide the model key in the DHT, find and dial providers.
 
-Three loops in one nursery:
-- bootstrap: dial every configured address with exponential back-off until it answers
-  (no bootstrap addresses: this peer starts a new swarm and waits to be found);
-- providers: announce the model's provider key, ask connected DHT peers for the other
-  providers, dial the new ones (deduplicated, with a back-off per peer), and keep the DHT
-  routing table fed with every connected peer;
-- liveness: ping the peers we know, report round-trip times, and forget (disconnect,
-  drop from the DHT) those that stop answering. A new peer is pinged every
-  WARMUP_PING_INTERVAL_S until RTT_WARMUP_SAMPLES round trips were kept (`on_rtt` says
-  whether the table knew the peer yet), then every liveness interval: routing needs a
-  measured round trip within seconds of a peer's arrival, not the WAN prior. A peer
-  whose round trips the table keeps dropping (no summary of it: gossip mode `ring` hears
-  only some peers) is pinged at doubling gaps up to UNKEPT_PING_MAX_INTERVALS liveness
-  intervals.
+Three loops in one nursery: bootstrap (dial the configured addresses with back-off),
+providers (announce the model's key, ask connected peers for the others, dial the new
+ones) and liveness (ping known peers, report round trips, forget those that stop
+answering). A new peer is pinged every second until its first round trips are kept, so
+routing has a measured delay within seconds; docs/protocol.md section 8 has the timings.
 """
 
 from __future__ import annotations
@@ -30,15 +21,13 @@ from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 
 from peer.logs import root_cause
-from peer.net.host import (
-    PeerUnreachable,
-    SwarmHost,
+from peer.net.host import PeerUnreachable, SwarmHost, parse_peer_addr
+from peer.net.host_services import (
     dht_add_peer,
     dht_forget_peer,
     dht_local_providers,
     dht_provide,
     dht_query_providers,
-    parse_peer_addr,
 )
 
 logger = logging.getLogger(__name__)

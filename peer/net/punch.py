@@ -1,21 +1,10 @@
 """Direct-connection upgrade over a relay, the pure part: messages, the choice of
 mechanism, the libp2p roles, the simultaneous-open timing and the per-peer attempt budget.
 
-No I/O and no clock: time is a parameter. peer/net/punch_service.py is the trio shell around it.
-
-`/prefixswarm/holepunch/1.0.0` runs on a relayed stream (peer/net/relay_service.py carries it). The
-peer that opened the relayed stream (the initiator, I) sends Connect with its own
-addresses and the mechanism; the other (the responder, R) answers Connect with its own.
-
-- REVERSAL (I is publicly dialable): R dials I at I's addresses, an ordinary outbound
-  libp2p dial, and answers Result. Afterwards I's streams to R use that connection.
-- SIMULTANEOUS_OPEN (both behind NAT): I measured the round trip of the Connect exchange;
-  it sends Sync and waits half of it, R dials on receiving Sync, so both SYNs leave at
-  about the same time, each from its own listen port (SO_REUSEPORT), each to the other's
-  observed address. Both NATs then hold a mapping that lets the other's SYN in, and TCP
-  merges the two into one connection (simultaneous open). Roles are fixed here, not
-  negotiated on the socket: I upgrades as the libp2p dialer (Noise initiator, multistream
-  and yamux client), R as the listener.
+No I/O and no clock: time is a parameter; peer/net/punch_service.py is the trio shell.
+/prefixswarm/holepunch/1.0.0 runs on a relayed stream: connection reversal when the
+initiator is publicly dialable, else a TCP simultaneous open timed from the measured
+round trip, roles fixed here (docs/protocol.md section 8b).
 """
 
 from __future__ import annotations

@@ -1,19 +1,10 @@
 """Reachability checks and relays: the trio shell around peer/net/reachability.py.
 
-Two small protocols on the libp2p host:
-- /prefixswarm/dialback/1.0.0 (an AutoNAT equivalent): "open a fresh TCP connection to
-  me on these ports, at the IP you see me at". The dialler only ever dials the IP the
-  request came from (no reflection onto third parties), at most MAX_DIALBACK_PORTS ports,
-  DIALBACK_CONCURRENCY at a time, and says yes only when a Noise handshake on that fresh
-  connection proves the listener is the asking peer.
-- /prefixswarm/relay/1.0.0: a peer that is not reachable reserves a slot on reachable
-  peers over its own outbound connection; an entry peer asks such a relay to open a
-  stream to it, and the relay joins the two streams, bounded in circuits, bytes and time.
-  This is an application-level relay of our own protocols (inference and ping), not
-  libp2p circuit relay v2: see docs/joining.md for why.
-
-Nothing above the host knows whether a stream is relayed: SwarmHost.new_stream falls back
-to `Reach.open_relayed` when the target cannot be dialled directly.
+/prefixswarm/dialback/1.0.0 (an AutoNAT equivalent) asks peers to dial us back at the
+IP they see; /prefixswarm/relay/1.0.0 lets a private peer reserve slots on reachable
+peers (their side: peer/net/relay_server.py) and an entry peer reach it through one.
+Nothing above the host knows whether a stream is relayed: SwarmHost.new_stream falls
+back to `Reach.open_relayed`. Wire format and bounds: docs/protocol.md.
 """
 
 from __future__ import annotations
@@ -28,13 +19,10 @@ from typing import Any
 import multiaddr
 import trio
 from libp2p.custom_types import TProtocol
-from libp2p.host.ping import ID as PING_PROTOCOL_ID
-from libp2p.io.utils import read_exactly
 from libp2p.peer.id import ID
 from libp2p.peer.peerstore import PeerStoreError
 from libp2p.transport.tcp.tcp import TCP
 
-from peer.net.punch_service import HOLEPUNCH_PROTOCOL
 from peer.net.reachability import (
     MAX_DIALBACK_PORTS,
     DialBackRequest,
@@ -45,27 +33,24 @@ from peer.net.reachability import (
     RelayLimits,
     RelayReply,
     RelayReserve,
-    Reservations,
     circuit_addr,
-    control_body_length,
-    decode_control,
     expand_unspecified,
     is_circuit,
-    parse_relay_request,
     relay_of,
 )
+from peer.net.relay_server import (
+    CONTROL_TIMEOUT_S,
+    RELAY_PROTOCOL,
+    RelayServer,
+    close_stream,
+    read_control,
+)
 from protocols.errors import RemoteProtocolError
-from protocols.framing import FRAME_HEADER_BYTES
-from protocols.ids import INFER_PROTOCOL
 
 logger = logging.getLogger(__name__)
 
 DIALBACK_PROTOCOL = "/prefixswarm/dialback/1.0.0"
-RELAY_PROTOCOL = "/prefixswarm/relay/1.0.0"
-# what a circuit may carry: inference, ping, and the direct-connection upgrade
-RELAYABLE = frozenset({INFER_PROTOCOL, str(PING_PROTOCOL_ID), HOLEPUNCH_PROTOCOL})
 
-CONTROL_TIMEOUT_S = 5.0  # one control message each way on a live connection
 DIALBACK_DIAL_TIMEOUT_S = 3.0  # a fresh TCP connect + one multistream header, per port
 DIALBACK_CONCURRENCY = 4  # dial-backs we run for others at once
 CHECK_FIRST_S = 1.0  # first reachability check this soon after a connection exists
@@ -76,7 +61,6 @@ RESERVE_RELAYS = 2  # relays a private peer keeps a reservation on
 RESERVE_RETRY_S = 2.0  # look for relays this often while we hold fewer than RESERVE_RELAYS
 DIRECT_FAILURE_MEMORY_S = 60.0  # after a failed direct dial, go through a relay this long
 RELAY_CANDIDATES = 4  # relays tried per relayed stream (hints first, then connected peers)
-PIPE_CHUNK_BYTES = 64 * 1024
 
 
 def interface_ips() -> list[str]:
@@ -105,24 +89,6 @@ def peer_addrs(libp2p: Any, peer_id: ID) -> list[str]:
         return []
 
 
-async def _read_control(stream: Any) -> object:
-    header = await read_exactly(stream, FRAME_HEADER_BYTES)
-    return decode_control(await read_exactly(stream, control_body_length(header)))
-
-
-async def _close(stream: Any) -> None:
-    with trio.move_on_after(1.0) as scope:
-        scope.shield = True
-        try:
-            await stream.close()
-        except Exception as exc:  # a stranger's stream: reset, EOF, closed; muxers vary
-            logger.debug("closing relayed stream (%r); resetting it", exc)
-            try:
-                await stream.reset()
-            except Exception as exc2:  # nothing left to clean up
-                logger.debug("resetting relayed stream: %r", exc2)
-
-
 class Reach:
     """This peer's reachability, its relay service and its reservations on relays."""
 
@@ -147,13 +113,12 @@ class Reach:
         self._rng = rng or random.Random()
         self._on_change = on_change
         self.tracker = ReachabilityTracker(listen_ports=len(self._ports))
-        self._reservations = Reservations(self.limits)
         self._my_relays: dict[str, tuple[str, float]] = {}  # relay id -> (its addr, expiry)
         self._direct_failed: dict[str, float] = {}  # peer id -> when a direct dial failed
-        self._circuits: Counter[str] = Counter()  # open circuits per origin and per target
         self._dialbacks = trio.Semaphore(DIALBACK_CONCURRENCY)
         self._verdict = self.tracker.verdict(0.0)
         self.stats: Counter[str] = Counter()
+        self._relay = RelayServer(host, self.limits, self.stats, self._refusal)
         self.on_addrs_changed: Callable[[], None] = lambda: None  # e.g. re-provide
 
     # -- state -------------------------------------------------------------------------
@@ -188,13 +153,12 @@ class Reach:
 
     def statistics(self) -> dict[str, Any]:
         now = trio.current_time()
-        self._reservations.expire(now)
         return {
             "reachability": self.tracker.verdict(now).value,
             "evidence": self.tracker.evidence(now),
             "relay_service": self.relay_service,
-            "reservations_held_for_others": len(self._reservations),
-            "circuits_open": sum(self._circuits.values()) // 2,
+            "reservations_held_for_others": self._relay.reservations_held(now),
+            "circuits_open": self._relay.circuits_open(),
             "relays": sorted(self._my_relays),
             **dict(self.stats),
         }
@@ -205,7 +169,7 @@ class Reach:
         libp2p = self._host.libp2p
         async with trio.open_nursery() as nursery:
             libp2p.set_stream_handler(TProtocol(DIALBACK_PROTOCOL), self._handle_dialback)
-            libp2p.set_stream_handler(TProtocol(RELAY_PROTOCOL), self._handle_relay)
+            libp2p.set_stream_handler(TProtocol(RELAY_PROTOCOL), self._relay.handle)
             self._nursery = nursery
             nursery.start_soon(self._check_loop)
             if self.use_relays:
@@ -248,12 +212,12 @@ class Reach:
         try:
             with trio.fail_after(CONTROL_TIMEOUT_S + DIALBACK_DIAL_TIMEOUT_S * len(self._ports)):
                 await stream.write(request.encode())
-                response = DialBackResponse.parse(await _read_control(stream), request)
+                response = DialBackResponse.parse(await read_control(stream), request)
         except (trio.TooSlowError, RemoteProtocolError, Exception) as exc:
             logger.debug("dial-back answer from %s: %s", peer_id, exc)
             return
         finally:
-            await _close(stream)
+            await close_stream(stream)
         now = trio.current_time()
         ok = bool(response.ok_ports)
         port = response.ok_ports[0] if ok else self._ports[0]
@@ -267,7 +231,7 @@ class Reach:
     async def _handle_dialback(self, stream: Any) -> None:
         try:
             with trio.fail_after(CONTROL_TIMEOUT_S):
-                request = DialBackRequest.parse(await _read_control(stream))
+                request = DialBackRequest.parse(await read_control(stream))
             remote = stream.get_remote_address()
             if remote is None:
                 raise RemoteProtocolError("no remote address (a relayed stream)")
@@ -282,23 +246,7 @@ class Reach:
         except Exception as exc:  # bad request or a peer that left: it keeps serving
             logger.debug("dial-back for a peer: %s", exc)
         finally:
-            await _close(stream)
-
-    # -- relay service ------------------------------------------------------------------
-
-    async def _handle_relay(self, stream: Any) -> None:
-        origin = stream.muxed_conn.peer_id.to_base58()
-        try:
-            with trio.fail_after(CONTROL_TIMEOUT_S):
-                request = parse_relay_request(await _read_control(stream))
-        except Exception as exc:  # malformed or slow: drop it
-            logger.debug("relay request from %s: %s", origin, exc)
-            await _close(stream)
-            return
-        if isinstance(request, RelayReserve):
-            await self._serve_reserve(stream, origin)
-        else:
-            await self._serve_connect(stream, origin, request)
+            await close_stream(stream)
 
     def _refusal(self) -> str | None:
         if not self.relay_service:
@@ -306,96 +254,6 @@ class Reach:
         if self.verdict() is Reachability.PRIVATE:
             return "this peer is not publicly reachable"
         return None
-
-    async def _reply(self, stream: Any, reply: RelayReply) -> bool:
-        try:
-            with trio.fail_after(CONTROL_TIMEOUT_S):
-                await stream.write(reply.encode())
-        except Exception as exc:  # the asker left
-            logger.debug("relay reply: %s", exc)
-            return False
-        return True
-
-    async def _serve_reserve(self, stream: Any, origin: str) -> None:
-        refusal = self._refusal()
-        expiry = None if refusal else self._reservations.reserve(origin, trio.current_time())
-        if expiry is None:
-            self.stats["reservations_refused"] += 1
-            await self._reply(stream, RelayReply(False, refusal or "no reservation slots left"))
-        else:
-            self.stats["reservations_granted"] += 1
-            await self._reply(stream, RelayReply(True, ttl_s=self.limits.reservation_ttl_s))
-        await _close(stream)
-
-    async def _serve_connect(self, stream: Any, origin: str, request: RelayConnect) -> None:
-        now = trio.current_time()
-        target = request.peer_id
-        refusal = self._refusal()
-        if refusal is None:
-            if request.protocol not in RELAYABLE:
-                refusal = f"protocol {request.protocol!r} is not relayed"
-            elif not self._reservations.holds(target, now):
-                refusal = "no reservation for that peer"
-            elif sum(self._circuits.values()) // 2 >= self.limits.max_circuits:
-                refusal = "relay is at its circuit limit"
-            elif max(self._circuits[origin], self._circuits[target]) >= (
-                self.limits.max_circuits_per_peer
-            ):
-                refusal = "relay is at its per-peer circuit limit"
-        if refusal is not None:
-            self.stats["circuits_refused"] += 1
-            await self._reply(stream, RelayReply(False, refusal))
-            await _close(stream)
-            return
-        self._circuits[origin] += 1
-        self._circuits[target] += 1
-        try:
-            try:
-                onward = await self._host.new_stream(
-                    ID.from_base58(target), [request.protocol], timeout_s=CONTROL_TIMEOUT_S,
-                    relay=False,
-                )
-            except Exception as exc:  # the target left
-                self.stats["circuits_failed"] += 1
-                await self._reply(stream, RelayReply(False, f"target unreachable: {exc}"))
-                return
-            if await self._reply(stream, RelayReply(True)):
-                self.stats["circuits"] += 1
-                await self._pipe(stream, onward)
-            await _close(onward)
-        finally:
-            self._circuits[origin] -= 1
-            self._circuits[target] -= 1
-            await _close(stream)
-
-    async def _pipe(self, a: Any, b: Any) -> None:
-        """Join two streams both ways until one side ends, within the circuit limits."""
-        limit = self.limits.max_circuit_bytes
-
-        async def copy(src: Any, dst: Any, key: str) -> None:
-            moved = 0
-            try:
-                while True:
-                    data = await src.read(PIPE_CHUNK_BYTES)
-                    if not data:
-                        break
-                    moved += len(data)
-                    if moved > limit:
-                        self.stats["circuits_cut_bytes"] += 1
-                        break
-                    await dst.write(data)
-            except Exception as exc:  # EOF/reset on either side ends the circuit
-                logger.debug("relay pipe: %s", exc)
-            finally:
-                self.stats[key] += moved
-                nursery.cancel_scope.cancel()
-
-        with trio.move_on_after(self.limits.max_circuit_s) as scope:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(copy, a, b, "relayed_bytes_forward")
-                nursery.start_soon(copy, b, a, "relayed_bytes_back")
-        if scope.cancelled_caught:
-            self.stats["circuits_cut_time"] += 1
 
     # -- reservations (a private peer) ------------------------------------------------
 
@@ -431,12 +289,12 @@ class Reach:
         try:
             with trio.fail_after(CONTROL_TIMEOUT_S):
                 await stream.write(RelayReserve().encode())
-                reply = RelayReply.parse(await _read_control(stream))
+                reply = RelayReply.parse(await read_control(stream))
         except Exception as exc:  # slow, malformed or gone
             logger.debug("reserve on %s: %s", relay, exc)
             return
         finally:
-            await _close(stream)
+            await close_stream(stream)
         if not reply.ok:
             self.stats["reservations_refused_to_us"] += 1
             logger.debug("relay %s refused a reservation: %s", relay, reply.error)
@@ -492,16 +350,16 @@ class Reach:
                 try:
                     with trio.fail_after(CONTROL_TIMEOUT_S):
                         await stream.write(RelayConnect(peer_id.to_base58(), protocol).encode())
-                        reply = RelayReply.parse(await _read_control(stream))
+                        reply = RelayReply.parse(await read_control(stream))
                 except Exception as exc:  # slow, malformed or gone
                     errors.append(f"{relay}: {exc}")
-                    await _close(stream)
+                    await close_stream(stream)
                     continue
                 if reply.ok:
                     self.stats["relayed_streams"] += 1
                     return stream
                 errors.append(f"{relay}: {reply.error}")
-                await _close(stream)
+                await close_stream(stream)
         self.stats["relayed_stream_failures"] += 1
         raise LookupError("; ".join(errors) or "no relay to try")
 

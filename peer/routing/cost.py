@@ -2,61 +2,10 @@
 
 Pure and fast: ``rank_estimates`` orders ``PeerEstimate`` records under a ``Policy``;
 ``peer/routing/router.py``'s ``Router`` builds those records from the peer table, and the
-simulator feeds them with exact matches, so both measure one code.
-
-The cost model (policy COST), in seconds, for a peer with match ``m`` of ``p`` prompt
-tokens and ``n`` new tokens; ``estimate_cost`` is its only copy::
-
-    network  = ROUND_TRIPS_PER_FORWARD * rtt                (0 for the entry peer itself)
-    queue    = queued_prompt_tokens / prefill_speed         (prefill work ahead of ours)
-             + share * n / decode_speed                     (what the running streams cost us)
-             + chunk_steps * batch_step_s                   (batching: prefill chunks ride steps)
-    prefill  = (max(p - m, 1)                               (only the uncached suffix)
-                + COPY_CHARGE * (b - m))                    (a prefix copied from elsewhere)
-               / prefill_speed * (1 + busy)
-    decode   = n / decode_speed                             (one stream alone)
-
-``b`` is the longest match among the candidates (Bloom estimates for remote peers).
-
-REPLICATE: for the entry peer itself the copy charge is waived when a forward to the
-nearest peer holding that longest match costs at least as much network time
-(ROUND_TRIPS_PER_FORWARD * its rtt) as recomputing the unmatched tokens here
-(``(p - m) / prefill_speed``): such a prefix is cheaper to replicate than to share, since
-every later request for it that enters here would pay that network time again. At low
-delay the charge keeps affinity; at high delay (or on a GPU, where recomputation is
-cheap) it would make every request pay the network to spare a copy.
-
-``share`` is ``batch_share``: for a peer that does not batch (``batch_slots`` 0, every
-summary older than the batch fields) it is ``running_requests``, processor sharing: each
-running stream takes a turn per token. A batching peer decodes its batch in one step
-whose time grows by BATCH_STEP_SLOPE of a lone step per sequence, so a request joining a
-batch of ``r`` free-slotted streams costs the marginal slowdown of the batch: its own
-steps are ``r * slope`` longer, and it makes each of the ``r`` others' steps longer by as
-much (``2 * slope * r``); past the slots it also waits for one. The prefill of a batching
-peer is read in chunks of at most ``step_tokens - r`` tokens, one per step, and each
-of those steps also decodes the batch (``batch_step_s = r * slope / decode_speed``).
-
-``busy`` is the mean number of requests running per peer across the swarm (this peer's
-view). A prefill delays each running request by about its own length: ``(1 + busy)``
-charges a miss for its own wait and for the wait it imposes. An idle swarm makes it plain
-completion time; an overloaded one makes cache misses expensive, which keeps affinity
-when capacity is what matters.
-
-The copy charge prices what a request costs the caches, not itself. Served where
-``b - m`` tokens of its prefix are not cached but another peer's are, it writes them into
-this peer's cache as a second copy, evicting about as many tokens of other prefixes from
-a full cache; some later request computes those again. COPY_CHARGE = 1 prices that once,
-in a swarm as busy as now, so ``(1 + busy)`` applies to it too. docs/cost-model.md has
-the measurements behind the terms.
-
-Speeds: ``decode_speed`` is one stream alone. A summary's ``decode_tokens_per_s`` is one
-stream's speed at the batch it was measured in; ``single_stream_decode`` turns it back
-into a lone stream's with the batch speed and the slope.
-
-Every speed a peer reports within SPEED_NOISE_FACTOR of ours counts as ours
-(``as_measured_here``). Costs within COST_TIE_FRACTION of the cheapest (of its cost less its
-decode: ``tie_limit_s``) are a tie, which
-goes to the longest match (reasons at the constant).
+simulator feeds them with exact matches, so both measure one code. ``estimate_cost`` is
+the one copy of the cost model (policy COST): a request's completion time on a peer as
+network + queue + prefill + decode; docs/cost-model.md has the formula, each term's
+reason and the measurements behind them.
 """
 
 from __future__ import annotations
@@ -79,7 +28,7 @@ SPEED_NOISE_FACTOR = 2.0  # speeds measured on shared or busy CPUs vary ~2x run 
 # cost the model does not price.
 COST_TIE_FRACTION = 0.10
 COPY_CHARGE = 1.0  # a prefix copied from another peer's cache evicts about as much here,
-#   computed again later: charged its prefill once (module docstring)
+#   computed again later: charged its prefill once (docs/cost-model.md)
 MIN_TOKENS_PER_S = 1e-3  # floor on any speed, so a zero or garbage figure cannot divide by 0
 # A batched decode step of b sequences takes (1 - slope + slope * b) lone steps: the
 # weights are read once per step, each sequence adds its own attention and sampling.
@@ -119,7 +68,7 @@ class PeerEstimate(NamedTuple):
 
 
 class Cost(NamedTuple):
-    """Estimated completion time of a request on one peer, by part (see module docstring)."""
+    """Estimated completion time of a request on one peer, by part (docs/cost-model.md)."""
 
     network_s: float
     queue_s: float
@@ -224,13 +173,12 @@ def estimate_cost(
     step_tokens: int = 0,
     holder_network_s: float = 0.0,
 ) -> Cost:
-    """Estimated completion time of a request on a peer (the model in the module docstring).
+    """Estimated completion time of a request on a peer (the model of docs/cost-model.md).
 
     ``best_match_tokens`` is the longest match among the candidates (0: no copy charge).
     ``holder_network_s`` (the entry peer's own candidate only; 0 elsewhere) is what a
     forward to that longest match costs in network time: when it is at least this peer's
-    recomputation of the unmatched tokens, the copy charge is waived (REPLICATE rule in
-    the module docstring).
+    recomputation of the unmatched tokens, the copy charge is waived (the REPLICATE rule).
     The one copy of the formula: the ranking loops, the router and the simulator call it.
     """
     prefill = prefill_tokens_per_s if prefill_tokens_per_s > MIN_TOKENS_PER_S else MIN_TOKENS_PER_S

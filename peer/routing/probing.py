@@ -1,34 +1,11 @@
 """Load probing: whether to ask the top candidates for their load now, whom, how long to wait.
 
-A summary's load is up to a summary interval old; under load, entry peers that all read
-the same stale figures pile onto the same favourite. Before forwarding, the entry peer may
-ask a few candidates for their load now (protocols/load.py) and rank again. A probe costs
-a round trip before the request leaves, so the core probes only where it can pay:
-
-- ``plan_probes`` looks at the router's ranking (policy COST only). A remote candidate
-  other than the best is worth a probe when, even with no load at all (its cost minus
-  its load part), it would beat the best by more than the probe's own round trips. The
-  best itself, if remote, is worth a probe when the decision is a close call: the
-  runner-up is within ``margin_fraction`` of its cost (a summary's load is off by that
-  much under load), and that uncertainty minus the margin exceeds the round trips. At
-  most ``max_probes`` candidates, those with the most to gain; none at all when nothing
-  can gain more than it costs, nor when the probe's round trips exceed
-  ``cost_fraction`` of the best's estimated cost (a probe as dear as the differences it
-  looks for loses on average). The wait is the probes' expected time (a few round trips,
-  at least ``min_wait_s``), never more than the most a probe could save, nor
-  ``max_wait_s``.
-- ``ProbeRound`` collects answers against that deadline: one per probed peer, none
-  after the deadline, none from a peer that was not asked. Late or missing answers leave
-  the peer ranked on its gossiped load.
-- ``fresh_estimate`` applies one answer with the trust rules of a summary's load: a
-  report is a claim, and it can lower a peer's load no further than this entry peer's
-  own forwards there that the table still counts (the same floor a summary that claims
-  an idle peer gets), so lying in probes wins no more traffic than lying in summaries.
-  The router's ``rerank`` then ranks the same candidates again (peer/routing/router.py), so an
-  answer never adds a candidate, and a peer quarantined meanwhile drops out.
-
-The live pipeline (peer/request/pipeline.py, peer/routing/probe_service.py) and the simulator's
-``cost_probe`` (bench/sim/model.py) both drive this module.
+A summary's load is up to an interval old, and entry peers that read the same stale
+figures pile onto the same favourite; a probe costs round trips before the request
+leaves, so ``plan_probes`` probes only where it can pay, ``ProbeRound`` collects answers
+until a deadline, and ``fresh_estimate`` applies one with a summary's trust rules. The
+live pipeline and the simulator's ``cost_probe`` both drive it; docs/protocol.md
+(section 7.2, load probes) has the rules.
 """
 
 from __future__ import annotations
@@ -74,7 +51,7 @@ DEFAULT_MIN_WAIT_S = 0.02  # loopback round trips are ~4 ms but 20+ ms on a load
 # wait is paid by every request that probes, the saving only by those whose choice it
 # changes, so a probe that costs as much as the differences it could find (a GPU peer
 # at a few ms of delay: ~20 ms of probe against ~90 ms of request) loses on average. 5%
-# is the margin within which the router is held to the best other policy (issue 14);
+# is the margin within which the router is held to the best other policy;
 # docs/cost-model.md has the sweep behind it.
 DEFAULT_COST_FRACTION = 0.05
 # How far off the best's cost its gossiped load may be (a close call below it): a
@@ -125,7 +102,9 @@ NO_PROBE = ProbePlan((), 0.0, ())
 
 
 def plan_probes(ranked: Sequence[Candidate], settings: ProbeSettings) -> ProbePlan:
-    """The probes worth their round trips for this ranking (module docstring)."""
+    """The probes worth their round trips for this ranking: remote candidates whose fresh
+    load could change the choice by more than the probe costs, at most ``max_probes``,
+    none when the probe is dearer than ``cost_fraction`` of the best's cost."""
     if settings.max_probes == 0 or len(ranked) < 2 or ranked[0].policy is not Policy.COST:
         return NO_PROBE
     best = ranked[0]

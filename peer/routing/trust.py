@@ -1,25 +1,11 @@
 """The trust ledger: what each remote peer claimed, what it delivered, and what follows (pure).
 
-Fed by method calls (time and randomness are parameters), it decides and returns actions;
-the pipeline acts on them (STYLE 3):
-
-- **Probation.** A peer first seen is on PROBATION: every one of its responses is verified
-  (when this peer can verify) and, while other candidates exist, probation peers together
-  get at most one request in ``probation_share`` (`probation_turn`). After
-  ``probation_requests`` verified good responses it is TRUSTED (`Promote`). Fresh
-  identities therefore buy a bounded share of traffic, all of it checked.
-- **Verification.** A trusted peer's forwarded response is verified with probability
-  ``verify_fraction`` (`should_verify`); a failed verdict quarantines it (`Quarantine`).
-- **Quarantine** is final: the peer is never routed to again. Records carry the reason and
-  are exported (`quarantine_records`) for the shell to persist and reload at start.
-- **Claims.** Each forward's Bloom-estimated match is compared with the cached tokens the
-  peer reported (`record_claim`). An honest filter overshoots a claim with about the
-  false-positive rate (plus stale summaries); `excess` grows by one per overshooting claim
-  and falls by ``OVERSHOOT_ALLOWANCE`` per claim. Past ``EXCESS_GRACE`` the discount factor
-  the router multiplies claimed matches by halves per unit of excess (DISCOUNTED); under
-  ``IGNORE_BELOW`` the claims count as nothing (IGNORED).
-- **Speeds.** What a peer advertises is capped at ``SPEED_SLACK`` times the best this peer
-  observed of it (`record_speeds`), or at this peer's own speed before any observation.
+Fed by method calls (time and randomness are parameters), it decides and returns actions
+(`Promote`, `Quarantine`) that the pipeline carries out: new identities are on probation
+and every response of theirs is verified, trusted peers are verified at
+`verify_fraction`, a failed verification quarantines for good, overshooting Bloom claims
+discount a peer's claims, and advertised speeds are capped at what was observed.
+docs/security.md says what each rule stops.
 """
 
 from __future__ import annotations

@@ -1,21 +1,10 @@
 """Pure: the entry peer's side of the lookup beyond the ring (gossip mode `ring`).
 
-A ring peer hears its neighbours' summaries only. When it is asked for a prompt whose
-first block (the prefix root) it does not hold, and no peer it hears holds the whole
-prompt, it looks the root up at the root's home peers (peer/swarm/providers.py keeps the
-records there), asks a few of the holders named how much of the prompt they hold, asks
-the best of them for their summary, and keeps listening to those whose summary shows
-the root, as long as it keeps being asked for what they hold:
-
-- `Interest`: the bounded, least-recently-useful set of such extra peers, and a per-root
-  gap between lookups so a root nobody holds is not looked up on every request.
-- `Lookups`: the decisions around it: whether to look a root up now, which holders to
-  probe (a random few not heard already), which to ask for a summary (the longest
-  matches, and only if longer than what is heard), which to keep hearing (only those
-  whose checked summary shows the root: a record and a match count are claims).
-
-Both take `now` and a `random.Random`; neither does I/O. The live shell (peer/swarm/lookup.py)
-and the simulator (bench/sim/model.py) drive the same objects (docs/protocol.md 5.4).
+A ring peer hears only its neighbours' summaries; for a prompt whose prefix root it does
+not hold it looks the root up at the homes, asks a few holders how much they hold, and
+keeps hearing those whose checked summary shows the root. `Interest` is that bounded set
+of extra peers, `Lookups` the decisions around it. Both take `now` and a `random.Random`;
+the live shell (peer/swarm/lookup.py) and the simulator drive them (docs/protocol.md 5.5).
 """
 
 from __future__ import annotations

@@ -1,27 +1,10 @@
 """Gossip mode ring's lookup beyond the ring: the shell around peer/swarm/providers.py and
-peer/swarm/interest.py, on /prefixswarm/roots/1.0.0 (protocols/roots.py; docs/protocol.md 5.4).
+peer/swarm/interest.py, on /prefixswarm/roots/1.0.0 (protocols/roots.py).
 
-Three jobs, each deciding in a pure core and doing only the I/O here:
-
-- **Holder.** After each summary it publishes, gossip hands the roots it covers to
-  `on_published`; the announce loop runs `RootAnnouncer.sync` and sends each home its
-  `Announce` (at most MAX_ANNOUNCING streams at once, each within ANNOUNCE_TIMEOUT_S).
-  A home that refuses the protocol (a peer of the previous version) or fails is skipped
-  for REFUSAL_S (`HomeRing.refuse`), and its roots go to the next homes.
-- **Home and holder.** `handle_stream` answers announcements (records name the
-  stream's authenticated peer, within `ProviderIndex`'s bounds), finds (live records of
-  peers we are connected to), matches (`RadixCache.match_hashes` of the chain asked
-  about) and summary queries (our last published summary).
-- **Entry.** `before_route(tokens, chain, deadline)`, awaited by the pipeline before
-  ranking: if `Lookups.wanted` (we do not hold the prompt's root, no peer we hear holds
-  the whole prompt), ask the root's homes in turn for its providers, ask
-  `Lookups.holders_to_probe` of them how much of the chain they hold, ask
-  `Lookups.holders_to_ask` of those for their summary (each step in parallel), apply
-  each summary through `PeerTable.apply` with the holder's authenticated id as the
-  source, and keep hearing those whose summary shows the root
-  (`Lookups.admit`; gossip subscribes). The whole lookup is bounded by `budget_s`
-  (PeerConfig.lookup_wait_s) and the request's deadline; on expiry the request is
-  routed with what arrived.
+Three jobs, each decided in a pure core with only the I/O here: a holder announces its
+prefix roots to their homes, a home answers announcements and queries, and an entry
+peer looks a prompt's root up before ranking (`before_route`, within the lookup budget
+and the request's deadline). docs/protocol.md 5.5 has the protocol and its bounds.
 """
 
 from __future__ import annotations

@@ -1,30 +1,10 @@
 """PeerTable: what this peer believes about every other peer, with ages and expiry (pure).
 
-Fed by method calls with `now` (seconds on any monotonic clock; the shell passes
-`trio.current_time()`), it decides and reports; it never does I/O:
-
-- `apply(summary, source_peer_id, now)` validates a gossiped CacheSummary and keeps the
-  newest per peer, answering `ApplyResult(accepted, reason, detail)` where `reason` is a
-  stable code (a `Verdict`, usable as a metrics label) and `detail` a sentence.
-- A peer is live until `expiry_s` passes without an accepted summary; `expire(now)`
-  drops the silent ones and returns their ids. A stale entry counts as gone everywhere
-  (views, seq ordering) even before `expire` runs, so a peer that restarts with the same
-  identity and `seq` from 0 is accepted once its old entry has expired.
-- `estimate_match(peer_id, chain)` walks the chain until the first Bloom miss, using
-  the peer's decoded filter (decoded once per summary, on first use: routing reads the
-  BloomBank, and apply checks the fill on the bytes) and a shared `ProbeCache`.
-- `routing_rows(chain, now)` answers the router in one pass: every live peer, by id, with
-  its summary, RTT, forwards and `estimate_match` for the chain, the matches computed for
-  all peers at once by a numpy `BloomBank` per filter shape (kept in step with `apply`).
-- `record_rtt` keeps the minimum of the last RTT_WINDOW round trips: the path's own
-  delay. A ping answered late by a busy event loop measures that peer's load, which the
-  cost model prices from its summary, not the network (measured on loopback: pings of
-  2 to 17 ms over a path whose forwards cost ~2 ms).
-- `record_forward` counts a request this peer forwarded to another on top of the load
-  that peer's last summary reported, until the forward is given back
-  (`forward_prefilled` when its first token arrives: no longer queued there;
-  `forward_ended` when it is over) or a newer summary, which reports the load itself,
-  replaces the counts.
+Fed by method calls with `now`, it validates gossiped summaries (`apply` answers an
+`ApplyResult` with a stable reason code), expires silent peers, estimates each peer's
+match for a block-hash chain from its Bloom filter (`routing_rows`: all peers at once,
+through a numpy `BloomBank`), keeps round trips and counts this peer's own forwards on
+top of each summary's load. It never does I/O.
 """
 
 from __future__ import annotations
@@ -345,7 +325,11 @@ class PeerTable:
     # -- observations from the shell ----------------------------------------------------
 
     def record_rtt(self, peer_id: str, rtt_s: float, now: float) -> bool:
-        """Add a measured round trip to the peer's window; False (ignored) if unknown."""
+        """Add a measured round trip to the peer's window; False (ignored) if unknown.
+
+        The window's minimum is the path's own delay: a ping answered late by a busy
+        event loop measures that peer's load, which the cost model takes from its summary
+        (on loopback, pings of 2 to 17 ms over a path whose forwards cost ~2 ms)."""
         _check_time(now)
         if not (math.isfinite(rtt_s) and rtt_s >= 0.0):
             raise ValueError(f"rtt_s must be finite and >= 0, got {rtt_s}")

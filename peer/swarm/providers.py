@@ -1,25 +1,10 @@
 """Pure: provider records of prefix roots at their home peers (gossip mode `ring`).
 
-A *prefix root* is the chain hash of a prompt's first block (protocols/blocks.py): every
-prompt that shares a prefix shares its root. A root's *home peers* are the
-PROVIDER_HOMES peers nearest it on the ring of peer positions (peer/swarm/neighbourhood.py
-`ring_position`; the root's own position is its value, already a uniform 64-bit hash),
-among the peers one knows. Holders tell the homes; entry peers ask them
-(protocols/roots.py carries both):
-
-- `HomeRing`: the known peers on the ring, and a root's homes among them, skipping
-  peers that refused the protocol or failed to answer (a peer of the previous version
-  has no handler: it is never a home, and stays a neighbour).
-- `RootAnnouncer` (the holder): what to tell which home, from the roots the holder's
-  last published summary covers: new roots are announced, evicted ones withdrawn, and
-  every held root announced again every `refresh_s` (records expire after
-  RECORD_TTL_S, so a lost message or a vanished holder costs a stale record for at most
-  that long, and a lost announcement is repaired by the next refresh: anti-entropy).
-- `ProviderIndex` (the home): root -> the peers that announced it, newest first,
-  bounded per root, per announcer and in total, each record expiring after its TTL.
-
-All take `now`; none does I/O. The live shell (peer/swarm/lookup.py) and the simulator
-(bench/sim/model.py) drive the same objects.
+A prompt's prefix root (the chain hash of its first block) has PROVIDER_HOMES home peers,
+the nearest on the ring of peer positions; holders announce their roots to the homes
+(`RootAnnouncer`), homes keep bounded, expiring records (`ProviderIndex`), and `HomeRing`
+finds a root's homes among the known peers. All take `now`; none does I/O. The live shell
+(peer/swarm/lookup.py) and the simulator drive the same objects (docs/protocol.md 5.5).
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ __all__ = [
     "bloom_shape",
 ]
 
-CHANGE_FRACTION = 0.05  # publish early once 5% of the cached blocks changed (issue 3)
+CHANGE_FRACTION = 0.05  # publish early once 5% of the cached blocks changed
 EARLY_GAP_FRACTION = 0.25  # ...but at most once per quarter interval (pubsub allows 10/s)
 _EPS = 1e-9  # float round-off in times that a simulator adds up
 
@@ -96,13 +96,6 @@ class PublishPolicy:
         for ev in events:
             if ev.kind is EventKind.STORED or ev.kind is EventKind.REMOVED:
                 self._changed += 1
-        self._cached_blocks = cached_blocks
-
-    def observe_count(self, changes: int, cached_blocks: int) -> None:
-        """`observe` for a caller that already counted its events (the simulator)."""
-        if changes < 0 or cached_blocks < 0:
-            raise ValueError("changes and cached_blocks must be >= 0")
-        self._changed += changes
         self._cached_blocks = cached_blocks
 
     def poll(self, now: float) -> Publish | None:
