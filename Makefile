@@ -48,7 +48,7 @@ lint: $(STAMP)
 	# shells typed as strictly (pyproject's second strict override): the request path
 	$(BIN)/mypy peer/api/http.py peer/api/responses.py peer/api/auth.py peer/request/serving.py \
 		peer/request/pipeline.py peer/request/race.py peer/request/forward.py peer/request/inference.py peer/routing/probe_service.py \
-		peer/net/streams.py peer/net/stream_frames.py peer/swarm/lookup.py
+		peer/net/wire.py peer/swarm/lookup.py
 
 clean-venv:
 	rm -rf $(VENV)

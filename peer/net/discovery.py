@@ -31,7 +31,6 @@ from libp2p.peer.peerinfo import PeerInfo
 
 from peer.logs import root_cause
 from peer.net.host import (
-    PeerUnreachable,
     SwarmHost,
     dht_add_peer,
     dht_forget_peer,
@@ -40,6 +39,7 @@ from peer.net.host import (
     dht_query_providers,
     parse_peer_addr,
 )
+from peer.net.wire import PeerUnreachable
 
 logger = logging.getLogger(__name__)
 

@@ -42,6 +42,7 @@ from peer.net import libp2p_fixes
 from peer.net.punch_service import HolePunch
 from peer.net.reachability import Reachability, is_circuit
 from peer.net.relay_service import RELAYABLE, Reach
+from peer.net.wire import PeerUnreachable
 
 logger = logging.getLogger(__name__)
 
@@ -59,12 +60,6 @@ MAX_RELAYED_REMEMBERED = 4096  # peers remembered as relayed: far more than a sw
 
 class HostError(Exception):
     """The local host could not do what was asked (listen, load identity)."""
-
-
-class PeerUnreachable(Exception):
-    """A remote peer could not be dialled, pinged or opened a stream to in time."""
-
-
 
 
 def load_or_create_identity(path: Path | None) -> KeyPair:

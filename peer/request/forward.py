@@ -20,10 +20,8 @@ import trio
 from libp2p.peer.id import ID
 
 from peer.engine.api import Completion, SamplingParams, TokenEvent
-from peer.net.host import PeerUnreachable
-from peer.net.streams import StreamOpener
+from peer.net.wire import FrameStream, StreamOpener, WireError
 from peer.request.admission import Admission, Overloaded, Slot
-from peer.request.inference import FrameStream, StreamBroken
 from peer.swarm.peer_table import ForwardCharge, PeerTable
 from protocols.errors import RemoteProtocolError
 from protocols.ids import INFER_PROTOCOL
@@ -34,6 +32,7 @@ from protocols.infer import (
     InferRequest,
     InferResult,
     TokenChunk,
+    parse_response,
 )
 
 # Streams to a peer open within this; the first-token deadline covers the rest.
@@ -207,11 +206,11 @@ class RemoteAttempt:
             stream = await self._host.new_stream(
                 ID.from_base58(self.peer_id), [INFER_PROTOCOL], timeout_s=STREAM_OPEN_TIMEOUT_S
             )
-            self._frames = FrameStream(stream, self._vocab_size)
+            self._frames = FrameStream(stream)
             self.sent_at = trio.current_time()
             await self._frames.send(self._request)
             while not self.first:
-                message = await self._frames.receive_response()
+                message = parse_response(await self._frames.receive(), self._vocab_size)
                 if isinstance(message, TokenChunk):
                     self.first = self._take(message)
                 elif isinstance(message, InferResult):
@@ -231,7 +230,7 @@ class RemoteAttempt:
         with self._errors():
             while True:
                 with trio.fail_at(min(self._deadline, trio.current_time() + self._gap_s)):
-                    message = await self._frames.receive_response()
+                    message = parse_response(await self._frames.receive(), self._vocab_size)
                 if isinstance(message, TokenChunk):
                     tokens = self._take(message)
                     if tokens:
@@ -265,7 +264,7 @@ class RemoteAttempt:
             yield
         except trio.TooSlowError as exc:
             raise AttemptFailed("stalled", "no token before the deadline") from exc
-        except (StreamBroken, RemoteProtocolError, PeerUnreachable) as exc:
+        except (WireError, RemoteProtocolError) as exc:
             raise AttemptFailed("failed", str(exc) or type(exc).__name__) from exc
 
     async def aclose(self) -> None:

@@ -41,7 +41,7 @@ import trio
 from peer.config import PeerConfig
 from peer.engine.api import EngineError, EngineLoad, SamplingParams
 from peer.engine.text import StopTracker
-from peer.net.streams import StreamOpener
+from peer.net.wire import StreamOpener
 from peer.request.admission import Admission, Overloaded
 from peer.request.forward import (
     AttemptFailed,

@@ -23,7 +23,7 @@ import trio
 
 from peer.config import PeerConfig
 from peer.engine.api import SamplingParams
-from peer.net.streams import HandlerHost, StreamOpener
+from peer.net.wire import HandlerHost, StreamOpener
 from peer.request.admission import Admission, Overloaded
 from peer.request.generation import (
     DeadlineExceeded,
