@@ -47,7 +47,7 @@ lint: $(STAMP)
 		peer/request/generation.py peer/api/face.py peer/swarm/local_summary.py
 	# shells typed as strictly (pyproject's second strict override): the request path
 	$(BIN)/mypy peer/api/http.py peer/api/responses.py peer/api/auth.py peer/request/serving.py \
-		peer/request/pipeline.py peer/request/race.py peer/request/forward.py peer/request/inference.py peer/routing/probe_service.py \
+		peer/request/pipeline.py peer/request/run.py peer/request/race.py peer/request/forward.py peer/request/inference.py peer/routing/probe_service.py \
 		peer/net/wire.py peer/swarm/lookup.py
 
 clean-venv:
