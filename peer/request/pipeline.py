@@ -107,7 +107,6 @@ class Pipeline:
         self._host = host
         self._admission = admission
         self._entry = Admission(config.max_queue * 4, name="entry queue")
-        self.trust = trust
         self._probe_settings = ProbeSettings(
             max_probes=config.load_probes,
             max_wait_s=config.load_probe_wait_s,
