@@ -55,12 +55,12 @@ lint: $(STAMP)
 		peer/swarm/interest.py peer/swarm/providers.py peer/demo_data.py peer/engine/radix.py \
 		peer/engine/speeds.py peer/routing/trust.py peer/request/request_log.py peer/settings.py \
 		peer/preflight.py peer/logs.py peer/version.py peer/progress.py peer/net/reachability.py peer/net/punch.py \
-		peer/engine/scheduler.py peer/engine/api.py peer/engine/text.py peer/routing/probing.py \
+		peer/engine/scheduler.py peer/engine/api.py peer/engine/text.py peer/routing/probing.py peer/routing/decide.py \
 		peer/request/generation.py peer/api/face.py peer/swarm/local_summary.py
 	# shells typed as strictly (pyproject's second strict override): the request path
 	$(BIN)/mypy peer/api/http.py peer/api/responses.py peer/api/auth.py peer/request/serving.py \
-		peer/request/pipeline.py peer/request/race.py peer/request/forward.py peer/request/inference.py peer/routing/probe_service.py \
-		peer/net/streams.py peer/net/stream_frames.py peer/swarm/lookup.py
+		peer/request/pipeline.py peer/request/run.py peer/request/race.py peer/request/forward.py peer/request/inference.py peer/routing/probe_service.py \
+		peer/net/wire.py peer/swarm/lookup.py
 
 clean-venv:
 	rm -rf $(VENV)

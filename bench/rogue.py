@@ -50,8 +50,8 @@ from libp2p.pubsub.pb import rpc_pb2
 from libp2p.pubsub.pubsub import PUBSUB_SIGNING_PREFIX
 
 from peer.config import PeerConfig
+from peer.net.wire import FrameStream, StreamBroken
 from peer.node import Peer, open_peer
-from peer.request.inference import FrameStream, StreamBroken
 from protocols.bloom import BloomFilter
 from protocols.errors import RemoteProtocolError
 from protocols.ids import INFER_PROTOCOL, gossip_topic
@@ -216,13 +216,13 @@ class Rogue:
     async def _read_request(self, frames: Any) -> InferRequest | None:
         try:
             with trio.fail_after(READ_TIMEOUT_S):
-                return parse_request(await frames.receive_raw(), self.engine.vocab_size)
+                return parse_request(await frames.receive(), self.engine.vocab_size)
         except (RemoteProtocolError, StreamBroken, trio.TooSlowError):
             return None
 
     async def _misbehave(self, stream: Any, remote: str) -> None:
         """Stall, or answer wrong tokens with a result claiming the entry served them."""
-        frames = FrameStream(stream, self.engine.vocab_size)
+        frames = FrameStream(stream)
         try:
             request = await self._read_request(frames)
             if request is None:
@@ -259,16 +259,16 @@ class Rogue:
     async def _sampled_or_honest(self, stream: Any, self_id: str, honest: Any) -> None:
         """Greedy requests go to the honest service (the rogue looks fine on them)."""
         frames = _Replay(stream)
-        request = await self._read_request(FrameStream(frames, self.engine.vocab_size))
+        request = await self._read_request(FrameStream(frames))
         if request is None:
-            await FrameStream(stream, self.engine.vocab_size).close()
+            await FrameStream(stream).close()
             return
         if request.temperature == 0.0:
             self.answered["honest_greedy"] += 1
             frames.replay()
             await honest(frames)  # replays the request bytes it already read
             return
-        out = FrameStream(stream, self.engine.vocab_size)
+        out = FrameStream(stream)
         try:
             tokens = await self._implausible(request)
             with contextlib.suppress(StreamBroken), trio.move_on_after(30):

@@ -156,8 +156,7 @@ async def check_bootstrap_models(peer: Any, config: PeerConfig) -> None:
     see each other (the model id names the topic), so waiting for them is pointless."""
     from libp2p.exceptions import BaseLibp2pError
 
-    from peer.net.host import PeerUnreachable
-    from peer.net.stream_frames import StreamRefused
+    from peer.net.wire import PeerUnreachable, StreamRefused
     from peer.routing.probe_service import query_model
 
     theirs: dict[str, str] = {}

@@ -15,7 +15,7 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TypeAlias
 
 from protocols.errors import RemoteProtocolError
@@ -135,17 +135,6 @@ class InferRequest:
         for text in self.stop:
             _check_str("stop string", text, 1, MAX_STOP_LEN)
         _check_int("hops", self.hops, 0, MAX_HOPS)
-
-    @property
-    def may_forward(self) -> bool:
-        """Whether a peer that received this request may still forward it."""
-        return self.hops < MAX_HOPS
-
-    def forwarded(self, deadline_s: float) -> InferRequest:
-        """The request as sent one hop further, with the time left at sending."""
-        if not self.may_forward:
-            raise ValueError(f"request {self.request_id} already made {self.hops} hop(s)")
-        return replace(self, hops=self.hops + 1, deadline_s=deadline_s)
 
     def check_vocab(self, vocab_size: int) -> None:
         """Raise ValueError if a prompt token is outside a vocabulary of this size."""

@@ -20,7 +20,7 @@ from libp2p.peer.id import ID
 
 from peer.config import PeerConfig, Policy
 from peer.engine.api import Completion, EngineLoad, SamplingParams, TokenEvent, Usage
-from peer.net.host import PeerUnreachable
+from peer.net.wire import PeerUnreachable
 from peer.request.admission import Admission
 from peer.request.generation import GenerationRequest
 from peer.request.pipeline import Pipeline

@@ -11,11 +11,11 @@ from libp2p.utils.varint import encode_uvarint
 
 from peer.config import PeerConfig, Policy
 from peer.engine.engine import SamplingParams
-from peer.request.inference import FrameStream
+from peer.net.wire import FrameStream
 from peer.routing.router import Router
 from protocols.framing import encode_frame
 from protocols.ids import INFER_PROTOCOL
-from protocols.infer import ErrorCode, InferError, InferRequest
+from protocols.infer import ErrorCode, InferError, InferRequest, parse_response
 from tests.helpers_swarm import start_peer, swarm_config, wait_until
 
 # Field 1 with wire type 7 (invalid): protobuf's parser raises DecodeError on it.
@@ -49,11 +49,11 @@ async def _infer_exchange(entry, server, payload: bytes) -> object:
     """Open an inference stream from `entry` to `server`, send raw bytes, read one reply."""
 
     stream = await entry.peer.host.new_stream(ID.from_base58(server.peer.peer_id), [INFER_PROTOCOL])
-    frames = FrameStream(stream, server.peer.engine.vocab_size)
+    frames = FrameStream(stream)
     try:
         with trio.fail_after(10):
             await stream.write(payload)
-            return await frames.receive_response()
+            return parse_response(await frames.receive(), server.peer.engine.vocab_size)
     finally:
         await frames.reset()
 

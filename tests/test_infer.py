@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import cbor2
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from peer.engine.api import SamplingParams
+from peer.request.forward import infer_request
 from protocols.errors import RemoteProtocolError
 from protocols.framing import FRAME_HEADER_BYTES, MAX_FRAME_BYTES, decode_cbor, encode_frame
 from protocols.infer import (
@@ -173,13 +176,12 @@ def test_misuse_by_our_code_is_value_error() -> None:
         InferError("overloaded", "x")  # type: ignore[arg-type]
 
 
-def test_hops_and_forwarding() -> None:
-    request = make_request()
-    assert request.may_forward
-    sent = request.forwarded(deadline_s=12.5)
-    assert (sent.hops, sent.deadline_s, sent.may_forward) == (1, 12.5, False)
-    with pytest.raises(ValueError, match="already made 1 hop"):
-        sent.forwarded(deadline_s=10.0)
+def test_a_forwarded_request_cannot_go_further() -> None:
+    """The hop rule: the entry sends hops = MAX_HOPS, one hop more is not a request."""
+    sent = infer_request("req-1", [1, 2, 3], SamplingParams(max_new_tokens=2), 12.5)
+    assert (sent.hops, sent.deadline_s) == (MAX_HOPS, 12.5)
+    with pytest.raises(ValueError, match="hops"):
+        replace(sent, hops=sent.hops + 1)
 
 
 def test_retryable_codes() -> None:

@@ -16,7 +16,7 @@ from libp2p.peer.id import ID
 
 from peer.config import DEFAULT_LOOKUP_WAIT_S
 from peer.engine.radix import RadixCache
-from peer.net.host import PeerUnreachable
+from peer.net.wire import PeerUnreachable
 from peer.swarm.bloom_sizing import summary_bloom
 from peer.swarm.lookup import RootLookup
 from peer.swarm.peer_table import PeerTable

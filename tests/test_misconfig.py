@@ -20,7 +20,7 @@ from libp2p.peer.peerinfo import PeerInfo
 from peer import cli
 from peer.config import PeerConfig
 from peer.net import discovery
-from peer.net.host import PeerUnreachable
+from peer.net.wire import PeerUnreachable
 from peer.preflight import hold_identity
 
 PEER_ID = "12D3KooWQ9jhRNWHHQioUtkmgTNTKoKjgvx8oZ3Qts9KdFLoW8Gy"

@@ -10,6 +10,7 @@ import trio
 
 from peer.engine.engine import SamplingParams
 from peer.request.pipeline import GenerationChunk, Outcome
+from peer.request.race import first_token_timeout_s, hedge_delay_s
 from peer.routing.trust import TrustState
 from tests.fake_host import (
     SELF,
@@ -59,7 +60,7 @@ async def test_a_stall_costs_the_deadline_from_the_estimate_not_the_fixed_one(au
     swarm = fake_swarm({A: (7, stall), B: (6, honest())}, PROMPT)
     ranked = swarm.pipeline._rank(PROMPT, PARAMS, 0.0)
     assert [c.peer_id for c in ranked] == [A, B, SELF]
-    timeout = swarm.pipeline.race.first_token_timeout_s(ranked[0])
+    timeout = first_token_timeout_s(swarm.pipeline.config, ranked[0])
     assert timeout == 1.0  # the floor: 4x an estimate of ~10 ms is less
     _, result = await collect(swarm.pipeline)
     assert swarm.host.dials == [(0.0, A), (1.0, B)]  # not forward_first_token_s (30 s)
@@ -85,7 +86,7 @@ async def test_a_slow_candidate_is_hedged_and_the_first_token_wins(autojump_cloc
     swarm = fake_swarm({A: (7, slow), B: (6, honest(ttft_s=0.02))}, PROMPT,
                        hedge_multiple=2.0, hedge_floor_s=0.1)
     ranked = swarm.pipeline._rank(PROMPT, PARAMS, 0.0)
-    assert swarm.pipeline.race.hedge_delay_s(ranked[0]) == 0.1
+    assert hedge_delay_s(swarm.pipeline.config, ranked[0]) == 0.1
     chunks, result = await collect(swarm.pipeline)
     assert swarm.host.dials == [(0.0, A), (0.1, B)]
     assert result.ttft_s == pytest.approx(0.12)

@@ -11,7 +11,7 @@
   relay_server.py    the relay side: slots held for private peers, circuits joined
   punch.py           pure: the hole punch's messages, roles, timing and budget
   punch_service.py   relayed -> direct: connection reversal, TCP simultaneous open
-  streams.py, stream_frames.py   the typed stream seam and one-request framing helpers
+  wire.py            frames over a stream, the wire's errors, the stream seams
 
 May import: engine/, config and the other root utilities, protocols/. Nothing above.
 """

@@ -21,7 +21,7 @@ from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 
 from peer.logs import root_cause
-from peer.net.host import PeerUnreachable, SwarmHost, parse_peer_addr
+from peer.net.host import SwarmHost, parse_peer_addr
 from peer.net.host_services import (
     dht_add_peer,
     dht_forget_peer,
@@ -29,6 +29,7 @@ from peer.net.host_services import (
     dht_provide,
     dht_query_providers,
 )
+from peer.net.wire import PeerUnreachable
 
 logger = logging.getLogger(__name__)
 

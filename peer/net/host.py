@@ -39,6 +39,7 @@ from peer.net.punch_service import HolePunch
 from peer.net.reachability import Reachability, is_circuit
 from peer.net.relay_server import RELAYABLE
 from peer.net.relay_service import Reach
+from peer.net.wire import PeerUnreachable
 
 logger = logging.getLogger(__name__)
 
@@ -56,10 +57,6 @@ MAX_RELAYED_REMEMBERED = 4096  # peers remembered as relayed: far more than a sw
 
 class HostError(Exception):
     """The local host could not do what was asked (listen, load identity)."""
-
-
-class PeerUnreachable(Exception):
-    """A remote peer could not be dialled, pinged or opened a stream to in time."""
 
 
 def load_or_create_identity(path: Path | None) -> KeyPair:

@@ -18,7 +18,8 @@ from libp2p.pubsub.gossipsub import PROTOCOL_ID_V11, PROTOCOL_ID_V12, GossipSub
 from libp2p.pubsub.pubsub import Pubsub
 from libp2p.tools.anyio_service import background_trio_service
 
-from peer.net.host import PeerUnreachable, SwarmHost
+from peer.net.host import SwarmHost
+from peer.net.wire import PeerUnreachable
 
 logger = logging.getLogger(__name__)
 

@@ -18,9 +18,10 @@ from libp2p.discovery.events.peerDiscovery import peerDiscovery
 from libp2p.discovery.mdns.mdns import MDNSDiscovery
 from libp2p.peer.peerinfo import PeerInfo
 
-from peer.net.host import PeerUnreachable, SwarmHost
+from peer.net.host import SwarmHost
 from peer.net.reachability import expand_unspecified, is_circuit
 from peer.net.relay_service import interface_ips
+from peer.net.wire import PeerUnreachable
 
 logger = logging.getLogger(__name__)
 

@@ -2,8 +2,9 @@
 
   generation.py      pure: the one generation interface the faces call
   admission.py       pure: bounded admission and its errors
-  pipeline.py        rank -> probe -> race the candidates -> run locally as last resort
-  race.py            one race of attempts (hedging, fallback, stalls)
+  pipeline.py        admit, rank -> probe -> rerank, then one run per request
+  run.py             one request's run: race, deliver, verify, fall back; outcomes recorded
+  race.py            one race of attempts for the first token (hedging, stalls)
   forward.py         the sending side of the inference protocol
   inference.py       the serving side of the inference protocol
   serving.py         composes them for a peer: the GenerationService it exposes

@@ -1,8 +1,9 @@
 """One attempt at a request: on the entry peer's engine, or forwarded to another peer.
 
 An attempt is opened (`open`: up to its first token, under the caller's deadline), then
-read (`next_tokens`: the next tokens, or the finish reason at the end) and closed
-(`aclose`, always). The pipeline races openings (hedging) and streams the winner.
+read (`next_tokens`: the next tokens, or `Finished` at the end) and closed (`aclose`,
+always); a failure is an `AttemptFailed` carrying its `Outcome`. A request run
+(peer/request/run.py) races openings (hedging) and streams the winner.
 
 A forwarded attempt treats what the remote peer sends as data to check: token ids come
 validated against the vocabulary (protocols/infer.py), more tokens than asked for are a
@@ -14,16 +15,16 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import trio
 from libp2p.peer.id import ID
 
 from peer.engine.api import Completion, SamplingParams, TokenEvent
-from peer.net.host import PeerUnreachable
-from peer.net.streams import StreamOpener
+from peer.net.wire import FrameStream, StreamOpener, WireError
 from peer.request.admission import Admission, Overloaded, Slot
-from peer.request.inference import FrameStream, StreamBroken
+from peer.request.generation import Outcome
 from peer.swarm.peer_table import ForwardCharge, PeerTable
 from protocols.errors import RemoteProtocolError
 from protocols.ids import INFER_PROTOCOL
@@ -34,6 +35,7 @@ from protocols.infer import (
     InferRequest,
     InferResult,
     TokenChunk,
+    parse_response,
 )
 
 # Streams to a peer open within this; the first-token deadline covers the rest.
@@ -67,10 +69,21 @@ def infer_request(
     )
 
 
-class AttemptFailed(Exception):
-    """The attempt ended without completing; ``outcome`` is an Outcome value string."""
+@dataclass(frozen=True)
+class Finished:
+    """The end of an attempt's stream: why it finished ("stop" or "length")."""
 
-    def __init__(self, outcome: str, detail: str) -> None:
+    reason: str
+
+
+# What reading an attempt gives: the next tokens, or the end.
+Delivery = list[int] | Finished
+
+
+class AttemptFailed(Exception):
+    """The attempt ended without completing, with its ``outcome`` for the route."""
+
+    def __init__(self, outcome: Outcome, detail: str) -> None:
         super().__init__(detail)
         self.outcome = outcome
 
@@ -80,7 +93,7 @@ class Faulty(AttemptFailed):
     it is quarantined, not merely backed off."""
 
     def __init__(self, detail: str) -> None:
-        super().__init__("failed", detail)
+        super().__init__(Outcome.FAILED, detail)
 
 
 class HedgeLost(AttemptFailed):
@@ -90,7 +103,7 @@ class HedgeLost(AttemptFailed):
     on busy CPUs are off by 2x, and an honest peer must not lose its traffic for that."""
 
     def __init__(self) -> None:
-        super().__init__("stalled", "hedged: a later candidate answered first")
+        super().__init__(Outcome.STALLED, "hedged: a later candidate answered first")
 
 
 class MovedOn(AttemptFailed):
@@ -98,7 +111,7 @@ class MovedOn(AttemptFailed):
     already recorded once, not a second failure."""
 
     def __init__(self) -> None:
-        super().__init__("stalled", "failed meanwhile for a concurrent request")
+        super().__init__(Outcome.STALLED, "failed meanwhile for a concurrent request")
 
 
 class LocalAttempt:
@@ -122,23 +135,23 @@ class LocalAttempt:
         try:
             self._slot = self._admission.admit()
         except Overloaded as exc:
-            raise AttemptFailed("refused", str(exc)) from exc
+            raise AttemptFailed(Outcome.REFUSED, str(exc)) from exc
         private = {} if self._cache_salt is None else {"cache_salt": self._cache_salt}
         self._agen = self._engine.stream(self._prompt, self._params, **private)
         first = await self.next_tokens()
-        if isinstance(first, str):
-            raise AttemptFailed("failed", "the engine finished without a token")
+        if isinstance(first, Finished):
+            raise AttemptFailed(Outcome.FAILED, "the engine finished without a token")
         self.first = first
 
-    async def next_tokens(self) -> list[int] | str:
+    async def next_tokens(self) -> Delivery:
         assert self._agen is not None, "open() first"
         async for item in self._agen:
             if isinstance(item, TokenEvent):
                 return [item.token_id]
             if isinstance(item, Completion):
                 self.cached_tokens = item.usage.cached_tokens
-                return item.finish_reason
-        raise AttemptFailed("failed", "the engine ended without a completion")
+                return Finished(item.finish_reason)
+        raise AttemptFailed(Outcome.FAILED, "the engine ended without a completion")
 
     async def aclose(self) -> None:
         aclose = getattr(self._agen, "aclose", None)  # an async generator's, to release it
@@ -176,7 +189,7 @@ class RemoteAttempt:
                 request_id, prompt, params, deadline - trio.current_time()
             )
         except ValueError as exc:  # the engine accepts more than the wire carries
-            raise AttemptFailed("failed", f"cannot be forwarded: {exc}") from exc
+            raise AttemptFailed(Outcome.FAILED, f"cannot be forwarded: {exc}") from exc
         self._host = host
         self._table = table
         self.peer_id = peer_id
@@ -207,11 +220,11 @@ class RemoteAttempt:
             stream = await self._host.new_stream(
                 ID.from_base58(self.peer_id), [INFER_PROTOCOL], timeout_s=STREAM_OPEN_TIMEOUT_S
             )
-            self._frames = FrameStream(stream, self._vocab_size)
+            self._frames = FrameStream(stream)
             self.sent_at = trio.current_time()
             await self._frames.send(self._request)
             while not self.first:
-                message = await self._frames.receive_response()
+                message = parse_response(await self._frames.receive(), self._vocab_size)
                 if isinstance(message, TokenChunk):
                     self.first = self._take(message)
                 elif isinstance(message, InferResult):
@@ -225,13 +238,13 @@ class RemoteAttempt:
             if self._charge is not None:
                 self._table.forward_prefilled(self._charge)
 
-    async def next_tokens(self) -> list[int] | str:
-        """The next tokens, or the finish reason; each read within the token gap."""
+    async def next_tokens(self) -> Delivery:
+        """The next tokens, or Finished; each read within the token gap."""
         assert self._frames is not None, "open() first"
         with self._errors():
             while True:
                 with trio.fail_at(min(self._deadline, trio.current_time() + self._gap_s)):
-                    message = await self._frames.receive_response()
+                    message = parse_response(await self._frames.receive(), self._vocab_size)
                 if isinstance(message, TokenChunk):
                     tokens = self._take(message)
                     if tokens:
@@ -246,7 +259,7 @@ class RemoteAttempt:
                         )
                     self.cached_tokens = message.cached_tokens
                     self._finished = True
-                    return message.finish_reason.value
+                    return Finished(message.finish_reason.value)
                 else:
                     raise _remote_error(message)
 
@@ -264,9 +277,9 @@ class RemoteAttempt:
         try:
             yield
         except trio.TooSlowError as exc:
-            raise AttemptFailed("stalled", "no token before the deadline") from exc
-        except (StreamBroken, RemoteProtocolError, PeerUnreachable) as exc:
-            raise AttemptFailed("failed", str(exc) or type(exc).__name__) from exc
+            raise AttemptFailed(Outcome.STALLED, "no token before the deadline") from exc
+        except (WireError, RemoteProtocolError) as exc:
+            raise AttemptFailed(Outcome.FAILED, str(exc) or type(exc).__name__) from exc
 
     async def aclose(self) -> None:
         if self._charge is not None:
@@ -280,7 +293,7 @@ class RemoteAttempt:
 def _remote_error(error: InferError) -> AttemptFailed:
     if error.code is ErrorCode.INVALID_REQUEST:
         # Validated here with the same rules: the peer disagrees, so it is faulty.
-        return AttemptFailed("failed", f"peer rejected a valid request: {error.message}")
+        return AttemptFailed(Outcome.FAILED, f"peer rejected a valid request: {error.message}")
     if error.code is ErrorCode.DEADLINE:
-        return AttemptFailed("stalled", f"peer ran out of time: {error.message}")
-    return AttemptFailed("refused", f"{error.code.value}: {error.message}")
+        return AttemptFailed(Outcome.STALLED, f"peer ran out of time: {error.message}")
+    return AttemptFailed(Outcome.REFUSED, f"{error.code.value}: {error.message}")

@@ -1,11 +1,10 @@
-"""The inference protocol's shell: frames over a libp2p stream, and the serving side.
+"""The serving side of the inference protocol (protocols/infer.py over peer/net/wire.py).
 
-`FrameStream` turns a stream into typed frames (protocols/infer.py) with deadlines left
-to the caller. `InferenceService` serves forwarded requests: it owns every inbound
-request in its own nursery (libp2p's handler only hands the stream over), bounds the
-requests in flight per remote peer, runs them on the local engine through the shared
-`Admission`, streams tokens back, and stops generating as soon as the entry peer goes
-away (a reader watches the stream while the engine runs).
+`InferenceService` serves forwarded requests: it owns every inbound request in its own
+nursery (libp2p's handler only hands the stream over), bounds the requests in flight per
+remote peer, runs them on the local engine through the shared `Admission`, streams
+tokens back, and stops generating as soon as the entry peer goes away (a reader watches
+the stream while the engine runs).
 """
 
 from __future__ import annotations
@@ -19,7 +18,6 @@ from typing import TYPE_CHECKING, Protocol
 
 import trio
 from libp2p.custom_types import TProtocol
-from libp2p.exceptions import BaseLibp2pError
 
 from peer.engine.api import (
     Completion,
@@ -28,10 +26,9 @@ from peer.engine.api import (
     SamplingParams,
     TokenEvent,
 )
-from peer.net.streams import HandlerHost, InboundStream, StreamLike
+from peer.net.wire import FrameStream, HandlerHost, InboundStream, StreamBroken, reset_quietly
 from peer.request.admission import Admission, Overloaded
 from protocols.errors import RemoteProtocolError
-from protocols.framing import MAX_FRAME_BYTES, FrameDecoder, encode_frame
 from protocols.ids import INFER_PROTOCOL
 from protocols.infer import (
     ErrorCode,
@@ -39,10 +36,8 @@ from protocols.infer import (
     InferError,
     InferRequest,
     InferResult,
-    Response,
     TokenChunk,
     parse_request,
-    parse_response,
 )
 
 if TYPE_CHECKING:  # trio's TaskStatus, as the trio-stubs py-libp2p pulls in type it
@@ -50,64 +45,9 @@ if TYPE_CHECKING:  # trio's TaskStatus, as the trio-stubs py-libp2p pulls in typ
 
 logger = logging.getLogger(__name__)
 
-READ_CHUNK_BYTES = 64 * 1024  # one read; frames larger than this arrive over several reads
 REQUEST_READ_TIMEOUT_S = 10.0  # an entry peer sends its request right after opening
 REPLY_WRITE_TIMEOUT_S = 10.0  # a reader that stops reading for this long is gone
 INBOUND_BACKLOG = 64  # streams handed over but not yet started; beyond it: refused
-
-
-class StreamBroken(Exception):
-    """The stream ended (EOF, reset, closed) before the exchange was complete."""
-
-
-class FrameStream:
-    """Typed frames over one stream. Methods raise StreamBroken or RemoteProtocolError."""
-
-    def __init__(self, stream: StreamLike, vocab_size: int) -> None:
-        self.stream = stream
-        self._vocab_size = vocab_size
-        self._decoder = FrameDecoder(MAX_FRAME_BYTES)
-
-    async def send(self, message: InferRequest | TokenChunk | InferResult | InferError) -> None:
-        data = encode_frame(message.to_wire())
-        try:
-            await self.stream.write(data)
-        except BaseLibp2pError as exc:
-            raise StreamBroken(f"write failed: {exc!r}") from exc
-
-    async def receive_raw(self) -> object:
-        """The next decoded CBOR object (not yet validated as a message)."""
-        while True:
-            frame = self._decoder.next_frame()
-            if frame is not None:
-                return frame
-            try:
-                data = await self.stream.read(READ_CHUNK_BYTES)
-            except BaseLibp2pError as exc:  # StreamEOF, StreamReset, ...
-                raise StreamBroken(f"read failed: {exc!r}") from exc
-            if not data:
-                raise StreamBroken("end of stream")
-            self._decoder.feed(data)
-
-    async def receive_response(self) -> Response:
-        """The serving peer's next frame: a chunk, the result or an error."""
-        return parse_response(await self.receive_raw(), self._vocab_size)
-
-    async def close(self) -> None:
-        """Close gracefully if possible, else reset; never raises, never blocks long."""
-        with trio.move_on_after(1.0) as scope:
-            scope.shield = True
-            try:
-                await self.stream.close()
-            except BaseLibp2pError:
-                with contextlib.suppress(BaseLibp2pError):
-                    await self.stream.reset()
-
-    async def reset(self) -> None:
-        with trio.move_on_after(1.0) as scope:
-            scope.shield = True
-            with contextlib.suppress(BaseLibp2pError):
-                await self.stream.reset()
 
 
 class Served(enum.Enum):
@@ -160,7 +100,7 @@ class InferenceService:
             self._send.send_nowait((stream, remote))
         except (trio.WouldBlock, trio.ClosedResourceError):
             self.stats["refused_backlog"] += 1
-            await FrameStream(stream, self._engine.vocab_size).reset()
+            await reset_quietly(stream)
 
     async def serve(
         self, host: HandlerHost, *, task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED
@@ -176,10 +116,10 @@ class InferenceService:
                 self._send.close()
 
     async def _serve_one(self, stream: InboundStream, remote: str) -> None:
-        frames = FrameStream(stream, self._engine.vocab_size)
+        frames = FrameStream(stream)
         try:
             with trio.fail_after(REQUEST_READ_TIMEOUT_S):
-                request = parse_request(await frames.receive_raw(), self._engine.vocab_size)
+                request = parse_request(await frames.receive(), self._engine.vocab_size)
         except (RemoteProtocolError, StreamBroken, trio.TooSlowError) as exc:
             self.stats["rejected_invalid"] += 1
             logger.info("bad inference request from %s: %s", remote, exc)
@@ -275,7 +215,7 @@ class InferenceService:
     async def _watch_entry(self, frames: FrameStream, scope: trio.CancelScope) -> None:
         """The entry peer sends nothing after its request: any read end means it left."""
         with contextlib.suppress(RemoteProtocolError, StreamBroken):
-            await frames.receive_raw()
+            await frames.receive()
         scope.cancel()
 
     async def _reply_error(self, frames: FrameStream, code: ErrorCode, message: str) -> None:

@@ -8,8 +8,9 @@ lost, and shows as stalled in the route (it is not backed off: see HedgeLost). E
 remote racer's first-token deadline is a multiple of its estimate, with a floor, capped
 by ``forward_first_token_s``.
 
-Failures are reported through ``on_failed`` the moment they happen; `cancel_waiters`
-lets the pipeline move every request waiting on a failed peer's first token along.
+A race is one object per try of a request (peer/request/run.py builds it with its
+attempt factory bound to the request); `Waiters`, shared by the pipeline's races, lets a
+peer's failure move every request waiting on its first token along.
 """
 
 from __future__ import annotations
@@ -23,9 +24,8 @@ from dataclasses import dataclass
 import trio
 
 from peer.config import PeerConfig
-from peer.engine.api import SamplingParams
 from peer.request.forward import AttemptFailed, HedgeLost, LocalAttempt, MovedOn, RemoteAttempt
-from peer.request.generation import Attempt
+from peer.request.generation import Outcome
 from peer.routing.router import Candidate
 from peer.routing.trust import TrustLedger
 
@@ -35,14 +35,10 @@ MIN_FORWARD_BUDGET_S = 0.05
 
 AnyAttempt = LocalAttempt | RemoteAttempt
 
-
-# Builds one candidate's attempt (Pipeline._attempt), AttemptFailed if it cannot, from
-# the candidate, the prompt, its params, the request id, the deadline and the cache salt.
-MakeAttempt = Callable[
-    [Candidate, list[int], SamplingParams, str, float, bytes | None], AnyAttempt
-]
-# A failed attempt, recorded by the pipeline the moment it happens (route: the request's).
-OnFailed = Callable[[Candidate, AttemptFailed, list[Attempt]], None]
+# One candidate's attempt, for a request already bound (AttemptFailed if it cannot be made).
+MakeAttempt = Callable[[Candidate], AnyAttempt]
+# A failed attempt, recorded the moment it happens.
+OnFailed = Callable[[Candidate, AttemptFailed], None]
 
 
 @dataclass
@@ -62,8 +58,45 @@ def estimated_ttft_s(candidate: Candidate) -> float:
     return cost.network_s + cost.queue_s + cost.prefill_s
 
 
+def first_token_timeout_s(config: PeerConfig, candidate: Candidate) -> float:
+    """A forward's first-token deadline: a multiple of the router's estimate, floored,
+    capped by forward_first_token_s."""
+    estimate = estimated_ttft_s(candidate)
+    timeout = max(config.first_token_floor_s, config.first_token_multiple * estimate)
+    return min(timeout, config.forward_first_token_s)
+
+
+def hedge_delay_s(config: PeerConfig, candidate: Candidate) -> float:
+    """How long a candidate races alone before the next one starts (inf: never)."""
+    if candidate.is_local or config.hedge_multiple <= 0:
+        return math.inf  # this peer's own estimate is exact; hedging it doubles work
+    return max(config.hedge_floor_s, config.hedge_multiple * estimated_ttft_s(candidate))
+
+
+class Waiters:
+    """Who waits on which peer's first token, across a pipeline's races."""
+
+    def __init__(self) -> None:
+        self._waiting: dict[str, set[trio.CancelScope]] = {}
+
+    def add(self, peer_id: str, waiter: trio.CancelScope) -> None:
+        self._waiting.setdefault(peer_id, set()).add(waiter)
+
+    def discard(self, peer_id: str, waiter: trio.CancelScope) -> None:
+        waiters = self._waiting.get(peer_id)
+        if waiters is not None:
+            waiters.discard(waiter)
+            if not waiters:
+                del self._waiting[peer_id]
+
+    def cancel(self, peer_id: str) -> None:
+        """Every racer waiting on ``peer_id``'s first token gives up on it now."""
+        for waiter in self._waiting.pop(peer_id, ()):
+            waiter.cancel()
+
+
 class Race:
-    """Runs races for a pipeline; remembers who waits on which peer's first token."""
+    """One race for a request's first token, over the candidates it is given."""
 
     def __init__(
         self,
@@ -72,148 +105,100 @@ class Race:
         trust: TrustLedger,
         rng: random.Random,
         stats: Counter[str],
+        waiters: Waiters,
         make_attempt: MakeAttempt,
         on_failed: OnFailed,
+        deadline: float,
     ) -> None:
         self._config = config
         self._trust = trust
         self._rng = rng
         self._stats = stats
+        self._waiters = waiters
         self._make_attempt = make_attempt
         self._on_failed = on_failed
-        # Racers waiting on a peer's first token, by peer: cancelled when it fails.
-        self._waiting: dict[str, set[trio.CancelScope]] = {}
+        self._deadline = deadline
+        self._winner: Racer | None = None
+        self._running: list[Racer] = []
+        self._started: list[Racer] = []
+        self._wake = trio.Event()  # set when a racer fails: the next one starts at once
 
-    def first_token_timeout_s(self, candidate: Candidate) -> float:
-        """A forward's first-token deadline: a multiple of the router's estimate, floored,
-        capped by forward_first_token_s."""
-        config = self._config
-        estimate = estimated_ttft_s(candidate)
-        timeout = max(config.first_token_floor_s, config.first_token_multiple * estimate)
-        return min(timeout, config.forward_first_token_s)
-
-    def hedge_delay_s(self, candidate: Candidate) -> float:
-        """How long a candidate races alone before the next one starts (inf: never)."""
-        config = self._config
-        if candidate.is_local or config.hedge_multiple <= 0:
-            return math.inf  # this peer's own estimate is exact; hedging it doubles work
-        return max(config.hedge_floor_s, config.hedge_multiple * estimated_ttft_s(candidate))
-
-    def cancel_waiters(self, peer_id: str) -> None:
-        """Every racer waiting on ``peer_id``'s first token gives up on it now."""
-        for waiter in self._waiting.pop(peer_id, ()):
-            waiter.cancel()
-
-    async def run(
-        self,
-        pending: deque[Candidate],
-        prompt: list[int],
-        params: SamplingParams,
-        request_id: str,
-        deadline: float,
-        route: list[Attempt],
-        *,
-        cache_salt: bytes | None = None,
-    ) -> Racer | None:
-        """Start candidates from ``pending``, hedging, until one has a first token.
-        ``cache_salt`` goes to ``make_attempt``."""
-        winner: list[Racer] = []
-        running: list[Racer] = []
-        started: list[Racer] = []
-        wake = [trio.Event()]  # set when a racer fails: the next one starts at once
+    async def run(self, pending: deque[Candidate]) -> Racer | None:
+        """Start candidates from ``pending``, hedging, until one has a first token."""
         async with trio.open_nursery() as nursery:
-            index = 0
-            while pending and not winner:
-                if len(running) >= MAX_RACING:
-                    await wake[0].wait()
-                    wake[0] = trio.Event()
+            while pending and self._winner is None:
+                if len(self._running) >= MAX_RACING:
+                    await self._wake.wait()
+                    self._wake = trio.Event()
                     continue
                 candidate = pending.popleft()
-                left = deadline - trio.current_time()
+                left = self._deadline - trio.current_time()
                 if left <= 0:
                     pending.clear()
                     break
                 if not candidate.is_local and left < MIN_FORWARD_BUDGET_S:
                     continue
                 try:
-                    attempt = self._make_attempt(
-                        candidate, prompt, params, request_id, deadline, cache_salt
-                    )
+                    attempt = self._make_attempt(candidate)
                 except AttemptFailed as exc:
-                    self._on_failed(candidate, exc, route)
+                    self._on_failed(candidate, exc)
                     continue
-                racer = Racer(candidate, attempt, index)
-                index += 1
-                running.append(racer)
-                started.append(racer)
-                wake[0] = trio.Event()
-                nursery.start_soon(
-                    self._open, racer, deadline, winner, running, wake, nursery.cancel_scope, route
-                )
-                with trio.move_on_after(self.hedge_delay_s(candidate)):
-                    await wake[0].wait()
-                if not wake[0].is_set() and not winner and pending:
+                racer = Racer(candidate, attempt, len(self._started))
+                self._running.append(racer)
+                self._started.append(racer)
+                self._wake = trio.Event()
+                nursery.start_soon(self._open, racer, nursery.cancel_scope)
+                with trio.move_on_after(hedge_delay_s(self._config, candidate)):
+                    await self._wake.wait()
+                if not self._wake.is_set() and self._winner is None and pending:
                     self._stats["hedges"] += 1
-        if winner:
+        winner = self._winner
+        if winner is not None:
             # Racers cancelled because another won did not fail: should the winner fail
             # later (a wrong answer, a broken stream), they are tried again, in their
             # order; above all this peer itself, always the last resort.
-            others = [r.candidate for r in started if r is not winner[0] and not r.failed]
+            others = [r.candidate for r in self._started if r is not winner and not r.failed]
             pending.extendleft(reversed(others))
-        return winner[0] if winner else None
+        return winner
 
-    async def _open(
-        self,
-        racer: Racer,
-        deadline: float,
-        winner: list[Racer],
-        running: list[Racer],
-        wake: list[trio.Event],
-        race_scope: trio.CancelScope,
-        route: list[Attempt],
-    ) -> None:
+    async def _open(self, racer: Racer, race_scope: trio.CancelScope) -> None:
         """Open one racer's attempt; the first with a token wins and ends the race."""
         candidate, attempt = racer.candidate, racer.attempt
         peer_id = candidate.peer_id
-        timeout = math.inf if candidate.is_local else self.first_token_timeout_s(candidate)
+        timeout = (
+            math.inf if candidate.is_local else first_token_timeout_s(self._config, candidate)
+        )
         waiter = trio.CancelScope()
         if not candidate.is_local:
-            self._waiting.setdefault(peer_id, set()).add(waiter)
+            self._waiters.add(peer_id, waiter)
         try:
-            with trio.move_on_at(min(deadline, trio.current_time() + timeout)) as timer:
+            with trio.move_on_at(min(self._deadline, trio.current_time() + timeout)) as timer:
                 with waiter:
                     await attempt.open()
             if waiter.cancelled_caught:
                 raise MovedOn
             if timer.cancelled_caught:
-                raise AttemptFailed("stalled", f"no first token in {timeout:.3f} s")
+                raise AttemptFailed(Outcome.STALLED, f"no first token in {timeout:.3f} s")
         except AttemptFailed as exc:
             racer.failed = True
-            running.remove(racer)
+            self._running.remove(racer)
             await attempt.aclose()
-            self._on_failed(candidate, exc, route)
-            wake[0].set()
+            self._on_failed(candidate, exc)
+            self._wake.set()
             return
         except trio.Cancelled:  # another racer won
-            running.remove(racer)
+            self._running.remove(racer)
             with trio.CancelScope(shield=True):
                 await attempt.aclose()
-            if winner and racer.index < winner[0].index:
-                self._on_failed(candidate, HedgeLost(), route)
+            if self._winner is not None and racer.index < self._winner.index:
+                self._on_failed(candidate, HedgeLost())
             raise
         finally:
-            self._stop_waiting(peer_id, waiter)
-        running.remove(racer)
-        if winner:  # another one won in the same instant
+            self._waiters.discard(peer_id, waiter)
+        self._running.remove(racer)
+        if self._winner is not None:  # another one won in the same instant
             await attempt.aclose()
             return
         racer.verify = not candidate.is_local and self._trust.should_verify(peer_id, self._rng)
-        winner.append(racer)
+        self._winner = racer
         race_scope.cancel()
-
-    def _stop_waiting(self, peer_id: str, waiter: trio.CancelScope) -> None:
-        waiters = self._waiting.get(peer_id)
-        if waiters is not None:
-            waiters.discard(waiter)
-            if not waiters:
-                del self._waiting[peer_id]

@@ -23,7 +23,7 @@ import trio
 
 from peer.config import PeerConfig
 from peer.engine.api import SamplingParams
-from peer.net.streams import HandlerHost, StreamOpener
+from peer.net.wire import HandlerHost, StreamOpener
 from peer.request.admission import Admission, Overloaded
 from peer.request.generation import (
     DeadlineExceeded,
@@ -58,6 +58,9 @@ __all__ = ["Prompt", "Serving", "ServingEngine", "load_quarantine"]
 
 class ServingEngine(PipelineEngine, Protocol):
     """What serving uses of this peer's engine, beyond the pipeline's needs."""
+
+    @property
+    def model_id(self) -> str: ...
 
     @property
     def max_context(self) -> int: ...

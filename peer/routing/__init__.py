@@ -5,6 +5,7 @@ weighed by what each peer did before.
   router.py          pure: routing policies -> ranked candidates with reasons
   probing.py         pure: when a load probe is worth its cost, and what it says
   probe_service.py   the load-probe protocol's shell
+  decide.py          pure: rank -> probe -> rerank, what to do next with the ranking
   trust.py           pure: the trust ledger (probation, verification, quarantine)
 
 May import: swarm/, net/, engine/, config and root utilities, protocols/.

@@ -24,9 +24,16 @@ from libp2p.exceptions import BaseLibp2pError
 from libp2p.peer.id import ID
 
 from peer.engine.api import EngineLoad
-from peer.net.host import PeerUnreachable
-from peer.net.stream_frames import BoundedAnswers, StreamRefused, read_frame, reset_quietly
-from peer.net.streams import HandlerHost, StreamLike, StreamOpener
+from peer.net.wire import (
+    BoundedAnswers,
+    HandlerHost,
+    PeerUnreachable,
+    StreamLike,
+    StreamOpener,
+    WireError,
+    read_frame,
+    reset_quietly,
+)
 from peer.routing.probing import ProbeRound
 from protocols.errors import RemoteProtocolError
 from protocols.framing import encode_frame
@@ -61,7 +68,7 @@ async def probe_loads(
             )
             await stream.write(encode_frame(LoadQuery().to_wire()))
             report = decode_load_report(await read_frame(stream, MAX_LOAD_FRAME_BYTES))
-        except (PeerUnreachable, BaseLibp2pError, RemoteProtocolError, StreamRefused) as exc:
+        except (WireError, BaseLibp2pError, RemoteProtocolError) as exc:
             stats["probe_refused"] += 1
             logger.debug("load probe of %s: %s", peer_id, exc)
             return

@@ -21,9 +21,16 @@ from libp2p.exceptions import BaseLibp2pError
 from libp2p.peer.id import ID
 
 from peer.config import DEFAULT_LOOKUP_WAIT_S
-from peer.net.host import PeerUnreachable
-from peer.net.stream_frames import BoundedAnswers, StreamRefused, read_frame_sized, reset_quietly
-from peer.net.streams import HandlerHost, InboundStream, StreamOpener
+from peer.net.wire import (
+    BoundedAnswers,
+    HandlerHost,
+    InboundStream,
+    PeerUnreachable,
+    StreamOpener,
+    WireError,
+    read_frame_sized,
+    reset_quietly,
+)
 from peer.swarm.interest import DEFAULT_INTEREST_PEERS, Interest, Lookups
 from peer.swarm.peer_table import PeerTable, Verdict
 from peer.swarm.providers import Announcement, HomeRing, ProviderIndex, RootAnnouncer
@@ -64,7 +71,7 @@ ANNOUNCE_TIMEOUT_S = 5.0  # an announcement waits for nobody: seconds only on a 
 MAX_ANSWERING = 64  # concurrent answers; each is ~1 ms of work, more is a flood
 MAX_ANNOUNCING = 8  # concurrent announcement streams; the rest wait their turn
 # Failures that say "this peer did not answer properly", whatever the layer.
-_CALL_FAILED = (PeerUnreachable, BaseLibp2pError, RemoteProtocolError, StreamRefused)
+_CALL_FAILED = (WireError, BaseLibp2pError, RemoteProtocolError)
 
 
 class HashMatcher(Protocol):
@@ -339,8 +346,8 @@ class RootLookup:
     async def _call(self, peer_id: str, request: Request) -> tuple[object, float]:
         """One request on a new stream: its reply's decoded frame, and the seconds from
         sending to the reply (a round trip, the stream's negotiation left out). The
-        caller's deadline bounds it; PeerUnreachable, StreamRefused, RemoteProtocolError
-        or a libp2p error otherwise."""
+        caller's deadline bounds it; a WireError, RemoteProtocolError or a libp2p error
+        otherwise."""
         try:
             remote = ID.from_base58(peer_id)
         except ValueError as exc:

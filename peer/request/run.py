@@ -1,0 +1,393 @@
+"""One request's run on the entry peer: race the candidates, deliver, fall back.
+
+A `RequestRun` owns what one request has: its prompt, params, salt, deadline, route and
+progress. It races the ranked candidates (peer/request/race.py) with the pipeline's
+attempt factory bound to itself, streams the winner's tokens (held back for verification
+when the trust ledger chose it), and on a failure hands over to the next candidate with
+the prompt plus the tokens so far (greedy output stays identical). Attempts end in a
+typed `Outcome`; `RunContext`, shared by a pipeline's runs, records each one where the
+swarm learns from it (router back-off, trust, statistics, waiters on the same peer).
+
+Cancel scopes never span a `yield` here: each await has its own deadline, so a slow
+consumer (an HTTP client) is never blamed for a slow peer, nor the reverse.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+from collections import Counter, deque
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
+
+import trio
+
+from peer.config import PeerConfig
+from peer.engine.api import EngineError, SamplingParams
+from peer.engine.text import StopTracker
+from peer.request.admission import Overloaded
+from peer.request.forward import (
+    AttemptFailed,
+    Delivery,
+    Faulty,
+    Finished,
+    HedgeLost,
+    MovedOn,
+    RemoteAttempt,
+)
+from peer.request.generation import (
+    Attempt,
+    DeadlineExceeded,
+    GenerationChunk,
+    GenerationRequest,
+    GenerationResult,
+    Outcome,
+    RequestFailed,
+)
+from peer.request.race import AnyAttempt, Race, Racer, Waiters
+from peer.routing.router import Candidate, Router
+from peer.routing.trust import Promote, Quarantine, TrustLedger
+from peer.swarm.peer_table import PeerTable
+from protocols.blocks import BlockHasher
+
+logger = logging.getLogger(__name__)
+# A forward's speeds are observed (they cap what the peer advertises) only when compute
+# dominates the round trips and overheads in its timing: a cache hit that computes 3
+# tokens in 10 ms says nothing of the peer's prefill speed.
+MIN_OBSERVED_PREFILL_TOKENS = 64
+MIN_OBSERVED_DECODE_TOKENS = 8
+
+# The pipeline's attempt factory: candidate, prompt, params, request id, deadline, salt.
+AttemptFactory = Callable[
+    [Candidate, list[int], SamplingParams, str, float, bytes | None], AnyAttempt
+]
+
+
+class RunEngine(Protocol):
+    """What a run uses of this peer's engine. An optional ``verify`` (teacher-forced
+    check) enables verification."""
+
+    @property
+    def block_size(self) -> int: ...
+
+    @property
+    def hasher(self) -> BlockHasher: ...
+
+    def decode(self, token_ids: Sequence[int]) -> str: ...
+
+
+class _WrongOutput(AttemptFailed):
+    def __init__(self, detail: str) -> None:
+        super().__init__(Outcome.WRONG_OUTPUT, detail)
+
+
+class _Detokenizer:
+    """The engine's decode() as StopTracker's tokenizer."""
+
+    def __init__(self, engine: RunEngine) -> None:
+        self._engine = engine
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return str(self._engine.decode(token_ids))
+
+
+@dataclass
+class Progress:
+    """What the request has delivered so far, across attempts."""
+
+    tracker: StopTracker  # the text, decoded here from every token delivered
+    generated: list[int] = field(default_factory=list)
+    first_token_at: float | None = None
+    cached_tokens: int | None = None
+    served_by: str = ""
+    handovers: int = 0  # attempts that streamed tokens and then failed
+
+
+class RunContext:
+    """What every run of one pipeline shares, and where each attempt's outcome is
+    recorded: the router backs off a failed peer, the trust ledger learns, requests
+    waiting on the same peer's first token move on."""
+
+    def __init__(
+        self,
+        *,
+        config: PeerConfig,
+        engine: RunEngine,
+        router: Router,
+        table: PeerTable,
+        trust: TrustLedger,
+        rng: random.Random,
+        stats: Counter[str],
+        self_id: str,
+        on_quarantine: Callable[[Quarantine], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.engine = engine
+        self.router = router
+        self.table = table
+        self.trust = trust
+        self.rng = rng
+        self.stats = stats
+        self.self_id = self_id
+        self.verify: Callable[..., Awaitable[Any]] | None = getattr(engine, "verify", None)
+        self.waiters = Waiters()
+        self._on_quarantine = on_quarantine
+
+    def served(self, racer: Racer, prompt: list[int], produced: int) -> None:
+        """The winner delivered ``produced`` tokens and finished."""
+        peer_id = racer.candidate.peer_id
+        self.router.record_outcome(peer_id, True, trio.current_time())
+        attempt = racer.attempt
+        if not isinstance(attempt, RemoteAttempt):
+            return
+        action = self.trust.record_served(peer_id, verified=racer.verify)
+        if isinstance(action, Promote):
+            logger.info("peer %s passed probation (%d verified)", peer_id, action.verified)
+        cached = attempt.cached_tokens
+        block = self.engine.block_size
+        if cached is not None:
+            chain = self.engine.hasher.chain(prompt)
+            claimed = self.table.estimate_match(peer_id, chain) * block
+            self.trust.record_claim(peer_id, min(claimed, (len(prompt) - 1) // block * block),
+                                    cached)
+        prefill = decode = None
+        if attempt.sent_at is not None and attempt.first_at is not None and cached is not None:
+            ttft = attempt.first_at - attempt.sent_at
+            if ttft > 0 and len(prompt) - cached >= MIN_OBSERVED_PREFILL_TOKENS:
+                prefill = (len(prompt) - cached) / ttft
+        if (attempt.first_at is not None and attempt.last_at is not None
+                and produced >= MIN_OBSERVED_DECODE_TOKENS):
+            span = attempt.last_at - attempt.first_at
+            decode = (produced - 1) / span if span > 0 else None
+        self.trust.record_speeds(peer_id, prefill, decode)
+
+    def failed(
+        self, candidate: Candidate, outcome: Outcome, exc: AttemptFailed, route: list[Attempt],
+        produced: int,
+    ) -> None:
+        """Record a failed attempt at once (in the request's ``route`` too)."""
+        peer_id = candidate.peer_id
+        route.append(
+            Attempt(peer_id, candidate.is_local, outcome, str(exc), produced, candidate.reason)
+        )
+        self.stats[f"attempt_{outcome.value}"] += 1
+        blamed = not isinstance(exc, (MovedOn, HedgeLost))  # MovedOn: recorded already
+        if blamed:
+            self.router.record_outcome(peer_id, False, trio.current_time())
+        if isinstance(exc, Faulty):
+            self.quarantine(peer_id, str(exc))
+        if blamed and outcome is not Outcome.REFUSED and not candidate.is_local:
+            self.waiters.cancel(peer_id)
+        logger.info("%s: %s (%s); trying the next candidate", peer_id, outcome.value, exc)
+
+    def quarantine(self, peer_id: str, reason: str) -> None:
+        action = self.trust.quarantine(peer_id, reason, trio.current_time())
+        if action is None:
+            return
+        self.stats["quarantined"] += 1
+        logger.warning("peer %s quarantined: %s", peer_id, reason)
+        self.waiters.cancel(peer_id)
+        if self._on_quarantine is not None:
+            self._on_quarantine(action)
+
+
+class RequestRun:
+    """One request from its ranked candidates to its GenerationResult."""
+
+    def __init__(
+        self,
+        context: RunContext,
+        request: GenerationRequest,
+        make_attempt: AttemptFactory,
+        *,
+        start: float,
+        deadline: float,
+    ) -> None:
+        self._context = context
+        self._make_attempt = make_attempt
+        self.request_id = request.request_id
+        self.prompt = list(request.token_ids)
+        self.params = request.params
+        self.cache_salt = request.cache_salt
+        self.start = start
+        self.deadline = deadline
+        self.route: list[Attempt] = []
+        self.progress = Progress(StopTracker(_Detokenizer(context.engine), request.params.stop))
+
+    async def stream(
+        self, ranked: Sequence[Candidate]
+    ) -> AsyncGenerator[GenerationChunk | GenerationResult, None]:
+        """Chunks as tokens arrive, then one GenerationResult; Overloaded,
+        DeadlineExceeded or RequestFailed when no candidate could serve it."""
+        context, progress = self._context, self.progress
+        pending = deque(ranked)
+        while True:
+            remaining = self.params.max_new_tokens - len(progress.generated)
+            if remaining <= 0:  # the stream broke after the last token, before the result
+                yield self._result(Finished("length"))
+                return
+            if not pending or self.deadline - trio.current_time() <= 0:
+                break
+            params = replace(self.params, max_new_tokens=remaining)
+            prompt = self.prompt + progress.generated
+            racer = await self._race(prompt, params).run(pending)
+            if racer is None:
+                continue
+            candidate, attempt = racer.candidate, racer.attempt
+            before = len(progress.generated)
+            finish = Finished("stop")
+            try:
+                agen = self._deliver(racer, prompt, params)
+                async with contextlib.aclosing(agen) as items:
+                    async for item in items:
+                        if isinstance(item, GenerationChunk):
+                            yield item
+                        else:
+                            finish = item
+            except AttemptFailed as exc:
+                produced = len(progress.generated) - before
+                outcome = exc.outcome
+                if produced and outcome is not Outcome.WRONG_OUTPUT:
+                    outcome = Outcome.HANDED_OVER
+                progress.handovers += bool(produced)
+                context.failed(candidate, outcome, exc, self.route, produced)
+                continue
+            finally:
+                await attempt.aclose()
+            produced = len(progress.generated) - before
+            context.served(racer, prompt, produced)
+            self.route.append(
+                Attempt(candidate.peer_id, candidate.is_local, Outcome.OK, "", produced,
+                        candidate.reason)
+            )
+            context.stats["served_local" if candidate.is_local else "served_remote"] += 1
+            if len(self.route) > 1:
+                context.stats["served_after_fallback"] += 1
+            yield self._result(finish)
+            return
+        raise self._failure()
+
+    def _race(self, prompt: list[int], params: SamplingParams) -> Race:
+        """A race of this request's candidates, its attempt factory bound to ``prompt``."""
+        context = self._context
+
+        def make_attempt(candidate: Candidate) -> AnyAttempt:
+            return self._make_attempt(
+                candidate, prompt, params, self.request_id, self.deadline, self.cache_salt
+            )
+
+        def on_failed(candidate: Candidate, exc: AttemptFailed) -> None:
+            context.failed(candidate, exc.outcome, exc, self.route, 0)
+
+        return Race(
+            config=context.config, trust=context.trust, rng=context.rng, stats=context.stats,
+            waiters=context.waiters, make_attempt=make_attempt, on_failed=on_failed,
+            deadline=self.deadline,
+        )
+
+    def _failure(self) -> Overloaded | RequestFailed:
+        """The one error at the end, with every attempt's cause."""
+        route = self.route
+        self._context.stats["failed"] += 1
+        if route and all(a.outcome is Outcome.REFUSED for a in route):
+            return Overloaded(
+                f"every candidate ({len(route)}) is overloaded: "
+                + "; ".join(f"{a.peer_id[:12]}: {a.detail}" for a in route)
+            )
+        if trio.current_time() >= self.deadline:
+            return DeadlineExceeded(
+                f"request {self.request_id} passed its deadline after {len(route)} attempt(s)",
+                route,
+            )
+        return RequestFailed(
+            f"request {self.request_id}: no peer could serve it: "
+            + "; ".join(f"{a.peer_id[:12]} {a.outcome.value}: {a.detail}" for a in route),
+            route,
+        )
+
+    # -- delivery ---------------------------------------------------------------------------
+
+    async def _deliver(
+        self, racer: Racer, prompt: list[int], params: SamplingParams
+    ) -> AsyncGenerator[GenerationChunk | Finished, None]:
+        """The winner's tokens to the client (after verification if chosen), then how it
+        finished."""
+        attempt, progress = racer.attempt, self.progress
+        served_by = self._context.self_id if attempt.is_local else racer.candidate.peer_id
+        if not racer.verify:
+            if not attempt.is_local:
+                self._context.stats["responses_unverified"] += 1
+            tokens: Delivery = attempt.first
+            while not isinstance(tokens, Finished):
+                yield self._emit(tokens, served_by)
+                tokens = await attempt.next_tokens()
+            finish = tokens
+        else:
+            output = list(attempt.first)
+            while not isinstance(more := await attempt.next_tokens(), Finished):
+                output.extend(more)
+            finish = more
+            good = await self._verified_prefix(prompt, output, params, served_by)
+            if good is not None:
+                if good:
+                    yield self._emit(good, served_by)
+                raise _WrongOutput(f"verification failed after {len(good)} good tokens")
+            yield self._emit(output, served_by)
+        if progress.cached_tokens is None:
+            progress.cached_tokens = attempt.cached_tokens
+        before = progress.tracker.text
+        progress.tracker.push(progress.generated, final=True)
+        rest = progress.tracker.text[len(before):]
+        if rest:  # text held back while it might have been the start of a stop string
+            yield GenerationChunk((), rest, served_by)
+        yield finish
+
+    async def _verified_prefix(
+        self, prompt: list[int], output: list[int], params: SamplingParams, peer_id: str
+    ) -> list[int] | None:
+        """None if ``output`` verifies; else its good prefix (the peer is quarantined)."""
+        context = self._context
+        if context.verify is None:  # should_verify is False without one
+            raise AttemptFailed(Outcome.FAILED, "no verifier")
+        try:
+            verdict = await context.verify(prompt, output, params)
+        except (EngineError, ValueError, RuntimeError) as exc:
+            context.stats["verification_errors"] += 1
+            raise AttemptFailed(Outcome.FAILED, f"could not verify: {exc}") from exc
+        context.stats["responses_verified"] += 1
+        if verdict.ok:
+            return None
+        context.stats["verification_failed"] += 1
+        context.quarantine(peer_id, f"wrong output: {verdict.detail}")
+        bad = verdict.first_bad_index
+        return output[:bad] if bad is not None and 0 <= bad <= len(output) else []
+
+    def _emit(self, tokens: list[int], served_by: str) -> GenerationChunk:
+        progress = self.progress
+        progress.generated.extend(tokens)
+        delta, _ = progress.tracker.push(progress.generated, final=False)
+        progress.served_by = served_by
+        if progress.first_token_at is None:
+            progress.first_token_at = trio.current_time()
+        return GenerationChunk(tuple(tokens), delta, served_by)
+
+    def _result(self, finish: Finished) -> GenerationResult:
+        progress = self.progress
+        end = trio.current_time()
+        progress.tracker.push(progress.generated, final=True)
+        text = progress.tracker.text  # decoded here as a whole, cut at a stop string
+        return GenerationResult(
+            request_id=self.request_id,
+            token_ids=tuple(progress.generated),
+            text=text,
+            finish_reason=finish.reason,
+            prompt_tokens=len(self.prompt),
+            cached_tokens=progress.cached_tokens or 0,
+            completion_tokens=len(progress.generated),
+            ttft_s=(progress.first_token_at or end) - self.start,
+            total_s=end - self.start,
+            served_by=progress.served_by,
+            route=tuple(self.route),
+        )
