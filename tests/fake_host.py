@@ -84,6 +84,9 @@ class FakeEngine:
     def load(self) -> EngineLoad:
         return EngineLoad(0, 0, 1000.0, 100.0)
 
+    def generating(self) -> FakeEngine:
+        return self
+
     def local_match_tokens(self, token_ids: Sequence[int]) -> int:
         return 0
 

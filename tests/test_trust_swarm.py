@@ -23,6 +23,9 @@ class WrongEngine:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
+    def generating(self) -> Any:
+        return self  # this wrapper, not the engine it wraps, generates
+
     def stream(self, token_ids: Any, params: SamplingParams) -> Any:
         agen = self._inner.stream(token_ids, params)
         vocab = self._inner.vocab_size
@@ -55,6 +58,9 @@ class CheckingEngine:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
+
+    def generating(self) -> Any:
+        return self  # this wrapper, not the engine it wraps, generates
 
     async def verify(self, prompt_ids, output_ids, params) -> Verdict:
         done = await self._inner.generate(prompt_ids, replace(params, max_new_tokens=len(

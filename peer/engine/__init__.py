@@ -1,7 +1,9 @@
 """The local inference engine: one model, a prefix KV cache, continuous batching off the
 event loop (docs/engine.md).
 
-  api.py        torch-free: request, sampling and usage types, limits, the engine protocol
+  api.py        torch-free: the one engine interface (EngineView, GeneratingEngine), the
+               request, sampling, usage, load and verdict types, limits
+  cache_only.py an EngineView with a radix cache and no model (tests, the gossip bench)
   scheduler.py  pure: what the next batched step computes (decodes + chunked prefill)
   radix.py      pure radix tree over token blocks: match, locks, LRU eviction, change events
                (no torch: the simulator imports it too)

@@ -32,6 +32,7 @@ from .api import (
     SamplingParams,
     TokenEvent,
     Usage,
+    Verdict,
 )
 from .kv import DEFAULT_CACHE_BYTES, KVLayout
 from .model import LoadedModel, load_model
@@ -54,7 +55,7 @@ from .scheduler import (
     reusable_tokens,
 )
 from .speeds import StepSpeeds, observe_step, warmup_max_prompt_tokens
-from .verify import Verdict, verify_output
+from .verify import verify_output
 from .warmup import Progress, measure_speeds
 
 __all__ = [
@@ -197,6 +198,10 @@ class Engine:
 
     def _reusable_tokens(self, tokens: Sequence[int], salt: bytes | None) -> int:
         return reusable_tokens(self.cache.peek(tokens, salt=salt), len(tokens), self.block_size)
+
+    def generating(self) -> Engine:
+        """This engine generates (api.py's EngineView.generating)."""
+        return self
 
     def load(self) -> EngineLoad:
         """Queued (uncached) prompt tokens, running and waiting requests, measured speeds."""

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 import trio
 
-from .api import EngineError, SamplingParams
+from .api import EngineError, SamplingParams, Verdict
 from .runner import Runner, SeqKV
 
 if TYPE_CHECKING:
@@ -50,23 +50,6 @@ NUCLEUS_TOLERANCE = 0.01
 # Rows of logits computed per forward chunk: bounds the logits tensor (256 x 49k fp32 =
 # 50 MB for SmolLM2) and is the grain at which a verification yields to other requests.
 VERIFY_CHUNK_TOKENS = 256
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """The result of verifying one output.
-
-    first_bad_index: the first output position that fails (a token, or where the answer
-    should have stopped or should have gone on), None when ok. checked_tokens: output
-    tokens re-scored. cached_tokens: prompt tokens taken from the local cache.
-    """
-
-    ok: bool
-    first_bad_index: int | None
-    detail: str
-    checked_tokens: int
-    cached_tokens: int = 0
-    elapsed_s: float = 0.0
 
 
 @dataclass(frozen=True)

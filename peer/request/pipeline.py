@@ -34,12 +34,11 @@ import random
 from collections import Counter, deque
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Protocol
 
 import trio
 
 from peer.config import PeerConfig
-from peer.engine.api import EngineError, EngineLoad, SamplingParams
+from peer.engine.api import EngineError, GeneratingEngine, SamplingParams
 from peer.engine.text import StopTracker
 from peer.net.streams import StreamOpener
 from peer.request.admission import Admission, Overloaded
@@ -48,7 +47,6 @@ from peer.request.forward import (
     Faulty,
     HedgeLost,
     LocalAttempt,
-    LocalEngine,
     MovedOn,
     RemoteAttempt,
 )
@@ -67,7 +65,6 @@ from peer.routing.probing import DEFAULT_MIN_WAIT_S, ProbeRound, ProbeSettings, 
 from peer.routing.router import Candidate, LocalState, Router
 from peer.routing.trust import Promote, Quarantine, TrustLedger
 from peer.swarm.peer_table import PeerTable
-from protocols.blocks import BlockHasher
 
 __all__ = [  # the request's types live in peer/request/generation.py; importable here as before
     "Attempt",
@@ -76,7 +73,6 @@ __all__ = [  # the request's types live in peer/request/generation.py; importabl
     "GenerationResult",
     "Outcome",
     "Pipeline",
-    "PipelineEngine",
     "RequestFailed",
 ]
 
@@ -90,26 +86,6 @@ MIN_OBSERVED_DECODE_TOKENS = 8
 
 
 
-class PipelineEngine(LocalEngine, Protocol):
-    """What the pipeline uses of this peer's engine (peer.engine.engine.Engine; tests'
-    FakeEngine). An optional ``verify`` (teacher-forced check) enables verification."""
-
-    @property
-    def block_size(self) -> int: ...
-
-    @property
-    def vocab_size(self) -> int: ...
-
-    @property
-    def hasher(self) -> BlockHasher: ...
-
-    def load(self) -> EngineLoad: ...
-
-    def local_match_tokens(self, token_ids: Sequence[int]) -> int: ...
-
-    def decode(self, token_ids: Sequence[int]) -> str: ...
-
-
 class _WrongOutput(AttemptFailed):
     def __init__(self, detail: str) -> None:
         super().__init__(Outcome.WRONG_OUTPUT.value, detail)
@@ -118,7 +94,7 @@ class _WrongOutput(AttemptFailed):
 class _Detokenizer:
     """The engine's decode() as StopTracker's tokenizer."""
 
-    def __init__(self, engine: PipelineEngine) -> None:
+    def __init__(self, engine: GeneratingEngine) -> None:
         self._engine = engine
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -144,7 +120,7 @@ class Pipeline:
         self,
         *,
         config: PeerConfig,
-        engine: PipelineEngine,
+        engine: GeneratingEngine,
         router: Router,
         table: PeerTable,
         host: StreamOpener,
@@ -168,7 +144,7 @@ class Pipeline:
         self._admission = admission
         self._entry = Admission(config.max_queue * 4, name="entry queue")
         self._self_id = self_id
-        self._verify = getattr(engine, "verify", None)  # cache-only engines have none
+        self._verify = engine.verify
         if trust is None:
             trust = router.trust or TrustLedger(
                 verify_fraction=config.verify_fraction,

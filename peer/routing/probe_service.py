@@ -16,14 +16,13 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Callable
-from typing import Protocol
 
 import trio
 from libp2p.custom_types import TProtocol
 from libp2p.exceptions import BaseLibp2pError
 from libp2p.peer.id import ID
 
-from peer.engine.api import EngineLoad
+from peer.engine.api import EngineView
 from peer.net.host import PeerUnreachable
 from peer.net.stream_frames import BoundedAnswers, StreamRefused, read_frame, reset_quietly
 from peer.net.streams import HandlerHost, StreamLike, StreamOpener
@@ -82,16 +81,10 @@ async def probe_loads(
     return dict(probe.reports)
 
 
-class LoadSource(Protocol):
-    """What answering a probe uses of this peer's engine."""
-
-    def load(self) -> EngineLoad: ...
-
-
 class LoadService:
     """Answers /prefixswarm/load/1.0.0 with the engine's load now."""
 
-    def __init__(self, engine: LoadSource) -> None:
+    def __init__(self, engine: EngineView) -> None:
         self._engine = engine
         self.stats: Counter[str] = Counter()
         self._answers = BoundedAnswers(
