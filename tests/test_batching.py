@@ -110,13 +110,13 @@ def test_concurrent_cached_generation_equals_uncached_unbatched(
 
 async def test_decodes_of_all_requests_share_one_forward(tiny_engine, monkeypatch):
     sizes = []
-    real = tiny_engine._runner.forward
+    real = tiny_engine.runner.forward
 
     def counting(items, want):
         sizes.append([len(ids) for _, ids in items])
         return real(items, want)
 
-    monkeypatch.setattr(tiny_engine._runner, "forward", counting)
+    monkeypatch.setattr(tiny_engine.runner, "forward", counting)
     results = {}
 
     async def one(i):
@@ -136,13 +136,13 @@ async def test_long_prompt_is_chunked_while_decodes_continue(tiny_engine_factory
     engine = tiny_engine_factory()
     engine.step_tokens = 32
     sizes = []
-    real = engine._runner.forward
+    real = engine.runner.forward
 
     def counting(items, want):
         sizes.append(sorted(len(ids) for _, ids in items))
         return real(items, want)
 
-    monkeypatch.setattr(engine._runner, "forward", counting)
+    monkeypatch.setattr(engine.runner, "forward", counting)
     got = {}
 
     async def short(task_status=trio.TASK_STATUS_IGNORED):
@@ -192,13 +192,13 @@ async def test_waiting_requests_are_admitted_between_steps(tiny_engine_factory):
 
 async def test_cancelled_request_leaves_the_batch_at_the_next_step(tiny_engine, monkeypatch):
     sizes = []
-    real = tiny_engine._runner.forward
+    real = tiny_engine.runner.forward
 
     def counting(items, want):
         sizes.append(len(items))
         return real(items, want)
 
-    monkeypatch.setattr(tiny_engine._runner, "forward", counting)
+    monkeypatch.setattr(tiny_engine.runner, "forward", counting)
     done = {}
 
     async def stays():
