@@ -4,7 +4,8 @@ event loop (docs/engine.md). Imports nothing above it in peer/.
   api.py         torch-free: the one engine interface (EngineView, GeneratingEngine), the
                 request, sampling, usage, load and verdict types, limits
   cache_only.py  an EngineView with a radix cache and no model (tests, the gossip bench)
-  scheduler.py   pure: what the next batched step computes (decodes + chunked prefill)
+  scheduler.py   pure: what the next batched step computes (decodes + chunked prefill),
+                and BatchQueue, the batch state machine (waiting, admitted, planned)
   radix.py       pure radix tree over token blocks: match, locks, LRU eviction, change
                 events (no torch: the simulator imports it too)
   speeds.py      pure: how the advertised prefill and decode speeds are measured
@@ -14,7 +15,8 @@ event loop (docs/engine.md). Imports nothing above it in peer/.
                 tiny-random, local checkpoint folders, hub ids; dtype, device, threads
   requests.py    sampling and stop strings
   warmup.py      the warm-up run that seeds the advertised speeds
-  batch.py       BatchLoop: waiting requests, the batch, admit and step
+  batch.py       BatchLoop: drives BatchQueue; admit (match, lock) and step (compute in a
+                worker thread, apply, insert)
   verify.py      teacher-forced checks of another peer's output, and their driver
   engine.py      Engine (a BatchLoop): load, validate, stream, verify; load(), statistics()
 

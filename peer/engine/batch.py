@@ -15,7 +15,6 @@ uncached suffix: its sequence buffer starts as a copy of the matched blocks.
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import AsyncGenerator, Callable, Collection, Sequence
 
 import torch
@@ -25,15 +24,16 @@ from .api import Completion, EngineError, SamplingParams, TokenEvent, Usage
 from .radix import RadixCache
 from .requests import RequestState, StopTracker, sample_token
 from .runner import Runner, SeqKV
-from .scheduler import StepPlan, admit_count, plan_step, reusable_blocks, reusable_tokens
+from .scheduler import BatchQueue, StepPlan, reusable_blocks, reusable_tokens
 from .speeds import StepSpeeds, observe_step
 
 __all__ = ["BatchLoop"]
 
 
 class BatchLoop:
-    """The batch state machine of an engine (engine.py's Engine builds on it): requests go
-    in with `_run`, steps advance them, finished prompts' blocks go into `cache`."""
+    """The batching half of an engine (engine.py's Engine builds on it): requests go in
+    with `_run`, scheduler.BatchQueue says who joins and what a step computes, steps
+    advance them, and read prompts' blocks go into `cache`."""
 
     def __init__(
         self,
@@ -56,10 +56,9 @@ class BatchLoop:
         self.cache_generated = cache_generated
         self.step_tokens = step_tokens
         self.max_running = max_running
-        self._waiting: deque[RequestState] = deque()
+        self._queue: BatchQueue[RequestState] = BatchQueue()  # who waits, who is in the batch
         # Called with each request's wait before its first step (metrics: queue wait).
         self.queue_wait_observers: list[Callable[[float], None]] = []
-        self._batch: dict[int, RequestState] = {}  # admitted, unfinished; insertion order = age
         self._next_rid = 0
         self._stepping = False  # a step is running or waits for the model
         # Held by a step and by work outside the batch (a warm-up, a verification chunk):
@@ -102,7 +101,7 @@ class BatchLoop:
         self._stats["requests"] += 1
         self._running += 1
         self._queued_prompt_tokens += queued
-        self._waiting.append(req)
+        self._queue.submit(req)
         outcome = "cancelled_requests"
         try:
             while True:
@@ -138,9 +137,7 @@ class BatchLoop:
             self._running -= 1
             self._queued_prompt_tokens -= req.queued
             req.queued = 0
-            if req in self._waiting:
-                self._waiting.remove(req)
-            self._batch.pop(req.rid, None)  # leaves the batch at the next step
+            self._queue.leave(req)  # a running one leaves the batch at the next step
             if req.match is not None:
                 self.cache.unlock(req.match)
 
@@ -173,14 +170,8 @@ class BatchLoop:
         is read, and this one then reuses them instead of computing them a second time
         (requests that share a prefix often arrive together)."""
         now = trio.current_time()
-        free = admit_count(len(self._waiting), len(self._batch), self.max_running)
-        kept: deque[RequestState] = deque()
-        while self._waiting:
-            req = self._waiting.popleft()
-            if free <= 0 or self._shares_prefill_in_flight(req):
-                kept.append(req)
-                continue
-            free -= 1
+
+        def join(req: RequestState) -> None:
             for observe in self.queue_wait_observers:  # metrics: the wait before a first step
                 observe(time.perf_counter() - req.start)
             max_blocks = reusable_blocks(len(req.tokens), self.block_size)
@@ -188,8 +179,8 @@ class BatchLoop:
             self.cache.lock(req.match)
             req.blocks = list(req.match.values)
             req.pos = req.match.num_tokens
-            self._batch[req.rid] = req
-        self._waiting = kept
+
+        self._queue.admit(self.max_running, join, self._shares_prefill_in_flight)
 
     def _shares_prefill_in_flight(self, req: RequestState) -> bool:
         if self.cache.capacity_blocks == 0:
@@ -200,25 +191,20 @@ class BatchLoop:
         head = req.tokens[:want]
         return any(
             other.prefilling and other.salt == req.salt and other.tokens[:want] == head
-            for other in self._batch.values()
+            for other in self._queue.batch.values()
         )
-
-    def _plan(self) -> StepPlan:
-        decoding = [r.rid for r in self._batch.values() if not r.prefilling]
-        prefilling = [(r.rid, len(r.tokens) - r.pos) for r in self._batch.values() if r.prefilling]
-        return plan_step(decoding, prefilling, self.step_tokens)
 
     async def _step(self) -> None:
         self._admit()
-        plan = self._plan()
+        plan = self._queue.plan(self.step_tokens)
         if not plan:
             return
         work: list[tuple[RequestState, list[int], bool]] = []
         for rid in plan.decode:
-            req = self._batch[rid]
+            req = self._queue.batch[rid]
             work.append((req, [req.generated[-1]], True))
         for rid, n in plan.prefill:
-            req = self._batch[rid]
+            req = self._queue.batch[rid]
             end = req.pos + n
             work.append((req, req.tokens[req.pos : end], end == len(req.tokens)))
         try:
@@ -227,7 +213,7 @@ class BatchLoop:
         except Exception as exc:  # torch failure: this step's requests fail, not the engine
             for req, _, _ in work:
                 req.error = exc
-                self._batch.pop(req.rid, None)
+                self._queue.finish(req.rid)
             return
         if self.cache_generated:
             done = [req for req, _, _ in work if req.finish is not None and req.kv is not None]
@@ -279,7 +265,7 @@ class BatchLoop:
         self._stats["step_tokens"] += plan.num_tokens
         self._stats["max_batch"] = max(self._stats["max_batch"], len(work))
         for req, ids, _ in work:
-            if self._batch.get(req.rid) is not req:
+            if self._queue.batch.get(req.rid) is not req:
                 continue  # cancelled during the step
             if req.prefilling:
                 req.pos += len(ids)
@@ -319,7 +305,7 @@ class BatchLoop:
         req.outbox.append(TokenEvent(len(req.generated) - 1, tok, delta))
         if finish is not None:
             req.finish = finish
-            self._batch.pop(req.rid, None)
+            self._queue.finish(req.rid)
 
     def insert_blocks(self, tokens: Sequence[int], first_block: int, blocks: list[torch.Tensor],
                       now: float, salt: bytes | None) -> None:

@@ -147,7 +147,7 @@ class Engine(BatchLoop):
             self._running,
             self._prefill_tps,
             self._decode_tps,
-            waiting_requests=len(self._waiting),
+            waiting_requests=len(self._queue.waiting),
             batch_decode_tokens_per_s=self._batch_decode_tps,
             batch_slots=self.max_running,
             step_tokens=self.step_tokens,
@@ -157,8 +157,8 @@ class Engine(BatchLoop):
         """Request and token counters, speeds, and the cache's statistics (prefixed cache_)."""
         out: dict[str, int | float] = dict(self._stats)
         out["running_requests"] = self._running
-        out["waiting_requests"] = len(self._waiting)
-        out["batch_size"] = len(self._batch)
+        out["waiting_requests"] = len(self._queue.waiting)
+        out["batch_size"] = len(self._queue.batch)
         out["queued_prompt_tokens"] = self._queued_prompt_tokens
         out["prefill_tokens_per_s"] = self._prefill_tps
         out["decode_tokens_per_s"] = self._decode_tps
