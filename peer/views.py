@@ -10,6 +10,7 @@ import trio
 from peer.request.request_log import CacheSample
 
 if TYPE_CHECKING:
+    from peer.engine.api import EngineView
     from peer.node import Peer
     from peer.routing.trust import TrustLedger
 
@@ -82,8 +83,9 @@ def swarm_view(peer: Peer) -> dict[str, Any]:
     }
 
 
-def cache_sample(engine: Any, now: float) -> CacheSample:
-    stats = engine.statistics() if hasattr(engine, "statistics") else {}
+def cache_sample(engine: EngineView, now: float) -> CacheSample:
+    generating = engine.generating()  # a cache-only engine counts no prompt tokens
+    stats = generating.statistics() if generating is not None else {}
     cache = engine.cache
     return CacheSample(
         now, int(stats.get("prompt_tokens", 0)), int(stats.get("cached_tokens", 0)),

@@ -4,8 +4,8 @@ the one interface the rest of the peer holds an engine by:
   EngineView        what gossip, lookup, probing and the views read: model id, block size,
                     hasher, the block cache (CacheView), load(), the local match;
                     generating() says whether it can generate (a cache-only engine cannot)
-  GeneratingEngine  an EngineView that generates: what serving, the pipeline, the
-                    inference service and the HTTP face use
+  GeneratingEngine  an EngineView that generates: what serving, the pipeline and the
+                    inference service use (the HTTP face reaches it through the peer)
 
 peer/engine/engine.py's Engine is a GeneratingEngine; peer/engine/cache_only.py's
 CacheOnlyEngine an EngineView. The HTTP face, the pipeline and the simulator can import
@@ -234,8 +234,8 @@ class EngineView(Protocol):
 
 
 class GeneratingEngine(EngineView, Protocol):
-    """An engine that generates: what serving, the pipeline, the inference service and the
-    HTTP face use (peer.engine.engine.Engine implements it)."""
+    """An engine that generates: what serving, the pipeline and the inference service use
+    (peer.engine.engine.Engine implements it)."""
 
     @property
     def vocab_size(self) -> int: ...
