@@ -19,7 +19,7 @@ from libp2p.exceptions import BaseLibp2pError
 from libp2p.peer.id import ID
 
 from peer.config import PeerConfig, Policy
-from peer.engine.api import Completion, EngineLoad, SamplingParams, TokenEvent, Usage
+from peer.engine.api import Completion, EngineLoad, SamplingParams, TokenEvent, Usage, Verdict
 from peer.net.host import PeerUnreachable
 from peer.request.admission import Admission
 from peer.request.generation import GenerationRequest
@@ -55,13 +55,6 @@ def reference(prompt: Sequence[int], n: int) -> list[int]:
         last = next_token(last)
         out.append(last)
     return out
-
-
-@dataclass(frozen=True)
-class Verdict:
-    ok: bool
-    first_bad_index: int | None
-    detail: str
 
 
 class FakeEngine:
@@ -112,8 +105,8 @@ class FakeEngine:
         good = reference(prompt_ids, len(output_ids))
         for i, (a, b) in enumerate(zip(output_ids, good, strict=True)):
             if a != b:
-                return Verdict(False, i, f"token {i} is {a}, expected {b}")
-        return Verdict(True, None, "")
+                return Verdict(False, i, f"token {i} is {a}, expected {b}", i + 1)
+        return Verdict(True, None, "", len(output_ids))
 
 
 class CacheOnlyVerifier(FakeEngine):

@@ -4,12 +4,12 @@ never reach the client, it is quarantined, and the request completes with the ri
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import trio
 
-from peer.engine.engine import Completion, SamplingParams, TokenEvent
+from peer.engine.engine import Completion, SamplingParams, TokenEvent, Verdict
 from peer.request.pipeline import GenerationChunk, Outcome
 from tests.test_pipeline import claim_prefix, reference, start_swarm, tokens
 
@@ -42,13 +42,6 @@ class WrongEngine:
         return lying()
 
 
-@dataclass(frozen=True)
-class Verdict:
-    ok: bool
-    first_bad_index: int | None
-    detail: str
-
-
 class CheckingEngine:
     """An engine with a `verify` that regenerates greedily and compares (the real one
     teacher-forces; the pipeline only needs the interface)."""
@@ -67,8 +60,8 @@ class CheckingEngine:
             output_ids)))
         for i, (got, want) in enumerate(zip(output_ids, done.token_ids, strict=False)):
             if got != want:
-                return Verdict(False, i, f"token {i}: {got}, expected {want}")
-        return Verdict(True, None, "")
+                return Verdict(False, i, f"token {i}: {got}, expected {want}", i + 1)
+        return Verdict(True, None, "", len(output_ids))
 
 
 async def test_a_lying_peer_is_caught_and_its_tokens_never_delivered(
