@@ -281,7 +281,7 @@ class Rogue:
         engine = self.engine
 
         def run() -> list[int]:
-            runner = engine._runner  # the engine's own model runner: a bench tool's shortcut
+            runner = engine.runner  # the engine's own model runner
             kv = runner.new_kv([], len(request.prompt_token_ids) + request.max_new_tokens)
             logits = runner.forward([(kv, list(request.prompt_token_ids))], [True])[0]
             out: list[int] = []

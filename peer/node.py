@@ -14,7 +14,7 @@ import logging
 import random
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import trio
 from libp2p.kad_dht.kad_dht import KadDHT
@@ -23,13 +23,13 @@ from libp2p.pubsub.pubsub import Pubsub
 
 from peer import views
 from peer.config import GossipMode, PeerConfig
+from peer.engine.api import EngineView, GeneratingEngine
 from peer.net.discovery import Discovery
 from peer.net.host import SwarmHost, open_host
 from peer.net.host_services import new_dht, new_pubsub, run_service
 from peer.net.punch_service import direct_remote
 from peer.net.relay_service import peer_addrs
 from peer.swarm.gossip import Gossip
-from peer.swarm.local_summary import EngineLike
 from peer.swarm.lookup import RootLookup
 from peer.swarm.peer_table import PeerTable
 from protocols.ids import provider_key_multihash
@@ -67,7 +67,7 @@ class Peer:
         dht: KadDHT,
         pubsub: Pubsub,
         table: PeerTable,
-        engine: EngineLike,
+        engine: EngineView,
         gossip: Gossip,
         discovery: Discovery,
         nursery: trio.Nursery,
@@ -138,7 +138,10 @@ class Peer:
     @property
     def max_context(self) -> int:
         """The model's context window (an AttributeError on a cache-only engine)."""
-        return int(self.engine.max_context)  # type: ignore[attr-defined]
+        generating = self.engine.generating()
+        if generating is None:
+            raise AttributeError("a cache-only engine has no context window")
+        return generating.max_context
 
     @property
     def generation(self) -> Serving | None:
@@ -154,9 +157,9 @@ class Peer:
     def observe_queue_wait(self, observe: Callable[[float], None]) -> None:
         """Call ``observe(seconds)`` with each request's wait for the engine's first step
         (engines without a queue never call it)."""
-        observers = getattr(self.engine, "queue_wait_observers", None)
-        if observers is not None:
-            observers.append(observe)
+        generating = self.engine.generating()
+        if generating is not None:
+            generating.queue_wait_observers.append(observe)
 
     def cache_sample(self, now: float) -> CacheSample:
         """The engine's prefix-cache counters and size now (for the page's history)."""
@@ -229,6 +232,7 @@ class Peer:
         """Membership and gossip counters (a snapshot; plain JSON types)."""
         now = trio.current_time()
         gossip = self.gossip.statistics()
+        generating = self.engine.generating()
         return {
             "peer_id": self.peer_id,
             "peers_known": len(self.table.views(now)),
@@ -249,13 +253,11 @@ class Peer:
             "holepunch": self.host.holepunch.statistics() if self.host.holepunch else None,
             "serving": self.serving.statistics() if self.serving else None,
             "lookup": self.lookup.statistics() if self.lookup else None,
-            "engine": (
-                dict(self.engine.statistics()) if hasattr(self.engine, "statistics") else None
-            ),
+            "engine": dict(generating.statistics()) if generating is not None else None,
         }
 
 
-def _load_engine(config: PeerConfig) -> EngineLike:
+def _load_engine(config: PeerConfig) -> GeneratingEngine:
     """Load config.model (blocking: seconds to minutes); run it in a worker thread."""
     from peer.engine.engine import load_engine  # torch: import only when a model is needed
 
@@ -270,7 +272,7 @@ def _note_peer(table: PeerTable, host: SwarmHost, peer_id: str, rtt_s: float) ->
 
 
 @asynccontextmanager
-async def open_peer(config: PeerConfig, engine: EngineLike | None = None) -> AsyncIterator[Peer]:
+async def open_peer(config: PeerConfig, engine: EngineView | None = None) -> AsyncIterator[Peer]:
     """Start a peer (loading the model from config.model unless `engine` is given)."""
     if engine is None:
         engine = await trio.to_thread.run_sync(_load_engine, config)
@@ -315,7 +317,7 @@ async def open_peer(config: PeerConfig, engine: EngineLike | None = None) -> Asy
         # the lookup beyond the ring (peer/swarm/lookup.py)
         if config.gossip_mode is GossipMode.RING:
             lookup = RootLookup(
-                host, table, cast("Any", engine), gossip, self_id=self_id,
+                host, table, engine, gossip, self_id=self_id,
                 interval_s=config.summary_interval_s, rng=random.Random(),
                 budget_s=config.lookup_wait_s,
             )
@@ -341,11 +343,12 @@ async def open_peer(config: PeerConfig, engine: EngineLike | None = None) -> Asy
 
                 await nursery.start(LanDiscovery(host, on_connect=discovery.poke).run)
             serving = None
-            if callable(getattr(engine, "stream", None)):  # a cache-only engine cannot serve
-                from peer.request.serving import Serving, ServingEngine
+            generating = engine.generating()  # None: a cache-only engine, it cannot serve
+            if generating is not None:
+                from peer.request.serving import Serving
 
                 serving = Serving(
-                    config=config, engine=cast("ServingEngine", engine), table=table, host=host,
+                    config=config, engine=generating, table=table, host=host,
                     self_id=self_id,
                     before_route=(
                         lookup.before_route if lookup is not None and config.lookup_wait_s > 0
@@ -353,9 +356,7 @@ async def open_peer(config: PeerConfig, engine: EngineLike | None = None) -> Asy
                     ),
                 )
                 await nursery.start(serving.serve, host.libp2p)
-            refresh = getattr(engine, "refresh_speeds", None)
-            if refresh is not None:
-                nursery.start_soon(refresh)
+                nursery.start_soon(generating.refresh_speeds)
             peer = Peer(
                 config=config,
                 host=host,

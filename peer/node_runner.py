@@ -28,55 +28,16 @@ import signal
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import trio
 
 from peer.config import DEFAULT_GOSSIP_NEIGHBOURS, GossipMode, PeerConfig
-from peer.engine.radix import RadixCache
+from peer.engine.cache_only import CACHE_ONLY_MODEL_ID, CacheOnlyEngine
 from peer.net.host import WireBytes, count_wire_bytes
 from peer.node import Peer, open_peer
-from protocols.blocks import BlockHasher
 from protocols.summary import CacheSummary
-
-CACHE_ONLY_MODEL_ID = "prefixswarm/cache-only"  # never a real model: no peer mixes them up
-CACHE_ONLY_CAPACITY_BLOCKS = 1456  # what 1 GiB holds for SmolLM2 (46 KB/token, 16/block)
-
-
-@dataclass(frozen=True)
-class CacheOnlyLoad:
-    queued_prompt_tokens: int = 0
-    running_requests: int = 0
-    prefill_tokens_per_s: float = 0.0
-    decode_tokens_per_s: float = 0.0
-    waiting_requests: int = 0
-    batch_slots: int = 0  # does not batch
-    batch_decode_tokens_per_s: float = 0.0
-    step_tokens: int = 0
-
-
-class CacheOnlyEngine:
-    """An engine with a radix cache and no model: for membership tests and the gossip
-    benchmark. It never generates; fill its cache with `insert(tokens)`."""
-
-    def __init__(
-        self,
-        model_id: str = CACHE_ONLY_MODEL_ID,
-        block_size: int = 16,
-        capacity_blocks: int = CACHE_ONLY_CAPACITY_BLOCKS,
-    ) -> None:
-        self.model_id = model_id
-        self.block_size = block_size
-        self.hasher = BlockHasher(model_id, block_size)
-        self.cache: RadixCache[None] = RadixCache(block_size, capacity_blocks, self.hasher)
-
-    def insert(self, tokens: list[int]) -> None:
-        self.cache.insert(tokens, lambda _block: None, trio.current_time())
-
-    def load(self) -> CacheOnlyLoad:
-        return CacheOnlyLoad()
 
 
 def probe_tokens(n: int) -> list[int]:
@@ -87,7 +48,7 @@ def probe_tokens(n: int) -> list[int]:
 def table_report(peer: Peer, probe: list[int]) -> dict[str, Any]:
     """{peer_id: {"seq", "age_s", "match_blocks"}} for every peer in the table."""
     now = trio.current_time()
-    chain = peer.engine.hasher.chain(probe) if probe else []  # type: ignore[attr-defined]
+    chain = peer.engine.hasher.chain(probe) if probe else []
     out: dict[str, Any] = {}
     for view in peer.table.views(now):
         out[view.peer_id] = {

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from peer.request.request_log import CacheSample
 
 if TYPE_CHECKING:
+    from peer.engine.api import EngineView
     from peer.routing.trust import TrustLedger
     from peer.swarm.peer_table import PeerTable
 
@@ -98,9 +99,9 @@ def swarm_view(
     }
 
 
-def cache_sample(engine: Any, now: float) -> CacheSample:
-    """The engine's prefix-cache counters and size at `now` (for the page's history)."""
-    stats = engine.statistics() if hasattr(engine, "statistics") else {}
+def cache_sample(engine: EngineView, now: float) -> CacheSample:
+    generating = engine.generating()  # a cache-only engine counts no prompt tokens
+    stats = generating.statistics() if generating is not None else {}
     cache = engine.cache
     return CacheSample(
         now, int(stats.get("prompt_tokens", 0)), int(stats.get("cached_tokens", 0)),

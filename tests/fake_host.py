@@ -19,7 +19,7 @@ from libp2p.exceptions import BaseLibp2pError
 from libp2p.peer.id import ID
 
 from peer.config import PeerConfig, Policy
-from peer.engine.api import Completion, EngineLoad, SamplingParams, TokenEvent, Usage
+from peer.engine.api import Completion, EngineLoad, SamplingParams, TokenEvent, Usage, Verdict
 from peer.net.wire import PeerUnreachable
 from peer.request.admission import Admission
 from peer.request.generation import GenerationRequest
@@ -57,13 +57,6 @@ def reference(prompt: Sequence[int], n: int) -> list[int]:
     return out
 
 
-@dataclass(frozen=True)
-class Verdict:
-    ok: bool
-    first_bad_index: int | None
-    detail: str
-
-
 class FakeEngine:
     """Generates `reference`: first token after `ttft_s`, then one per `gap_s`."""
 
@@ -83,6 +76,9 @@ class FakeEngine:
 
     def load(self) -> EngineLoad:
         return EngineLoad(0, 0, 1000.0, 100.0)
+
+    def generating(self) -> FakeEngine:
+        return self
 
     def local_match_tokens(self, token_ids: Sequence[int]) -> int:
         return 0
@@ -109,8 +105,8 @@ class FakeEngine:
         good = reference(prompt_ids, len(output_ids))
         for i, (a, b) in enumerate(zip(output_ids, good, strict=True)):
             if a != b:
-                return Verdict(False, i, f"token {i} is {a}, expected {b}")
-        return Verdict(True, None, "")
+                return Verdict(False, i, f"token {i} is {a}, expected {b}", i + 1)
+        return Verdict(True, None, "", len(output_ids))
 
 
 class CacheOnlyVerifier(FakeEngine):
@@ -359,7 +355,7 @@ def fake_swarm(
     cfg = fake_config(**config)
     trust = TrustLedger(
         verify_fraction=cfg.verify_fraction, probation_requests=cfg.probation_requests,
-        probation_share=cfg.probation_share, can_verify=callable(getattr(engine, "verify", None)),
+        probation_share=cfg.probation_share, can_verify=engine.verify is not None,
     )
     table, host = fake_peers(peers, prompt, engine, rtt_s, running)
     if trusted:

@@ -21,6 +21,9 @@ class SlowEngine:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
+    def generating(self) -> Any:
+        return self  # this wrapper, not the engine it wraps, generates
+
     def stream(self, token_ids: Any, params: SamplingParams) -> AsyncGenerator[Any, None]:
         agen = self._inner.stream(token_ids, params)
 

@@ -12,8 +12,8 @@ import sys
 import trio
 
 from peer.config import PeerConfig
+from peer.engine.cache_only import CacheOnlyEngine
 from peer.node import open_peer
-from peer.node_runner import CacheOnlyEngine
 
 TIMEOUT_S = 30.0
 

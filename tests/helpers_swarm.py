@@ -10,8 +10,9 @@ from typing import Any
 import trio
 
 from peer.config import PeerConfig
+from peer.engine.cache_only import CacheOnlyEngine
 from peer.node import Peer, open_peer
-from peer.node_runner import CacheOnlyEngine, runner_command
+from peer.node_runner import runner_command
 from peer.processes import PeerProcess, PeerProcesses
 
 LOOPBACK = ("/ip4/127.0.0.1/tcp/0",)

@@ -181,7 +181,7 @@ def test_a_batching_engine_load_reaches_the_summary() -> None:
     from types import SimpleNamespace
 
     from peer.engine.api import EngineLoad
-    from peer.node_runner import CacheOnlyEngine
+    from peer.engine.cache_only import CacheOnlyEngine
     from peer.swarm.local_summary import build_summary
 
     engine = CacheOnlyEngine("smollm2-135m")

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from peer.engine.api import Completion, SamplingParams, TokenEvent
-from peer.engine.scheduler import StepPlan, admit_count, plan_step
+from peer.engine.scheduler import BatchQueue, StepPlan, admit_count, plan_step
 
 GREEDY3 = SamplingParams(max_new_tokens=3)
 
@@ -47,6 +47,42 @@ def test_plan_examples():
     assert plan_step([1], [(3, 5), (4, 10)], 256) == StepPlan((1,), ((3, 5), (4, 10)))
     assert plan_step(list(range(300)), [(999, 7)], 256).prefill == ((999, 1),)
     assert admit_count(5, 30, 32) == 2 and admit_count(5, 40, 32) == 0
+
+
+class Seq:
+    def __init__(self, rid, n):
+        self.rid, self.tokens, self.pos = rid, list(range(n)), 0
+
+
+def test_batch_queue_admits_oldest_first_up_to_max_running_and_plans_over_the_batch():
+    queue = BatchQueue()
+    seqs = [Seq(i, 10 * (i + 1)) for i in range(4)]
+    for seq in seqs:
+        queue.submit(seq)
+    joined = []
+
+    def join(seq):
+        joined.append(seq.rid)
+        seq.pos = 5  # matched in the cache when it joins
+        assert seq.rid not in queue.batch  # it enters right after join
+
+    queue.admit(3, join, hold=lambda seq: seq.rid == 1)  # 1 is held back, 3 takes its place
+    assert joined == [0, 2, 3] and list(queue.batch) == [0, 2, 3]
+    assert [s.rid for s in queue.waiting] == [1]
+    seqs[0].pos = 10  # read to the end: decoding
+    assert queue.plan(20) == StepPlan((0,), ((2, 19),))
+    queue.admit(3, join)  # full: 1 keeps waiting
+    assert [s.rid for s in queue.waiting] == [1]
+    queue.finish(0)
+    queue.finish(0)  # no-op once gone
+    queue.admit(3, join)
+    assert list(queue.batch) == [2, 3, 1] and not queue.waiting
+    queue.leave(seqs[3])
+    assert list(queue.batch) == [2, 1]
+    waiting = Seq(9, 4)
+    queue.submit(waiting)
+    queue.leave(waiting)  # a cancelled request leaves the queue before it is admitted
+    assert not queue.waiting
 
 
 # -- the engine -------------------------------------------------------------------------------
@@ -110,13 +146,13 @@ def test_concurrent_cached_generation_equals_uncached_unbatched(
 
 async def test_decodes_of_all_requests_share_one_forward(tiny_engine, monkeypatch):
     sizes = []
-    real = tiny_engine._runner.forward
+    real = tiny_engine.runner.forward
 
     def counting(items, want):
         sizes.append([len(ids) for _, ids in items])
         return real(items, want)
 
-    monkeypatch.setattr(tiny_engine._runner, "forward", counting)
+    monkeypatch.setattr(tiny_engine.runner, "forward", counting)
     results = {}
 
     async def one(i):
@@ -136,13 +172,13 @@ async def test_long_prompt_is_chunked_while_decodes_continue(tiny_engine_factory
     engine = tiny_engine_factory()
     engine.step_tokens = 32
     sizes = []
-    real = engine._runner.forward
+    real = engine.runner.forward
 
     def counting(items, want):
         sizes.append(sorted(len(ids) for _, ids in items))
         return real(items, want)
 
-    monkeypatch.setattr(engine._runner, "forward", counting)
+    monkeypatch.setattr(engine.runner, "forward", counting)
     got = {}
 
     async def short(task_status=trio.TASK_STATUS_IGNORED):
@@ -192,13 +228,13 @@ async def test_waiting_requests_are_admitted_between_steps(tiny_engine_factory):
 
 async def test_cancelled_request_leaves_the_batch_at_the_next_step(tiny_engine, monkeypatch):
     sizes = []
-    real = tiny_engine._runner.forward
+    real = tiny_engine.runner.forward
 
     def counting(items, want):
         sizes.append(len(items))
         return real(items, want)
 
-    monkeypatch.setattr(tiny_engine._runner, "forward", counting)
+    monkeypatch.setattr(tiny_engine.runner, "forward", counting)
     done = {}
 
     async def stays():

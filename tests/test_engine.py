@@ -206,7 +206,7 @@ async def test_bad_requests_are_rejected_and_engine_keeps_serving(tiny_engine, t
 async def test_a_failing_step_fails_the_request_not_the_engine(tiny_engine, monkeypatch):
     from peer.engine.engine import EngineError
 
-    real = tiny_engine._runner.forward
+    real = tiny_engine.runner.forward
     calls = []
 
     def flaky(items, want):
@@ -215,7 +215,7 @@ async def test_a_failing_step_fails_the_request_not_the_engine(tiny_engine, monk
             raise RuntimeError("simulated out of memory")
         return real(items, want)
 
-    monkeypatch.setattr(tiny_engine._runner, "forward", flaky)
+    monkeypatch.setattr(tiny_engine.runner, "forward", flaky)
     with pytest.raises(EngineError, match="simulated out of memory"):
         await tiny_engine.generate(prompt(40), GREEDY4)
     stats = tiny_engine.statistics()
@@ -361,7 +361,7 @@ async def test_kv_blocks_round_trip(tiny_engine):
     assert layout.capacity_blocks(8192 * 3 + 1) == 3
     with pytest.raises(ValueError):
         layout.capacity_blocks(-1)
-    runner = tiny_engine._runner
+    runner = tiny_engine.runner
     seq = runner.new_kv([], 48)
     runner.forward([(seq, prompt(40))], [True])
     blocks = seq.blocks(0, 2, 16)

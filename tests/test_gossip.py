@@ -8,7 +8,7 @@ import pytest
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
 
-from peer.node_runner import CacheOnlyEngine
+from peer.engine.cache_only import CacheOnlyEngine
 from peer.swarm.bloom_sizing import summary_bloom
 from peer.swarm.gossip import Gossip
 from peer.swarm.local_summary import build_summary

@@ -7,22 +7,11 @@ from dataclasses import dataclass
 
 import pytest
 
+from peer.engine.api import EngineLoad
 from peer.swarm.bloom_sizing import MAX_SUMMARY_BLOOM_BYTES
 from peer.swarm.local_summary import build_summary
 from peer.swarm.peer_table import PeerTable
 from protocols.summary import encode_summary
-
-
-@dataclass
-class FakeLoad:
-    queued_prompt_tokens: int = 0
-    running_requests: int = 0
-    prefill_tokens_per_s: float = 0.0
-    decode_tokens_per_s: float = 0.0
-    waiting_requests: int = 0
-    batch_slots: int = 0  # does not batch
-    batch_decode_tokens_per_s: float = 0.0
-    step_tokens: int = 0
 
 
 class FakeCache:
@@ -42,8 +31,8 @@ class FakeEngine:
     model_id: str = "m"
     block_size: int = 16
 
-    def load(self) -> FakeLoad:
-        return FakeLoad()
+    def load(self) -> EngineLoad:
+        return EngineLoad(0, 0, 0.0, 0.0)  # idle, unmeasured, does not batch
 
 
 SENDER = "12D3KooWSender"

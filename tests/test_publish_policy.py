@@ -18,8 +18,8 @@ from libp2p.peer.id import ID
 from bench.sim.model import Simulator
 from bench.sim.params import SimParams
 from bench.sim.summaries import IncrementalBloom
+from peer.engine.cache_only import CacheOnlyEngine
 from peer.engine.radix import CacheEvent, EventKind
-from peer.node_runner import CacheOnlyEngine
 from peer.swarm.bloom_sizing import summary_bloom
 from peer.swarm.gossip import Gossip
 from peer.swarm.peer_table import PeerTable

@@ -12,8 +12,9 @@ from typing import Any
 import pytest
 import trio
 
+from peer.engine.cache_only import CacheOnlyEngine
 from peer.node import LIVENESS_INTERVAL_MIN_S
-from peer.node_runner import CacheOnlyEngine, probe_tokens
+from peer.node_runner import probe_tokens
 from peer.swarm.local_summary import build_summary
 from protocols.summary import MAX_SUMMARY_BYTES, encode_summary
 from tests.helpers_swarm import (

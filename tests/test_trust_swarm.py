@@ -4,12 +4,12 @@ never reach the client, it is quarantined, and the request completes with the ri
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import trio
 
-from peer.engine.engine import Completion, SamplingParams, TokenEvent
+from peer.engine.engine import Completion, SamplingParams, TokenEvent, Verdict
 from peer.request.pipeline import GenerationChunk, Outcome
 from tests.test_pipeline import claim_prefix, reference, start_swarm, tokens
 
@@ -22,6 +22,9 @@ class WrongEngine:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
+
+    def generating(self) -> Any:
+        return self  # this wrapper, not the engine it wraps, generates
 
     def stream(self, token_ids: Any, params: SamplingParams) -> Any:
         agen = self._inner.stream(token_ids, params)
@@ -39,13 +42,6 @@ class WrongEngine:
         return lying()
 
 
-@dataclass(frozen=True)
-class Verdict:
-    ok: bool
-    first_bad_index: int | None
-    detail: str
-
-
 class CheckingEngine:
     """An engine with a `verify` that regenerates greedily and compares (the real one
     teacher-forces; the pipeline only needs the interface)."""
@@ -56,13 +52,16 @@ class CheckingEngine:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
+    def generating(self) -> Any:
+        return self  # this wrapper, not the engine it wraps, generates
+
     async def verify(self, prompt_ids, output_ids, params) -> Verdict:
         done = await self._inner.generate(prompt_ids, replace(params, max_new_tokens=len(
             output_ids)))
         for i, (got, want) in enumerate(zip(output_ids, done.token_ids, strict=False)):
             if got != want:
-                return Verdict(False, i, f"token {i}: {got}, expected {want}")
-        return Verdict(True, None, "")
+                return Verdict(False, i, f"token {i}: {got}, expected {want}", i + 1)
+        return Verdict(True, None, "", len(output_ids))
 
 
 async def test_a_lying_peer_is_caught_and_its_tokens_never_delivered(

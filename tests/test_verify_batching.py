@@ -31,7 +31,7 @@ async def test_verification_interleaves_with_decoding_and_never_overlaps_a_step(
     active = 0
     overlaps = 0
     guard = threading.Lock()
-    forward = engine._runner.forward
+    forward = engine.runner.forward
 
     def counted_forward(items, want):
         nonlocal active, overlaps
@@ -56,7 +56,7 @@ async def test_verification_interleaves_with_decoding_and_never_overlaps_a_step(
         log.append("S")
         return compute(work)
 
-    monkeypatch.setattr(engine._runner, "forward", counted_forward)
+    monkeypatch.setattr(engine.runner, "forward", counted_forward)
     monkeypatch.setattr(verify_module, "score_chunk", logged_chunk)
     monkeypatch.setattr(engine, "_compute", logged_compute)
 

@@ -1,14 +1,27 @@
-"""The engine's API without torch: request, sampling and usage types, and the protocol an
-engine implements. The HTTP face, the pipeline and the simulator can import this module
-alone (tests/test_purity.py checks that it loads no ML framework).
+"""The engine's API without torch: request, sampling, usage, load and verdict types, and
+the one interface the rest of the peer holds an engine by:
+
+  EngineView        what gossip, lookup, probing and the views read: model id, block size,
+                    hasher, the block cache (CacheView), load(), the local match;
+                    generating() says whether it can generate (a cache-only engine cannot)
+  GeneratingEngine  an EngineView that generates: what serving, the pipeline and the
+                    inference service use (the HTTP face reaches it through the peer)
+
+peer/engine/engine.py's Engine is a GeneratingEngine; peer/engine/cache_only.py's
+CacheOnlyEngine an EngineView. The HTTP face, the pipeline and the simulator can import
+this module alone (tests/test_purity.py checks that it loads no ML framework).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
+
+from protocols.blocks import BlockHasher
+
+from .radix import CacheEvent
 
 __all__ = [
     "DEVICES",
@@ -20,15 +33,19 @@ __all__ = [
     "MAX_STOP_CHARS",
     "MAX_STOP_STRINGS",
     "MAX_TEMPERATURE",
+    "CacheView",
     "Completion",
     "ContextTooLong",
     "EngineError",
     "EngineLoad",
-    "EngineProtocol",
+    "EngineView",
+    "GeneratingEngine",
     "InvalidRequest",
     "SamplingParams",
     "TokenEvent",
     "Usage",
+    "Verdict",
+    "Verify",
 ]
 
 MAX_NEW_TOKENS = 4096  # ~5 min of SmolLM2 decode on 2 cores: one request can't hold a peer longer
@@ -155,13 +172,85 @@ class EngineLoad:
     step_tokens: int = 0
 
 
-class EngineProtocol(Protocol):
-    """What the rest of the peer uses of an engine (peer.engine.engine.Engine implements it)."""
+@dataclass(frozen=True)
+class Verdict:
+    """The result of verifying another peer's output (peer/engine/verify.py).
 
-    model_id: str
-    vocab_size: int
-    max_context: int
-    block_size: int
+    first_bad_index: the first output position that fails (a token, or where the answer
+    should have stopped or should have gone on), None when ok. checked_tokens: output
+    tokens re-scored. cached_tokens: prompt tokens taken from the local cache.
+    """
+
+    ok: bool
+    first_bad_index: int | None
+    detail: str
+    checked_tokens: int
+    cached_tokens: int = 0
+    elapsed_s: float = 0.0
+
+
+class Verify(Protocol):
+    """A teacher-forced check of `output_ids` as the answer to `prompt_ids`."""
+
+    def __call__(
+        self, prompt_ids: Sequence[int], output_ids: Sequence[int], params: SamplingParams
+    ) -> Awaitable[Verdict]: ...
+
+
+class CacheView(Protocol):
+    """What the peer reads of an engine's block cache (radix.py's RadixCache)."""
+
+    @property
+    def num_blocks(self) -> int: ...
+    @property
+    def capacity_blocks(self) -> int: ...
+    def cached_hashes(self) -> Iterable[int]: ...
+    def root_hashes(self) -> list[int]: ...
+    def match_hashes(self, chain: Sequence[int]) -> int: ...
+    def drain_events(self) -> list[CacheEvent]: ...
+    def statistics(self) -> Mapping[str, int]: ...
+
+
+class EngineView(Protocol):
+    """An engine as gossip, lookup, probing and the views see it: its cache and load."""
+
+    @property
+    def model_id(self) -> str: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def hasher(self) -> BlockHasher: ...
+    @property
+    def cache(self) -> CacheView: ...
+    def load(self) -> EngineLoad: ...
+
+    def local_match_tokens(self, token_ids: Sequence[int]) -> int:
+        """Tokens of the longest cached prefix of `token_ids` (whole blocks, exact)."""
+        ...
+
+    def generating(self) -> GeneratingEngine | None:
+        """This engine as one that generates, or None (a cache-only engine)."""
+        ...
+
+
+class GeneratingEngine(EngineView, Protocol):
+    """An engine that generates: what serving, the pipeline and the inference service use
+    (peer.engine.engine.Engine implements it)."""
+
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def max_context(self) -> int: ...
+
+    @property
+    def queue_wait_observers(self) -> list[Callable[[float], None]]:
+        """Called with each request's wait before its first step (metrics: queue wait)."""
+        ...
+
+    @property
+    def verify(self) -> Verify | None:
+        """The teacher-forced check of another peer's output; None: this engine cannot."""
+        ...
 
     def encode_prompt(self, prompt: str | Sequence[dict[str, str]]) -> list[int]: ...
 
@@ -169,18 +258,12 @@ class EngineProtocol(Protocol):
 
     def validate(self, token_ids: Sequence[int], params: SamplingParams) -> list[int]: ...
 
-    def local_match_tokens(self, token_ids: Sequence[int]) -> int: ...
-
-    def load(self) -> EngineLoad: ...
-
-    def statistics(self) -> dict[str, int | float]: ...
+    def statistics(self) -> Mapping[str, int | float]: ...
 
     def stream(
-        self, token_ids: Sequence[int], params: SamplingParams
+        self, token_ids: Sequence[int], params: SamplingParams, *, cache_salt: bytes | None = ...
     ) -> AsyncGenerator[TokenEvent | Completion, None]: ...
 
-    async def generate(self, token_ids: Sequence[int], params: SamplingParams) -> Completion: ...
-
-    async def refresh_speeds(self, interval_s: float = ..., max_interval_s: float = ...) -> None:
+    async def refresh_speeds(self) -> None:
+        """Forever: keep the advertised speeds measured (run it in the peer's nursery)."""
         ...
-

@@ -1,20 +1,26 @@
-"""Which tokens the next batched step computes (pure; the simulator may import it).
+"""Which tokens the next batched step computes, and the batch state machine it plans over
+(pure; the simulator may import it).
 
 A step runs every decoding sequence's next token and, with the tokens left in the step's
 budget, prefill chunks of the sequences still reading their prompts, oldest first. Decodes
 go first so that a long prompt arriving never stalls the streams already running for more
 than one step's worth of prefill (the budget bounds that step), and a prompt longer than
 the budget is read over several steps (chunked prefill) while decodes continue between.
+BatchQueue holds who waits and who is in the batch; batch.py's BatchLoop drives it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
 
 __all__ = [
     "DEFAULT_MAX_RUNNING",
     "DEFAULT_STEP_TOKENS",
+    "BatchQueue",
+    "Scheduled",
     "StepPlan",
     "admit_count",
     "plan_step",
@@ -79,3 +85,67 @@ def reusable_blocks(prompt_tokens: int, block_size: int) -> int:
 def reusable_tokens(cached_tokens: int, prompt_tokens: int, block_size: int) -> int:
     """Of `cached_tokens` matched in the cache, how many a request reuses (reusable_blocks)."""
     return min(cached_tokens, reusable_blocks(prompt_tokens, block_size) * block_size)
+
+
+class Scheduled(Protocol):
+    """A sequence as the batch sees it: an id, its prompt, and how much of it is read."""
+
+    @property
+    def rid(self) -> int: ...
+    @property
+    def tokens(self) -> Sequence[int]: ...
+    @property
+    def pos(self) -> int: ...
+
+
+S = TypeVar("S", bound=Scheduled)
+
+
+class BatchQueue(Generic[S]):
+    """The batch state machine: sequences wait, join the batch between steps (`admit`),
+    are planned a step at a time (`plan`), and leave it finished or cancelled."""
+
+    def __init__(self) -> None:
+        self.waiting: deque[S] = deque()
+        self.batch: dict[int, S] = {}  # admitted, unfinished; insertion order = age
+
+    def submit(self, seq: S) -> None:
+        self.waiting.append(seq)
+
+    def admit(
+        self, max_running: int, join: Callable[[S], None],
+        hold: Callable[[S], bool] | None = None,
+    ) -> None:
+        """Move waiting sequences into the batch, oldest first, while it has fewer than
+        `max_running`. `join(seq)` runs just before a sequence enters (the caller matches
+        its prompt then), so `hold` sees it for the later ones; `hold(seq)` True keeps a
+        sequence waiting for the next step."""
+        free = admit_count(len(self.waiting), len(self.batch), max_running)
+        kept: deque[S] = deque()
+        while self.waiting:
+            seq = self.waiting.popleft()
+            if free <= 0 or (hold is not None and hold(seq)):
+                kept.append(seq)
+                continue
+            free -= 1
+            join(seq)
+            self.batch[seq.rid] = seq
+        self.waiting = kept
+
+    def finish(self, rid: int) -> None:
+        """The sequence leaves the batch (it ended or failed); no-op if it is not in it."""
+        self.batch.pop(rid, None)
+
+    def leave(self, seq: S) -> None:
+        """The sequence is released, wherever it is (a cancelled one leaves at the next step)."""
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        self.batch.pop(seq.rid, None)
+
+    def plan(self, step_tokens: int) -> StepPlan:
+        """The next step over the batch: every decode, then prefill chunks oldest first."""
+        decoding = [s.rid for s in self.batch.values() if s.pos >= len(s.tokens)]
+        prefilling = [
+            (s.rid, len(s.tokens) - s.pos) for s in self.batch.values() if s.pos < len(s.tokens)
+        ]
+        return plan_step(decoding, prefilling, step_tokens)

@@ -1,4 +1,4 @@
-"""Teacher-forced verification of another peer's output (issue 11, item 2).
+"""Teacher-forced verification of another peer's output.
 
 One forward over prompt + output (a prefill, not a decode loop) gives the model's
 distribution at every output position; each token is then checked against it:
@@ -11,9 +11,10 @@ distribution at every output position; each token is then checked against it:
                           nothing after an end-of-sequence token, and a stop string only
                           at the end (a shorter answer must end at EOS or a stop string)
 
-The checks need logits but no engine. verify_output drives them for Engine.verify: the
-forward runs over the prompt's cached prefix in worker-thread chunks outside the batch,
-each holding the engine's model lock, so batch steps run between chunks, never during one.
+The checks need logits but no engine. verify_output drives them for Engine.verify through
+the engine's public members (VerifyingEngine): the forward runs over the prompt's cached
+prefix in worker-thread chunks outside the batch, each holding the engine's model lock, so
+batch steps run between chunks, never during one.
 """
 
 from __future__ import annotations
@@ -23,16 +24,25 @@ import operator
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import trio
 
-from .api import EngineError, SamplingParams
+from .api import EngineError, SamplingParams, Verdict
+from .radix import RadixCache
 from .runner import Runner, SeqKV
 
-if TYPE_CHECKING:
-    from .engine import Engine
+__all__ = [
+    "Finding",
+    "Verdict",
+    "VerifyingEngine",
+    "accepted_fraction",
+    "check_logits",
+    "check_structure",
+    "score_chunk",
+    "verify_output",
+]
 
 # Hardware, kernels, batch shapes and dtypes change logits in the last bits (fp32 ~1e-5,
 # bf16 up to ~0.05 nats on logits of magnitude ~10-20), so two honest peers can pick
@@ -52,21 +62,26 @@ NUCLEUS_TOLERANCE = 0.01
 VERIFY_CHUNK_TOKENS = 256
 
 
-@dataclass(frozen=True)
-class Verdict:
-    """The result of verifying one output.
+class VerifyingEngine(Protocol):
+    """What verification uses of an engine (engine.py's Engine): public members only."""
 
-    first_bad_index: the first output position that fails (a token, or where the answer
-    should have stopped or should have gone on), None when ok. checked_tokens: output
-    tokens re-scored. cached_tokens: prompt tokens taken from the local cache.
-    """
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def eos_token_ids(self) -> frozenset[int]: ...
+    @property
+    def cache(self) -> RadixCache[torch.Tensor]: ...
+    @property
+    def runner(self) -> Runner: ...
+    @property
+    def model_lock(self) -> trio.Lock: ...
 
-    ok: bool
-    first_bad_index: int | None
-    detail: str
-    checked_tokens: int
-    cached_tokens: int = 0
-    elapsed_s: float = 0.0
+    def decode(self, token_ids: Sequence[int]) -> str: ...
+
+    def insert_blocks(self, tokens: Sequence[int], first_block: int, blocks: list[torch.Tensor],
+                      now: float, salt: bytes | None) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -191,22 +206,22 @@ def score_chunk(
 
 
 async def verify_output(
-    engine: Engine, tokens: list[int], output_ids: Sequence[int], params: SamplingParams,
-    salt: bytes | None,
+    engine: VerifyingEngine, tokens: list[int], output_ids: Sequence[int],
+    params: SamplingParams, salt: bytes | None,
 ) -> Verdict:
-    """Teacher-force `output_ids` after the validated prompt `tokens` on `engine`; count
-    the verification in its statistics. Caches the prompt's blocks, and the output's only
-    if it verified. EngineError when torch fails."""
+    """Teacher-force `output_ids` after the validated prompt `tokens` on `engine`. Caches
+    the prompt's blocks, and the output's only if it verified. EngineError when torch
+    fails."""
     start = time.perf_counter()
     try:
         output = [operator.index(t) for t in output_ids]
     except TypeError:
-        return _count(engine, Verdict(False, 0, "output token ids must be integers", 0))
+        return Verdict(False, 0, "output token ids must be integers", 0)
     found = await trio.to_thread.run_sync(  # stop strings decode every prefix: O(n^2)
-        check_structure, output, params, engine.vocab_size, engine._eos, engine.decode
+        check_structure, output, params, engine.vocab_size, engine.eos_token_ids, engine.decode
     )
     if found is not None:
-        return _count(engine, Verdict(False, found.index, found.detail, 0))
+        return Verdict(False, found.index, found.detail, 0)
     n, size = len(tokens), engine.block_size
     full = tokens + output[:-1]  # the last output token is predicted, never fed
     max_blocks = (n - 1) // size  # the last prompt token is always fed: it predicts output[0]
@@ -217,16 +232,16 @@ async def verify_output(
         while found is None and (kv is None or kv.length < len(full)):
             async with engine.model_lock:  # no batch step meanwhile; steps between chunks
                 if kv is None:
-                    kv = await trio.to_thread.run_sync(engine._runner.new_kv, match.values,
+                    kv = await trio.to_thread.run_sync(engine.runner.new_kv, match.values,
                                                        len(full))
                 end = min(len(full), kv.length + VERIFY_CHUNK_TOKENS)
                 found = await trio.to_thread.run_sync(
-                    score_chunk, engine._runner, kv, full, end, n, output, params
+                    score_chunk, engine.runner, kv, full, end, n, output, params
                 )
         assert kv is not None
         end_block = (kv.length if found is None else min(kv.length, n)) // size
         blocks = await trio.to_thread.run_sync(kv.blocks, match.num_blocks, end_block, size)
-        engine._insert(full, match.num_blocks, blocks, trio.current_time(), salt)
+        engine.insert_blocks(full, match.num_blocks, blocks, trio.current_time(), salt)
     except Exception as exc:  # torch failure: this verification fails, not the engine
         raise EngineError(f"verification failed: {type(exc).__name__}: {exc}") from exc
     finally:
@@ -234,14 +249,6 @@ async def verify_output(
     checked = len(output) if found is None else found.index + 1
     elapsed = time.perf_counter() - start
     if found is None:
-        return _count(engine, Verdict(True, None, "verified", checked, match.num_tokens, elapsed))
-    verdict = Verdict(False, found.index, found.detail, checked, match.num_tokens, elapsed)
-    return _count(engine, verdict)
+        return Verdict(True, None, "verified", checked, match.num_tokens, elapsed)
+    return Verdict(False, found.index, found.detail, checked, match.num_tokens, elapsed)
 
-
-def _count(engine: Engine, verdict: Verdict) -> Verdict:
-    stats = engine._stats
-    stats["verifications"] += 1
-    stats["verifications_failed"] += not verdict.ok
-    stats["verified_tokens"] += verdict.checked_tokens
-    return verdict

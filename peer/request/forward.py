@@ -14,14 +14,13 @@ own (the remote's text and `served_by` are never used).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import trio
 from libp2p.peer.id import ID
 
-from peer.engine.api import Completion, SamplingParams, TokenEvent
+from peer.engine.api import Completion, GeneratingEngine, SamplingParams, TokenEvent
 from peer.net.wire import FrameStream, StreamOpener, WireError
 from peer.request.admission import Admission, Overloaded, Slot
 from peer.request.generation import Outcome
@@ -40,14 +39,6 @@ from protocols.infer import (
 
 # Streams to a peer open within this; the first-token deadline covers the rest.
 STREAM_OPEN_TIMEOUT_S = 10.0
-
-
-class LocalEngine(Protocol):
-    """What a local attempt uses of this peer's engine."""
-
-    def stream(
-        self, token_ids: Sequence[int], params: SamplingParams, *, cache_salt: bytes | None = ...
-    ) -> AsyncGenerator[TokenEvent | Completion, None]: ...
 
 
 def infer_request(
@@ -119,7 +110,7 @@ class LocalAttempt:
 
     is_local = True
 
-    def __init__(self, engine: LocalEngine, admission: Admission, prompt: list[int],
+    def __init__(self, engine: GeneratingEngine, admission: Admission, prompt: list[int],
                  params: SamplingParams, cache_salt: bytes | None = None) -> None:
         self._engine = engine
         self._cache_salt = cache_salt

@@ -13,8 +13,7 @@ import contextlib
 import enum
 import logging
 from collections import Counter
-from collections.abc import AsyncGenerator, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import trio
 from libp2p.custom_types import TProtocol
@@ -22,6 +21,7 @@ from libp2p.custom_types import TProtocol
 from peer.engine.api import (
     Completion,
     EngineError,
+    GeneratingEngine,
     InvalidRequest,
     SamplingParams,
     TokenEvent,
@@ -63,21 +63,12 @@ def finish_reason(text: str) -> FinishReason:
     return FinishReason.LENGTH if text == "length" else FinishReason.STOP
 
 
-class EngineLike(Protocol):
-    @property
-    def vocab_size(self) -> int: ...
-
-    def stream(
-        self, token_ids: Sequence[int], params: SamplingParams
-    ) -> AsyncGenerator[TokenEvent | Completion, None]: ...
-
-
 class InferenceService:
     """Serves /prefixswarm/infer/1.0.0 for requests forwarded by other peers."""
 
     def __init__(
         self,
-        engine: EngineLike,
+        engine: GeneratingEngine,
         admission: Admission,
         *,
         self_id: str,

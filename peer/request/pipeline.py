@@ -23,15 +23,14 @@ import logging
 import random
 from collections import Counter
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
-from typing import Protocol
 
 import trio
 
 from peer.config import PeerConfig
-from peer.engine.api import EngineLoad, SamplingParams
+from peer.engine.api import GeneratingEngine, SamplingParams
 from peer.net.wire import StreamOpener
 from peer.request.admission import Admission, Overloaded
-from peer.request.forward import LocalAttempt, LocalEngine, RemoteAttempt
+from peer.request.forward import LocalAttempt, RemoteAttempt
 from peer.request.generation import (
     Attempt,
     DeadlineExceeded,
@@ -42,7 +41,7 @@ from peer.request.generation import (
     RequestFailed,
 )
 from peer.request.race import AnyAttempt
-from peer.request.run import RequestRun, RunContext, RunEngine
+from peer.request.run import RequestRun, RunContext
 from peer.routing.decide import ProbeFirst, next_step
 from peer.routing.probe_service import probe_loads
 from peer.routing.probing import DEFAULT_MIN_WAIT_S, ProbeSettings
@@ -57,24 +56,11 @@ __all__ = [  # the request's types live in peer/request/generation.py; importabl
     "GenerationResult",
     "Outcome",
     "Pipeline",
-    "PipelineEngine",
     "RequestFailed",
 ]
 
 logger = logging.getLogger(__name__)
 ROUTE_LOG_CANDIDATES = 3  # the candidates a DEBUG log line explains, best first
-
-
-class PipelineEngine(RunEngine, LocalEngine, Protocol):
-    """What the pipeline uses of this peer's engine (peer.engine.engine.Engine; tests'
-    FakeEngine). An optional ``verify`` (teacher-forced check) enables verification."""
-
-    @property
-    def vocab_size(self) -> int: ...
-
-    def load(self) -> EngineLoad: ...
-
-    def local_match_tokens(self, token_ids: Sequence[int]) -> int: ...
 
 
 class Pipeline:
@@ -84,7 +70,7 @@ class Pipeline:
         self,
         *,
         config: PeerConfig,
-        engine: PipelineEngine,
+        engine: GeneratingEngine,
         router: Router,
         table: PeerTable,
         host: StreamOpener,

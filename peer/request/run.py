@@ -18,14 +18,13 @@ import contextlib
 import logging
 import random
 from collections import Counter, deque
-from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
 
 import trio
 
 from peer.config import PeerConfig
-from peer.engine.api import EngineError, SamplingParams
+from peer.engine.api import EngineError, GeneratingEngine, SamplingParams
 from peer.engine.text import StopTracker
 from peer.request.admission import Overloaded
 from peer.request.forward import (
@@ -50,7 +49,6 @@ from peer.request.race import AnyAttempt, Race, Racer, Waiters
 from peer.routing.router import Candidate, Router
 from peer.routing.trust import Promote, Quarantine, TrustLedger
 from peer.swarm.peer_table import PeerTable
-from protocols.blocks import BlockHasher
 
 logger = logging.getLogger(__name__)
 # A forward's speeds are observed (they cap what the peer advertises) only when compute
@@ -65,19 +63,6 @@ AttemptFactory = Callable[
 ]
 
 
-class RunEngine(Protocol):
-    """What a run uses of this peer's engine. An optional ``verify`` (teacher-forced
-    check) enables verification."""
-
-    @property
-    def block_size(self) -> int: ...
-
-    @property
-    def hasher(self) -> BlockHasher: ...
-
-    def decode(self, token_ids: Sequence[int]) -> str: ...
-
-
 class _WrongOutput(AttemptFailed):
     def __init__(self, detail: str) -> None:
         super().__init__(Outcome.WRONG_OUTPUT, detail)
@@ -86,7 +71,7 @@ class _WrongOutput(AttemptFailed):
 class _Detokenizer:
     """The engine's decode() as StopTracker's tokenizer."""
 
-    def __init__(self, engine: RunEngine) -> None:
+    def __init__(self, engine: GeneratingEngine) -> None:
         self._engine = engine
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -114,7 +99,7 @@ class RunContext:
         self,
         *,
         config: PeerConfig,
-        engine: RunEngine,
+        engine: GeneratingEngine,
         router: Router,
         table: PeerTable,
         trust: TrustLedger,
@@ -131,7 +116,7 @@ class RunContext:
         self.rng = rng
         self.stats = stats
         self.self_id = self_id
-        self.verify: Callable[..., Awaitable[Any]] | None = getattr(engine, "verify", None)
+        self.verify = engine.verify
         self.waiters = Waiters()
         self._on_quarantine = on_quarantine
 

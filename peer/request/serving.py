@@ -17,12 +17,12 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import trio
 
 from peer.config import PeerConfig
-from peer.engine.api import SamplingParams
+from peer.engine.api import GeneratingEngine, SamplingParams
 from peer.net.wire import HandlerHost, StreamOpener
 from peer.request.admission import Admission, Overloaded
 from peer.request.generation import (
@@ -35,7 +35,7 @@ from peer.request.generation import (
     RequestFailed,
 )
 from peer.request.inference import InferenceService
-from peer.request.pipeline import Pipeline, PipelineEngine
+from peer.request.pipeline import Pipeline
 from peer.request.request_log import RequestLog, RequestOutcome, RequestRecord, route_of
 from peer.routing.probe_service import LoadService
 from peer.routing.router import Router
@@ -53,21 +53,7 @@ if TYPE_CHECKING:  # trio's TaskStatus, as the trio-stubs py-libp2p pulls in typ
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Prompt", "Serving", "ServingEngine", "load_quarantine"]
-
-
-class ServingEngine(PipelineEngine, Protocol):
-    """What serving uses of this peer's engine, beyond the pipeline's needs."""
-
-    @property
-    def model_id(self) -> str: ...
-
-    @property
-    def max_context(self) -> int: ...
-
-    def encode_prompt(self, prompt: str | Sequence[dict[str, str]]) -> list[int]: ...
-
-    def validate(self, token_ids: Sequence[int], params: SamplingParams) -> list[int]: ...
+__all__ = ["Prompt", "Serving", "load_quarantine"]
 
 
 class Serving:
@@ -77,7 +63,7 @@ class Serving:
         self,
         *,
         config: PeerConfig,
-        engine: ServingEngine,
+        engine: GeneratingEngine,
         table: PeerTable,
         host: StreamOpener,
         self_id: str,
@@ -92,7 +78,7 @@ class Serving:
             verify_fraction=config.verify_fraction,
             probation_requests=config.probation_requests,
             probation_share=config.probation_share,
-            can_verify=callable(getattr(engine, "verify", None)),
+            can_verify=engine.verify is not None,
             quarantined=load_quarantine(self._quarantine_path),
         )
         self.router = Router(

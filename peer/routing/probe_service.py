@@ -16,14 +16,13 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Callable
-from typing import Protocol
 
 import trio
 from libp2p.custom_types import TProtocol
 from libp2p.exceptions import BaseLibp2pError
 from libp2p.peer.id import ID
 
-from peer.engine.api import EngineLoad
+from peer.engine.api import EngineView
 from peer.net.wire import (
     BoundedAnswers,
     HandlerHost,
@@ -104,19 +103,10 @@ async def query_model(host: StreamOpener, peer_id: str, model_id: str, timeout_s
     return report.model_id
 
 
-class LoadSource(Protocol):
-    """What answering a probe uses of this peer's engine."""
-
-    @property
-    def model_id(self) -> str: ...
-
-    def load(self) -> EngineLoad: ...
-
-
 class LoadService:
     """Answers /prefixswarm/load/1.0.0 with the engine's load now."""
 
-    def __init__(self, engine: LoadSource) -> None:
+    def __init__(self, engine: EngineView) -> None:
         self._engine = engine
         self.stats: Counter[str] = Counter()
         self._answers = BoundedAnswers(

@@ -40,9 +40,10 @@ from libp2p.pubsub.pb import rpc_pb2
 from libp2p.pubsub.pubsub import Pubsub
 
 from peer.config import DEFAULT_GOSSIP_NEIGHBOURS, GossipMode
+from peer.engine.api import EngineView
 from peer.engine.radix import EventKind
 from peer.swarm.bloom_sizing import summary_bloom
-from peer.swarm.local_summary import EngineLike, build_summary
+from peer.swarm.local_summary import build_summary
 from peer.swarm.neighbourhood import Neighbourhood
 from peer.swarm.peer_table import PeerTable, Verdict
 from peer.swarm.publish_policy import PublishPolicy
@@ -66,7 +67,7 @@ class Gossip:
         self,
         pubsub: Pubsub,
         table: PeerTable,
-        engine: EngineLike,
+        engine: EngineView,
         *,
         peer_id: ID,
         interval_s: float,

@@ -1,65 +1,21 @@
 """Pure: this peer's own cache summary, built from its engine's state.
 
-`EngineLike` is what a summary needs from the engine (peer.engine.Engine has it; so do
-bench's cache-only engines); `build_summary` is the summary the gossip shell
-(peer/swarm/gossip.py) publishes and the engine's state says.
+`build_summary` is the summary the gossip shell (peer/swarm/gossip.py) publishes, read
+from the engine's cache view (peer/engine/api.py's EngineView).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any, Protocol
-
+from peer.engine.api import EngineView
 from peer.swarm.bloom_sizing import summary_bloom
 from protocols.bloom import BloomFilter
 from protocols.summary import CacheSummary
 
-__all__ = ["CacheLike", "EngineLike", "LoadLike", "build_summary"]
-
-
-class LoadLike(Protocol):
-    @property
-    def queued_prompt_tokens(self) -> int: ...
-    @property
-    def running_requests(self) -> int: ...
-    @property
-    def prefill_tokens_per_s(self) -> float: ...
-    @property
-    def decode_tokens_per_s(self) -> float: ...
-    @property
-    def waiting_requests(self) -> int: ...
-    @property
-    def batch_slots(self) -> int: ...
-    @property
-    def batch_decode_tokens_per_s(self) -> float: ...
-    @property
-    def step_tokens(self) -> int: ...
-
-
-class CacheLike(Protocol):
-    @property
-    def num_blocks(self) -> int: ...
-    @property
-    def capacity_blocks(self) -> int: ...
-    def cached_hashes(self) -> Iterable[int]: ...
-    def root_hashes(self) -> list[int]: ...
-    def drain_events(self) -> list[Any]: ...
-
-
-class EngineLike(Protocol):
-    """What gossip needs from the engine (peer.engine.Engine has it)."""
-
-    @property
-    def model_id(self) -> str: ...
-    @property
-    def block_size(self) -> int: ...
-    @property
-    def cache(self) -> CacheLike: ...
-    def load(self) -> LoadLike: ...
+__all__ = ["build_summary"]
 
 
 def build_summary(
-    engine: EngineLike,
+    engine: EngineView,
     *,
     peer_id: str,
     seq: int,

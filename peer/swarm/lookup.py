@@ -21,6 +21,7 @@ from libp2p.exceptions import BaseLibp2pError
 from libp2p.peer.id import ID
 
 from peer.config import DEFAULT_LOOKUP_WAIT_S
+from peer.engine.api import EngineView
 from peer.net.wire import (
     BoundedAnswers,
     HandlerHost,
@@ -74,23 +75,6 @@ MAX_ANNOUNCING = 8  # concurrent announcement streams; the rest wait their turn
 _CALL_FAILED = (WireError, BaseLibp2pError, RemoteProtocolError)
 
 
-class HashMatcher(Protocol):
-    def match_hashes(self, chain: Sequence[int]) -> int: ...
-
-
-class LookupEngine(Protocol):
-    """What the lookup reads of this peer's engine (a cache-only one has no
-    `local_match_tokens`: it never routes, so `before_route` is never called)."""
-
-    @property
-    def block_size(self) -> int: ...
-
-    @property
-    def cache(self) -> HashMatcher: ...
-
-    def local_match_tokens(self, token_ids: Sequence[int]) -> int: ...
-
-
 class LookupGossip(Protocol):
     """What the lookup needs of peer/swarm/gossip.py's Gossip (ring mode)."""
 
@@ -117,7 +101,7 @@ class RootLookup:
         self,
         host: LookupHost,
         table: PeerTable,
-        engine: LookupEngine,
+        engine: EngineView,
         gossip: LookupGossip,
         *,
         self_id: str,
