@@ -186,10 +186,11 @@ async def test_client_disconnect_cancels_generation(nursery, tiny_engine_factory
 
 
 async def test_models_swarm_health_metrics(nursery, tiny_engine_factory):
-    peer, url = await start_api(nursery, tiny_engine_factory(), model="tiny-random")
+    engine = tiny_engine_factory()
+    peer, url = await start_api(nursery, engine, model="tiny-random")
     api = client(url)
     models = await api.models.list()
-    assert [m.id for m in models.data] == ["tiny-random"]
+    assert [m.id for m in models.data] == ["tiny-random", engine.model_id]  # name, full id
     await api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0)
     async with httpx.AsyncClient(base_url=url) as http:
         health = (await http.get("/health")).json()

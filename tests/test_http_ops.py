@@ -26,10 +26,10 @@ async def test_version_models_and_json_errors(nursery, tiny_engine_factory):
     _peer, url = await start_api(nursery, engine, served_model_names=("smol", "default"))
     api = client(url)
     models = await api.models.list()
-    assert [m.id for m in models.data] == [MODEL, "smol", "default"]
-    entry: Any = models.data[1]
+    assert [m.id for m in models.data] == [MODEL, engine.model_id, "smol", "default"]
+    entry: Any = models.data[2]
     assert entry.max_model_len == engine.max_context == 2048
-    assert entry.context_length == 2048 and entry.root == MODEL
+    assert entry.context_length == 2048 and entry.root == engine.model_id
     answer = await api.completions.create(model="smol", prompt="hi", max_tokens=2)
     assert answer.model == "smol"
 

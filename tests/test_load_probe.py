@@ -18,6 +18,8 @@ LOOPBACK = ("/ip4/127.0.0.1/tcp/0",)
 
 
 class BusyEngine:
+    model_id = "test/model+w0123456789ab"
+
     def load(self) -> EngineLoad:
         return EngineLoad(321, 4, 1000.0, 20.0, waiting_requests=2)
 
@@ -37,7 +39,7 @@ async def test_a_probe_over_libp2p_gets_the_engine_load() -> None:
             stats: Counter[str] = Counter()
             probe = ProbeRound(ProbePlan((a_id, c_id), 10.0, (1.0, 1.0)), trio.current_time())
             reports = await probe_loads(b, probe, stats)
-            assert reports == {a_id: LoadReport(321, 4, 2)}
+            assert reports == {a_id: LoadReport(321, 4, 2, model_id=BusyEngine.model_id)}
             assert stats["probe_answered"] == 1 and stats["probe_refused"] == 1
             assert trio.current_time() < probe.deadline  # did not wait for the deadline
             assert service.statistics()["load_queries_answered"] == 1

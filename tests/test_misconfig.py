@@ -120,11 +120,13 @@ def test_every_bootstrap_unreachable_exits_1(capsys):
     err = capsys.readouterr().err
     assert "Traceback" not in err
     lines = err.splitlines()
-    assert "warming up the engine" in lines[0] and f"model {MODEL} ready in" in lines[2]
-    assert "WARNING peer.net.discovery: bootstrap" in lines[3]  # the first failed dial, said once
-    assert f"answered within 1 s (/ip4/127.0.0.1/tcp/{port}: " in lines[4]
-    assert "Connection refused); check the address" in lines[4]
-    assert len(lines) == 5
+    assert "fingerprinting the weights" in lines[0] and "done in" in lines[1]
+    assert "warming up the engine" in lines[2] and f"model {MODEL}+w" in lines[4]
+    assert "ready in" in lines[4]
+    assert "WARNING peer.net.discovery: bootstrap" in lines[5]  # the first failed dial, said once
+    assert f"answered within 1 s (/ip4/127.0.0.1/tcp/{port}: " in lines[6]
+    assert "Connection refused); check the address" in lines[6]
+    assert len(lines) == 7
 
 
 # -- the join line, in virtual time --------------------------------------------------
@@ -150,9 +152,17 @@ class _FakeDiscovery:
         await self.event.wait()
 
 
+class _NoStreams:
+    """A host that opens no stream: the bootstrap peers' models stay unknown."""
+
+    async def new_stream(self, peer_id: Any, protocols: Any, *, timeout_s: float = 0) -> Any:
+        raise PeerUnreachable("no streams here")
+
+
 def _fake_peer(views: list[Any]) -> Any:
     return SimpleNamespace(
-        discovery=_FakeDiscovery(), table=SimpleNamespace(views=lambda now: list(views))
+        discovery=_FakeDiscovery(), table=SimpleNamespace(views=lambda now: list(views)),
+        host=_NoStreams(), model_id="m", invite=lambda: None,
     )
 
 
