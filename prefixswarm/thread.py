@@ -93,7 +93,8 @@ class PeerThread:
         self._up.wait()  # set when the peer is up and when the thread ends, whichever first
         if self._peer is None:
             self._thread.join()
-            raise self._error or PeerClosed("the peer stopped while starting")
+            error, self._error = self._error, None  # raised here, not again by close()
+            raise error or PeerClosed("the peer stopped while starting")
         return self
 
     def close(self) -> None:
@@ -217,6 +218,8 @@ class PeerThread:
     def call(self, fn: Callable[[Peer], Awaitable[T]]) -> T:
         """`await fn(peer)` in the peer's thread, e.g. starting its HTTP API:
         `url = pt.call(lambda p: p.start_service(serve_http, p, "127.0.0.1", 0))`."""
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("a blocking call from the peer's own thread would wait for itself")
         future = self.submit(fn)
         try:
             return future.result()
@@ -231,6 +234,8 @@ class PeerThread:
     def stream(self, prompt: Prompt, params: SamplingParams | None = None,
                **options: Any) -> Iterator[GenerationChunk | GenerationResult]:
         """Peer.stream: chunks, then the result; leaving the loop early cancels it."""
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("a blocking call from the peer's own thread would wait for itself")
         items: queue.SimpleQueue[object] = queue.SimpleQueue()
         future = self.submit(functools.partial(_pump, prompt, params, options, items.put))
         future.add_done_callback(lambda _: items.put(_END))

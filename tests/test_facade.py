@@ -12,6 +12,7 @@ import subprocess
 import sys
 import sysconfig
 import threading
+from contextlib import aclosing
 from pathlib import Path
 
 import httpx
@@ -111,12 +112,15 @@ def test_asyncio_program_runs_a_peer_thread_end_to_end() -> None:
             long = SamplingParams(max_new_tokens=500)
             with pytest.raises(TimeoutError):
                 await asyncio.wait_for(peer.agenerate(PROMPT, long), timeout=0.05)
-            for _ in range(500):
-                requests = peer.statistics()["serving"]["requests"]
-                if requests["cancelled"]:
-                    break
-                await asyncio.sleep(0.01)
-            seen["after_cancel"] = requests
+            await _wait_cancelled(peer, 1)
+            # the blocking stream, from a worker thread; then an async one left early
+            seen["blocking_items"] = await asyncio.to_thread(
+                lambda: list(peer.stream(PROMPT, GREEDY))
+            )
+            async with aclosing(peer.astream(PROMPT, long)) as stream:
+                async for _ in stream:
+                    break  # leaving the loop cancels the request
+            seen["after_cancel"] = await _wait_cancelled(peer, 2)
             url = await peer.acall(lambda p: p.start_service(serve_http, p, "127.0.0.1", 0))
             async with httpx.AsyncClient() as client:
                 answer = await client.post(f"{url}/v1/completions", json={
@@ -138,10 +142,21 @@ def test_asyncio_program_runs_a_peer_thread_end_to_end() -> None:
     assert len(chunks) == len(items) - 1 >= 1
     assert "".join(c.text for c in chunks) == items[-1].text == result.text  # greedy
     assert seen["http_text"] == result.text
+    assert [i.text for i in seen["blocking_items"]] == [i.text for i in items]  # type: ignore[attr-defined]
     requests = seen["after_cancel"]
-    assert isinstance(requests, dict) and (requests["ok"], requests["cancelled"]) == (2, 1)
+    assert isinstance(requests, dict) and (requests["ok"], requests["cancelled"]) == (3, 2)
     thread = seen["thread"]
     assert isinstance(thread, threading.Thread) and not thread.is_alive()
+
+
+async def _wait_cancelled(peer: PeerThread, count: int) -> dict[str, int]:
+    """The peer's request outcomes once `count` requests ended cancelled (5 s at most)."""
+    for _ in range(500):
+        requests: dict[str, int] = peer.statistics()["serving"]["requests"]
+        if requests["cancelled"] >= count:
+            break
+        await asyncio.sleep(0.01)
+    return requests
 
 
 def test_blocking_peer_thread_holds_its_identity_and_reports_start_errors(
@@ -161,8 +176,12 @@ def test_blocking_peer_thread_holds_its_identity_and_reports_start_errors(
         async def close_from_inside(_: object) -> None:
             first.close()
 
-        with pytest.raises(RuntimeError, match="own thread"):  # it would wait for itself
-            first.call(close_from_inside)
+        async def call_from_inside(_: object) -> None:
+            first.generate(PROMPT, GREEDY)
+
+        for inside in (close_from_inside, call_from_inside):
+            with pytest.raises(RuntimeError, match="own thread"):  # it would wait for itself
+                first.call(inside)
     with pytest.raises(PeerClosed):
         first.generate(PROMPT, GREEDY)
     with PeerThread(config, engine=CacheOnlyEngine()) as again:
