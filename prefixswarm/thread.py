@@ -143,7 +143,27 @@ class PeerThread:
         self.close()
 
     async def __aenter__(self) -> PeerThread:
-        return await asyncio.to_thread(self.start)
+        """start() in a worker thread; if the awaiting task is cancelled meanwhile, the
+        peer is closed as soon as it is up, so no peer outlives an abandoned start."""
+        lock, state = threading.Lock(), {"abandoned": False, "started": False}
+
+        def start_unless_abandoned() -> PeerThread:
+            self.start()
+            with lock:
+                state["started"] = not state["abandoned"]
+            if not state["started"]:
+                self.close()
+            return self
+
+        try:
+            return await asyncio.to_thread(start_unless_abandoned)
+        except asyncio.CancelledError:
+            with lock:
+                state["abandoned"] = True
+                started = state["started"]
+            if started:  # it was up before the cancellation arrived: close it in a thread
+                asyncio.get_running_loop().run_in_executor(None, self.close)
+            raise
 
     async def __aexit__(self, kind: type[BaseException] | None, value: BaseException | None,
                         tb: TracebackType | None) -> None:

@@ -149,6 +149,24 @@ def test_asyncio_program_runs_a_peer_thread_end_to_end() -> None:
     assert isinstance(thread, threading.Thread) and not thread.is_alive()
 
 
+def test_an_abandoned_async_start_leaves_no_peer_running(tmp_path: Path) -> None:
+    config = PeerConfig(model=MODEL, identity_file=tmp_path / "identity.key")
+
+    async def use() -> None:
+        async with PeerThread(config):
+            await asyncio.sleep(3600)
+
+    async def program() -> None:
+        with pytest.raises(TimeoutError):  # cancelled while the model loads
+            await asyncio.wait_for(use(), timeout=0.05)
+
+    asyncio.run(program())  # waits for its worker threads: start, then close
+    with PeerThread(config, engine=CacheOnlyEngine()) as peer:  # the identity is free
+        assert peer.peer_id
+    running = [t for t in threading.enumerate() if t.name == "prefixswarm-peer"]
+    assert running == [], running
+
+
 async def _wait_cancelled(peer: PeerThread, count: int) -> dict[str, int]:
     """The peer's request outcomes once `count` requests ended cancelled (5 s at most)."""
     for _ in range(500):
