@@ -13,6 +13,7 @@ import sys
 import sysconfig
 import threading
 from contextlib import aclosing
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -207,15 +208,22 @@ def test_blocking_peer_thread_holds_its_identity_and_reports_start_errors(
     first.close()  # twice is harmless
 
 
-def _shared_site_packages() -> str:
-    return sysconfig.get_paths()["purelib"]
+@dataclass(frozen=True)
+class Installed:
+    """The package installed into a fresh venv, and a folder outside the repository."""
+
+    venv: Path
+    purelib: str
+    outside: Path
+    env: dict[str, str]
 
 
-@pytest.mark.slow
-def test_pip_install_into_a_fresh_venv_works_outside_the_repository(tmp_path: Path) -> None:
-    """`pip install .` (no dependencies: they come from this venv's site-packages through
-    a .pth line, which adds the folder only: its own .pth files, this checkout's
-    editable install among them, are not read)."""
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory: pytest.TempPathFactory) -> Installed:
+    """`pip install .` into a fresh venv (no dependencies: they come from this venv's
+    site-packages through a .pth line, which adds the folder only: its own .pth files,
+    this checkout's editable install among them, are not read)."""
+    tmp_path = tmp_path_factory.mktemp("installed")
     source = tmp_path / "source"  # a copy: pip builds in the tree it is given
     for name in ("pyproject.toml", "README.md", "LICENSE", "peer", "protocols", "prefixswarm"):
         if (ROOT / name).is_dir():
@@ -226,32 +234,54 @@ def test_pip_install_into_a_fresh_venv_works_outside_the_repository(tmp_path: Pa
             shutil.copy(ROOT / name, source / name)
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
-    python = venv / "bin" / "python"
     purelib = subprocess.run(
-        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        [str(venv / "bin" / "python"), "-c",
+         "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
         check=True, capture_output=True, text=True,
     ).stdout.strip()
-    Path(purelib, "shared-dependencies.pth").write_text(_shared_site_packages() + "\n")
+    shared = sysconfig.get_paths()["purelib"]
+    Path(purelib, "shared-dependencies.pth").write_text(shared + "\n")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     subprocess.run(
-        [sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet",
-         "--no-deps", "--no-build-isolation", str(source)],
+        [sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install",
+         "--quiet", "--no-deps", "--no-build-isolation", str(source)],
         check=True, env=env, cwd=tmp_path, timeout=120,
     )
     outside = tmp_path / "elsewhere"
     outside.mkdir()
+    return Installed(venv, purelib, outside, env)
+
+
+@pytest.mark.slow
+def test_pip_install_into_a_fresh_venv_works_outside_the_repository(
+    installed: Installed,
+) -> None:
     helped = subprocess.run(
-        [str(venv / "bin" / "prefixswarm"), "--help"],
-        capture_output=True, text=True, env=env, cwd=outside, timeout=60,
+        [str(installed.venv / "bin" / "prefixswarm"), "--help"],
+        capture_output=True, text=True, env=installed.env, cwd=installed.outside, timeout=60,
     )
     assert helped.returncode == 0, helped.stderr
     assert "serve" in helped.stdout and "local" in helped.stdout
     imported = subprocess.run(
-        [str(python), "-c", "from prefixswarm import open_peer, PeerConfig, SamplingParams; "
+        [str(installed.venv / "bin" / "python"), "-c",
+         "from prefixswarm import open_peer, PeerConfig, SamplingParams; "
          "import prefixswarm, peer; print(prefixswarm.__file__); print(peer.__file__)"],
-        capture_output=True, text=True, env=env, cwd=outside, timeout=60,
+        capture_output=True, text=True, env=installed.env, cwd=installed.outside, timeout=60,
     )
     assert imported.returncode == 0, imported.stderr
     files = imported.stdout.split()
-    assert len(files) == 2 and all(f.startswith(purelib) for f in files), files
+    assert len(files) == 2 and all(f.startswith(installed.purelib) for f in files), files
     assert not any(f.startswith(str(ROOT)) for f in files)
+
+
+@pytest.mark.slow
+def test_the_embedding_example_runs_on_the_installed_package(installed: Installed) -> None:
+    example = installed.outside / "embed_peer.py"
+    shutil.copy(ROOT / "examples" / "embed_peer.py", example)
+    done = subprocess.run(
+        [str(installed.venv / "bin" / "python"), str(example), "--model", MODEL],
+        capture_output=True, text=True, env=installed.env, cwd=installed.outside, timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "up at /ip4/127.0.0.1/tcp/" in done.stdout
+    assert "cached 48/" in done.stdout  # the second question reused the first one's blocks
