@@ -1,4 +1,4 @@
-"""A program that embeds a prefixswarm peer as a library.
+"""A Trio program that embeds a prefixswarm peer as a library (asyncio: embed_asyncio.py).
 
     python examples/embed_peer.py [--model tiny-random] [--bootstrap MULTIADDR]
         [--http 127.0.0.1:0]
@@ -6,7 +6,8 @@
 Starts a peer (alone, or joining a swarm with --bootstrap), asks it two questions that
 share a prefix (the second reuses the first one's cached blocks), streams a third, and
 optionally serves the OpenAI-compatible HTTP API while it runs. Leaving the `async with`
-block stops every service of the peer.
+block stops every service of the peer. prefixswarm.PeerConfig's defaults suit a library:
+loopback on a free port, an ephemeral identity (a volunteer's peer keeps a key file).
 """
 
 from __future__ import annotations
@@ -16,22 +17,13 @@ import contextlib
 
 import trio
 
-from peer.api.http import serve_http
-from peer.config import PeerConfig
-from peer.engine.api import SamplingParams
-from peer.node import open_peer
-from peer.request.pipeline import GenerationChunk
+from prefixswarm import GenerationChunk, PeerConfig, SamplingParams, open_peer, serve_http
 
 SHARED = "You are a terse assistant. Answer in one short sentence.\n" * 4
 
 
 async def main(model: str, bootstrap: list[str], http: str | None) -> None:
-    config = PeerConfig(
-        model=model,
-        listen_addrs=("/ip4/127.0.0.1/tcp/0",),
-        bootstrap=tuple(bootstrap),
-        identity_file=None,  # an ephemeral identity; a volunteer would keep a key file
-    )
+    config = PeerConfig(model=model, bootstrap=tuple(bootstrap))
     async with open_peer(config) as peer:
         print(f"peer {peer.peer_id} up at {peer.multiaddrs[0]}")
         if http:

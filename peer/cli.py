@@ -37,6 +37,7 @@ from peer.settings import (
     DEFAULT_HTTP,
     FIELD_HELP,
     LOG_LEVELS,
+    TUNING_SETTINGS,
     ServeOptions,
     config_file_path,
     env_for,
@@ -293,8 +294,31 @@ def _metavar(name: str, hint: Any) -> str:
     return {int: "N", float: "X"}.get(hint, "NAME")
 
 
-def add_setting_flags(parser: argparse.ArgumentParser) -> None:
-    """A flag for every setting (PeerConfig and ServeOptions fields), derived from them."""
+class HelpAll(argparse.Action):
+    """`--help-all`: the help with every flag, the knobs `--help` leaves out included."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS,
+                         nargs=0, help="show every flag, tuning and benchmark knobs included")
+        self.hidden: list[tuple[argparse.Action, str]] = []  # each with the help it hides
+
+    def hide(self, action: argparse.Action) -> None:
+        """Leave `action` out of --help (it still parses), listed by --help-all."""
+        self.hidden.append((action, action.help or ""))
+        action.help = argparse.SUPPRESS
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        for action, text in self.hidden:
+            action.help = text
+        parser.print_help()
+        parser.exit()
+
+
+def add_setting_flags(parser: argparse.ArgumentParser, help_all: HelpAll | None = None) -> None:
+    """A flag for every setting (PeerConfig and ServeOptions fields), derived from them;
+    with `help_all`, the TUNING_SETTINGS ones go to its list, in their own group."""
+    tuning = parser.add_argument_group("tuning and benchmarks (listed by --help-all)")
     for f, hint in settings_fields():
         text = FIELD_HELP.get(f.name, f.name.replace("_", " "))
         shown = _shown(field_default(f))
@@ -313,7 +337,10 @@ def add_setting_flags(parser: argparse.ArgumentParser) -> None:
             kwargs.update(choices=LOG_LEVELS, type=str.lower)
         if "choices" not in kwargs and hint is not bool:
             kwargs["metavar"] = _metavar(f.name, hint)
-        parser.add_argument(flag_for(f.name), **kwargs)
+        if help_all is not None and f.name in TUNING_SETTINGS:
+            help_all.hide(tuning.add_argument(flag_for(f.name), **kwargs))
+        else:
+            parser.add_argument(flag_for(f.name), **kwargs)
 
 
 def _api_key_option(p: argparse.ArgumentParser, what: str) -> None:
@@ -343,9 +370,11 @@ def build_parser() -> argparse.ArgumentParser:
         conflict_handler="resolve",  # a flag added by hand for a field replaces the derived one
         description="Every setting is also read from PREFIXSWARM_<NAME> variables and from a "
         "TOML file (--config, $PREFIXSWARM_CONFIG or ~/.config/prefixswarm/config.toml); "
-        "flags win over variables, variables over the file.",
+        "flags win over variables, variables over the file. --help-all also lists the "
+        "tuning and benchmark knobs.",
     )
-    add_setting_flags(serve_parser)
+    help_all = typing.cast(HelpAll, serve_parser.add_argument("--help-all", action=HelpAll))
+    add_setting_flags(serve_parser, help_all)
     serve_parser.add_argument(
         "--config", default=argparse.SUPPRESS, metavar="FILE",
         help=f"TOML file of settings ('none': no file) (default: $PREFIXSWARM_CONFIG, else "
@@ -353,10 +382,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve_parser.add_argument("--print-config", action="store_true",
                               help="print the settings in effect as a config file, and exit")
-    serve_parser.add_argument("--report", choices=["text", "json"], default="text",
-                              help="json: one JSON object a line on stdout, for programs")
-    serve_parser.add_argument("--exit-with-stdin", action="store_true",
-                              help="stop when stdin closes")
+    for_programs = serve_parser.add_argument_group("for programs that start peers")
+    help_all.hide(for_programs.add_argument(
+        "--report", choices=["text", "json"], default="text",
+        help="json: one JSON object a line on stdout, for programs"))
+    help_all.hide(for_programs.add_argument("--exit-with-stdin", action="store_true",
+                                            help="stop when stdin closes"))
 
     gen = sub.add_parser("generate", help="send a prompt to a running peer, stream the answer",
                          formatter_class=defaults)

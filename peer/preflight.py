@@ -1,6 +1,7 @@
 """Checks `serve` runs before loading the model, so a misconfiguration is one line at once.
 
     check_serve(config, options)            # ConfigError naming the first problem
+    check_peer(config)                      # its addresses and ports only (embedding)
     with hold_identity(config.identity_file):  # ConfigError if another peer holds it
         ...run the peer...
 
@@ -112,10 +113,16 @@ def check_model(name: str) -> None:
         raise ConfigError(str(exc)) from None
 
 
-def check_serve(config: PeerConfig, options: ServeOptions) -> None:
-    """Everything `serve` can check without loading the model; ConfigError otherwise."""
+def check_peer(config: PeerConfig) -> None:
+    """The peer's own addresses parse and its fixed listen ports are free; ConfigError
+    otherwise (`serve` and the embedding facade, prefixswarm.open_peer, both run it)."""
     check_multiaddrs(config)
     check_listen_ports(config)
+
+
+def check_serve(config: PeerConfig, options: ServeOptions) -> None:
+    """Everything `serve` can check without loading the model; ConfigError otherwise."""
+    check_peer(config)
     if options.http:
         check_http(options.http)
     check_model(config.model)

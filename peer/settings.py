@@ -4,9 +4,10 @@
 
 Every PeerConfig field (and every ServeOptions field) is settable all three ways; the
 flag, variable and file key are derived from the dataclass field, so a new field needs
-only its line in PeerConfig (FIELD_HELP gives it a --help text). pydantic-settings parses
-the sources and coerces types; PeerConfig.__post_init__ checks the values. Any problem is
-one ConfigError line that names where the bad value came from.
+only its line in PeerConfig (FIELD_HELP gives it a --help text; TUNING_SETTINGS moves it
+to --help-all). pydantic-settings parses the sources and coerces types;
+PeerConfig.__post_init__ checks the values. Any problem is one ConfigError line that
+names where the bad value came from.
 
 Conventions: an int field whose name ends in `_bytes` accepts units ("1GiB", "512MB");
 a tuple field takes a list (TOML), or commas/whitespace (environment); a path field takes
@@ -83,6 +84,14 @@ FIELD_HELP = {
     "verify_fraction": "share of forwarded responses verified before delivery",
     "probation_requests": "verified responses before a new peer is trusted",
     "quarantine_file": "quarantined peers (none: quarantine.json next to the identity)",
+    "probation_share": "peers on probation together get at most 1 request in N",
+    "first_token_multiple": "a forward's first-token deadline as a multiple of its estimate",
+    "first_token_floor_s": "the shortest first-token deadline of a forward",
+    "hedge_multiple": "no first token after this multiple of the estimate: try the next "
+    "candidate too (0: no hedging)",
+    "hedge_floor_s": "the earliest a hedge starts",
+    "load_probes": "candidates asked for their load before forwarding (0: gossiped load only)",
+    "load_probe_wait_s": "the longest a request waits for load probes",
     "dtype": "weights and KV precision (float32, bfloat16; float16 needs a GPU)",
     "device": "auto, cpu, cuda or mps",
     "threads": "torch CPU threads (none: torch's default)",
@@ -103,6 +112,17 @@ FIELD_HELP = {
     "api_key": "require 'Authorization: Bearer KEY' on every HTTP path but /health and the "
     "page (prefer the variable: a flag shows in `ps`)",
 }
+
+# Tuning and benchmark knobs: accepted as flags, variables and file keys like every
+# setting, but listed by `serve --help-all` only, so `--help` shows what a volunteer needs.
+TUNING_SETTINGS = frozenset({
+    "block_size", "summary_interval_s", "bloom_fp_rate", "gossip_mode", "gossip_neighbours",
+    "policy", "max_queue", "max_inbound_per_peer", "forward_first_token_s",
+    "forward_token_gap_s", "request_timeout_s", "bootstrap_timeout_s", "served_model_names",
+    "forward_delay_s", "verify_fraction", "probation_requests", "probation_share",
+    "quarantine_file", "first_token_multiple", "first_token_floor_s", "hedge_multiple",
+    "hedge_floor_s", "load_probes", "load_probe_wait_s", "lookup_wait_s",
+})  # fmt: skip
 
 
 class ConfigError(ValueError):

@@ -5,6 +5,7 @@ package that libp2p installs, so `import examples...` would find the wrong one."
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 from pathlib import Path
 from types import ModuleType
@@ -32,6 +33,16 @@ async def test_embed_peer_example(capsys):
     assert len(cached) == 2
     assert "cached 0/" in cached[0] and "cached 48/" in cached[1]  # the shared prefix
     assert "peers known: 0" in out
+
+
+def test_embed_asyncio_example(capsys):
+    asyncio.run(load_example("embed_asyncio.py").main(MODEL, []))
+    out = capsys.readouterr().out
+    assert "up at /ip4/127.0.0.1/tcp/" in out
+    assert "(12 tokens, served by" in out
+    assert "a request past its timeout was cancelled inside the peer" in out
+    assert "HTTP API on http://127.0.0.1:" in out
+    assert out.rstrip().endswith("peer stopped")
 
 
 async def test_openai_client_example(nursery, tiny_engine_factory, capsys):

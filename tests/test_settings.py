@@ -4,12 +4,14 @@ order of precedence, validated once with one line naming the bad value's source.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 
 from peer import cli
 from peer.config import PeerConfig, Policy
 from peer.settings import (
+    TUNING_SETTINGS,
     ConfigError,
     ServeOptions,
     config_file_path,
@@ -123,10 +125,11 @@ def test_config_file_errors(tmp_path, monkeypatch):
 
 
 def test_every_field_has_a_flag_an_env_variable_and_a_help_default(capsys):
-    """A new PeerConfig field gets all three without further code."""
+    """A new PeerConfig field gets all three without further code (in --help-all; the
+    tuning knobs are left out of --help, tested below)."""
     parser = cli.build_parser()
     with pytest.raises(SystemExit):
-        parser.parse_args(["serve", "--help"])
+        parser.parse_args(["serve", "--help-all"])
     text = " ".join(capsys.readouterr().out.split())
     for f in dataclasses.fields(PeerConfig):
         assert flag_for(f.name) in text
@@ -137,6 +140,54 @@ def test_every_field_has_a_flag_an_env_variable_and_a_help_default(capsys):
     config = cli.config_from_args(args)
     assert config.cache_bytes == 512_000_000
     assert config.served_model_names == ("a", "b")
+
+
+def _serve_help(capsys, flag: str) -> str:
+    with pytest.raises(SystemExit) as info:
+        cli.build_parser().parse_args(["serve", flag])
+    assert info.value.code == 0
+    return " ".join(capsys.readouterr().out.split())
+
+
+def _mentions(text: str, flag: str) -> bool:
+    """`flag` as a whole flag (--bootstrap is not --bootstrap-file)."""
+    return re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", text) is not None
+
+
+VOLUNTEER_FLAGS = (
+    "--model", "--bootstrap", "--bootstrap-file", "--listen", "--announce", "--identity",
+    "--http", "--api-key", "--cache-bytes", "--dtype", "--device", "--threads", "--log-level",
+    "--config", "--mdns", "--upnp", "--relays", "--print-config", "--help-all",
+)  # fmt: skip
+KNOB_FLAGS = (
+    "--forward-delay", "--block-size", "--hedge-multiple", "--hedge-floor",
+    "--first-token-multiple", "--first-token-floor", "--load-probes", "--load-probe-wait",
+    "--bloom-fp-rate", "--max-queue", "--max-inbound-per-peer", "--probation-requests",
+    "--probation-share", "--summary-interval", "--policy", "--gossip-mode", "--report",
+    "--exit-with-stdin",
+)  # fmt: skip
+
+
+def test_serve_help_shows_a_volunteers_flags_and_help_all_the_knobs(capsys, monkeypatch):
+    short, full = _serve_help(capsys, "--help"), _serve_help(capsys, "--help-all")
+    for flag in VOLUNTEER_FLAGS:
+        assert _mentions(short, flag) and _mentions(full, flag), flag
+    for flag in KNOB_FLAGS:
+        assert not _mentions(short, flag), f"{flag} is in --help"
+        assert _mentions(full, flag), f"{flag} is not in --help-all"
+    assert "--help-all also lists the tuning and benchmark knobs" in short
+    fields = {f.name for f in dataclasses.fields(PeerConfig)}
+    assert fields >= TUNING_SETTINGS  # no misspelt name in the list
+    # hidden, not gone: the same flags, variables and file keys set the same settings
+    monkeypatch.setenv("PREFIXSWARM_HEDGE_FLOOR_S", "0.3")
+    args = cli.build_parser().parse_args([
+        "serve", "--config", "none", "--forward-delay", "0.02", "--block-size", "32",
+        "--hedge-multiple", "3", "--load-probes", "1", "--report", "json", "--exit-with-stdin",
+    ])  # fmt: skip
+    config = cli.config_from_args(args)
+    assert (config.forward_delay_s, config.block_size, config.hedge_multiple) == (0.02, 32, 3.0)
+    assert (config.load_probes, config.hedge_floor_s) == (1, 0.3)
+    assert args.report == "json" and args.exit_with_stdin
 
 
 def test_version_flag(capsys):
