@@ -192,20 +192,55 @@ def check_invite_model(invite: Invite | None, model_id: str) -> None:
         )
 
 
+async def _report_up(
+    peer: Any, url: str | None, json_report: bool, scope: trio.CancelScope
+) -> None:
+    """Say the peer is up: JSON lines (then its known peers now and then), or text."""
+    with scope:
+        if not json_report:
+            print(f"peer {peer.peer_id} serves {peer.model_id}; others join with:")
+            invite = peer.invite()
+            if invite:
+                print(f"  prefixswarm serve --join {invite}")
+            else:
+                print("  (no dialable address yet: behind NAT, see docs/joining.md)")
+            print("reachability is checked with the first peers; a line follows.")
+            if url:
+                print(f"HTTP API (OpenAI-compatible): {url}/v1")
+            sys.stdout.flush()
+            return
+        _emit(
+            {
+                "event": "up", "pid": os.getpid(), "peer_id": peer.peer_id,
+                "multiaddrs": peer.multiaddrs, "http": url, "model": peer.model_id,
+                "reachability": peer.reachability,
+            }
+        )
+        while True:
+            known = sorted(v.peer_id for v in peer.table.views(trio.current_time()))
+            _emit({"event": "peers", "peer_ids": known})
+            await trio.sleep(PEERS_REPORT_INTERVAL_S)
+
+
 async def run_serve(args: argparse.Namespace, config: PeerConfig, options: ServeOptions) -> None:
     """Load the model, start the peer (and its HTTP API), run until a signal or EOF."""
     from peer.api.http import serve_http
     from peer.node import open_peer
 
     json_report = args.report == "json"
+    up, leaving = trio.Event(), trio.Event()
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
 
-            async def first_signal() -> None:
+            async def on_signals() -> None:
+                """The first signal drains a peer that is up; any other stops at once."""
                 async for _ in signals:
-                    return
+                    if not up.is_set() or leaving.is_set():
+                        break
+                    leaving.set()
+                nursery.cancel_scope.cancel()
 
-            nursery.start_soon(_stop_on, first_signal, nursery.cancel_scope)
+            nursery.start_soon(on_signals)
             if args.exit_with_stdin:
                 nursery.start_soon(_stop_on, _until_stdin_closes, nursery.cancel_scope)
             if json_report:
@@ -219,37 +254,27 @@ async def run_serve(args: argparse.Namespace, config: PeerConfig, options: Serve
             )
             _say(f"model {engine.model_id} ready in {trio.current_time() - started:.1f} s")
             check_invite_model(options.invite, engine.model_id)
-            async with open_peer(config, engine=engine) as peer:
+            async with open_peer(config, engine=engine) as peer, trio.open_nursery() as faces:
                 url = None
-                if options.http:
+                if options.http:  # returns once drained: its requests end before the peer
                     host, port = split_host_port(options.http)
-                    serve = functools.partial(serve_http, api_key=options.api_key)
-                    url = await peer.start_service(serve, peer, host, port)
-                nursery.start_soon(_watch_join, peer, config)
-                if json_report:
-                    _emit(
-                        {
-                            "event": "up", "pid": os.getpid(), "peer_id": peer.peer_id,
-                            "multiaddrs": peer.multiaddrs, "http": url, "model": engine.model_id,
-                            "reachability": peer.reachability,
-                        }
+                    serve = functools.partial(
+                        serve_http, api_key=options.api_key, drain=leaving,
+                        drain_timeout_s=options.drain_timeout_s,
                     )
-                    while True:
-                        known = sorted(v.peer_id for v in peer.table.views(trio.current_time()))
-                        _emit({"event": "peers", "peer_ids": known})
-                        await trio.sleep(PEERS_REPORT_INTERVAL_S)
-                else:
-                    print(f"peer {peer.peer_id} serves {engine.model_id}; others join with:")
-                    invite = peer.invite()
-                    if invite:
-                        print(f"  prefixswarm serve --join {invite}")
-                    else:
-                        print("  (no dialable address yet: behind NAT, see docs/joining.md)")
-                    print("reachability is checked with the first peers; a line follows.")
-                    if url:
-                        print(f"HTTP API (OpenAI-compatible): {url}/v1")
-                    sys.stdout.flush()
-                    await trio.sleep_forever()
+                    url = await faces.start(serve, peer, host, port)
+                nursery.start_soon(_watch_join, peer, config)
+                reports = trio.CancelScope()
+                faces.start_soon(_report_up, peer, url, json_report, reports)
+                up.set()
+                await leaving.wait()
+                _say(f"leaving: finishing the requests in flight (at most "
+                     f"{options.drain_timeout_s:g} s; a second signal stops at once)")
+                cut = await peer.drain(options.drain_timeout_s)
+                if cut:
+                    _say(f"drain timeout: {cut} requests in flight were cut off")
+                reports.cancel()
+            nursery.cancel_scope.cancel()
     if json_report:
         _emit({"event": "down", "pid": os.getpid()})
 

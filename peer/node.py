@@ -95,6 +95,13 @@ class Peer:
         """Dialable addresses, each ending in /p2p/<peer id>."""
         return self.host.multiaddrs
 
+    async def drain(self, timeout_s: float) -> int:
+        """Leave gently: refuse forwarded requests from now on and wait, up to
+        `timeout_s`, for those in flight here to end; the requests still running then."""
+        if self.serving is None:
+            return 0
+        return await self.serving.drain(timeout_s)
+
     def invite(self) -> str | None:
         """One string that hands this swarm to someone (protocols/invite.py): the model id,
         this peer's dialable addresses, then known peers' up to INVITE_ADDRS; None while

@@ -49,6 +49,7 @@ DEFAULT_HTTP = "127.0.0.1:8000"  # loopback only: the API has no authentication
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 MAX_BOOTSTRAP_FILE_BYTES = 1 << 20  # a list of multiaddrs; anything bigger is a mistake
 PUBLIC_BOOTSTRAP_FILE = "public_bootstrap.txt"  # package data, versioned with the code
+MAX_DRAIN_TIMEOUT_S = 3600.0  # a service manager waits no longer than this to stop a peer
 
 # Flags whose name is not the field name minus its `_s` unit suffix.
 FLAG_NAMES = {
@@ -107,6 +108,7 @@ FIELD_HELP = {
     "bootstrap_file": "file of bootstrap multiaddrs, one a line ('#' comments)",
     "join": "an invite string (printed by `prefixswarm status` and on the page): joins that "
     "swarm with its model",
+    "drain_timeout_s": "on SIGTERM, seconds the requests in flight may take to finish",
     "public": "join the public swarm: the bootstrap list shipped with this version",
     "swarm_name": "a name for the swarm, carried in this peer's invites",
     "api_key": "require 'Authorization: Bearer KEY' on every HTTP path but /health and the "
@@ -146,6 +148,7 @@ class ServeOptions:
     bootstrap_file: Path | None = None
     api_key: str | None = None  # None: the HTTP API is open (it listens on loopback by default)
     join: str | None = None  # an invite (protocols/invite.py): its bootstrap and model
+    drain_timeout_s: float = 30.0  # SIGTERM: how long the requests in flight may take
     public: bool = False  # the shipped public bootstrap list (peer/public_bootstrap.txt)
 
     def __post_init__(self) -> None:
@@ -156,6 +159,8 @@ class ServeOptions:
                 raise ValueError(f"http address: {exc}") from None
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}")
+        if not 0 <= self.drain_timeout_s <= MAX_DRAIN_TIMEOUT_S:
+            raise ValueError(f"drain_timeout_s must be in [0, {MAX_DRAIN_TIMEOUT_S:g}]")
         if self.join is not None:
             decode_invite(self.join)  # InviteError (a ValueError) says what is wrong
 

@@ -247,14 +247,14 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     return JSONResponse(error.body(), status_code=exc.status_code, headers=exc.headers)
 
 
-def hypercorn_config(host: str, port: int) -> HypercornConfig:
+def hypercorn_config(host: str, port: int, grace_s: float = 1.0) -> HypercornConfig:
     """How hypercorn serves the API: bind, quiet logs, backlog, shutdown grace."""
     config = HypercornConfig()
     config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
     config.accesslog = None
     config.errorlog = None
     config.backlog = LISTEN_BACKLOG
-    config.graceful_timeout = 1.0  # in-flight requests get this long when the peer stops
+    config.graceful_timeout = grace_s  # what in-flight requests get once serving stops
     return config
 
 
@@ -265,18 +265,28 @@ async def serve_http(
     *,
     model_alias: str | None = None,
     api_key: str | None = None,
+    drain: trio.Event | None = None,
+    drain_timeout_s: float = 1.0,
     task_status: TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the peer's HTTP API until cancelled; reports the bound URL (port 0 works).
 
-    With `api_key`, every path but /health needs `Authorization: Bearer <api_key>`."""
-    config = hypercorn_config(host, port)
+    With `api_key`, every path but /health needs `Authorization: Bearer <api_key>`. Once
+    `drain` is set the API stops accepting connections and gives the requests in flight
+    up to `drain_timeout_s` to finish, then returns."""
+    config = hypercorn_config(host, port, drain_timeout_s)
     api = HttpApi(peer, model_alias=model_alias, api_key=api_key)
-
-    async def serve(*, task_status: TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
-        await hypercorn_serve(api.app, config, task_status=task_status)  # type: ignore[arg-type]
+    trigger = drain.wait if drain is not None else None
 
     async with trio.open_nursery() as nursery:
+
+        async def serve(*, task_status: TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
+            await hypercorn_serve(
+                api.app, config, shutdown_trigger=trigger,  # type: ignore[arg-type]
+                task_status=task_status,
+            )
+            nursery.cancel_scope.cancel()  # drained: the page's sampling stops too
+
         binds: list[str] = await nursery.start(serve)
         nursery.start_soon(api.page.sample_forever)
         task_status.started(binds[0])

@@ -79,10 +79,21 @@ class InferenceService:
         self._self_id = self_id
         self._max_per_peer = max_inbound_per_peer
         self._per_peer: Counter[str] = Counter()
+        self._leaving = False
         self._send, self._receive = trio.open_memory_channel[tuple[InboundStream, str]](
             INBOUND_BACKLOG
         )
         self.stats: Counter[str] = Counter()
+
+    def stop_accepting(self) -> None:
+        """Refuse new requests from now on ('overloaded: leaving', so the entry peer tries
+        its next candidate); those already running go on."""
+        self._leaving = True
+
+    @property
+    def in_flight(self) -> int:
+        """Forwarded requests running here now."""
+        return sum(self._per_peer.values())
 
     async def handle_stream(self, stream: InboundStream) -> None:
         """libp2p's stream handler: hand the stream to our nursery, refuse if backlogged."""
@@ -115,6 +126,11 @@ class InferenceService:
             self.stats["rejected_invalid"] += 1
             logger.info("bad inference request from %s: %s", remote, exc)
             await self._reply_error(frames, ErrorCode.INVALID_REQUEST, str(exc))
+            await frames.close()
+            return
+        if self._leaving:
+            self.stats["refused_leaving"] += 1
+            await self._reply_error(frames, ErrorCode.OVERLOADED, "this peer is leaving")
             await frames.close()
             return
         if self._per_peer[remote] >= self._max_per_peer:

@@ -154,9 +154,14 @@ class Pipeline:
                     return item
         raise RuntimeError("pipeline ended without a result")  # unreachable by construction
 
+    @property
+    def entry_in_flight(self) -> int:
+        """Requests that entered here and have not ended."""
+        return self._entry.in_flight
+
     def statistics(self) -> dict[str, int]:
         out = dict(self.stats)
-        out["entry_in_flight"] = self._entry.in_flight
+        out["entry_in_flight"] = self.entry_in_flight
         out["verification_available"] = int(self._context.verify is not None)
         return out
 

@@ -52,6 +52,7 @@ if TYPE_CHECKING:  # trio's TaskStatus, as the trio-stubs py-libp2p pulls in typ
     from trio_typing import TaskStatus
 
 logger = logging.getLogger(__name__)
+DRAIN_POLL_S = 0.05  # how often a drain looks whether the requests in flight ended
 
 __all__ = ["Prompt", "Serving", "load_quarantine"]
 
@@ -140,6 +141,20 @@ class Serving:
     @property
     def max_context(self) -> int:
         return self.engine.max_context
+
+    @property
+    def in_flight(self) -> int:
+        """Requests running here now: entered here (HTTP, the library) or forwarded here."""
+        return self.pipeline.entry_in_flight + self.inference.in_flight
+
+    async def drain(self, timeout_s: float) -> int:
+        """Refuse forwarded requests from now on and wait, up to `timeout_s`, until those
+        in flight have ended; the requests still running then (0 when drained)."""
+        self.inference.stop_accepting()
+        with trio.move_on_after(timeout_s):
+            while self.in_flight:
+                await trio.sleep(DRAIN_POLL_S)
+        return self.in_flight
 
     def encode(self, prompt: Prompt) -> list[int]:
         """Token ids of a text prompt, of chat messages (chat template), or ids as given."""
