@@ -98,10 +98,17 @@ def _address(addrs: list[str]) -> str:
     return addrs[0].split("/p2p/")[0] if addrs else "-"
 
 
+def _software(p: dict[str, Any]) -> str:
+    """A peer's software, marked when older than the asked peer's (it may lack fixes)."""
+    name = p.get("software") or "?"
+    return f"{name} (older)" if p.get("older_software") else name
+
+
 def format_status(view: dict[str, Any]) -> str:
     """The /v1/swarm object as a readable table: this peer first, then the others."""
     me = view["self"]
-    header = ["PEER", "ADDRESS", "RTT", "LOAD", "CACHED BLOCKS", "SUMMARY AGE", "TRUST"]
+    header = ["PEER", "ADDRESS", "RTT", "LOAD", "CACHED BLOCKS", "SUMMARY AGE", "TRUST",
+              "SOFTWARE"]
     rows = [header]
 
     def load(p: dict[str, Any]) -> str:
@@ -109,18 +116,21 @@ def format_status(view: dict[str, Any]) -> str:
 
     rows.append(
         [me["peer_id"] + " (this)", _address(me["addrs"]), "-", load(me),
-         f"{me['cached_blocks']}/{me['capacity_blocks']}", "-", "-"]
+         f"{me['cached_blocks']}/{me['capacity_blocks']}", "-", "-", me.get("software") or "?"]
     )
     for p in view["peers"]:
         rtt = "?" if p["rtt_s"] is None else f"{p['rtt_s'] * 1000:.1f} ms"
         rows.append(
             [p["peer_id"], _address(p["addrs"]), rtt, load(p),
              f"~{p['cached_blocks']}/{p['capacity_blocks']}", f"{p['summary_age_s']:.1f} s",
-             (p.get("trust") or {}).get("state", "-")]
+             (p.get("trust") or {}).get("state", "-"), _software(p)]
         )
     title = f"model {me['model']}, policy {me['policy']}, {len(view['peers']) + 1} peers"
     if "reachability" in me:
         title += f", this peer is {me['reachability']}"
+    older = sum(1 for p in view["peers"] if p.get("older_software"))
+    if older:
+        title += f"; {older} peers run older software"
     invite = view.get("invite")
     join = f"others join with: prefixswarm serve --join {invite}" if invite else (
         "no dialable address to invite others with yet (behind NAT: see docs/joining.md)"

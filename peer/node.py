@@ -98,6 +98,7 @@ class Peer:
     async def drain(self, timeout_s: float) -> int:
         """Leave gently: refuse forwarded requests from now on and wait, up to
         `timeout_s`, for those in flight here to end; the requests still running then."""
+        await self.gossip.publish_leaving()  # drop this peer now, not after 3 intervals
         if self.serving is None:
             return 0
         return await self.serving.drain(timeout_s)

@@ -8,6 +8,8 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from peer.request.request_log import CacheSample
+from peer.swarm.gossip import SOFTWARE
+from peer.version import is_older
 
 if TYPE_CHECKING:
     from peer.engine.api import EngineView
@@ -76,6 +78,8 @@ def swarm_view(
                 "trust": trust_view(trust, view.peer_id),
                 "link": link_to(view.peer_id),
                 "link_remote": link_remote(view.peer_id),
+                "software": s.software or None,
+                "older_software": is_older(s.software, SOFTWARE),
             }
         )
     return {
@@ -92,6 +96,7 @@ def swarm_view(
             "prefill_tokens_per_s": load.prefill_tokens_per_s,
             "decode_tokens_per_s": load.decode_tokens_per_s,
             "policy": policy,
+            "software": SOFTWARE,
             "reachability": reachability,
             "holepunch": holepunch,
         },

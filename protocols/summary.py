@@ -1,10 +1,12 @@
 """CacheSummary: what a peer gossips about its cache, load and speed; CBOR codec.
 
-One CBOR map with the key ``"v"`` and the field names of `CacheSummary`. A peer that does
-not batch sends version 1 (older peers read it), one that batches version 2 with
-BATCH_FIELDS. `decode_summary` raises only `RemoteProtocolError`; a `CacheSummary` with
-out-of-bounds values raises ValueError, so a summary object is valid wherever it came
-from. docs/protocol.md 5.1 has the format and the producer's contract.
+One CBOR map with the key ``"v"`` and the field names of `CacheSummary`. Version 1 has
+neither BATCH_FIELDS nor SOFTWARE_FIELDS, version 2 adds BATCH_FIELDS, version 3 both
+(the sender's software version, and `leaving` in the last summary of a peer that stops).
+A summary is sent at the lowest version that carries its values; all three are read.
+`decode_summary` raises only `RemoteProtocolError`; a `CacheSummary` with out-of-bounds
+values raises ValueError, so a summary object is valid wherever it came from.
+docs/protocol.md 5.1 has the format and the producer's contract.
 """
 
 from __future__ import annotations
@@ -25,12 +27,16 @@ __all__ = [
     "MAX_SEQ",
     "MAX_SUMMARY_BYTES",
     "MAX_TOKENS_PER_S",
+    "SOFTWARE_FIELDS",
     "CacheSummary",
     "decode_summary",
     "encode_summary",
 ]
 
-BATCH_VERSION = 2  # the newest version, the first with BATCH_FIELDS (1 is read too)
+BATCH_VERSION = 2  # the first version with BATCH_FIELDS (1 is read too)
+SOFTWARE_VERSION = 3  # the newest version, the first with SOFTWARE_FIELDS
+MAX_SOFTWARE_CHARS = 48  # "prefixswarm/0.1.0+local.abc": a name and a version
+_SOFTWARE_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._+/-")
 # Fields other than the filter take < 600 bytes; 4 KiB leaves room without allowing junk.
 MAX_SUMMARY_BYTES = MAX_BLOOM_BITS // 8 + 4096
 # Base58 ids of ed25519 keys have 52 characters, of RSA keys ~46; 128 is generous.
@@ -47,6 +53,7 @@ _FLOAT_FIELDS = ("prefill_tokens_per_s", "decode_tokens_per_s", "batch_decode_to
 # What the cost model needs of a batching peer (docs/cost-model.md), each with its default
 # for a summary that lacks it (version 1, or a peer that does not batch).
 BATCH_FIELDS = ("waiting_requests", "batch_slots", "batch_decode_tokens_per_s", "step_tokens")
+SOFTWARE_FIELDS = ("software", "leaving")
 
 
 def _check_int(name: str, value: object, low: int, high: int) -> None:
@@ -78,6 +85,9 @@ class CacheSummary:
     batch_slots: int = 0  # requests the peer decodes in one step at most (max_running)
     batch_decode_tokens_per_s: float = 0.0  # all streams together, at the current batch size
     step_tokens: int = 0  # tokens one step computes at most (decodes + prefill chunks)
+    # Software fields (SOFTWARE_FIELDS; version 3).
+    software: str = ""  # the sender's software and version ("prefixswarm/0.1.0"); "" unsaid
+    leaving: bool = False  # the sender stops: drop it now, not after 3 silent intervals
 
     def __post_init__(self) -> None:
         if type(self.peer_id) is not str or not 1 <= len(self.peer_id) <= MAX_PEER_ID_CHARS:
@@ -104,6 +114,14 @@ class CacheSummary:
         _check_int("waiting_requests", self.waiting_requests, 0, MAX_COUNT)
         _check_int("batch_slots", self.batch_slots, 0, MAX_BATCH_SLOTS)
         _check_int("step_tokens", self.step_tokens, 0, MAX_COUNT)
+        if type(self.software) is not str or len(self.software) > MAX_SOFTWARE_CHARS or not (
+            set(self.software) <= _SOFTWARE_CHARS
+        ):
+            raise ValueError(
+                f"software must be at most {MAX_SOFTWARE_CHARS} characters of [A-Za-z0-9._+/-]"
+            )
+        if type(self.leaving) is not bool:
+            raise TypeError(f"leaving must be a bool, got {type(self.leaving).__name__}")
         for name in _FLOAT_FIELDS:
             value = getattr(self, name)
             if type(value) not in (int, float):
@@ -117,20 +135,28 @@ class CacheSummary:
 
 
 _KEYS = frozenset({"v", *(f.name for f in fields(CacheSummary))})
-_KEYS_V1 = _KEYS - frozenset(BATCH_FIELDS)
-_BATCH_DEFAULTS = {f.name: f.default for f in fields(CacheSummary) if f.name in BATCH_FIELDS}
+_KEYS_BY_VERSION = {
+    1: _KEYS - frozenset(BATCH_FIELDS) - frozenset(SOFTWARE_FIELDS),
+    BATCH_VERSION: _KEYS - frozenset(SOFTWARE_FIELDS),
+    SOFTWARE_VERSION: _KEYS,
+}
+_DEFAULTS = {f.name: f.default for f in fields(CacheSummary)}
 
 
-def _batching(summary: CacheSummary) -> bool:
-    return any(getattr(summary, name) != _BATCH_DEFAULTS[name] for name in BATCH_FIELDS)
+def _says(summary: CacheSummary, names: tuple[str, ...]) -> bool:
+    return any(getattr(summary, name) != _DEFAULTS[name] for name in names)
 
 
 def encode_summary(summary: CacheSummary) -> bytes:
-    """The CBOR wire form of `summary`: version 1 unless its batch fields say it batches."""
-    batching = _batching(summary)
-    wire: dict[str, object] = {"v": BATCH_VERSION if batching else 1}
+    """The CBOR wire form of `summary`, at the lowest version that carries its values."""
+    if _says(summary, SOFTWARE_FIELDS):
+        version = SOFTWARE_VERSION
+    else:
+        version = BATCH_VERSION if _says(summary, BATCH_FIELDS) else 1
+    keys = _KEYS_BY_VERSION[version]
+    wire: dict[str, object] = {"v": version}
     for f in fields(CacheSummary):
-        if not batching and f.name in BATCH_FIELDS:
+        if f.name not in keys:
             continue
         value = getattr(summary, f.name)
         wire[f.name] = float(value) if f.name in _FLOAT_FIELDS else value
@@ -148,9 +174,9 @@ def decode_summary(data: bytes | bytearray | memoryview) -> CacheSummary:
     if not isinstance(wire, dict):
         raise RemoteProtocolError(f"summary must be a CBOR map, got {type(wire).__name__}")
     version = wire.get("v")
-    if type(version) is not int or version not in (1, BATCH_VERSION):
+    if type(version) is not int or version not in _KEYS_BY_VERSION:
         raise RemoteProtocolError(f"unsupported summary version {version!r}")
-    keys = _KEYS if version == BATCH_VERSION else _KEYS_V1
+    keys = _KEYS_BY_VERSION[version]
     if wire.keys() != keys:
         missing = sorted(keys - wire.keys())
         extra = sorted(map(repr, wire.keys() - keys))

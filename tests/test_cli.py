@@ -59,20 +59,25 @@ def test_format_status_table():
     view: dict[str, Any] = {
         "self": {"peer_id": "12D3Self", "addrs": ["/ip4/127.0.0.1/tcp/1/p2p/12D3Self"],
                  "model": "tiny-random", "policy": "cost", "cached_blocks": 3,
-                 "capacity_blocks": 100, "running_requests": 0, "queued_prompt_tokens": 0},
+                 "capacity_blocks": 100, "running_requests": 0, "queued_prompt_tokens": 0,
+                 "software": "prefixswarm/0.2.0"},
         "peers": [{"peer_id": "12D3Other", "addrs": ["/ip4/127.0.0.1/tcp/2"], "rtt_s": 0.0012,
                    "summary_age_s": 0.4, "cached_blocks": 7, "capacity_blocks": 100,
                    "running_requests": 1, "queued_prompt_tokens": 48,
-                   "trust": {"state": "probation"}}],
+                   "trust": {"state": "probation"}, "software": "prefixswarm/0.1.0",
+                   "older_software": True}],
+        "invite": "prefixswarm:abc",
     }
     lines = cli_clients.format_status(view).splitlines()
-    assert lines[0] == "model tiny-random, policy cost, 2 peers"
+    assert lines[0] == "model tiny-random, policy cost, 2 peers; 1 peers run older software"
     assert lines[1].split()[:2] == ["PEER", "ADDRESS"]
     assert "12D3Self (this)" in lines[2] and "3/100" in lines[2]
     assert "/ip4/127.0.0.1/tcp/1 " in lines[2] and "/p2p/" not in lines[2]
     assert "1.2 ms" in lines[3] and "~7/100" in lines[3] and "0.4 s" in lines[3]
     assert "1 run, 48 tok queued" in lines[3]
-    assert lines[3].split()[-1] == "probation"
+    assert lines[2].split()[-1] == "prefixswarm/0.2.0"
+    assert lines[3].split()[-3:] == ["probation", "prefixswarm/0.1.0", "(older)"]
+    assert lines[4] == "others join with: prefixswarm serve --join prefixswarm:abc"
 
 
 async def test_generate_and_status_commands(nursery, tiny_engine_factory, capsys):

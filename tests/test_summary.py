@@ -96,6 +96,15 @@ def summaries(draw: st.DrawFn) -> CacheSummary:
         prefill_tokens_per_s=draw(rates),
         decode_tokens_per_s=draw(rates),
         **draw(batch_fields()),
+        **draw(software_fields()),
+    )
+
+
+def software_fields() -> st.SearchStrategy[dict[str, object]]:
+    """None (version 1 or 2) or the software fields drawn (version 3)."""
+    return st.just({}) | st.fixed_dictionaries(
+        {"software": st.from_regex(r"[A-Za-z0-9._+/-]{0,48}", fullmatch=True),
+         "leaving": st.booleans()}
     )
 
 
@@ -171,7 +180,10 @@ def test_any_field_value_decodes_or_raises_remote_error(name: str, value: object
         (wire(peer_id=""), "peer_id"),
         (wire(model_id="../etc"), "model id"),
         (wire(model_id="a//b"), "model id"),
-        (wire(v=3), "version"),
+        (wire(v=4), "version"),
+        (wire(v=3), "missing"),  # version 3 has every key
+        (wire(v=3, software="a b", leaving=False, **BATCHING), "software"),
+        (wire(v=3, software="x", leaving=1, **BATCHING), "leaving"),
         (wire(v=2), "missing \\['batch_decode_tokens_per_s'"),  # v2 needs the batch keys
         (wire(v=1.0), "version"),
         (batch_wire(batch_slots=-1), "batch_slots"),
@@ -231,3 +243,12 @@ def test_a_batching_summary_is_version_2_and_round_trips() -> None:
     assert decode_summary(encode_summary(summary)) == summary
     decoded = decode_summary(batch_wire(batch_decode_tokens_per_s=60))  # an int rate
     assert type(decoded.batch_decode_tokens_per_s) is float
+
+
+def test_software_and_leaving_are_version_3_with_every_field() -> None:
+    summary = make_summary(software="prefixswarm/0.1.0", leaving=True)
+    obj = cbor2.loads(encode_summary(summary))
+    assert obj["v"] == 3 and obj["software"] == "prefixswarm/0.1.0" and obj["leaving"] is True
+    assert set(BATCH_FIELDS) <= obj.keys()  # at their defaults: version 3 has every key
+    assert decode_summary(encode_summary(summary)) == summary
+    assert cbor2.loads(encode_summary(make_summary(**BATCHING)))["v"] == 2  # unsaid: as before

@@ -101,6 +101,7 @@ def test_the_page_shows_the_swarm_streams_answers_and_drops_a_dead_peer(local_sw
     invite = browser.find_element("id", "invite").text.removeprefix("prefixswarm serve --join ")
     assert decode_invite(invite).bootstrap[0] == local_swarm["peers"][0]["multiaddrs"][0]
     assert browser.find_element("id", "copy-invite").is_enabled()
+    assert row_cell(browser, ids[1], 9).startswith("prefixswarm/")  # its software version
 
     first = _ask(browser, PROMPT, 32)
     assert first["state"] == "done" and first["answer"]

@@ -47,12 +47,14 @@ from peer.swarm.local_summary import build_summary
 from peer.swarm.neighbourhood import Neighbourhood
 from peer.swarm.peer_table import PeerTable, Verdict
 from peer.swarm.publish_policy import PublishPolicy
+from peer.version import version
 from protocols.bloom import BloomFilter
 from protocols.errors import RemoteProtocolError
 from protocols.ids import gossip_topic, ring_topic
 from protocols.summary import MAX_SUMMARY_BYTES, CacheSummary, decode_summary, encode_summary
 
 logger = logging.getLogger(__name__)
+SOFTWARE = f"prefixswarm/{version()}"  # in every summary: peers flag older software
 
 PUBLISH_TIMEOUT_S = 5.0  # publishing queues to mesh peers; a stall must not stop the loop
 MAX_LOGGED_REJECTIONS = 256  # (sender, reason) pairs logged at WARNING; later ones at DEBUG
@@ -346,7 +348,13 @@ class Gossip:
                 self._on_expired(expired)
             await trio.sleep_until(self._policy.next_deadline())
 
-    async def _publish(self, *, early: bool) -> None:
+    async def publish_leaving(self) -> None:
+        """Tell the swarm this peer stops (one last summary, `leaving`), then publish no more."""
+        if self._publishing:
+            await self._publish(early=True, leaving=True)
+            self._publishing = False
+
+    async def _publish(self, *, early: bool, leaving: bool = False) -> None:
         if not self._publishing:
             return
         start = time.thread_time()
@@ -357,6 +365,8 @@ class Gossip:
             seq=self._seq,
             fp_rate=self._fp_rate,
             bloom=self._current_bloom(),
+            software=SOFTWARE,
+            leaving=leaving,
         )
         data = encode_summary(summary)
         roots = self._engine.cache.root_hashes() if self._on_roots is not None else []
@@ -422,6 +432,11 @@ class Gossip:
         if not result.accepted:
             return self._reject(source_str, str(result.reason), result.detail)
         self._stats["accepted"] += 1
+        if result.reason is Verdict.LEFT:
+            self._stats["left"] += 1
+            logger.info("peer %s left the swarm", source_str)
+            self._on_expired([source_str])
+            return True
         if self._on_accepted is not None:
             self._on_accepted(summary, time.time())
         return True

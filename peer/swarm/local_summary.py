@@ -21,6 +21,8 @@ def build_summary(
     seq: int,
     fp_rate: float,
     bloom: BloomFilter | None = None,
+    software: str = "",
+    leaving: bool = False,
 ) -> CacheSummary:
     """This peer's summary now: a Bloom filter of every cached block hash, plus load.
 
@@ -48,4 +50,6 @@ def build_summary(
         batch_slots=load.batch_slots,
         batch_decode_tokens_per_s=load.batch_decode_tokens_per_s,
         step_tokens=load.step_tokens,
+        software=software,
+        leaving=leaving,
     )

@@ -71,6 +71,7 @@ class Verdict(enum.StrEnum):
     BLOOM_TOO_FULL = "bloom_too_full"
     BLOOM_INCONSISTENT = "bloom_inconsistent"  # fill disagrees with cached_blocks
     TABLE_FULL = "table_full"
+    LEFT = "left"  # the peer said it stops: dropped now
 
 
 class ApplyResult(NamedTuple):
@@ -223,6 +224,10 @@ class PeerTable:
             return self._result(
                 False, Verdict.STALE_SEQ, f"seq {summary.seq} <= current {old.summary.seq}"
             )
+        if summary.leaving:
+            if old is not None:
+                self._drop(peer_id)
+            return self._result(True, Verdict.LEFT, f"seq {summary.seq}")
         verdict = self._check_bloom(summary)
         if verdict is not None:
             return verdict

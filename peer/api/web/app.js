@@ -129,7 +129,7 @@ function swarmRows(swarm) {
     queued_prompt_tokens: s.queued_prompt_tokens, prefill_tokens_per_s: s.prefill_tokens_per_s,
     decode_tokens_per_s: s.decode_tokens_per_s, cached_blocks: s.cached_blocks,
     capacity_blocks: s.capacity_blocks, summary_age_s: null, isSelf: true,
-    relayed: s.relayed, reachability: s.reachability,
+    relayed: s.relayed, reachability: s.reachability, software: s.software,
   };
   return [self, ...swarm.peers];
 }
@@ -148,6 +148,7 @@ function swarmCells(p) {
     `${p.cached_blocks ?? '-'} / ${p.capacity_blocks ?? '-'}`,
     p.isSelf ? 'live' : num(p.summary_age_s, 1) + ' s',
     trust.text,
+    (p.software || 'unknown') + (p.older_software ? ' (older)' : ''),
   ];
 }
 
@@ -177,7 +178,9 @@ function renderSwarm(swarm) {
     tr.cells[1].title = (p.addrs || []).join('\n');
     tr.cells[8].title = p.isSelf ? '' : trustOf(p).title;
     const trust = p.isSelf ? 'self' : trustOf(p).state;
-    tr.className = [p.isSelf ? 'self' : '', trust ? 'trust-' + trust : ''].join(' ').trim();
+    tr.cells[9].title = p.older_software ? 'older software than this peer: it may lack fixes' : '';
+    tr.className = [p.isSelf ? 'self' : '', trust ? 'trust-' + trust : '',
+      p.older_software ? 'older' : ''].join(' ').trim();
     if (tr !== before) body.insertBefore(tr, before);
     before = tr.nextElementSibling;
   }
