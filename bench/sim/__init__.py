@@ -2,7 +2,6 @@
 
   calibration.py  prefill/decode service times of a peer, fitted to engine measurements
   regimes.py      cpu, gpu and mixed swarms: which calibration each peer serves at
-  summaries.py    a peer's Bloom summary kept current block by block (bit-identical)
   params.py       SimParams (every knob, with its reason), RunResult, the policy names
   model.py        the simulated swarm: peers with the real radix cache, peer table and
                   router; batching servers (the engine's scheduler); network delay;

@@ -3,8 +3,9 @@
 Each simulated peer owns a real `RadixCache` (LRU eviction, locks), a real `PeerTable`
 fed with real `CacheSummary` objects, and a real `Router` (or, for the `oracle` policy,
 `rank_estimates` under Policy.COST fed with exact matches and exact loads). Block hashes
-come from the real `BlockHasher`, Bloom filters are the real blocked filter (kept
-current incrementally, bit-identical to a rebuild: bench/sim/summaries.py).
+come from the real `BlockHasher`, Bloom filters are the real blocked filter, kept current
+from the cache's events by the live gossip's own `CacheFilter`
+(peer/swarm/incremental_bloom.py, bit-identical to a rebuild).
 
 What is modelled, and how (every number is a field of SimParams or Calibration):
 * Server: the batching engine (peer/engine/engine.py), step by step, with its own pure
@@ -29,7 +30,7 @@ What is modelled, and how (every number is a field of SimParams or Calibration):
   `forward_ended`), as peer/request/pipeline.py does.
 * Anti-entropy by the live peer's own `PublishPolicy` (peer/swarm/publish_policy.py: every T
   seconds, early at most every T/4 once 5% of the cached blocks changed; the filter
-  shaped by `bloom_shape`, as peer/swarm/gossip.py does). Gossip mode `full`: each summary
+  shaped by `CacheFilter`, as peer/swarm/gossip.py does). Gossip mode `full`: each summary
   reaches every other peer one one-way delay later (a direct flood; real GossipSub adds
   mesh hops and IHAVE gossip). Mode `ring`: it reaches only the peers whose
   `Neighbourhood` (peer/swarm/neighbourhood.py, over every peer's id) holds the publisher,
@@ -70,11 +71,10 @@ from bench.sim.params import (
     RunResult,
     SimParams,
 )
-from bench.sim.summaries import IncrementalBloom
 from bench.stats import cov, mean, percentile
 from bench.workloads import TokenRequest
 from peer.config import SUMMARY_EXPIRY_INTERVALS, GossipMode, Policy
-from peer.engine.radix import EventKind, RadixCache
+from peer.engine.radix import RadixCache
 from peer.engine.scheduler import StepPlan, admit_count, plan_step, reusable_blocks, reusable_tokens
 from peer.engine.speeds import (
     WARMUP_PROMPT_TOKENS,
@@ -93,13 +93,14 @@ from peer.routing.probing import (
     plan_probes,
 )
 from peer.routing.router import Candidate, LocalState, PeerEstimate, Router
+from peer.swarm.incremental_bloom import CacheFilter, Memo, Shape
 from peer.swarm.interest import Interest, Lookups
 from peer.swarm.neighbourhood import Neighbourhood
 from peer.swarm.peer_table import ForwardCharge, PeerTable, Verdict
 from peer.swarm.providers import HomeRing, ProviderIndex, RootAnnouncer
-from peer.swarm.publish_policy import PublishPolicy, bloom_shape
+from peer.swarm.publish_policy import PublishPolicy
 from protocols.blocks import BlockHasher
-from protocols.bloom import BloomFilter, ProbeCache
+from protocols.bloom import ProbeCache
 from protocols.framing import encode_frame
 from protocols.load import LoadReport
 from protocols.roots import (
@@ -169,7 +170,7 @@ class _Peer:
     """One simulated peer: cache, table, router, a batching server, gossip state."""
 
     def __init__(self, idx: int, peer_id: str, params: SimParams, hasher: BlockHasher,
-                 rng: random.Random, bloom: BloomFilter, memo: dict[int, tuple[int, int]],
+                 rng: random.Random, shape: Shape | None, memos: dict[Shape, Memo],
                  probe_cache: ProbeCache, lookup_rng: random.Random) -> None:
         self.idx = idx
         self.peer_id = peer_id
@@ -179,7 +180,7 @@ class _Peer:
         policy = (Policy(params.policy) if params.policy in {p.value for p in Policy}
                   else Policy.COST)
         self.router = Router(policy, rng, block_size=params.block_size)
-        self.bloom = IncrementalBloom(bloom, memo)
+        self.filter = CacheFilter(params.bloom_fp_rate, shape=shape, memos=memos)
         self.publish_policy = PublishPolicy(
             params.summary_interval_s, early_publish=params.early_publish
         )
@@ -249,12 +250,14 @@ class Simulator:
         self.bloom_bits = template.num_bits
         self.bloom_hashes = template.num_hashes
         width = max(3, len(str(params.peers - 1)))
-        memo: dict[int, tuple[int, int]] = {}
-        # Filters of one shape share a memo; the live sizing may reshape a peer's filter.
-        self._memos = {(template.num_bits, template.num_hashes): memo}
+        # Filters of one shape share a memo; the live sizing may reshape a peer's filter,
+        # unless the bloom sweep fixes the shape.
+        memos: dict[Shape, Memo] = {}
+        fixed = (None if params.bloom_bits_per_entry is None
+                 else (template.num_bits, template.num_hashes))
         probe_cache = ProbeCache()  # one per swarm: every peer probes the same chains
         self.peers = [
-            _Peer(i, f"peer{i:0{width}d}", params, self.hasher, route_rng, template, memo,
+            _Peer(i, f"peer{i:0{width}d}", params, self.hasher, route_rng, fixed, memos,
                   probe_cache, self._lookup_rng)
             for i in range(params.peers)
         ]
@@ -746,11 +749,7 @@ class Simulator:
 
     def _drain(self, peer: _Peer, now: float) -> None:
         events = peer.cache.drain_events()
-        for ev in events:
-            if ev.kind is EventKind.STORED:
-                peer.bloom.add(ev.block_hash)
-            else:
-                peer.bloom.remove(ev.block_hash)
+        peer.filter.observe(events)
         peer.publish_policy.observe(events, peer.cache.num_blocks)
 
     @functools.cached_property
@@ -778,29 +777,17 @@ class Simulator:
             self._publish(peer, now)
         self._push(peer.publish_policy.next_deadline(), _TICK, peer.idx)
 
-    def _reshape(self, peer: _Peer) -> None:
-        """Give `peer` the filter shape the live sizing picks for its cache now."""
-        if self.params.bloom_bits_per_entry is not None:
-            return  # the bloom sweep fixes the shape
-        shape = bloom_shape(peer.cache.num_blocks, self.params.bloom_fp_rate)
-        if shape == (peer.bloom.num_bits, peer.bloom.num_hashes):
-            return
-        memo = self._memos.setdefault(shape, {})
-        peer.bloom = IncrementalBloom(BloomFilter(*shape), memo)
-        for key in peer.cache.cached_hashes():
-            peer.bloom.add(key)
-
     def _publish(self, peer: _Peer, now: float) -> None:
         peer.seq += 1
-        self._reshape(peer)
+        bloom = peer.filter.current(peer.cache)
         summary = CacheSummary(
             peer_id=peer.peer_id,
             model_id=self.params.model_id,
             block_size=self.params.block_size,
             seq=peer.seq,
-            bloom_bits=peer.bloom.num_bits,
-            bloom_hashes=peer.bloom.num_hashes,
-            bloom=peer.bloom.to_bytes(),
+            bloom_bits=bloom.num_bits,
+            bloom_hashes=bloom.num_hashes,
+            bloom=bloom.to_bytes(),
             cached_blocks=peer.cache.num_blocks,
             capacity_blocks=peer.cache.capacity_blocks,
             queued_prompt_tokens=peer.queued_tokens,
