@@ -94,6 +94,14 @@ def test_the_simulator_uses_the_engines_own_rules() -> None:
     assert sim_routing.single_stream_decode is ranking.single_stream_decode
 
 
+def test_the_simulator_builds_its_routers_as_the_live_peer_does() -> None:
+    from peer.request import serving
+    from peer.routing import router
+
+    assert sim_state.build_router is router.build_router is serving.build_router
+    assert not [p.name for p in SIM_DIR.glob("*.py") if "Router(" in p.read_text()]
+
+
 def test_the_engine_uses_the_same_rules() -> None:
     """The engine's module calls the pure rules the simulator calls (read from its source:
     importing it needs torch, which this check does not)."""

@@ -22,7 +22,7 @@ from peer.engine.speeds import (
     warmup_max_prompt_tokens,
     warmup_prefill_speed,
 )
-from peer.routing.router import Router
+from peer.routing.router import build_router
 from peer.swarm.incremental_bloom import CacheFilter, Memo, Shape
 from peer.swarm.interest import Interest, Lookups
 from peer.swarm.peer_table import ForwardCharge, PeerTable
@@ -93,7 +93,7 @@ class SimPeer:
         self.table = PeerTable(peer_id, params.model_id, params.block_size, expiry, probe_cache)
         policy = (Policy(params.policy) if params.policy in {p.value for p in Policy}
                   else Policy.COST)
-        self.router = Router(policy, rng, block_size=params.block_size)
+        self.router = build_router(policy, rng, block_size=params.block_size)
         self.filter = CacheFilter(params.bloom_fp_rate, shape=shape, memos=memos)
         self.publish_policy = PublishPolicy(
             params.summary_interval_s, early_publish=params.early_publish
