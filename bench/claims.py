@@ -277,7 +277,7 @@ def render(quick: Sequence[Row], final: Sequence[Row], params: dict[str, Any],
         "cannot find its history anywhere (it matters for agent sessions on the cpu regime, "
         "where a 2,000-token prefill takes seconds). Sessions start at a rate set for the "
         "nominal load; a run of 200 sessions ramps up and down, so utilization is below it.",
-        "- Server: the batching engine's own scheduler rules (bench/sim/model.py: up to 32 "
+        "- Server: the batching engine's own scheduler rules (bench/sim/server_model.py: up to 32 "
         "requests a step, 256 tokens a step, a step of b decodes costing (1 - s + s b) lone "
         "steps; s = 0.12 on the cpu, 0 on the gpu). Load is normalised by a lone "
         "request's service time, so batching peers at load 1.5 are busy, not saturated: "

@@ -17,11 +17,11 @@ from libp2p.peer.id import ID
 
 from bench.sim.model import Simulator
 from bench.sim.params import SimParams
-from bench.sim.summaries import IncrementalBloom
 from peer.engine.cache_only import CacheOnlyEngine
 from peer.engine.radix import CacheEvent, EventKind
 from peer.swarm.bloom_sizing import summary_bloom
 from peer.swarm.gossip import Gossip
+from peer.swarm.incremental_bloom import IncrementalBloom
 from peer.swarm.peer_table import PeerTable
 from peer.swarm.publish_policy import CHANGE_FRACTION, PublishPolicy, bloom_shape
 from protocols.bloom import BloomFilter

@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 from peer.config import Policy
-from peer.routing.router import Router
+from peer.routing.router import Router, build_router
 from peer.routing.trust import TrustLedger
 from tests.test_router import BS, chain_of, me, summary, table_with
 
@@ -40,6 +40,21 @@ def test_a_summary_origin_without_a_measured_round_trip_is_never_a_candidate():
     # Without the requirement the forged origin, which claims more, would come first.
     loose = Router(Policy.COST, random.Random(0), block_size=BS)
     assert loose.rank(chain, 40 * BS, NEW, me(), table, 0.0)[0].peer_id == "forged"
+
+
+def test_the_factory_gives_a_ledger_the_round_trip_rule_and_no_ledger_neither():
+    chain = chain_of(40)
+    table = table_with(summary("forged", chain), summary("proven", chain[:20]))
+    table.record_rtt("proven", 0.002, 0.0)
+    ledger = trusted("forged", "proven")
+    serving = build_router(Policy.COST, random.Random(0), block_size=BS, trust=ledger)
+    assert serving.trust is ledger and serving.policy is Policy.COST
+    assert ids(serving.rank(chain, 40 * BS, NEW, me(), table, 0.0)) == ["proven", "12D3KooWself"]
+    assert serving.statistics().unproven_skipped == 1
+    bare = build_router(Policy.COST, random.Random(0), block_size=BS)
+    assert bare.trust is None
+    assert ids(bare.rank(chain, 40 * BS, NEW, me(), table, 0.0))[0] == "forged"
+    assert bare.statistics().unproven_skipped == 0
 
 
 def test_a_quarantined_peer_is_never_a_candidate():

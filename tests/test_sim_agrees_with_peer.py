@@ -8,7 +8,10 @@ import dataclasses
 import inspect
 from pathlib import Path
 
-import bench.sim.model as sim_model
+import bench.sim.gossip_model as sim_gossip
+import bench.sim.routing_model as sim_routing
+import bench.sim.server_model as sim_server
+import bench.sim.swarm_state as sim_state
 from bench.sim.calibration import NOTES_CALIBRATION, Calibration
 from bench.sim.params import SimParams
 from peer import config
@@ -21,9 +24,6 @@ SIM_DIR = Path(__file__).resolve().parents[1] / "bench" / "sim"
 SIMULATOR_OWN = {
     "NOMINAL_PROMPT_TOKENS",  # where a nominal prefill speed is quoted (reports only)
     "PY_LIBP2P_CPU_S_PER_MESSAGE",  # an experiment's measured input (docs/RESULTS.md)
-    "_EPS",  # float round-off of virtual time
-    "_BLOCK_BYTES",  # derived from protocols.bloom.BLOCK_BITS
-    "MAX_MEMO_KEYS",  # the simulator's own memo bound
     # Ring mode's provider lookup as the simulator models it (the live shell has none yet).
     "PROVIDER_HOMES",
     "LOOKUP_REQUEST_BYTES",
@@ -59,8 +59,7 @@ def _module_numbers(path: Path) -> set[str]:
 
 def test_the_simulator_defines_no_numbers_of_its_own_but_these() -> None:
     """A number written into bench/sim must be the simulator's own, and listed above."""
-    event_kinds = {"_ARRIVE", "_DELIVER", "_PHASE", "_TICK", "_SUMMARY", "_FIRST_BACK",
-                   "_END_BACK"}
+    event_kinds = {"ARRIVE", "DELIVER", "PHASE", "TICK", "SUMMARY", "FIRST_BACK", "END_BACK"}
     found: set[str] = set()
     for path in sorted(SIM_DIR.glob("*.py")):
         found |= _module_numbers(path)
@@ -86,14 +85,22 @@ def test_the_server_model_and_the_cost_model_share_the_batch_slope() -> None:
 
 def test_the_simulator_uses_the_engines_own_rules() -> None:
     """Names the simulator takes from the engine's pure modules are those very objects."""
-    assert sim_model.plan_step is scheduler.plan_step
-    assert sim_model.admit_count is scheduler.admit_count
-    assert sim_model.reusable_tokens is scheduler.reusable_tokens
-    assert sim_model.reusable_blocks is scheduler.reusable_blocks
-    assert sim_model.observe_step is speeds.observe_step
-    assert sim_model.WARMUP_PROMPT_TOKENS is speeds.WARMUP_PROMPT_TOKENS
-    assert sim_model.warmup_max_prompt_tokens is speeds.warmup_max_prompt_tokens
-    assert sim_model.single_stream_decode is ranking.single_stream_decode
+    assert sim_server.plan_step is scheduler.plan_step
+    assert sim_server.admit_count is scheduler.admit_count
+    assert sim_routing.reusable_tokens is scheduler.reusable_tokens
+    assert sim_server.reusable_blocks is scheduler.reusable_blocks
+    assert sim_server.observe_step is speeds.observe_step
+    assert sim_state.WARMUP_PROMPT_TOKENS is speeds.WARMUP_PROMPT_TOKENS
+    assert sim_state.warmup_max_prompt_tokens is speeds.warmup_max_prompt_tokens
+    assert sim_routing.single_stream_decode is ranking.single_stream_decode
+
+
+def test_the_simulator_builds_its_routers_as_the_live_peer_does() -> None:
+    from peer.request import serving
+    from peer.routing import router
+
+    assert sim_state.build_router is router.build_router is serving.build_router
+    assert not [p.name for p in SIM_DIR.glob("*.py") if "Router(" in p.read_text()]
 
 
 def test_the_engine_uses_the_same_rules() -> None:
@@ -112,8 +119,10 @@ def test_the_engine_uses_the_same_rules() -> None:
 
 
 def test_the_simulator_and_the_gossip_shell_drive_one_publish_policy() -> None:
-    """When to publish and how to size the filter: peer.swarm.publish_policy, for both."""
+    """When to publish (PublishPolicy) and the filter sent (CacheFilter): one object each."""
     from peer.swarm import gossip
 
-    assert sim_model.PublishPolicy is gossip.PublishPolicy
-    assert not hasattr(sim_model, "GOSSIP_CHANGE_FRACTION")
+    assert sim_state.PublishPolicy is gossip.PublishPolicy
+    assert sim_state.CacheFilter is gossip.CacheFilter
+    for module in (sim_state, sim_gossip):
+        assert not hasattr(module, "GOSSIP_CHANGE_FRACTION")

@@ -15,8 +15,8 @@ from bench.sim import experiments
 from bench.sim.calibration import NOTES_CALIBRATION, Calibration
 from bench.sim.model import simulate
 from bench.sim.params import ORACLE, POLICY_NAMES, SimParams
-from bench.sim.summaries import IncrementalBloom
 from bench.workloads import TokenizedMMLU, TokenRequest, poisson_arrivals, zipf_weights
+from peer.swarm.incremental_bloom import IncrementalBloom
 from protocols.bloom import BloomFilter
 
 VOCAB = 49152

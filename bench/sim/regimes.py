@@ -14,7 +14,7 @@ Result rows carry the regime's name (`regime`).
 * `mixed`: a volunteer swarm, one `gpu` peer in MIXED_GPU_EVERY, the others MIXED_SLOW_FACTOR
   times slower (consumer GPUs or many-core CPUs serving the same model).
 
-The server is the simulator's batching engine (bench/sim/model.py, the engine's own
+The server is the simulator's batching engine (bench/sim/server_model.py, the engine's own
 scheduler rules); a step of b decodes costs `decode_s * (1 - s + s * b)` (Calibration).
 On the CPU the slope s is the cost model's, fitted to bench.engine's sweeps. On a GPU,
 decode at these batch sizes is memory-bound: the one published point (batch 8, 7.8 ms a

@@ -38,7 +38,7 @@ from peer.request.inference import InferenceService
 from peer.request.pipeline import Pipeline
 from peer.request.request_log import RequestLog, RequestOutcome, RequestRecord, route_of
 from peer.routing.probe_service import LoadService
-from peer.routing.router import Router
+from peer.routing.router import build_router
 from peer.routing.trust import (
     Quarantine,
     QuarantineRecord,
@@ -82,12 +82,8 @@ class Serving:
             can_verify=engine.verify is not None,
             quarantined=load_quarantine(self._quarantine_path),
         )
-        self.router = Router(
-            config.policy,
-            rng or random.Random(),
-            block_size=engine.block_size,
-            trust=self.trust,
-            require_rtt=True,
+        self.router = build_router(
+            config.policy, rng or random.Random(), block_size=engine.block_size, trust=self.trust
         )
         self.inference = InferenceService(
             engine,

@@ -63,6 +63,7 @@ __all__ = [
     "PeerEstimate",
     "Router",
     "RouterStatistics",
+    "build_router",
     "estimate_cost",
     "rank_estimates",
     "swarm_busy",
@@ -403,3 +404,17 @@ class Router:
             self._held_back,
         )
 
+
+def build_router(
+    policy: Policy,
+    rng: random.Random,
+    *,
+    block_size: int,
+    trust: TrustLedger | None = None,
+) -> Router:
+    """The router a peer ranks with, for the live peer and the simulator alike.
+
+    With `trust` (the serving peer's ledger) only peers that proved reachable (a round trip
+    measured here) and are not quarantined are candidates, their claims and speeds weighed
+    by what was observed; without it, every peer in the table is, on its claims."""
+    return Router(policy, rng, block_size=block_size, trust=trust, require_rtt=trust is not None)

@@ -3,8 +3,9 @@
 When to publish is decided by the pure `peer.swarm.publish_policy.PublishPolicy` (every
 `interval_s`, and early once 5% of the cached blocks changed, at most once per
 `interval_s / 4`), fed with the radix cache's stored/removed events; the simulator drives
-the same object. The Bloom filter is sized by `peer.swarm.bloom_sizing.summary_bloom` and kept
-current from the same events (rebuilt from `cache.cached_hashes()` after a removal).
+the same object. The Bloom filter is kept current from the same events and sized for
+publishing by the pure `peer.swarm.incremental_bloom.CacheFilter`, which the simulator
+uses too.
 
 Two gossip modes (peer.config.GossipMode; docs/protocol.md, "Gossip modes"):
 - `full`: one topic per model (`/prefixswarm/summary/1/<model>`); every summary floods
@@ -41,8 +42,7 @@ from libp2p.pubsub.pubsub import Pubsub
 
 from peer.config import DEFAULT_GOSSIP_NEIGHBOURS, GossipMode
 from peer.engine.api import EngineView
-from peer.engine.radix import EventKind
-from peer.swarm.bloom_sizing import summary_bloom
+from peer.swarm.incremental_bloom import CacheFilter
 from peer.swarm.local_summary import build_summary
 from peer.swarm.neighbourhood import Neighbourhood
 from peer.swarm.peer_table import PeerTable, Verdict
@@ -110,12 +110,9 @@ class Gossip:
         # continues above its old seq, which receivers may still hold (an id, not a
         # decision: nothing is timed by it).
         self._seq = int(time.time() * 1000)
-        # The last published filter, kept to add new blocks to instead of rebuilding it
-        # from every cached hash (~20 us per hash); any removal forces a rebuild.
-        self._bloom: BloomFilter | None = None
-        self._bloom_blocks = 0  # cache.num_blocks the filter describes
-        self._stored_since: list[int] = []
-        self._removed_since = False
+        # The filter of the cached blocks, kept current from the cache's events instead of
+        # rebuilt from every cached hash (~20 us per hash) at each publish.
+        self._filter = CacheFilter(fp_rate)
         self._publishing = True
         self._logged: set[tuple[str, str]] = set()
         self._rejected: dict[str, int] = {}
@@ -286,49 +283,18 @@ class Gossip:
         async for _msg in subscription:
             self._stats["delivered"] += 1
 
-    def _count_changes(self, *, for_policy: bool = True) -> int:
-        """Drain the cache's events into the filter's bookkeeping and (unless they are
-        going into the summary being built) the publish policy's count."""
-        changes = 0
+    def _count_changes(self, *, for_policy: bool = True) -> None:
+        """Drain the cache's events into the filter and (unless they are going into the
+        summary being built) the publish policy's count."""
         events = self._engine.cache.drain_events()
-        for ev in events:
-            if ev.kind is EventKind.STORED:
-                self._stored_since.append(ev.block_hash)
-            elif ev.kind is EventKind.REMOVED:
-                self._removed_since = True
-            else:
-                continue
-            changes += 1
-        if len(self._stored_since) > self._engine.cache.capacity_blocks:
-            self._removed_since = True  # more news than fits: rebuild, drop the list
-            self._stored_since.clear()
+        self._filter.observe(events)
         if for_policy:
             self._policy.observe(events, self._engine.cache.num_blocks)
-        return changes
 
     def _current_bloom(self) -> BloomFilter:
-        """A filter of exactly the cached hashes: the last one plus new blocks when
-        nothing was removed and the size did not change, else rebuilt."""
+        """A filter of exactly the cached hashes, in the shape to publish now."""
         self._count_changes(for_policy=False)
-        cache = self._engine.cache
-        num_blocks = cache.num_blocks
-        fresh = summary_bloom(num_blocks, self._fp_rate)
-        last = self._bloom
-        if (
-            last is not None
-            and not self._removed_since
-            and (last.num_bits, last.num_hashes) == (fresh.num_bits, fresh.num_hashes)
-            and num_blocks == self._bloom_blocks + len(self._stored_since)
-        ):
-            bloom = BloomFilter.from_bytes(last.num_bits, last.num_hashes, last.to_bytes())
-            bloom.update(self._stored_since)
-        else:  # (also when events were lost: the block count would not add up)
-            bloom = fresh
-            bloom.update(cache.cached_hashes())
-        self._bloom, self._bloom_blocks = bloom, num_blocks
-        self._stored_since.clear()
-        self._removed_since = False
-        return bloom
+        return self._filter.current(self._engine.cache).to_filter()
 
     async def _publish_loop(self, nursery: trio.Nursery) -> None:
         while True:

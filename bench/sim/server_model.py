@@ -1,0 +1,116 @@
+"""The serving peer's batching engine, step by step, with the engine's own pure rules.
+
+Between steps up to `max_running` waiting requests join the batch (scheduler.admit_count),
+each matched and locked then (late, as the engine does); a step decodes every sequence
+past its prompt and reads prefill chunks within `step_tokens` (scheduler.plan_step) and
+takes `Calibration.step_s(decodes, chunks)`. A prompt's first token comes at the end of
+the step that reads its last chunk, when its blocks are inserted (RadixCache.insert
+evicts exactly what it needs); the lock is released when the request completes. Load is
+what Engine.load reports; speeds are measured per step (speeds.observe_step). Not
+modelled: the engine holding back a request that shares a prompt still being read.
+"""
+
+from __future__ import annotations
+
+from bench.sim.swarm_state import END_BACK, FIRST_BACK, PHASE, Job, SimPeer, no_value
+from peer.engine.scheduler import StepPlan, admit_count, plan_step, reusable_blocks
+from peer.engine.speeds import observe_step
+
+
+class ServerModel:
+    """The serving side of `Simulator` (bench/sim/model.py), whose state it uses."""
+
+    def _start(self, job: Job, now: float) -> None:
+        """The request reaches its serving peer: it waits for a batch slot."""
+        peer = self.peers[job.target]
+        job.queued = len(job.tokens) - self._reusable(peer, job.tokens)
+        peer.queued_tokens += job.queued
+        peer.running += 1
+        peer.waiting.append(job)
+        if peer.step_started < 0:
+            self._step(peer, now)
+
+    def _step(self, peer: SimPeer, now: float) -> None:
+        """Admit waiting requests, plan the next step and schedule its end (none if idle)."""
+        bs = self.params.block_size
+        for _ in range(admit_count(len(peer.waiting), len(peer.batch), self.params.max_running)):
+            job = peer.waiting.popleft()
+            n = len(job.tokens)
+            match = peer.cache.match(job.tokens, now, reusable_blocks(n, bs))
+            peer.cache.lock(match)
+            job.match = match
+            job.cached = job.pos = match.num_tokens
+            job.new = n - job.cached
+            peer.batch[job.rid] = job
+        decoding = []
+        prefilling = []
+        for rid, job in peer.batch.items():
+            left = len(job.tokens) - job.pos
+            if left:
+                prefilling.append((rid, left))
+            else:
+                decoding.append(rid)
+        if not decoding and not prefilling:
+            peer.step_started = -1.0
+            return
+        plan = plan_step(decoding, prefilling, self.params.step_tokens)
+        chunks = [(n, peer.batch[rid].pos) for rid, n in plan.prefill]
+        peer.step_started = now
+        self._push(now + peer.cal.step_s(len(plan.decode), chunks), PHASE, peer.idx, plan)
+
+    def _phase(self, peer: SimPeer, plan: StepPlan, now: float) -> int:
+        """A step ended on `peer`: advance its requests; returns the requests completed."""
+        seconds = now - peer.step_started
+        peer.busy_s += seconds
+        prefill_tokens = sum(n for _, n in plan.prefill)
+        peer.speeds, _ = observe_step(peer.speeds, prefill_tokens, len(plan.decode), seconds)
+        done = 0
+        for rid in plan.decode:
+            job = peer.batch[rid]
+            job.decode_left -= 1
+            if job.decode_left <= 0:
+                self._complete(peer, job, now)
+                done += 1
+        for rid, n in plan.prefill:
+            job = peer.batch[rid]
+            job.pos += n
+            if job.pos == len(job.tokens):
+                self._prefill_done(peer, job, now)
+                job.decode_left = job.req.max_new_tokens - 1
+                if job.decode_left <= 0:
+                    self._complete(peer, job, now)
+                    done += 1
+        self._step(peer, now)
+        return done
+
+    def _prefill_done(self, peer: SimPeer, job: Job, now: float) -> None:
+        peer.queued_tokens -= job.queued
+        self._insert(peer, job.tokens, now)
+        job.ret = 0.0 if job.target == job.entry else self._one_way()
+        job.ttft = now + job.ret - job.arrival
+        if job.charge is not None:
+            self._push(now + job.ret, FIRST_BACK, job.entry, job.charge)
+
+    def _complete(self, peer: SimPeer, job: Job, now: float) -> None:
+        peer.cache.unlock(job.match)
+        job.match = None
+        del peer.batch[job.rid]
+        if self.params.cache_generated and job.req.output:
+            self._insert(peer, job.tokens + job.req.output, now)
+        peer.running -= 1
+        peer.served += 1
+        if self._measured(job):
+            peer.served_after_warmup += 1
+        job.e2e = now + job.ret - job.arrival
+        if job.charge is not None:
+            self._push(now + job.ret, END_BACK, job.entry, job.charge)
+
+    def _insert(self, peer: SimPeer, tokens: tuple[int, ...], now: float) -> None:
+        """Insert `tokens`' full blocks as the engine does (evicting exactly what it needs)."""
+        peer.cache.insert(tokens, no_value, now)
+        self._drain(peer, now)
+
+    def _drain(self, peer: SimPeer, now: float) -> None:
+        events = peer.cache.drain_events()
+        peer.filter.observe(events)
+        peer.publish_policy.observe(events, peer.cache.num_blocks)

@@ -1,0 +1,149 @@
+"""The simulated swarm's state: event kinds, a request in flight, a peer.
+
+A `SimPeer` owns the live peer's pure parts: a real `RadixCache`, `PeerTable`, `Router`,
+`PublishPolicy` and `CacheFilter`, the ring lookup's cores, and the speeds the engine
+measures (seeded as Engine.warmup() seeds them).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import deque
+from typing import Any
+
+from bench.sim.params import SimParams
+from bench.workloads import TokenRequest
+from peer.config import SUMMARY_EXPIRY_INTERVALS, Policy
+from peer.engine.radix import RadixCache
+from peer.engine.speeds import (
+    WARMUP_PROMPT_TOKENS,
+    StepSpeeds,
+    warmup_max_prompt_tokens,
+    warmup_prefill_speed,
+)
+from peer.routing.router import build_router
+from peer.swarm.incremental_bloom import CacheFilter, Memo, Shape
+from peer.swarm.interest import Interest, Lookups
+from peer.swarm.peer_table import ForwardCharge, PeerTable
+from peer.swarm.providers import RootAnnouncer
+from peer.swarm.publish_policy import PublishPolicy
+from protocols.blocks import BlockHasher
+from protocols.bloom import ProbeCache
+
+# Event kinds, in the order they are handled when simultaneous (then FIFO).
+ARRIVE, DELIVER, PHASE, TICK, SUMMARY, FIRST_BACK, END_BACK = range(7)
+
+
+class Job:
+    """One request: its prompt, where it entered and is served, and its progress."""
+
+    __slots__ = (
+        "arrival",
+        "cached",
+        "chain",
+        "charge",
+        "decode_left",
+        "e2e",
+        "entry",
+        "history",
+        "match",
+        "new",
+        "pos",
+        "queued",
+        "req",
+        "ret",
+        "rid",
+        "target",
+        "tokens",
+        "ttft",
+    )
+
+    def __init__(self, rid: int, req: TokenRequest, tokens: tuple[int, ...], chain: list[int]):
+        self.rid = rid
+        self.req = req
+        self.tokens = tokens
+        self.chain = chain
+        self.arrival = req.arrival_s
+        self.entry = -1
+        self.target = -1
+        self.match: Any = None
+        self.charge: ForwardCharge | None = None  # the entry's count of it, if forwarded
+        self.cached = 0
+        self.new = 0
+        self.queued = 0  # what it added to its server's queued prompt tokens
+        self.pos = 0  # prompt tokens read (cached ones included)
+        self.decode_left = 0  # tokens still to decode after the first
+        self.ret = 0.0
+        self.ttft = math.nan
+        self.e2e = math.nan
+        self.history = 0  # follow-up turns: tokens of history the engine could have cached
+
+
+class SimPeer:
+    """One simulated peer: cache, table, router, a batching server, gossip state."""
+
+    def __init__(self, idx: int, peer_id: str, params: SimParams, hasher: BlockHasher,
+                 rng: random.Random, shape: Shape | None, memos: dict[Shape, Memo],
+                 probe_cache: ProbeCache, lookup_rng: random.Random) -> None:
+        self.idx = idx
+        self.peer_id = peer_id
+        self.cache: RadixCache[None] = RadixCache(params.block_size, params.capacity_blocks, hasher)
+        expiry = SUMMARY_EXPIRY_INTERVALS * params.summary_interval_s
+        self.table = PeerTable(peer_id, params.model_id, params.block_size, expiry, probe_cache)
+        policy = (Policy(params.policy) if params.policy in {p.value for p in Policy}
+                  else Policy.COST)
+        self.router = build_router(policy, rng, block_size=params.block_size)
+        self.filter = CacheFilter(params.bloom_fp_rate, shape=shape, memos=memos)
+        self.publish_policy = PublishPolicy(
+            params.summary_interval_s, early_publish=params.early_publish
+        )
+        self.neighbours: frozenset[int] = frozenset()  # ring mode: whose summaries we hear
+        # ring mode: the lookup beyond the ring, entry side and holder side
+        self.lookups = Lookups(
+            Interest(params.gossip_interest, params.summary_interval_s),
+            lookup_rng,
+            params.lookup_providers,
+            params.lookup_probes,
+        )
+        self.announcer = RootAnnouncer()
+        cal = params.calibration_of(idx)
+        self.cal = cal
+        # Engine.warmup() seeds the speed estimates: decode (a batch of one), then prefill
+        # on a prompt long enough to tell.
+        decode_tps = 1.0 / cal.decode_s_per_token
+        prefill_tps = warmup_prefill_speed(
+            lambda n: cal.prefill_s(n, 0),
+            decode_tps,
+            WARMUP_PROMPT_TOKENS,
+            warmup_max_prompt_tokens(cal.max_context),
+        )
+        self.speeds = StepSpeeds(prefill_tps, decode_tps, decode_tps)
+        self.queued_tokens = 0
+        self.running = 0  # requests between arrival and completion, waiting ones included
+        self.waiting: deque[Job] = deque()
+        self.batch: dict[int, Job] = {}  # admitted, in admission order (oldest first)
+        self.step_started = -1.0  # < 0: no step in flight
+        self.busy_s = 0.0
+        # gossip
+        self.seq = 0
+        self.published = 0
+        self.bytes_published = 0
+        self.served = 0
+        self.served_after_warmup = 0
+
+    @property
+    def prefill_tps(self) -> float:
+        return self.speeds.prefill
+
+    @property
+    def decode_tps(self) -> float:
+        return self.speeds.decode
+
+    @property
+    def batch_decode_tps(self) -> float:
+        return self.speeds.batch_decode
+
+
+def no_value(_block: int) -> None:
+    return None
