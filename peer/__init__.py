@@ -1,7 +1,9 @@
 """The peer: Trio shells around pure cores, by responsibility.
 
 Imports run one way (tests/test_layers.py checks it):
-api -> node -> request -> routing -> swarm -> net -> engine -> config/protocols.
+entry points -> api -> node -> request -> routing -> swarm -> net -> engine; the plain
+utilities (config, settings, logs, progress, version, demo_data) and protocols/ are
+usable from every layer.
 
   api/        the faces: OpenAI HTTP API, responses, auth, schema, metrics, the page
   request/    the request path: pipeline, race, forward, inference service, admission,

@@ -2,7 +2,7 @@
 
     async with open_peer(config, engine=engine) as peer:
         peer.peer_id, peer.multiaddrs, peer.table, peer.engine, peer.statistics()
-        peer.net.host.libp2p.set_stream_handler(...)      # extra protocols (inference)
+        peer.host.libp2p.set_stream_handler(...)      # extra protocols (inference)
         await peer.start_service(serve_something)     # extra services in the peer's nursery
 
 Leaving the block cancels every service and closes the host (sockets included).

@@ -9,6 +9,7 @@ event loop (docs/engine.md). Imports nothing above it in peer/.
   radix.py       pure radix tree over token blocks: match, locks, LRU eviction, change
                 events (no torch: the simulator imports it too)
   speeds.py      pure: how the advertised prefill and decode speeds are measured
+  text.py        torch-free: generated ids to text with stop strings (StopTracker)
   kv.py          a block's KV shape and bytes, the byte budget in blocks
   runner.py      the packed forward over all scheduled sequences, per-sequence KV buffers
   model.py       loading: aliases smollm2-135m (offline GGUF, converted once) and
