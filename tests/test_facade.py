@@ -87,7 +87,7 @@ async def test_a_peer_opened_through_the_facade_generates() -> None:
         url = await peer.start_service(serve_http, peer, "127.0.0.1", 0)
         async with httpx.AsyncClient() as client:
             models = (await client.get(f"{url}/v1/models")).json()
-        assert [m["id"] for m in models["data"]] == [MODEL]
+        assert [m["id"] for m in models["data"]] == [MODEL, peer.model_id]  # name, full id
 
 
 def test_asyncio_program_runs_a_peer_thread_end_to_end() -> None:
