@@ -103,6 +103,29 @@ def test_the_simulator_builds_its_routers_as_the_live_peer_does() -> None:
     assert not [p.name for p in SIM_DIR.glob("*.py") if "Router(" in p.read_text()]
 
 
+def test_the_simulator_decides_probes_as_the_pipeline_does() -> None:
+    """Rank -> probe -> rerank is one decision (peer/routing/decide.py next_step), called by
+    the live pipeline and the simulator; neither plans or reranks a probe by itself."""
+    from peer.request import pipeline
+    from peer.routing import decide
+
+    assert sim_routing.next_step is decide.next_step is pipeline.next_step
+    assert sim_routing.ProbeFirst is decide.ProbeFirst
+    probe_src = inspect.getsource(sim_routing.RoutingModel._probe_choice)
+    assert "next_step(" in probe_src
+    sim_src = "".join(p.read_text() for p in sorted(SIM_DIR.glob("*.py")))
+    assert "plan_probes(" not in sim_src
+    # the one what-if that reranks by itself: exact load, no probe (COST_EXACT_LOAD)
+    reranks = [
+        node.name
+        for node in ast.walk(ast.parse((SIM_DIR / "routing_model.py").read_text()))
+        if isinstance(node, ast.FunctionDef) and ".rerank(" in ast.unparse(node)
+    ]
+    assert reranks == ["_exact_load_choice"], reranks
+    pipeline_src = inspect.getsource(pipeline)
+    assert "next_step(" in pipeline_src and ".rerank(" not in pipeline_src
+
+
 def test_the_engine_uses_the_same_rules() -> None:
     """The engine's module calls the pure rules the simulator calls (read from its source:
     importing it needs torch, which this check does not)."""
