@@ -85,8 +85,7 @@ def test_the_server_model_and_the_cost_model_share_the_batch_slope() -> None:
 
 def test_the_simulator_uses_the_engines_own_rules() -> None:
     """Names the simulator takes from the engine's pure modules are those very objects."""
-    assert sim_server.plan_step is scheduler.plan_step
-    assert sim_server.admit_count is scheduler.admit_count
+    assert sim_state.BatchQueue is scheduler.BatchQueue
     assert sim_routing.reusable_tokens is scheduler.reusable_tokens
     assert sim_server.reusable_blocks is scheduler.reusable_blocks
     assert sim_server.observe_step is speeds.observe_step
@@ -101,6 +100,40 @@ def test_the_simulator_builds_its_routers_as_the_live_peer_does() -> None:
 
     assert sim_state.build_router is router.build_router is serving.build_router
     assert not [p.name for p in SIM_DIR.glob("*.py") if "Router(" in p.read_text()]
+
+
+def test_the_simulator_batches_with_the_engines_state_machine() -> None:
+    """Each simulated peer's batch is a BatchQueue, admitted and planned by its methods as
+    BatchLoop does (peer/engine/batch.py); bench/sim admits and plans nothing by itself."""
+    assert "self.queue: BatchQueue[Job] = BatchQueue()" in inspect.getsource(sim_state.SimPeer)
+    step_src = inspect.getsource(sim_server.ServerModel._step)
+    assert "peer.queue.admit(" in step_src and "peer.queue.plan(" in step_src
+    sim_src = "".join(p.read_text() for p in sorted(SIM_DIR.glob("*.py")))
+    for own in ("plan_step(", "admit_count(", "popleft(", "deque("):
+        assert own not in sim_src, own
+
+
+def test_the_simulator_decides_probes_as_the_pipeline_does() -> None:
+    """Rank -> probe -> rerank is one decision (peer/routing/decide.py next_step), called by
+    the live pipeline and the simulator; neither plans or reranks a probe by itself."""
+    from peer.request import pipeline
+    from peer.routing import decide
+
+    assert sim_routing.next_step is decide.next_step is pipeline.next_step
+    assert sim_routing.ProbeFirst is decide.ProbeFirst
+    probe_src = inspect.getsource(sim_routing.RoutingModel._probe_choice)
+    assert "next_step(" in probe_src
+    sim_src = "".join(p.read_text() for p in sorted(SIM_DIR.glob("*.py")))
+    assert "plan_probes(" not in sim_src
+    # the one what-if that reranks by itself: exact load, no probe (COST_EXACT_LOAD)
+    reranks = [
+        node.name
+        for node in ast.walk(ast.parse((SIM_DIR / "routing_model.py").read_text()))
+        if isinstance(node, ast.FunctionDef) and ".rerank(" in ast.unparse(node)
+    ]
+    assert reranks == ["_exact_load_choice"], reranks
+    pipeline_src = inspect.getsource(pipeline)
+    assert "next_step(" in pipeline_src and ".rerank(" not in pipeline_src
 
 
 def test_the_engine_uses_the_same_rules() -> None:

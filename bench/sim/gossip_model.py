@@ -57,7 +57,7 @@ class GossipModel:
             running_requests=peer.running,
             prefill_tokens_per_s=peer.prefill_tps,
             decode_tokens_per_s=peer.decode_tps,
-            waiting_requests=len(peer.waiting),
+            waiting_requests=len(peer.queue.waiting),
             batch_slots=self.params.max_running,
             batch_decode_tokens_per_s=peer.batch_decode_tps,
             step_tokens=self.params.step_tokens,

@@ -14,7 +14,8 @@ from typing import Any
 from bench.sim.swarm_state import Job, SimPeer
 from peer.engine.scheduler import reusable_tokens
 from peer.routing.cost import single_stream_decode
-from peer.routing.probing import ProbeRound, plan_probes
+from peer.routing.decide import ProbeFirst, next_step
+from peer.routing.probing import ProbeRound
 from peer.routing.router import Candidate, LocalState, PeerEstimate
 from protocols.framing import encode_frame
 from protocols.load import LoadReport
@@ -160,20 +161,31 @@ class RoutingModel:
         return self._index[ranked[0].peer_id], min(ranked[0].match_tokens, len(job.tokens) - 1)
 
     def _probe_choice(self, entry: SimPeer, job: Job, now: float) -> tuple[int, int, float]:
-        """COST with load probes, as the live pipeline runs them (peer/routing/probing.py decides
-        whom and how long; peer/request/pipeline.py `_probe`): (target, its match, seconds spent
-        waiting for answers). Each probe opens a stream (`stream_setup_rtts` round trips)
-        and makes one query round trip; the report is the probed peer's load when the
-        entry asked (a few one-way delays early: the simulator decides at arrival)."""
+        """COST with load probes, decided as the live pipeline decides (peer/routing/decide.py
+        `next_step`: rank, probe whom and how long peer/routing/probing.py says, rank again):
+        (target, its match, seconds spent waiting for answers)."""
         ranked = self._ranked(entry, job, now)
-        plan = plan_probes(ranked, self._probe_settings)
-        best = ranked[0]
-        if not plan.probes:
-            return self._index[best.peer_id], min(best.match_tokens, len(job.tokens) - 1), 0.0
-        probe = ProbeRound(plan, now)
+        reports = None  # after a probe, next_step answers with the candidates
+        waited = 0.0
+        while isinstance(
+            step := next_step(ranked, reports, now, router=entry.router, table=entry.table,
+                              settings=self._probe_settings),
+            ProbeFirst,
+        ):
+            waited = self._probe(step.round, now)
+            reports = step.round.reports
+        self._probe_stats["changed"] += step.changed
+        chosen = step.candidates[0]
+        return self._index[chosen.peer_id], min(chosen.match_tokens, len(job.tokens) - 1), waited
+
+    def _probe(self, probe: ProbeRound, now: float) -> float:
+        """Run a probe round: each probe opens a stream (`stream_setup_rtts` round trips)
+        and makes one query round trip; the report is the probed peer's load when the entry
+        asked (a few one-way delays early: the simulator decides at arrival). Returns the
+        seconds waited for answers."""
         trips = 2 * self.params.stream_setup_rtts + 2  # one-way legs: the stream, the query
         answers = []
-        for peer_id in plan.peers:
+        for peer_id in probe.plan.peers:
             at = now + sum(self._one_way() for _ in range(trips))
             peer = self.peers[self._index[peer_id]]
             answers.append((at, peer_id, LoadReport(peer.queued_tokens, peer.running)))
@@ -186,18 +198,10 @@ class RoutingModel:
                 break
         stats = self._probe_stats
         stats["rounds"] += 1
-        stats["sent"] += len(plan.peers)
+        stats["sent"] += len(probe.plan.peers)
         stats["answered"] += len(probe.reports)
         stats["wait_s"] += decided - now
-        chosen = best
-        if probe.reports:
-            chosen = entry.router.rerank(ranked, probe.reports, entry.table, now)[0]
-            stats["changed"] += chosen.peer_id != best.peer_id
-        return (
-            self._index[chosen.peer_id],
-            min(chosen.match_tokens, len(job.tokens) - 1),
-            decided - now,
-        )
+        return decided - now
 
     def _exact_choice(self, entry: SimPeer, job: Job) -> tuple[int, int]:
         """EXACT_LONGEST_PREFIX: the longest exact match anywhere, a tie to the entry peer,

@@ -1,19 +1,21 @@
 """The serving peer's batching engine, step by step, with the engine's own pure rules.
 
-Between steps up to `max_running` waiting requests join the batch (scheduler.admit_count),
-each matched and locked then (late, as the engine does); a step decodes every sequence
-past its prompt and reads prefill chunks within `step_tokens` (scheduler.plan_step) and
-takes `Calibration.step_s(decodes, chunks)`. A prompt's first token comes at the end of
+Each peer's batch is the engine's own state machine (scheduler.BatchQueue): between steps
+up to `max_running` waiting requests join the batch, oldest first, each matched and locked
+then (late, as the engine does); a step decodes every sequence past its prompt and reads
+prefill chunks within `step_tokens` (BatchQueue.plan) and takes
+`Calibration.step_s(decodes, chunks)`. A prompt's first token comes at the end of
 the step that reads its last chunk, when its blocks are inserted (RadixCache.insert
 evicts exactly what it needs); the lock is released when the request completes. Load is
 what Engine.load reports; speeds are measured per step (speeds.observe_step). Not
-modelled: the engine holding back a request that shares a prompt still being read.
+modelled: the engine holding back a request that shares a prompt still being read (the
+simulator admits with no `hold` rule).
 """
 
 from __future__ import annotations
 
 from bench.sim.swarm_state import END_BACK, FIRST_BACK, PHASE, Job, SimPeer, no_value
-from peer.engine.scheduler import StepPlan, admit_count, plan_step, reusable_blocks
+from peer.engine.scheduler import StepPlan, reusable_blocks
 from peer.engine.speeds import observe_step
 
 
@@ -26,35 +28,28 @@ class ServerModel:
         job.queued = len(job.tokens) - self._reusable(peer, job.tokens)
         peer.queued_tokens += job.queued
         peer.running += 1
-        peer.waiting.append(job)
+        peer.queue.submit(job)
         if peer.step_started < 0:
             self._step(peer, now)
 
     def _step(self, peer: SimPeer, now: float) -> None:
         """Admit waiting requests, plan the next step and schedule its end (none if idle)."""
         bs = self.params.block_size
-        for _ in range(admit_count(len(peer.waiting), len(peer.batch), self.params.max_running)):
-            job = peer.waiting.popleft()
+
+        def join(job: Job) -> None:
             n = len(job.tokens)
             match = peer.cache.match(job.tokens, now, reusable_blocks(n, bs))
             peer.cache.lock(match)
             job.match = match
             job.cached = job.pos = match.num_tokens
             job.new = n - job.cached
-            peer.batch[job.rid] = job
-        decoding = []
-        prefilling = []
-        for rid, job in peer.batch.items():
-            left = len(job.tokens) - job.pos
-            if left:
-                prefilling.append((rid, left))
-            else:
-                decoding.append(rid)
-        if not decoding and not prefilling:
+
+        peer.queue.admit(self.params.max_running, join)
+        plan = peer.queue.plan(self.params.step_tokens)
+        if not plan:
             peer.step_started = -1.0
             return
-        plan = plan_step(decoding, prefilling, self.params.step_tokens)
-        chunks = [(n, peer.batch[rid].pos) for rid, n in plan.prefill]
+        chunks = [(n, peer.queue.batch[rid].pos) for rid, n in plan.prefill]
         peer.step_started = now
         self._push(now + peer.cal.step_s(len(plan.decode), chunks), PHASE, peer.idx, plan)
 
@@ -66,13 +61,13 @@ class ServerModel:
         peer.speeds, _ = observe_step(peer.speeds, prefill_tokens, len(plan.decode), seconds)
         done = 0
         for rid in plan.decode:
-            job = peer.batch[rid]
+            job = peer.queue.batch[rid]
             job.decode_left -= 1
             if job.decode_left <= 0:
                 self._complete(peer, job, now)
                 done += 1
         for rid, n in plan.prefill:
-            job = peer.batch[rid]
+            job = peer.queue.batch[rid]
             job.pos += n
             if job.pos == len(job.tokens):
                 self._prefill_done(peer, job, now)
@@ -94,7 +89,7 @@ class ServerModel:
     def _complete(self, peer: SimPeer, job: Job, now: float) -> None:
         peer.cache.unlock(job.match)
         job.match = None
-        del peer.batch[job.rid]
+        peer.queue.finish(job.rid)
         if self.params.cache_generated and job.req.output:
             self._insert(peer, job.tokens + job.req.output, now)
         peer.running -= 1

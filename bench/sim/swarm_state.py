@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import math
 import random
-from collections import deque
 from typing import Any
 
 from bench.sim.params import SimParams
 from bench.workloads import TokenRequest
 from peer.config import SUMMARY_EXPIRY_INTERVALS, Policy
 from peer.engine.radix import RadixCache
+from peer.engine.scheduler import BatchQueue
 from peer.engine.speeds import (
     WARMUP_PROMPT_TOKENS,
     StepSpeeds,
@@ -121,8 +121,7 @@ class SimPeer:
         self.speeds = StepSpeeds(prefill_tps, decode_tps, decode_tps)
         self.queued_tokens = 0
         self.running = 0  # requests between arrival and completion, waiting ones included
-        self.waiting: deque[Job] = deque()
-        self.batch: dict[int, Job] = {}  # admitted, in admission order (oldest first)
+        self.queue: BatchQueue[Job] = BatchQueue()  # who waits, who is in the batch
         self.step_started = -1.0  # < 0: no step in flight
         self.busy_s = 0.0
         # gossip
