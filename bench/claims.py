@@ -1,6 +1,6 @@
 """Every claim of docs/RESULTS.md, recomputed from the committed simulator rows.
 
-    python -m bench.claims --run --jobs 2   # run both grids (rows -> docs/results/), then:
+    python -m bench.claims --run --jobs 2   # run both grids (rows -> docs/results), then:
     python -m bench.claims                  # claims from the committed rows -> docs/RESULTS.md
     python -m bench.claims --check          # exit 1 if docs/RESULTS.md differs from the rows
 
@@ -239,7 +239,9 @@ def render(quick: Sequence[Row], final: Sequence[Row], params: dict[str, Any],
         "(block hashes, radix cache, Bloom summaries, peer table, router); what it models and "
         "every parameter's reason are in bench/sim/model.py, bench/sim/params.py, "
         "bench/sim/regimes.py and bench/workloads.py. The previous version of this page, "
-        "with the history of the cost model, is docs/results/simulate-history.md.",
+        "with the history of the cost model, is summarised in docs/benchmarks.md (\"Earlier "
+        "single-seed runs\"); its full text is simulate-history.md under docs/results at "
+        "commit 016deaf.",
         "",
         "Every number is a mean over seeds with its 95% confidence interval (Student's t "
         "over seeds; workload seed S, simulator seed S + 1000). Times are simulated seconds.",

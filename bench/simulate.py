@@ -2,7 +2,7 @@
 
     python -m bench.simulate --quick --seeds 5 --json PATH   # a, b, c; cpu and gpu regimes
     python -m bench.simulate --final --seeds 5 --json PATH   # delay, pressure, chat, agent
-    python -m bench.simulate --json docs/results/simulate.json --plots docs/results
+    python -m bench.simulate --json out/simulate.json --plots docs/results
     python -m bench.claims --run    # both grids, rows under docs/results, docs/RESULTS.md
     python -m bench.simulate --one --policy cost --delay-ms 5 --zipf-s 1 --requests 20000
 
