@@ -35,3 +35,20 @@ class SlowEngine:
                     yield item
 
         return slowed()
+
+
+async def assert_serves_like_transformers(engine: Any, model: Any, tokens: list[int]) -> None:
+    """Greedy output equals transformers' own generate on `model`, and a second run of
+    the same prompt gives the same tokens from the cached prefix (whole blocks of it)."""
+    import torch
+
+    first = await engine.generate(tokens, SamplingParams(max_new_tokens=8))
+    second = await engine.generate(tokens, SamplingParams(max_new_tokens=8))
+    ids = torch.tensor([tokens])
+    with torch.inference_mode():
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False
+        )
+    assert list(first.token_ids) == out[0, len(tokens):].tolist()
+    assert second.token_ids == first.token_ids
+    assert second.usage.cached_tokens == (len(tokens) - 1) // engine.block_size * engine.block_size

@@ -7,10 +7,10 @@ import torch
 
 from peer import cli
 from peer.config import PeerConfig
-from peer.engine.api import SamplingParams
 from peer.engine.engine import Engine
 from peer.engine.model import ModelLoadError, load_model, resolve_device
 from protocols.ids import split_model_id
+from tests.helpers_engine import assert_serves_like_transformers
 
 
 def prompt(n, start=100):
@@ -27,16 +27,7 @@ async def test_bfloat16_serves_with_reuse_and_matches_transformers(bf16_model):
     assert next(bf16_model.model.parameters()).dtype == torch.bfloat16
     engine = Engine.from_model(bf16_model)
     assert engine.layout.itemsize == 2 and engine.hasher.model_id == bf16_model.model_id
-    tokens = prompt(40)
-    first = await engine.generate(tokens, SamplingParams(max_new_tokens=8))
-    second = await engine.generate(tokens, SamplingParams(max_new_tokens=8))
-    ids = torch.tensor([tokens])
-    with torch.inference_mode():
-        out = bf16_model.model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False
-        )
-    assert list(first.token_ids) == out[0, 40:].tolist()
-    assert second.token_ids == first.token_ids and second.usage.cached_tokens == 32
+    await assert_serves_like_transformers(engine, bf16_model.model, prompt(40))
 
 
 def test_the_model_id_names_the_dtype_unless_float32_and_the_weights(tiny_model, tiny_engine,

@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 import torch
 
-from peer.engine.api import SamplingParams
 from peer.engine.engine import Engine
 from peer.engine.model import TINY_CONFIG, ModelLoadError, load_model
 from protocols.ids import split_model_id
+from tests.helpers_engine import assert_serves_like_transformers
 
 REPO = Path(__file__).resolve().parent.parent
 FAMILIES = ("llama", "qwen2")
@@ -49,15 +49,7 @@ async def test_a_checkpoint_of_each_family_serves_with_reuse_and_matches_transfo
     assert type(loaded.model).__name__.lower().startswith(family)
     engine = Engine.from_model(loaded)
     tokens = [100 + 7 * i % 5000 for i in range(40)]
-    first = await engine.generate(tokens, SamplingParams(max_new_tokens=8))
-    second = await engine.generate(tokens, SamplingParams(max_new_tokens=8))
-    ids = torch.tensor([tokens])
-    with torch.inference_mode():
-        out = loaded.model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False
-        )
-    assert list(first.token_ids) == out[0, 40:].tolist()
-    assert second.token_ids == first.token_ids and second.usage.cached_tokens == 32
+    await assert_serves_like_transformers(engine, loaded.model, tokens)
 
 
 def test_the_fingerprint_follows_the_weights_not_the_folder(tmp_path: Path, tiny_model: Any):
