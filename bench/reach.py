@@ -152,7 +152,9 @@ def peer_command(ns: str, ip: str, extra: list[str]) -> list[str]:
         # the entry then serves the request itself (the intended behaviour, which says
         # nothing about whether the NATed peer can be reached).
         "--probation-requests", "0", "--verify-fraction", "0",
-        "--hedge-multiple", "0", "--first-token-floor", "5", *extra,
+        "--hedge-multiple", "0", "--first-token-floor", "5",
+        # The API listens on the namespace's address, reached only from this machine.
+        "--insecure-no-api-key", *extra,
     ])
 
 

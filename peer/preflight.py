@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from peer.config import PeerConfig
-from peer.settings import ConfigError, ServeOptions, split_host_port
+from peer.settings import ConfigError, ServeOptions, is_loopback_host, split_host_port
 
 LOCK_SUFFIX = ".lock"  # identity.key -> identity.key.lock, held while the peer runs
 
@@ -87,8 +87,9 @@ def check_listen_ports(config: PeerConfig) -> None:
         _check_bind(family, parts[1], int(parts[3]), f"listen address {addr}", hint)
 
 
-def check_http(address: str) -> None:
-    """HOST:PORT parses, HOST resolves, and a fixed PORT is free."""
+def check_http(address: str, *, api_key: str | None = None, insecure: bool = False) -> None:
+    """HOST:PORT parses, HOST resolves, a fixed PORT is free, and an address beyond
+    loopback has an API key (unless `insecure`: the operator said so)."""
     try:
         host, port = split_host_port(address)
     except ValueError as exc:
@@ -97,6 +98,13 @@ def check_http(address: str) -> None:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except socket.gaierror as exc:
         raise ConfigError(f"--http {address}: cannot resolve {host!r} ({exc.strerror})") from None
+    beyond = sorted({str(i[4][0]) for i in infos if not is_loopback_host(str(i[4][0]))})
+    if beyond and api_key is None and not insecure:
+        raise ConfigError(
+            f"--http {address} serves beyond this machine ({', '.join(beyond)}) without an "
+            "API key: anyone who reaches it could use this peer; set PREFIXSWARM_API_KEY "
+            "(or --api-key), or say --insecure-no-api-key"
+        )
     if port == 0:
         return
     family, _, _, _, sockaddr = infos[0]
@@ -124,7 +132,7 @@ def check_serve(config: PeerConfig, options: ServeOptions) -> None:
     """Everything `serve` can check without loading the model; ConfigError otherwise."""
     check_peer(config)
     if options.http:
-        check_http(options.http)
+        check_http(options.http, api_key=options.api_key, insecure=options.insecure_no_api_key)
     check_model(config.model)
 
 

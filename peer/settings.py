@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import ipaddress
 import json
 import os
 import tomllib
@@ -108,6 +109,8 @@ FIELD_HELP = {
     "bootstrap_file": "file of bootstrap multiaddrs, one a line ('#' comments)",
     "join": "an invite string (printed by `prefixswarm status` and on the page): joins that "
     "swarm with its model",
+    "insecure_no_api_key": "serve the HTTP API beyond loopback without an API key (anyone who "
+    "reaches it can use this peer)",
     "drain_timeout_s": "on SIGTERM, seconds the requests in flight may take to finish",
     "public": "join the public swarm: the bootstrap list shipped with this version",
     "swarm_name": "a name for the swarm, carried in this peer's invites",
@@ -139,6 +142,20 @@ def split_host_port(value: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost"})
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether `host` (a name or address, without a port) names this machine's loopback."""
+    host = host.strip("[]").lower()
+    if host in LOOPBACK_NAMES or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 @dataclass(frozen=True)
 class ServeOptions:
     """What `serve` needs besides PeerConfig; settable the same three ways."""
@@ -149,6 +166,7 @@ class ServeOptions:
     api_key: str | None = None  # None: the HTTP API is open (it listens on loopback by default)
     join: str | None = None  # an invite (protocols/invite.py): its bootstrap and model
     drain_timeout_s: float = 30.0  # SIGTERM: how long the requests in flight may take
+    insecure_no_api_key: bool = False  # serve HTTP beyond loopback without a key anyway
     public: bool = False  # the shipped public bootstrap list (peer/public_bootstrap.txt)
 
     def __post_init__(self) -> None:

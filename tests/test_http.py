@@ -110,10 +110,13 @@ async def test_completion_streaming(nursery, tiny_engine_factory):
     assert served == peer.peer_id
 
 
+JSON = "application/json"  # a body not declared JSON is refused first (test_http_hardening)
+
+
 async def test_errors_are_openai_error_objects(nursery, tiny_engine_factory):
     _, url = await start_api(nursery, tiny_engine_factory())
     api = client(url)
-    async with httpx.AsyncClient(base_url=url) as http:
+    async with httpx.AsyncClient(base_url=url, headers={"content-type": JSON}) as http:
         r = await http.post("/v1/completions", content=b"{not json")
         assert r.status_code == 400
         assert set(r.json()["error"]) == {"message", "type", "param", "code"}

@@ -200,3 +200,49 @@ async def test_cli_clients_send_the_api_key(nursery, tiny_engine_factory, capsys
     assert await trio.to_thread.run_sync(cli.main, ["status", "--url", url]) == 0
     serve_args = cli.build_parser().parse_args(["serve", "--identity", "none", "--config", "none"])
     assert cli.settings_from_args(serve_args)[1].api_key == KEY  # serve reads it as a setting
+
+
+# -- a page on another site, through its visitor's browser -------------------------------
+
+
+async def test_the_api_refuses_cross_site_shapes(nursery, tiny_engine_factory):
+    """A text/plain POST (what a cross-site form or fetch may send without a preflight) is
+    refused; so is a foreign Host on a loopback-bound API (DNS rebinding)."""
+    _peer, url = await start_api(nursery, tiny_engine_factory())
+    body = '{"model": "tiny-random", "prompt": "hi", "max_tokens": 2}'
+    async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+        plain = await http.post("/v1/completions", content=body,
+                                headers={"content-type": "text/plain"})
+        assert plain.status_code == 415 and "application/json" in plain.json()["error"]["message"]
+        form = await http.post("/v1/completions", data={"prompt": "hi"})
+        assert form.status_code == 415
+        ok = await http.post("/v1/completions", content=body,
+                             headers={"content-type": "application/json; charset=utf-8"})
+        assert ok.status_code == 200
+        rebound = await http.get("/v1/swarm", headers={"host": "evil.example:8000"})
+        assert rebound.status_code == 421
+        assert "loopback only" in rebound.json()["error"]["message"]
+        for host in ("localhost:1234", "127.0.0.1", "[::1]:8000"):
+            assert (await http.get("/health", headers={"host": host})).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "host,loopback",
+    [("localhost", True), ("127.0.0.5", True), ("::1", True), ("a.localhost", True),
+     ("0.0.0.0", False), ("192.0.2.1", False), ("evil.example", False), ("", False)],
+)
+def test_loopback_hosts(host: str, loopback: bool) -> None:
+    from peer.settings import is_loopback_host
+
+    assert is_loopback_host(host) is loopback
+
+
+def test_a_non_loopback_http_bind_needs_an_api_key() -> None:
+    from peer.preflight import check_http
+    from peer.settings import ConfigError
+
+    with pytest.raises(ConfigError, match=r"without an API key.*--insecure-no-api-key"):
+        check_http("0.0.0.0:0")
+    check_http("0.0.0.0:0", api_key="k")
+    check_http("0.0.0.0:0", insecure=True)
+    check_http("127.0.0.1:0")

@@ -1,6 +1,10 @@
-"""The HTTP API's optional API key: an ASGI middleware that answers 401 without it.
+"""Who may use the HTTP API: the optional API key, and a guard against web pages.
 
 With a key configured, every path but OPEN_PATHS needs `Authorization: Bearer KEY`.
+`BrowserGuard` stops a page on another site from using a peer through its visitor's
+browser: a POST must be JSON (a cross-site form or `text/plain` POST cannot set that
+content type without a CORS preflight, which this API never grants), and an API bound to
+loopback answers only to a loopback Host (a DNS-rebound name is refused).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from peer.api.openai_schema import ApiError
 from peer.api.web.routes import PAGE_PATHS
+from peer.settings import is_loopback_host
 
 OPEN_PATHS = frozenset({"/health", *PAGE_PATHS})  # answered without the API key: liveness
 # probes, and the page itself (it asks for the key and sends it on every call it makes)
@@ -54,3 +59,59 @@ class CheckKey:
         )
         response = JSONResponse(error.body(), status_code=401, headers=error.headers)
         await response(scope, receive, send)
+
+
+JSON_MEDIA_TYPE = b"application/json"
+
+
+def _header(scope: Scope, name: bytes) -> bytes | None:
+    return next((v for k, v in scope.get("headers", ()) if k == name), None)
+
+
+def _host_name(value: bytes) -> str:
+    """The name of a Host header value: 'example.org:8000' -> 'example.org', '[::1]:80' ->
+    '::1'."""
+    text = value.decode("latin-1").strip()
+    if text.startswith("["):
+        return text[1 : text.find("]")] if "]" in text else text
+    return text.rsplit(":", 1)[0] if text.count(":") == 1 else text
+
+
+class BrowserGuard:
+    """ASGI middleware: 415 for a POST whose body is not declared JSON; with `loopback`,
+    421 for a request whose Host is not a loopback name (``on_refused`` counts both)."""
+
+    def __init__(
+        self, app: ASGIApp, loopback: bool, on_refused: Callable[[str, int], None]
+    ) -> None:
+        self._app = app
+        self._loopback = loopback
+        self._on_refused = on_refused
+
+    def _refusal(self, scope: Scope) -> ApiError | None:
+        if self._loopback:
+            host = _header(scope, b"host")
+            if host is None or not is_loopback_host(_host_name(host)):
+                shown = (host or b"").decode("latin-1")[:100]
+                return ApiError(
+                    421, f"this API serves loopback only; Host {shown!r} is not this machine "
+                    "(a page on another site may not reach it through your browser)",
+                    code="misdirected_request",
+                )
+        if scope.get("method") == "POST":
+            given = (_header(scope, b"content-type") or b"").split(b";", 1)[0].strip().lower()
+            if given != JSON_MEDIA_TYPE:
+                return ApiError(
+                    415, "the request body must be JSON: send 'Content-Type: application/json'",
+                    code="unsupported_media_type",
+                )
+        return None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        refusal = self._refusal(scope) if scope["type"] == "http" else None
+        if refusal is None:
+            await self._app(scope, receive, send)
+            return
+        self._on_refused(str(refusal.code), refusal.status)
+        await JSONResponse(refusal.body(), status_code=refusal.status)(scope, receive, send)
+

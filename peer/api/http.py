@@ -27,7 +27,13 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp
 
-from peer.api.auth import MAX_API_KEY_CHARS, OPEN_PATHS, ApiKey, CheckKey
+from peer.api.auth import (
+    MAX_API_KEY_CHARS,
+    OPEN_PATHS,
+    ApiKey,
+    BrowserGuard,
+    CheckKey,
+)
 from peer.api.face import FacePeer
 from peer.api.metrics import CONTENT_TYPE, Metrics
 from peer.api.openai_schema import (
@@ -51,6 +57,7 @@ from peer.api.responses import (
 from peer.api.web.routes import Page
 from peer.engine.api import ContextTooLong
 from peer.request.generation import GenerationService
+from peer.settings import is_loopback_host
 from peer.version import version
 
 __all__ = [  # names tests and embedders import from here
@@ -100,8 +107,11 @@ class HttpApi:
     It generates only through the peer's GenerationService (`peer.request.generation`)."""
 
     def __init__(
-        self, peer: FacePeer, *, model_alias: str | None = None, api_key: str | None = None
+        self, peer: FacePeer, *, model_alias: str | None = None, api_key: str | None = None,
+        loopback: bool = False,
     ) -> None:
+        """`loopback`: the API is bound to a loopback address, so it answers only to a
+        loopback Host (BrowserGuard)."""
         key = ApiKey(api_key)
         self.peer = peer
         self.model_id = peer.model_id
@@ -131,6 +141,10 @@ class HttpApi:
         self.app.add_middleware(
             CheckKey, key=key,
             on_refused=lambda: self.metrics.record_request("unauthorized", 401),
+        )
+        self.app.add_middleware(  # added last: it runs first
+            BrowserGuard, loopback=loopback,
+            on_refused=lambda code, status: self.metrics.record_request(code, status),
         )
 
     async def _unexpected(self, request: Request, exc: Exception) -> JSONResponse:
@@ -275,7 +289,8 @@ async def serve_http(
     `drain` is set the API stops accepting connections and gives the requests in flight
     up to `drain_timeout_s` to finish, then returns."""
     config = hypercorn_config(host, port, drain_timeout_s)
-    api = HttpApi(peer, model_alias=model_alias, api_key=api_key)
+    api = HttpApi(peer, model_alias=model_alias, api_key=api_key,
+                  loopback=is_loopback_host(host))
     trigger = drain.wait if drain is not None else None
 
     async with trio.open_nursery() as nursery:
