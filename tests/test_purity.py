@@ -214,13 +214,13 @@ FACE_FILES = [
     "peer/api/http.py", "peer/api/responses.py", "peer/api/auth.py", "peer/api/web/routes.py",
 ]
 # What the HTTP face and the page may import of the project: the generation service and
-# its types, the FacePeer protocol, and their own parts. Not the engine, the table, the
-# pipeline or the node: they reach a peer only through FacePeer.
+# its types, the FacePeer protocol, their own parts, and the settings' address rules. Not
+# the engine, the table, the pipeline or the node: they reach a peer only through FacePeer.
 FACE_MAY_IMPORT = {
     "peer.request.admission", "peer.engine.api", "peer.api.face", "peer.request.generation",
     "peer.api.auth",
     "peer.api.responses", "peer.api.metrics", "peer.api.openai_schema", "peer.request.request_log",
-    "peer.version", "peer.api.web.routes",
+    "peer.version", "peer.api.web.routes", "peer.settings",
 }
 
 
