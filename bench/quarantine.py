@@ -93,7 +93,7 @@ async def pipeline_trial(liar: str, verify_fraction: float, seed: str) -> tuple[
     cfg = fake_config(verify_fraction=verify_fraction)
     trust = TrustLedger(
         verify_fraction=verify_fraction, probation_requests=cfg.probation_requests,
-        probation_share=cfg.probation_share, can_verify=True,
+        can_verify=True,
     )
     table, host = fake_peers(
         {liar_id: (7, script), honest_id: (6, honest(cached=6 * BLOCK))}, prompt, engine
