@@ -99,7 +99,8 @@ STEPS = st.lists(
     st.one_of(
         st.tuples(st.just("request"), st.lists(st.integers(0, 7), max_size=8, unique=True),
                   st.sampled_from([0.0, 0.0, 1.0]), st.booleans()),
-        st.tuples(st.sampled_from(["match", "differ", "fail", "abandon"]), st.integers(0, 7)),
+        st.tuples(st.sampled_from(["match", "differ", "inconclusive", "fail", "abandon"]),
+                  st.integers(0, 7)),
     ),
     max_size=60,
 )
@@ -150,6 +151,10 @@ def test_shadows_are_bounded_and_verdicts_are_the_ledgers(steps, share, limit, k
         elif kind == "differ":
             assert planner.mismatched(shadow, "x", float(now)) is not None
             assert ledger.view(shadow.peer_id).state is TrustState.QUARANTINED
+        elif kind == "inconclusive":  # differs, but the verifier accepts it: no credit
+            planner.inconclusive(shadow)
+            assert ledger.on_probation(shadow.peer_id) == (matches[shadow.peer_id] < k)
+            assert ledger.routable(shadow.peer_id)
         else:
             planner.ended(shadow, failed=kind == "fail")
         assert planner.in_flight == len(in_flight)

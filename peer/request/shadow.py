@@ -1,14 +1,16 @@
-"""Shadows: copies of requests that check a peer on probation (the shell of peer/routing/shadow.py).
+"""Shadows: copies of requests that check a peer on probation (the shell of
+peer/routing/shadow.py).
 
 When the planner chooses a shadow for a request, `Shadows.start` sends the same request
 to the probation peer as an ordinary forward (the same protocol, message and deadline,
 a fresh request id) in a task of the serving peer's nursery, reads the whole answer, and
-waits for the answer the client received (`ShadowJob.deliver`). Equal answers count
-towards trust; a different one is checked by this peer's verifier where it has one (a
-tie or a wrong delivered answer must not cost an honest newcomer), else, or if it fails,
-quarantines the peer. The client never waits for a shadow and never sees its tokens; a
-shadow's failure only backs its peer off. A request that ends without an answer
-(`ShadowJob.abandon`) cancels its shadow.
+waits for the answer the client received (`ShadowJob.deliver`). Only equal answers count
+towards trust; a different one is checked by this peer's verifier where it has one: one
+it accepts (a near-tie on other hardware, or a wrong delivered answer) earns nothing and
+costs nothing; one it rejects, or any difference without a verifier, quarantines. The
+client never waits for a shadow and never sees its tokens; a shadow's failure only backs
+its peer off. A request that ends without an answer (`ShadowJob.abandon`) cancels its
+shadow.
 """
 
 from __future__ import annotations
@@ -178,8 +180,10 @@ class Shadows:
             context.stats["shadows_verified_after_difference"] += 1
             if verdict.ok:  # a near-tie, or the delivered answer was wrong
                 logger.warning("a shadow answer of %s differs from the delivered one at "
-                               "token %d and verifies", peer_id, bad)
-                bad = None
+                               "token %d and verifies: no credit", peer_id, bad)
+                self.planner.inconclusive(shadow)
+                context.stats["shadows_inconclusive"] += 1
+                return True
         now = trio.current_time()
         if bad is None:
             context.router.record_outcome(peer_id, True, now)

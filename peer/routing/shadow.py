@@ -4,7 +4,9 @@ A new identity never serves this peer's clients. While it is on probation, reque
 this peer serves anyway (locally or through trusted peers) are also sent, as ordinary
 forwards, to the probation peer the router ranks best; its answer is compared with the
 answer the client received. `DEFAULT_PROBATION_REQUESTS` matching answers make it trusted
-(the ledger's `record_shadow_match`), one that differs quarantines it. The newcomer pays for
+(the ledger's `record_shadow_match`), one that differs (and that the entry's verifier,
+where it has one, rejects) quarantines it; a difference the verifier accepts (a near-tie
+on other hardware) earns nothing and costs nothing. The newcomer pays for
 its own trust with real compute (or real proxy bandwidth); this peer computes nothing
 extra, and a cold swarm routes as soon as the shadows have matched.
 
@@ -135,6 +137,12 @@ class ShadowPlanner:
         self._end(shadow)
         self._count("mismatched")
         return self.ledger.quarantine(shadow.peer_id, f"shadow answer differs: {detail}", now)
+
+    def inconclusive(self, shadow: Shadow) -> None:
+        """The answers differ but the verifier accepts the shadow's (a near-tie on other
+        hardware, or a wrong delivered answer): no credit, no quarantine."""
+        self._end(shadow)
+        self._count("inconclusive")
 
     def ended(self, shadow: Shadow, *, failed: bool) -> None:
         """No verdict: the shadow failed (the caller backs the peer off), or the client's
