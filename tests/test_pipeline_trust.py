@@ -280,7 +280,7 @@ async def test_a_newcomer_earns_trust_on_shadows_and_never_serves_before(autojum
     assert swarm.engine.verified == []  # no compute spent here on checking A
     assert swarm.trust.view(A).state is TrustState.TRUSTED
     stats = swarm.pipeline.statistics()
-    assert stats["shadows_matched"] == 3 and stats["shadow_sent"] == 3
+    assert stats["shadow_matched"] == 3 and stats["shadow_sent"] == 3
     assert stats["shadows_in_flight"] == 0
 
 
@@ -300,7 +300,7 @@ async def test_a_shadow_looks_like_a_forward_and_the_client_never_waits_for_it(
     (_, _, to_b), (_, _, to_a) = sorted(swarm.host.requests, key=lambda r: r[1] != B)
     assert to_a.request_id != to_b.request_id and len(to_a.request_id) == 32
     assert replace(to_a, request_id="x") == replace(to_b, request_id="x")
-    assert swarm.pipeline.statistics()["shadows_matched"] == 1
+    assert swarm.pipeline.statistics()["shadow_matched"] == 1
 
 
 async def test_a_lying_newcomer_reaches_no_client_and_is_quarantined(autojump_clock):
@@ -314,7 +314,7 @@ async def test_a_lying_newcomer_reaches_no_client_and_is_quarantined(autojump_cl
     assert swarm.trust.view(A).state is TrustState.QUARANTINED
     assert swarm.host.dialed() == [A]  # one shadow, then never again
     assert len(swarm.engine.verified) == 1  # the difference was checked before judging
-    assert swarm.pipeline.statistics()["shadows_mismatched"] == 1
+    assert swarm.pipeline.statistics()["shadow_mismatched"] == 1
 
 
 async def test_a_failed_shadow_backs_the_newcomer_off_and_shutdown_cancels_one(

@@ -93,8 +93,8 @@ async def test_a_new_honest_peer_is_trusted_after_k_shadows_then_serves(
     assert served_by == [me] * DEFAULT_PROBATION_REQUESTS + [new, new]
     assert trust_of(a, b) is TrustState.TRUSTED
     stats = a.peer.serving.pipeline.statistics()
-    assert stats["shadows_matched"] == DEFAULT_PROBATION_REQUESTS
-    assert stats.get("shadows_mismatched", 0) == 0
+    assert stats["shadow_matched"] == DEFAULT_PROBATION_REQUESTS
+    assert stats.get("shadow_mismatched", 0) == 0
 
 
 async def test_a_lying_newcomer_never_reaches_a_client_and_is_quarantined(
@@ -115,4 +115,4 @@ async def test_a_lying_newcomer_never_reaches_a_client_and_is_quarantined(
         await shadows_done(a)
     assert trust_of(a, liar) is TrustState.QUARANTINED
     stats = a.peer.serving.pipeline.statistics()
-    assert stats["shadows_mismatched"] == 1 and stats["shadow_sent"] == 1
+    assert stats["shadow_mismatched"] == 1 and stats["shadow_sent"] == 1

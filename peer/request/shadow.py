@@ -117,7 +117,7 @@ class Shadows:
         self, shadow: Shadow, candidate: Candidate, job: ShadowJob, prompt: list[int],
         params: SamplingParams, deadline: float,
     ) -> None:
-        planner, context, peer_id = self.planner, self._context, shadow.peer_id
+        planner, peer_id = self.planner, shadow.peer_id
         judged = False
         failure: AttemptFailed | None = None
         try:
@@ -146,7 +146,6 @@ class Shadows:
                 self._failed(shadow, failure)
             elif not judged:
                 planner.ended(shadow, failed=False)
-                context.stats["shadows_abandoned"] += 1
             logger.debug("shadow %d to %s ended (judged: %s)", shadow.number, peer_id, judged)
 
     async def _read(
@@ -182,14 +181,12 @@ class Shadows:
                 logger.warning("a shadow answer of %s differs from the delivered one at "
                                "token %d and verifies: no credit", peer_id, bad)
                 self.planner.inconclusive(shadow)
-                context.stats["shadows_inconclusive"] += 1
                 return True
         now = trio.current_time()
         if bad is None:
             context.router.record_outcome(peer_id, True, now)
             context.observe(peer_id, attempt, prompt, len(output))
             promoted = self.planner.matched(shadow)
-            context.stats["shadows_matched"] += 1
             if promoted is not None:
                 logger.info("peer %s passed probation (%d matching answers)", peer_id,
                             promoted.verified)
@@ -197,7 +194,6 @@ class Shadows:
         action = self.planner.mismatched(
             shadow, f"differs from the delivered answer at token {bad}", now
         )
-        context.stats["shadows_mismatched"] += 1
         if action is not None:
             context.quarantined(action)
         return True
