@@ -23,9 +23,10 @@ from peer.routing.trust import DEFAULT_VERIFY_FRACTION, TrustLedger
 TARGET_FORWARDS = 50  # the target: quarantined within 50 forwarded requests...
 TARGET_SHARE = 0.95  # ...in at least 95% of trials
 MAX_FORWARDS = 10_000  # a trial that never ends is a bug: stop and report it as not caught
-# always: lies on every response from its first one (a new identity: on probation, every
-#   response is verified); after_probation: honest until the ledger trusts it, then lies
-#   on every response, counted from its first lie (only verify_fraction draws catch it).
+# always: lies on every response from its first one (a new identity: on probation, its
+#   answers are shadows, each compared); after_probation: honest until the ledger trusts
+#   it, then lies on every response, counted from its first lie (only verify_fraction
+#   draws catch it).
 LIARS = ("always", "after_probation")
 MAX_PIPELINE_REQUESTS = 500  # requests per pipeline trial; the liar gets most of them
 PEER = "12D3KooWScriptedLiar"
@@ -39,6 +40,13 @@ def forwards_until_quarantine(liar: str, verify_fraction: float, rng: random.Ran
     for _ in range(MAX_FORWARDS):
         if not lying and not ledger.on_probation(PEER):
             lying = True
+        if ledger.on_probation(PEER):  # a shadow (peer/routing/shadow.py): always compared
+            lies += lying
+            if lying:
+                ledger.quarantine(PEER, "shadow answer differs", 0.0)
+                return lies
+            ledger.record_shadow_match(PEER)
+            continue
         verify = ledger.should_verify(PEER, rng)
         if lying:
             lies += 1
@@ -93,7 +101,7 @@ async def pipeline_trial(liar: str, verify_fraction: float, seed: str) -> tuple[
     cfg = fake_config(verify_fraction=verify_fraction)
     trust = TrustLedger(
         verify_fraction=verify_fraction, probation_requests=cfg.probation_requests,
-        probation_share=cfg.probation_share, can_verify=True,
+        can_verify=True,
     )
     table, host = fake_peers(
         {liar_id: (7, script), honest_id: (6, honest(cached=6 * BLOCK))}, prompt, engine
@@ -107,12 +115,20 @@ async def pipeline_trial(liar: str, verify_fraction: float, seed: str) -> tuple[
     )
     params = SamplingParams(max_new_tokens=6)
     good = reference(prompt, 6)
+    import trio
+
     wrong = 0
-    for n in range(MAX_PIPELINE_REQUESTS):
-        result = await pipeline.generate(GenerationRequest(f"request-{n}", tuple(prompt), params))
-        wrong += list(result.token_ids) != good
-        if not trust.routable(liar_id):
-            return lying_forwards, wrong
+    async with trio.open_nursery() as nursery:
+        await nursery.start(pipeline.shadows.serve)  # as Serving.serve owns them
+        for n in range(MAX_PIPELINE_REQUESTS):
+            request = GenerationRequest(f"request-{n}", tuple(prompt), params)
+            result = await pipeline.generate(request)
+            await trio.sleep(1.0)  # a shadow of this request ends meanwhile
+            wrong += list(result.token_ids) != good
+            if not trust.routable(liar_id):
+                nursery.cancel_scope.cancel()
+                return lying_forwards, wrong
+        nursery.cancel_scope.cancel()
     return None, wrong
 
 

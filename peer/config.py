@@ -27,8 +27,9 @@ DEFAULT_LISTEN = ("/ip4/0.0.0.0/tcp/4001",)  # the conventional libp2p port, all
 DEFAULT_IDENTITY_FILE = "~/.config/prefixswarm/identity.key"  # persisted ed25519 key, 0600
 # Trust (peer/routing/trust.py has the reasons of the ledger's defaults).
 DEFAULT_VERIFY_FRACTION = 0.1  # 1 - 0.9**50 = 99.5% of always-lying peers caught in 50 forwards
-DEFAULT_PROBATION_REQUESTS = 3  # verified good responses before a new identity is trusted
-DEFAULT_PROBATION_SHARE = 4  # probation peers together get at most 1 request in 4
+DEFAULT_PROBATION_REQUESTS = 3  # matching shadow answers before a new identity is trusted
+DEFAULT_PROBATION_SHARE = 1  # at most 1 request in N carries a shadow copy to a peer on
+#   probation (peer/routing/shadow.py): every one, since the in-flight bounds cap the work
 QUARANTINE_FILE_NAME = "quarantine.json"  # next to the identity key unless told otherwise
 DEFAULT_FIRST_TOKEN_MULTIPLE = 4.0  # a forward's first-token deadline: 4x its estimated TTFT
 DEFAULT_FIRST_TOKEN_FLOOR_S = 1.0  # ... but at least this: estimates of idle peers are ~10 ms,

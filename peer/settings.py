@@ -84,9 +84,10 @@ FIELD_HELP = {
     "served_model_names": "extra names the HTTP API accepts for the model",
     "forward_delay_s": "benchmarks: add S seconds one-way delay to every forward (WAN)",
     "verify_fraction": "share of forwarded responses verified before delivery",
-    "probation_requests": "verified responses before a new peer is trusted",
+    "probation_requests": "matching shadow answers before a new peer is trusted (0: none)",
     "quarantine_file": "quarantined peers (none: quarantine.json next to the identity)",
-    "probation_share": "peers on probation together get at most 1 request in N",
+    "probation_share": "at most 1 request in N carries a shadow copy to a peer on "
+    "probation",
     "first_token_multiple": "a forward's first-token deadline as a multiple of its estimate",
     "first_token_floor_s": "the shortest first-token deadline of a forward",
     "hedge_multiple": "no first token after this multiple of the estimate: try the next "

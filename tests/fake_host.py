@@ -355,7 +355,7 @@ def fake_swarm(
     cfg = fake_config(**config)
     trust = TrustLedger(
         verify_fraction=cfg.verify_fraction, probation_requests=cfg.probation_requests,
-        probation_share=cfg.probation_share, can_verify=engine.verify is not None,
+        can_verify=engine.verify is not None,
     )
     table, host = fake_peers(peers, prompt, engine, rtt_s, running)
     if trusted:

@@ -222,6 +222,6 @@ def test_quarantine_trials_catch_both_liars_through_the_pipeline() -> None:
             row = out[driver][liar]
             assert row["never_quarantined"] == 0
             assert row["forwards_until_quarantine_max"] >= 1
-    # A new identity lies on its first forward and is verified then (probation).
+    # A new identity lies on its first shadow (probation), which is always compared.
     assert out["pipeline"]["always"]["forwards_until_quarantine_max"] == 1
     assert out["pipeline"]["always"]["wrong_outputs_delivered_before_quarantine_max"] == 0

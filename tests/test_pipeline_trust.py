@@ -3,6 +3,7 @@ virtual clock (like trio's happy-eyeballs tests): exact times, exact routes."""
 
 from __future__ import annotations
 
+from contextlib import asynccontextmanager
 from dataclasses import replace
 
 import pytest
@@ -254,20 +255,95 @@ async def test_unproven_origins_are_never_dialed(autojump_clock):
     assert swarm.pipeline.router.statistics().unproven_skipped == 1
 
 
-async def test_probation_share_is_bounded_and_every_probation_response_verified(
+@asynccontextmanager
+async def shadows_served(swarm):
+    """The pipeline's shadows, owned by a nursery as `Serving.serve` owns them."""
+    async with trio.open_nursery() as nursery:
+        await nursery.start(swarm.pipeline.shadows.serve)
+        yield
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_newcomer_earns_trust_on_shadows_and_never_serves_before(autojump_clock):
+    swarm = fake_swarm({A: (7, honest())}, PROMPT, trusted=False, probation_requests=3,
+                       verify_fraction=0.0)
+    served_by = []
+    async with shadows_served(swarm):
+        for _ in range(6):
+            _, result = await collect(swarm.pipeline)
+            assert list(result.token_ids) == GOOD
+            served_by.append(result.served_by)
+            await trio.sleep(1.0)  # the shadow ends meanwhile
+    # Shadows of requests 1-3 (served here) earn A its trust; from then on A serves.
+    assert served_by == [SELF, SELF, SELF, A, A, A]
+    assert swarm.host.dialed() == [A] * 6
+    assert swarm.engine.verified == []  # no compute spent here on checking A
+    assert swarm.trust.view(A).state is TrustState.TRUSTED
+    stats = swarm.pipeline.statistics()
+    assert stats["shadow_matched"] == 3 and stats["shadow_sent"] == 3
+    assert stats["shadows_in_flight"] == 0
+
+
+async def test_a_shadow_looks_like_a_forward_and_the_client_never_waits_for_it(
     autojump_clock,
 ):
-    swarm = fake_swarm({A: (7, honest())}, PROMPT, trusted=False, probation_requests=3,
-                       probation_share=4, verify_fraction=0.0)
-    served_by = []
-    for _ in range(12):
+    slow_new = honest(ttft_s=0.5)
+    swarm = fake_swarm({A: (7, slow_new), B: (6, honest())}, PROMPT, trusted=False,
+                       verify_fraction=0.0)
+    for _ in range(swarm.trust.probation_requests):
+        swarm.trust.record_served(B, verified=True)
+    async with shadows_served(swarm):
         _, result = await collect(swarm.pipeline)
-        assert list(result.token_ids) == GOOD
-        served_by.append(result.served_by)
-    # Probation: requests 1, 5 and 9 (one in 4), each verified; trusted after the third.
-    assert [i + 1 for i, p in enumerate(served_by) if p == A] == [1, 5, 9, 10, 11, 12]
-    assert len(swarm.engine.verified) == 3  # trusted at fraction 0: no more verification
-    assert swarm.trust.view(A).state is TrustState.TRUSTED
+        assert result.served_by == B and result.ttft_s == pytest.approx(0.01)
+        assert trio.current_time() == pytest.approx(0.06)  # not A's 0.55 s
+        await trio.sleep(10.0)
+    (_, _, to_b), (_, _, to_a) = sorted(swarm.host.requests, key=lambda r: r[1] != B)
+    assert to_a.request_id != to_b.request_id and len(to_a.request_id) == 32
+    assert replace(to_a, request_id="x") == replace(to_b, request_id="x")
+    assert swarm.pipeline.statistics()["shadow_matched"] == 1
+
+
+async def test_a_lying_newcomer_reaches_no_client_and_is_quarantined(autojump_clock):
+    swarm = fake_swarm({A: (7, wrong)}, PROMPT, trusted=False, verify_fraction=0.0)
+    async with shadows_served(swarm):
+        for _ in range(4):
+            chunks, result = await collect(swarm.pipeline)
+            assert list(result.token_ids) == GOOD
+            assert {c.served_by for c in chunks} == {SELF}
+            await trio.sleep(1.0)
+    assert swarm.trust.view(A).state is TrustState.QUARANTINED
+    assert swarm.host.dialed() == [A]  # one shadow, then never again
+    assert len(swarm.engine.verified) == 1  # the difference was checked before judging
+    assert swarm.pipeline.statistics()["shadow_mismatched"] == 1
+
+
+async def test_a_failed_shadow_backs_the_newcomer_off_and_shutdown_cancels_one(
+    autojump_clock,
+):
+    swarm = fake_swarm({A: (7, stall)}, PROMPT, trusted=False)
+    async with shadows_served(swarm):
+        _, result = await collect(swarm.pipeline)
+        assert result.served_by == SELF
+        await trio.sleep(2.0)  # the shadow's first-token deadline (1 s) passed
+        assert swarm.pipeline.statistics()["shadow_stalled"] == 1
+        await collect(swarm.pipeline)  # within the back-off: no shadow
+        assert swarm.host.dialed() == [A]
+        await trio.sleep(20.0)
+        await collect(swarm.pipeline)  # the next shadow is in flight at shutdown
+        assert swarm.pipeline.shadows.planner.in_flight == 1
+    assert swarm.host.dialed() == [A, A]
+    assert swarm.pipeline.shadows.planner.in_flight == 0
+    assert swarm.trust.view(A).state is TrustState.PROBATION
+
+
+async def test_a_private_or_sampled_request_carries_no_shadow(autojump_clock):
+    swarm = fake_swarm({A: (7, honest())}, PROMPT, trusted=False)
+    async with shadows_served(swarm):
+        await collect(swarm.pipeline, params=SamplingParams(max_new_tokens=N, temperature=0.8,
+                                                            seed=1))
+        await trio.sleep(1.0)
+    assert swarm.host.dialed() == []
+    assert swarm.pipeline.statistics()["shadow_skipped_not_comparable"] == 1
 
 
 async def test_claims_that_overshoot_are_discounted_until_the_peer_is_not_preferred(

@@ -1,4 +1,4 @@
-"""Routing under the trust ledger: proven reachability, quarantine, probation share,
+"""Routing under the trust ledger: proven reachability, quarantine, probation apart,
 discounted claims, capped speeds, and a failure backoff that doubles."""
 
 from __future__ import annotations
@@ -68,21 +68,23 @@ def test_a_quarantined_peer_is_never_a_candidate():
     assert ids(r.rank(chain, 40 * BS, NEW, me(), table, 1.0)) == ["12D3KooWself"]
 
 
-def test_probation_peers_get_one_request_in_n_one_peer_at_a_time():
+def test_probation_peers_are_never_candidates_and_come_apart_best_first():
     chain = chain_of(40)
     sybils = [f"sybil{i}" for i in range(10)]
-    table = table_with(*(summary(p, chain) for p in sybils))
-    for p in sybils:
+    table = table_with(*(summary(p, chain[: 4 * i]) for i, p in enumerate(sybils)),
+                       summary("honest", chain[:8]))
+    for p in [*sybils, "honest"]:
         table.record_rtt(p, 0.002, 0.0)
-    r = router(TrustLedger(probation_share=4))
-    firsts = []
+    r = router(trusted("honest"))
     for _ in range(40):
-        ranked = r.rank(chain, 40 * BS, NEW, me(), table, 0.0)
-        remote = [c for c in ranked if not c.is_local]
-        assert len(remote) <= 1
-        firsts.append(ranked[0].peer_id)
-    assert sum(f != "12D3KooWself" for f in firsts) == 10  # 40 requests / 4
-    assert r.statistics().probation_held_back == 30 * 10 + 10 * 9
+        ranked = r.rank_all(chain, 40 * BS, NEW, me(), table, 0.0)
+        assert ids(ranked.candidates) == ["honest", "12D3KooWself"]
+        assert ids(ranked.probation) == sybils[::-1]  # the longest match is the cheapest
+        assert r.rank(chain, 40 * BS, NEW, me(), table, 0.0) == ranked.candidates
+    assert r.statistics().probation_held_back == 80 * 10
+    # One that failed recently ranks after every healthy one.
+    r.record_outcome("sybil9", False, 0.0)
+    assert ids(r.rank_all(chain, 40 * BS, NEW, me(), table, 1.0).probation)[-1] == "sybil9"
 
 
 def test_overshooting_claims_are_discounted_then_ignored():

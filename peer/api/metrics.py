@@ -103,7 +103,7 @@ class _PeerCollector(Collector):
             labels=["event"],
         )
         for key, value in sorted(pipeline.items()):
-            if key not in ("entry_in_flight", "verification_available"):  # gauges, not events
+            if key not in ("entry_in_flight", "verification_available", "shadows_in_flight"):
                 events.add_metric([key], _total(value))
         yield events
         reach = stats.get("reach")

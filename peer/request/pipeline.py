@@ -11,9 +11,11 @@ peer can run it. One `RequestFailed` at the end carries every attempt's cause.
 
 Remote output is data (peer/request/forward.py): at most ``max_new_tokens``, ids in the
 vocabulary, text decoded here, ``served_by`` the id of the peer dialed. A response chosen
-for verification (the trust ledger decides: always on probation, else with probability
-``verify_fraction``) is held back until the engine's teacher-forced ``verify`` accepts it;
-a wrong one quarantines the peer, and its verified-good prefix (if any) is kept.
+for verification (the trust ledger decides: with probability ``verify_fraction``) is held
+back until the engine's teacher-forced ``verify`` accepts it; a wrong one quarantines the
+peer, and its verified-good prefix (if any) is kept. Peers on probation serve no client:
+a request may carry a shadow copy to one of them (peer/request/shadow.py), compared with
+the answer the client received.
 """
 
 from __future__ import annotations
@@ -42,10 +44,12 @@ from peer.request.generation import (
 )
 from peer.request.race import AnyAttempt
 from peer.request.run import RequestRun, RunContext
+from peer.request.shadow import Shadows
 from peer.routing.decide import ProbeFirst, next_step
 from peer.routing.probe_service import probe_loads
 from peer.routing.probing import DEFAULT_MIN_WAIT_S, ProbeSettings
-from peer.routing.router import Candidate, LocalState, Router
+from peer.routing.router import Candidate, LocalState, Ranked, Router
+from peer.routing.shadow import DEFAULT_MAX_SHADOWS_IN_FLIGHT, ShadowPlanner
 from peer.routing.trust import Quarantine, TrustLedger
 from peer.swarm.peer_table import PeerTable
 
@@ -99,10 +103,16 @@ class Pipeline:
             min_wait_s=min(DEFAULT_MIN_WAIT_S, config.load_probe_wait_s),
         )
         self.stats: Counter[str] = Counter()
+        rng = rng or random.Random()
         self._context = RunContext(
             config=config, engine=engine, router=router, table=table, trust=trust,
-            rng=rng or random.Random(), stats=self.stats, self_id=self_id,
+            rng=rng, stats=self.stats, self_id=self_id,
             on_quarantine=on_quarantine,
+        )
+        self.shadows = Shadows(
+            planner=ShadowPlanner(trust, share=config.probation_share,
+                                  max_in_flight=DEFAULT_MAX_SHADOWS_IN_FLIGHT),
+            context=self._context, make_attempt=self._remote_attempt, rng=rng,
         )
 
     @property
@@ -142,10 +152,20 @@ class Pipeline:
             deadline = start + (request.timeout_s or self._config.request_timeout_s)
             run = RequestRun(self._context, request, self._attempt, start=start,
                              deadline=deadline)
-            ranked = await self._route(request, deadline)
-            async with contextlib.aclosing(run.stream(ranked)) as items:
-                async for item in items:
-                    yield item
+            ranked, probation = await self._route(request, deadline)
+            shadow = self.shadows.start(
+                probation, list(request.token_ids), request.params,
+                private=request.cache_salt is not None, deadline=deadline,
+            )
+            try:
+                async with contextlib.aclosing(run.stream(ranked)) as items:
+                    async for item in items:
+                        if shadow is not None and isinstance(item, GenerationResult):
+                            shadow.deliver(item.token_ids)
+                        yield item
+            finally:
+                if shadow is not None:
+                    shadow.abandon()  # nothing if delivered already
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         async with contextlib.aclosing(self.stream(request)) as items:
@@ -163,6 +183,7 @@ class Pipeline:
         out = dict(self.stats)
         out["entry_in_flight"] = self.entry_in_flight
         out["verification_available"] = int(self._context.verify is not None)
+        out.update(self.shadows.planner.statistics())
         return out
 
     # -- routing ------------------------------------------------------------------------
@@ -171,6 +192,13 @@ class Pipeline:
         self, tokens: list[int], params: SamplingParams, now: float,
         chain: list[int] | None = None,
     ) -> list[Candidate]:
+        """The request's candidates, best first (peers on probation are not among them)."""
+        return self._rank_all(tokens, params, now, chain).candidates
+
+    def _rank_all(
+        self, tokens: list[int], params: SamplingParams, now: float,
+        chain: list[int] | None = None,
+    ) -> Ranked:
         load = self._engine.load()
         local = LocalState(
             self._context.self_id,
@@ -185,25 +213,26 @@ class Pipeline:
         )
         if chain is None:
             chain = self._engine.hasher.chain(tokens)
-        candidates: list[Candidate] = self.router.rank(
+        ranked = self.router.rank_all(
             chain, len(tokens), params.max_new_tokens, local, self._table, now
         )
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(
-                "route of %d prompt tokens: %s",
-                len(tokens), " | ".join(c.reason for c in candidates[:ROUTE_LOG_CANDIDATES]),
+                "route of %d prompt tokens: %s", len(tokens),
+                " | ".join(c.reason for c in ranked.candidates[:ROUTE_LOG_CANDIDATES]),
             )
-        return candidates
+        return ranked
 
-    async def _route(self, request: GenerationRequest, deadline: float) -> list[Candidate]:
+    async def _route(self, request: GenerationRequest, deadline: float) -> Ranked:
         """The candidates to race, best first: ranked, then (peer/routing/decide.py)
-        probed and ranked again when a probe is worth its round trips."""
+        probed and ranked again when a probe is worth its round trips; and the peers on
+        probation (for a shadow)."""
         tokens = list(request.token_ids)
         private = request.cache_salt is not None
         chain = self._engine.hasher.chain(tokens)
         if self._before_route is not None and not private:
             await self._before_route(tokens, chain, deadline)
-        ranked = self._rank(tokens, request.params, trio.current_time(), chain)
+        ranked, probation = self._rank_all(tokens, request.params, trio.current_time(), chain)
         reports = None  # after a probe, next_step answers with the candidates
         while isinstance(
             step := next_step(
@@ -215,7 +244,7 @@ class Pipeline:
             reports = await probe_loads(self._host, step.round, self.stats)
         if step.changed:
             self.stats["probe_changed_choice"] += 1
-        return step.candidates
+        return Ranked(step.candidates, probation)
 
     def _attempt(
         self,
@@ -228,7 +257,21 @@ class Pipeline:
     ) -> AnyAttempt:
         if candidate.is_local:
             return LocalAttempt(self._engine, self._admission, prompt, params, cache_salt)
-        attempt = RemoteAttempt(  # AttemptFailed if the wire cannot carry it
+        attempt = self._remote_attempt(candidate, prompt, params, request_id, deadline)
+        self.stats["forwards"] += 1
+        return attempt
+
+    def _remote_attempt(
+        self,
+        candidate: Candidate,
+        prompt: list[int],
+        params: SamplingParams,
+        request_id: str,
+        deadline: float,
+    ) -> RemoteAttempt:
+        """A forward (a request's or a shadow's: the same wire form); AttemptFailed if the
+        wire cannot carry it."""
+        return RemoteAttempt(
             host=self._host,
             table=self._table,
             peer_id=candidate.peer_id,
@@ -240,5 +283,3 @@ class Pipeline:
             deadline=deadline,
             delay_s=self._config.forward_delay_s,
         )
-        self.stats["forwards"] += 1
-        return attempt

@@ -130,6 +130,12 @@ class RunContext:
         action = self.trust.record_served(peer_id, verified=racer.verify)
         if isinstance(action, Promote):
             logger.info("peer %s passed probation (%d verified)", peer_id, action.verified)
+        self.observe(peer_id, attempt, prompt, produced)
+
+    def observe(
+        self, peer_id: str, attempt: RemoteAttempt, prompt: list[int], produced: int
+    ) -> None:
+        """What a finished forward showed of ``peer_id``: its claim, its speeds."""
         cached = attempt.cached_tokens
         block = self.engine.block_size
         if cached is not None:
@@ -169,8 +175,12 @@ class RunContext:
 
     def quarantine(self, peer_id: str, reason: str) -> None:
         action = self.trust.quarantine(peer_id, reason, trio.current_time())
-        if action is None:
-            return
+        if action is not None:
+            self.quarantined(action)
+
+    def quarantined(self, action: Quarantine) -> None:
+        """Carry out the ledger's quarantine: log, persist, move waiters on."""
+        peer_id, reason = action.peer_id, action.reason
         self.stats["quarantined"] += 1
         logger.warning("peer %s quarantined: %s", peer_id, reason)
         self.waiters.cancel(peer_id)

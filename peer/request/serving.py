@@ -78,7 +78,6 @@ class Serving:
         self.trust = TrustLedger(
             verify_fraction=config.verify_fraction,
             probation_requests=config.probation_requests,
-            probation_share=config.probation_share,
             can_verify=engine.verify is not None,
             quarantined=load_quarantine(self._quarantine_path),
         )
@@ -130,9 +129,13 @@ class Serving:
         *,
         task_status: TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        """Answer forwarded requests and load probes until cancelled."""
+        """Answer forwarded requests and load probes, and own the shadows sent to peers
+        on probation, until cancelled."""
         self.load.serve(libp2p_host)
-        await self.inference.serve(libp2p_host, task_status=task_status)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(self.pipeline.shadows.serve)
+            await nursery.start(self.inference.serve, libp2p_host)
+            task_status.started()
 
     @property
     def max_context(self) -> int:

@@ -15,8 +15,8 @@ after the entry peer, for a backoff that doubles with each consecutive failure.
 With a `TrustLedger` (peer/routing/trust.py) and ``require_rtt`` (what a serving peer uses), only
 peers that proved reachable (a round trip measured here) and are not quarantined are
 candidates; claimed matches are multiplied by the ledger's discount, advertised speeds are
-capped by what was observed, and peers on probation get at most one request in
-``probation_share``, one probation peer per request.
+capped by what was observed, and peers on probation are never candidates: `rank_all`
+returns them apart, best first, for shadow verification (peer/routing/shadow.py).
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ __all__ = [
     "Cost",
     "LocalState",
     "PeerEstimate",
+    "Ranked",
     "Router",
     "RouterStatistics",
     "build_router",
@@ -92,7 +93,14 @@ class RouterStatistics(NamedTuple):
     successes_recorded: int
     unproven_skipped: int = 0  # candidates left out: no round trip measured yet
     quarantined_skipped: int = 0
-    probation_held_back: int = 0  # probation peers left out of a request (not its turn)
+    probation_held_back: int = 0  # probation peers left out of a request's candidates
+
+
+class Ranked(NamedTuple):
+    """`Router.rank_all`: a request's candidates, and its peers on probation apart."""
+
+    candidates: list[Candidate]  # best first; the entry peer is always among them
+    probation: list[Candidate]  # never serve a client; best first (healthy, then by cost)
 
 
 class Router:
@@ -164,7 +172,21 @@ class Router:
         table: PeerTable,
         now: float,
     ) -> list[Candidate]:
-        """Every live peer and this one as candidates, best first (see rank_estimates).
+        """Every live trusted peer and this one as candidates, best first (see
+        rank_estimates; `rank_all` has the arguments and the peers on probation)."""
+        return self.rank_all(chain, prompt_tokens, max_new_tokens, local, table, now).candidates
+
+    def rank_all(
+        self,
+        chain: Sequence[int],
+        prompt_tokens: int,
+        max_new_tokens: int,
+        local: LocalState,
+        table: PeerTable,
+        now: float,
+    ) -> Ranked:
+        """Every live peer and this one as candidates, best first (see rank_estimates),
+        except peers on probation: those come apart, ranked by the same cost.
 
         ``chain`` is the prompt's block-hash chain (BlockHasher.chain of its tokens).
         Remote matches are Bloom estimates, taken only by the policies that use them.
@@ -177,12 +199,16 @@ class Router:
         if not 0 <= local.match_tokens <= prompt_tokens:
             raise ValueError(f"local match {local.match_tokens} outside [0, {prompt_tokens}]")
         if self.policy is Policy.LOCAL or prompt_tokens < 1 or max_new_tokens < 1:
-            return self.rank_estimates([self.local_estimate(local)], prompt_tokens, max_new_tokens)
-        healthy, suspects = self._table_candidates(
+            only = self.rank_estimates([self.local_estimate(local)], prompt_tokens,
+                                       max_new_tokens)
+            return Ranked(only, [])
+        healthy, suspects, probation = self._table_candidates(
             chain, prompt_tokens, max_new_tokens, local, table, now
         )
         ordered = order_candidates(self.policy, healthy, suspects, self._rng, self._last_choice)
-        return self._chose(ordered)
+        self._held_back += len(probation)
+        probation.sort(key=lambda c: (c.estimate.failed_s_ago is not None, c.cost_s, c.peer_id))
+        return Ranked(self._chose(ordered), probation)
 
     def rerank(
         self,
@@ -228,9 +254,10 @@ class Router:
         local: LocalState,
         table: PeerTable,
         now: float,
-    ) -> tuple[list[Candidate], list[Candidate]]:
+    ) -> tuple[list[Candidate], list[Candidate], list[Candidate]]:
         """rank_estimates' _candidates for the local peer and the table's live peers, built
-        in one pass from `PeerTable.routing_rows` (already unique and ordered by id)."""
+        in one pass from `PeerTable.routing_rows` (already unique and ordered by id), and
+        the peers on probation apart."""
         policy = self.policy
         rows = table.routing_rows(chain if policy in USES_MATCHES else None, now)
         block_size = self.block_size
@@ -316,26 +343,7 @@ class Router:
                 healthy.append(candidate)
             else:
                 suspects.append(candidate)
-        if probation and trust is not None:
-            self._admit_probation(trust, probation, healthy, suspects)
-        return healthy, suspects
-
-    def _admit_probation(
-        self,
-        trust: TrustLedger,
-        probation: list[Candidate],
-        healthy: list[Candidate],
-        suspects: list[Candidate],
-    ) -> None:
-        """On its turn, the cheapest probation peer (healthy or not) joins the candidates."""
-        if not trust.probation_turn():
-            self._held_back += len(probation)
-            return
-        best = min(probation, key=lambda c: (c.estimate.failed_s_ago is not None, c.cost_s))
-        self._held_back += len(probation) - 1
-        (healthy if best.estimate.failed_s_ago is None else suspects).append(best)
-        healthy[1:] = sorted(healthy[1:], key=operator.itemgetter(0))  # local first, then by id
-        suspects.sort(key=operator.itemgetter(0))
+        return healthy, suspects, probation
 
     def record_outcome(self, peer_id: str, ok: bool, now: float) -> None:
         """What came of trying ``peer_id``: a failure ranks it after self for a while

@@ -2,7 +2,8 @@
 
 Fed by method calls (time and randomness are parameters), it decides and returns actions
 (`Promote`, `Quarantine`) that the pipeline carries out: new identities are on probation
-and every response of theirs is verified, trusted peers are verified at
+(they serve no client; copies of requests served anyway check them: peer/routing/shadow.py)
+until ``probation_requests`` answers matched, trusted peers are verified at
 `verify_fraction`, a failed verification quarantines for good, overshooting Bloom claims
 discount a peer's claims, and advertised speeds are capped at what was observed.
 docs/security.md says what each rule stops.
@@ -21,7 +22,6 @@ from typing import NamedTuple
 
 __all__ = [
     "DEFAULT_PROBATION_REQUESTS",
-    "DEFAULT_PROBATION_SHARE",
     "DEFAULT_VERIFY_FRACTION",
     "ClaimsState",
     "PeerTrust",
@@ -38,8 +38,8 @@ __all__ = [
 # Defaults and bounds, each with its reason.
 DEFAULT_VERIFY_FRACTION = 0.1  # an always-lying trusted peer is caught within 50 forwards
 #   with probability 1 - 0.9**50 = 99.5% (the target is >= 95%, which needs f >= 0.06)
-DEFAULT_PROBATION_REQUESTS = 3  # verified good responses before a new identity is trusted
-DEFAULT_PROBATION_SHARE = 4  # probation peers together get at most 1 request in 4
+DEFAULT_PROBATION_REQUESTS = 3  # matching shadow answers before a new identity is trusted:
+#   each costs it a whole generation, and an honest peer earns trust within a few requests
 OVERSHOOT_ALLOWANCE = 0.1  # honest overshoots per claim: the Bloom false-positive rate
 #   (1% by default) plus summaries gone stale by evictions since they were sent
 EXCESS_GRACE = 2.0  # unexplained overshoots tolerated before any discount
@@ -100,8 +100,8 @@ class PeerTrust(NamedTuple):
 
     state: TrustState
     reason: str
-    verified: int  # verified good responses
-    served: int  # responses delivered (verified or not)
+    verified: int  # verified good responses (shadow answers that matched included)
+    served: int  # responses delivered to clients (verified or not)
     discount: float  # the factor the router multiplies claimed matches by
     claims: ClaimsState
     claims_checked: int
@@ -136,22 +136,17 @@ class TrustLedger:
         *,
         verify_fraction: float = DEFAULT_VERIFY_FRACTION,
         probation_requests: int = DEFAULT_PROBATION_REQUESTS,
-        probation_share: int = DEFAULT_PROBATION_SHARE,
         can_verify: bool = True,
         quarantined: Iterable[QuarantineRecord] = (),
     ) -> None:
         _check_fraction("verify_fraction", verify_fraction)
         if probation_requests < 0:
             raise ValueError(f"probation_requests must be >= 0, got {probation_requests}")
-        if probation_share < 1:
-            raise ValueError(f"probation_share must be >= 1, got {probation_share}")
         self.verify_fraction = verify_fraction
         self.probation_requests = probation_requests
-        self.probation_share = probation_share
         self.can_verify = can_verify
         self._peers: dict[str, _Peer] = {}
         self._quarantined: dict[str, QuarantineRecord] = {}
-        self._since_probation_turn = probation_share  # the first request may take a turn
         self._unknown = RoutingTrust(probation_requests > 0, 1.0, 0.0, 0.0)
         self._counts: dict[str, int] = {}
         for record in quarantined:
@@ -200,18 +195,6 @@ class TrustLedger:
         cap_d = SPEED_SLACK * max(peer.decode) if peer and peer.decode else own_decode
         return min(prefill, cap_p), min(decode, cap_d)
 
-    def probation_turn(self) -> bool:
-        """Whether this request may go to a probation peer (one in probation_share).
-
-        Ask once per request that has probation candidates besides others."""
-        if self._since_probation_turn + 1 >= self.probation_share:
-            self._since_probation_turn = 0
-            self._count("probation_turns")
-            return True
-        self._since_probation_turn += 1
-        self._count("probation_held_back")
-        return False
-
     def should_verify(self, peer_id: str, rng: random.Random) -> bool:
         """Whether to verify this response of ``peer_id`` before delivering any of it."""
         if not self.can_verify:
@@ -255,11 +238,24 @@ class TrustLedger:
             return None
         peer = self._peer(peer_id)
         peer.served += 1
-        if verified:
-            peer.verified += 1
-            self._count("verified_ok")
-        passes = peer.verified if self.can_verify else peer.served
-        if not peer.trusted and passes >= self.probation_requests:
+        if not verified:
+            return None
+        peer.verified += 1
+        self._count("verified_ok")
+        return self._promote(peer_id, peer)
+
+    def record_shadow_match(self, peer_id: str) -> Promote | None:
+        """A shadow answer of ``peer_id`` (peer/routing/shadow.py) equals the answer this
+        peer delivered: a verified answer that reached no client."""
+        if peer_id in self._quarantined:
+            return None
+        peer = self._peer(peer_id)
+        peer.verified += 1
+        self._count("shadow_matched")
+        return self._promote(peer_id, peer)
+
+    def _promote(self, peer_id: str, peer: _Peer) -> Promote | None:
+        if not peer.trusted and peer.verified >= self.probation_requests:
             peer.trusted = True
             peer.routing = None
             self._count("promoted")
