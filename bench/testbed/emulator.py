@@ -15,6 +15,7 @@ Control: one JSON object per line on stdin, one answer per line on stdout.
     {"op": "set", "delay_ms": 20, "bandwidth_mbit": 20}  -> {"ok": true}
         every directed peer pair; "bandwidth_mbit": null is no cap
     {"op": "stats"} -> {"packets", "bytes", "dropped", "ignored", "queued", "cpu_s",
+                        "late_mean_ms", "late_max_ms" (delayed packets written after their time),
                         "per_link": {"0->1": {"packets", "bytes", "dropped"}, "c->0": ...}}
     anything else -> {"error": "..."}
 It exits when stdin closes. Packets are delivered by one task sleeping until the earliest
@@ -50,6 +51,8 @@ READ_BATCH = 64  # packets read per wakeup before yielding to the other devices
 CLIENT = -1  # the index of the client's device
 BACKLOG_S = 0.1  # a link queues at most 100 ms of its rate (a router's buffer) ...
 MIN_BACKLOG_BYTES = 64 * 1024  # ... and never less than 64 KiB (about 43 full packets)
+RT_PRIORITY = 10  # the wire runs before the peers: a late wakeup adds to every delay
+NICE = -10  # where real-time scheduling is refused
 EARLY_S = 0.0005  # deliver this early: the event loop's sleeps end up to 1 ms late
 
 
@@ -102,6 +105,9 @@ class Emulator:
         self._seq = 0
         self._wake = trio.Event()
         self.ignored = 0
+        self._late_sum_s = 0.0  # delivered after their time: how late, in total and at most
+        self._late_max_s = 0.0
+        self._late_count = 0
 
     def _fd_of(self, index: int) -> int:
         return self._client_fd if index == CLIENT else self._fds[index]
@@ -163,8 +169,11 @@ class Emulator:
         while True:
             now = trio.current_time()
             while self._heap and self._heap[0][0] <= now + EARLY_S:
-                _, _, dest, packet = heapq.heappop(self._heap)
+                at, _, dest, packet = heapq.heappop(self._heap)
                 self._write(dest, packet)
+                self._late_sum_s += now - at
+                self._late_max_s = max(self._late_max_s, now - at)
+                self._late_count += 1
             deadline = self._heap[0][0] - EARLY_S if self._heap else math.inf
             self._wake = trio.Event()
             with trio.move_on_at(deadline):
@@ -190,6 +199,8 @@ class Emulator:
             "ignored": self.ignored,
             "queued": len(self._heap),
             "cpu_s": time.process_time(),
+            "late_mean_ms": round(self._late_sum_s / max(self._late_count, 1) * 1e3, 3),
+            "late_max_ms": round(self._late_max_s * 1e3, 3),
             "per_link": per_link,
         }
 
@@ -230,6 +241,20 @@ async def _serve_control(emulator: Emulator, cancel: trio.CancelScope) -> None:
 def _say(obj: dict[str, Any]) -> None:
     sys.stdout.write(json.dumps(obj) + "\n")
     sys.stdout.flush()
+
+
+def _run_before_the_peers() -> str:
+    """Real-time scheduling for this (single-threaded) process, else a high priority.
+
+    Under load a timer wakeup of an ordinary process came 3.9 ms late on average (load
+    15 on 2 cores), which added 20% to a 40 ms RTT. The emulator's CPU is bounded by the
+    traffic (and the kernel caps real-time tasks at 95% of each second)."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(RT_PRIORITY))
+        return "fifo"
+    except OSError:
+        os.setpriority(os.PRIO_PROCESS, 0, NICE)
+        return "nice"
 
 
 def build_devices(tag: str, subnet: str, namespaces: Sequence[str]) -> tuple[list[int], int]:
@@ -276,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.tag or not args.namespaces:
         parser.error("--tag and at least one namespace are needed (or --selftest)")
     bandwidth = float(args.bandwidth_mbit) * 1e6
+    _run_before_the_peers()
     fds, client_fd = build_devices(args.tag, args.subnet, args.namespaces)
     emulator = Emulator(args.subnet, fds, client_fd, args.delay_ms / 1e3, bandwidth)
     peer_ips = [f"{args.subnet}.{i + 1}" for i in range(len(fds))]
