@@ -174,6 +174,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                                 **summarise(measured),
                                 "shares": list(args.shares), "model": args.model,
                                 "quick": args.quick,
+                                # the machine's 1-minute load average: other work on the box
+                                # takes CPU the quotas promise (2 cores here)
+                                "loadavg_1m": round(os.getloadavg()[0], 2),
                             }
                             pred = predict(setup, policy, delay_ms, workload, seed)
                             row["predicted_ttft_mean_s"] = pred.ttft_mean_s
