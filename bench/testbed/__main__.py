@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 import tempfile
 import time
@@ -55,6 +56,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "from the calibration)")
     p.add_argument("--calibration-json", help="also write the calibration here")
     p.add_argument("--peer-log", default=os.devnull, help="peers' stderr goes here")
+    p.add_argument("--peer-args", default="",
+                   help="more `serve` flags for every peer, for what-ifs (rows record them; "
+                   "the testbed's results are at the defaults)")
     p.add_argument("--no-isolation", action="store_true",
                    help="developers: plain peers on loopback, no namespaces, quotas or delay")
     args = p.parse_args(argv)
@@ -117,7 +121,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     started = time.monotonic()
     data = load_tokenized_mmlu()
     settings = PeerSettings(args.model, args.cache_bytes, args.summary_interval,
-                            Path(args.peer_log))
+                            Path(args.peer_log), tuple(shlex.split(args.peer_args)))
     result: dict[str, Any] = {"params": {}, "calibration": [], "rows": [], "summary": [],
                               "complete": False}
 
@@ -156,7 +160,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 "summary_interval_s": args.summary_interval,
                 "max_new_tokens": args.max_new_tokens,
                 "bandwidth_mbit": args.bandwidth_mbit, "quick": args.quick,
-                "isolated": bed.isolated, "seed": args.seed,
+                "isolated": bed.isolated, "seed": args.seed, "peer_args": args.peer_args,
                 "workload": describe(workload_at(rates[args.loads[0]])),
             }
             for delay_ms in args.delays_ms:
@@ -173,7 +177,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                                 "rate_per_s": rates[load], "run": run, "seed": seed,
                                 **summarise(measured),
                                 "shares": list(args.shares), "model": args.model,
-                                "quick": args.quick,
+                                "quick": args.quick, "peer_args": args.peer_args,
                                 # the machine's 1-minute load average: other work on the box
                                 # takes CPU the quotas promise (2 cores here)
                                 "loadavg_1m": round(os.getloadavg()[0], 2),

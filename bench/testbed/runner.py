@@ -99,6 +99,7 @@ class Swarm:
     peers: list[SwarmPeer]
     cpu_seconds: Callable[[int], float]
     shares: tuple[float, ...]
+    up_s: float = math.nan  # from the first spawn until every peer reported its address
 
 
 class Bed(Protocol):
@@ -345,6 +346,7 @@ class IsolatedBed:
     @asynccontextmanager
     async def swarm(self, policy: str) -> AsyncIterator[Swarm]:
         peers: list[ReportedPeer] = []
+        began = time.perf_counter()
         try:
             # Identities are made in advance, so peer 0's address is known and every peer
             # starts at once (a bootstrap dial retries while peer 0 comes up).
@@ -363,6 +365,7 @@ class IsolatedBed:
             peers += [p for p in started if p is not None]
             if len(peers) != len(self.shares):
                 raise PeerProcessError("a peer did not start")
+            up_s = time.perf_counter() - began
 
             async def follow() -> None:
                 while True:
@@ -381,7 +384,7 @@ class IsolatedBed:
                 # Start-up runs unconfined (it is not measured); the quotas from here on.
                 for p in peers:
                     self.groups.join(p.index, p.pid)
-                yield Swarm(list(peers), self.groups.usage_s, self.shares)
+                yield Swarm(list(peers), self.groups.usage_s, self.shares, up_s)
                 nursery.cancel_scope.cancel()
         finally:
             with trio.CancelScope(shield=True):
@@ -423,6 +426,7 @@ class RunMeasurement:
     utilization: list[float]
     gossip_delivered_fraction: float | None
     setup_s: float
+    up_s: float
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -504,7 +508,7 @@ async def run_policy(bed: Bed, policy: str, workload: Sequence[TokenRequest], mo
             views = await _views(client, swarm.peers)
         delivered = gossip_delivered(views, [p.peer_id for p in swarm.peers])
     outcomes.sort(key=lambda o: o.index)
-    return RunMeasurement(outcomes, wall, utilization, delivered, setup_s)
+    return RunMeasurement(outcomes, wall, utilization, delivered, setup_s, swarm.up_s)
 
 
 def summarise(measured: RunMeasurement) -> dict[str, Any]:
@@ -526,7 +530,8 @@ def summarise(measured: RunMeasurement) -> dict[str, Any]:
         "peer_utilization": [round(u, 4) for u in measured.utilization],
         "gossip_delivered_fraction": measured.gossip_delivered_fraction,
         "wall_s": measured.wall_s,
-        "setup_s": measured.setup_s,
+        "setup_s": measured.setup_s,  # start until every peer knows every other
+        "setup_up_s": measured.up_s,  # ... of which until every peer was up
     }
 
 
