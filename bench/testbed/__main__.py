@@ -7,6 +7,7 @@ import argparse
 import json
 import os
 import shlex
+import signal
 import sys
 import tempfile
 import time
@@ -203,6 +204,39 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+class Stopped(Exception):
+    """SIGTERM or SIGHUP arrived: everything built has been torn down."""
+
+
+async def run_until_signalled(args: argparse.Namespace) -> dict[str, Any]:
+    """main_async, cancelled (and so torn down: peers, namespaces, emulator, CPU groups)
+    on SIGTERM or SIGHUP as on Ctrl-C."""
+    result: dict[str, Any] = {}
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGHUP) as signals:
+        async with trio.open_nursery() as nursery:
+
+            async def watch() -> None:
+                async for _ in signals:
+                    nursery.cancel_scope.cancel()
+                    return
+
+            async def work() -> None:
+                result.update(await main_async(args))
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(watch)
+            nursery.start_soon(work)
+    if not result:
+        raise Stopped()
+    return result
+
+
+def _interrupted(path: str) -> None:
+    print(f"bench.testbed: interrupted; everything torn down; rows so far are in {path}",
+          file=sys.stderr)
+    sys.exit(130)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if not args.no_isolation:
@@ -213,10 +247,13 @@ def main(argv: list[str] | None = None) -> None:
             print(f"bench.testbed: {missing}", file=sys.stderr)
             sys.exit(2)
     try:
-        result = trio.run(main_async, args)
-    except KeyboardInterrupt:
-        print("bench.testbed: interrupted; rows so far are in " + args.json, file=sys.stderr)
-        sys.exit(130)
+        result = trio.run(run_until_signalled, args)
+    except (KeyboardInterrupt, Stopped):
+        _interrupted(args.json)
+    except BaseExceptionGroup as group:  # Ctrl-C inside a nursery arrives grouped
+        if group.split((KeyboardInterrupt, Stopped))[1] is not None:
+            raise
+        _interrupted(args.json)
     emit_json({"summary": result["summary"], "params": result["params"]}, None)
 
 
