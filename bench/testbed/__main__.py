@@ -4,6 +4,7 @@ next to the simulator's prediction. docs/testbed.md says what a run does and cos
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shlex
@@ -102,9 +103,11 @@ async def calibrate(bed: Bed, args: argparse.Namespace) -> tuple[SimSetup, list[
 
     async with bed.swarm("local") as swarm:
         urls = [p.http or "" for p in swarm.peers]
-        speeds = await measure_peers(urls, args.model, [f"testbed-p{i}-{s:g}core" for i, s in
-                                                         enumerate(args.shares)],
-                                     args.seed, parallel=False)
+        names = [f"testbed-p{i}-{s:g}core" for i, s in enumerate(args.shares)]
+        cpus = ([functools.partial(swarm.cpu_seconds, i) for i in range(len(urls))]
+                if bed.isolated else None)
+        speeds = await measure_peers(urls, args.model, names, args.seed, parallel=False,
+                                     cpus=cpus, shares=args.shares)
         async with httpx.AsyncClient() as client:
             view = (await client.get(f"{urls[0]}/v1/swarm", timeout=10.0)).json()
     capacity = int(view["self"]["capacity_blocks"])

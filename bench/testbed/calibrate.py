@@ -1,21 +1,24 @@
 """Each testbed peer's speed under its CPU quota, as the simulator's Calibration.
 
-A peer is measured from the client, over HTTP, as the runs measure it: time to first
-token of greedy requests with one new token, for prompts of random token ids (never in
-any cache) of a few lengths cold, then the same prompts extended so that all but the
-extension is cached; the median of `REPEATS` draws per point. A least-squares fit of the
-simulator's prefill form (bench/sim/calibration.py `Calibration.from_points`) gives
-fixed, per-token and attention costs; the fixed term holds everything a request pays
-besides its prompt (HTTP, routing at the entry, the stream, the sampler), which the
-simulator has no other place for. Decode is (end - first token) / (tokens - 1) of a
-request with DECODE_TOKENS new tokens.
+A peer is measured over HTTP with greedy requests of one new token, for prompts of random
+token ids (never in any cache) of a few lengths cold, then the same prompts extended so
+that all but the extension is cached; the median of `REPEATS` draws per point. A
+request's time is the CPU seconds its peer's CPU group used for it over the peer's share
+(the time it takes at the full quota; robust to other work on the machine, which
+stretches wall-clock times), or, without CPU groups, the client's time to first token.
+A least-squares fit of the simulator's prefill form (bench/sim/calibration.py
+`Calibration.from_points`) gives fixed, per-token and attention costs; the fixed term
+holds everything a request pays besides its prompt (HTTP, routing at the entry, the
+stream, the sampler), which the simulator has no other place for. Decode per token is
+the difference between a request with DECODE_TOKENS new tokens and one with one, over
+DECODE_TOKENS - 1 (CPU), or (end - first token) / (DECODE_TOKENS - 1) (wall clock).
 """
 
 from __future__ import annotations
 
 import random
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,13 +64,26 @@ async def _ttft(client: httpx.AsyncClient, url: str, model: str, prompt: Sequenc
     return got.first - got.start, got.end - got.start
 
 
-async def measure_peer(url: str, model: str, name: str, seed: int,
-                       block_size: int = 16) -> PeerSpeed:
-    """Measure the peer at `url` (nothing else should be sent to it meanwhile)."""
+Clock = Callable[[], float]  # seconds of some kind, read before and after a request
+
+
+async def measure_peer(url: str, model: str, name: str, seed: int, cpu: Clock | None = None,
+                       share: float = 1.0, block_size: int = 16) -> PeerSpeed:
+    """Measure the peer at `url` (nothing else should be sent to it meanwhile).
+
+    With `cpu` (the peer's CPU seconds so far, from its CPU group) a request's time is
+    the CPU it used over `share`: what it takes at the peer's full quota, whatever else
+    runs on the machine. Without, the client's wall-clock TTFT."""
     rng = random.Random(f"{seed}/calibrate/{url}")
 
     def tokens(n: int) -> list[int]:
         return [rng.randrange(*TOKEN_RANGE) for _ in range(n)]
+
+    async def timed(client: httpx.AsyncClient, prompt: list[int],
+                    max_tokens: int = 1) -> float:
+        before = cpu() if cpu else 0.0
+        ttft, _ = await _ttft(client, url, model, prompt, max_tokens)
+        return (cpu() - before) / share if cpu else ttft
 
     samples: dict[tuple[int, int], list[float]] = {}
     decodes: list[float] = []
@@ -76,17 +92,22 @@ async def measure_peer(url: str, model: str, name: str, seed: int,
         for _ in range(REPEATS):
             for length in COLD_LENGTHS:
                 prompt = tokens(length)
-                cold, _ = await _ttft(client, url, model, prompt)
-                samples.setdefault((0, length), []).append(cold)
+                samples.setdefault((0, length), []).append(await timed(client, prompt))
                 cached = length // block_size * block_size
-                warm, _ = await _ttft(client, url, model, prompt + tokens(EXTENSION_TOKENS))
+                warm = await timed(client, prompt + tokens(EXTENSION_TOKENS))
                 new = length + EXTENSION_TOKENS - cached
                 samples.setdefault((cached, new), []).append(warm)
-            first, end = await _ttft(client, url, model, tokens(32), DECODE_TOKENS)
-            decodes.append((end - first) / (DECODE_TOKENS - 1))
+            if cpu:
+                one = await timed(client, tokens(32))
+                many = await timed(client, tokens(32), DECODE_TOKENS)
+                decodes.append(max(0.0, many - one) / (DECODE_TOKENS - 1))
+            else:
+                first, end = await _ttft(client, url, model, tokens(32), DECODE_TOKENS)
+                decodes.append((end - first) / (DECODE_TOKENS - 1))
     points = tuple((k, n, statistics.median(v)) for (k, n), v in sorted(samples.items()))
-    decode = statistics.median(decodes)
-    source = f"bench.testbed.calibrate: client-side TTFT at {url}, median of {REPEATS}"
+    decode = max(statistics.median(decodes), MIN_S_PER_TOKEN)
+    how = f"CPU seconds / {share:g} core" if cpu else "client-side TTFT"
+    source = f"bench.testbed.calibrate: {how} at {url}, median of {REPEATS}"
     return PeerSpeed(points, decode, fit(points, decode, name, source))
 
 
@@ -109,13 +130,16 @@ def fit(points: Sequence[tuple[int, int, float]], decode_s_per_token: float, nam
 
 
 async def measure_peers(urls: Sequence[str], model: str, names: Sequence[str], seed: int,
-                        parallel: bool) -> list[PeerSpeed]:
-    """Every peer's speed; all at once when each has its own CPU share (`parallel`),
-    else one after another."""
+                        parallel: bool, cpus: Sequence[Clock] | None = None,
+                        shares: Sequence[float] | None = None) -> list[PeerSpeed]:
+    """Every peer's speed (by CPU seconds over share where `cpus` and `shares` are
+    given); all at once when `parallel`, else one after another."""
     out: list[PeerSpeed | None] = [None] * len(urls)
 
     async def one(i: int) -> None:
-        out[i] = await measure_peer(urls[i], model, names[i], seed)
+        cpu = cpus[i] if cpus is not None else None
+        share = shares[i] if shares is not None else 1.0
+        out[i] = await measure_peer(urls[i], model, names[i], seed, cpu, share)
 
     if parallel:
         async with trio.open_nursery() as nursery:
