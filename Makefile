@@ -37,7 +37,7 @@ run: $(STAMP)
 # each worker, the serial part and every peer process the tests start would otherwise
 # compile the project and pytest's assertion rewrites again (collection: 11.3 s against
 # 7.5 s of wall time here). __pycache__/ is ignored by git.
-SERIAL_TESTS := tests/test_swarm_membership.py tests/test_web_browser.py
+SERIAL_TESTS := tests/test_swarm_membership.py tests/test_web_browser.py tests/test_testbed_net.py
 test: $(STAMP) system-packages
 	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest -n 2 --dist worksteal -m "not serial"
 	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest -m serial $(SERIAL_TESTS)
@@ -57,7 +57,7 @@ lint: $(STAMP)
 		peer/preflight.py peer/logs.py peer/version.py peer/progress.py peer/net/reachability.py peer/net/punch.py \
 		peer/engine/scheduler.py peer/engine/api.py peer/engine/text.py peer/routing/probing.py peer/routing/decide.py \
 		peer/request/generation.py peer/api/face.py peer/swarm/local_summary.py \
-		peer/swarm/incremental_bloom.py
+		peer/swarm/incremental_bloom.py bench/testbed/link.py
 	# shells typed as strictly (pyproject's second strict override): the request path and
 	# the library entry
 	$(BIN)/mypy peer/api/http.py peer/api/responses.py peer/api/auth.py peer/request/serving.py \

@@ -1,0 +1,265 @@
+"""`python -m bench.testbed --json PATH [--quick]`: real peers on small machines, measured
+next to the simulator's prediction. docs/testbed.md says what a run does and costs."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import shlex
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from bench.report import emit_json
+from bench.stats import mean_ci95
+from bench.testbed.calibrate import measure_peers
+from bench.testbed.predict import SimSetup, predict, rate_for_utilization
+from bench.testbed.runner import Bed, PeerSettings, log, open_bed, run_policy, summarise
+from bench.testbed.workload import WorkloadSpec, describe, mixed_requests
+from bench.workloads import load_tokenized_mmlu
+
+POLICIES = ("cost", "longest_prefix", "local", "random", "least_loaded")
+DEFAULT_SHARES = (0.2, 0.3, 0.4, 0.5)
+# The loads: the arrival rate at which the simulated busiest peer under `random` is this
+# busy (bench/testbed/predict.py rate_for_utilization); rows carry the measured value.
+LOADS = {"half": 0.5, "high": 0.9}
+FULL = {"delays_ms": (0.0, 20.0, 50.0), "loads": ("half", "high"), "runs": 5, "requests": 200}
+QUICK = {"delays_ms": (20.0,), "loads": ("high",), "runs": 1, "requests": 60}
+ROW_KEYS = ("ttft_mean_s", "ttft_p99_s", "e2e_mean_s", "hit_ratio", "busiest_peer_utilization",
+            "predicted_ttft_mean_s", "forwarded_fraction")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.testbed", description=__doc__)
+    p.add_argument("--json", required=True, help="write the rows here (rewritten as they come)")
+    p.add_argument("--quick", action="store_true",
+                   help=f"one point, {QUICK['requests']} requests, one run (~3 minutes)")
+    p.add_argument("--shares", default=",".join(f"{s:g}" for s in DEFAULT_SHARES),
+                   help="CPU share of each peer (cores)")
+    p.add_argument("--policies", default=",".join(POLICIES))
+    p.add_argument("--delays-ms", help="one-way delays (default: 0,20,50; quick: 20)")
+    p.add_argument("--loads", help=f"of {sorted(LOADS)} (default: both; quick: high)")
+    p.add_argument("--runs", type=int, help="runs per point (default 5; quick 1)")
+    p.add_argument("--requests", type=int, help="per policy run (default 200; quick 60)")
+    p.add_argument("--seed", type=int, default=0, help="run r uses seed + r")
+    p.add_argument("--model", default="tiny-random")
+    p.add_argument("--cache-bytes", type=int, default=2_000_000)
+    p.add_argument("--summary-interval", type=float, default=1.0)
+    p.add_argument("--max-new-tokens", type=int, default=2)
+    p.add_argument("--bandwidth-mbit", type=float, default=20.0)
+    p.add_argument("--rates", help="arrival rates per load, e.g. half=8,high=15 (default: "
+                   "from the calibration)")
+    p.add_argument("--calibration-json", help="also write the calibration here")
+    p.add_argument("--peer-log", default=os.devnull, help="peers' stderr goes here")
+    p.add_argument("--peer-args", default="",
+                   help="more `serve` flags for every peer, for what-ifs (rows record them; "
+                   "the testbed's results are at the defaults)")
+    p.add_argument("--no-isolation", action="store_true",
+                   help="developers: plain peers on loopback, no namespaces, quotas or delay")
+    args = p.parse_args(argv)
+    plan = QUICK if args.quick else FULL
+    args.policies = [x for x in args.policies.split(",") if x]
+    args.shares = tuple(float(x) for x in args.shares.split(","))
+    args.delays_ms = (tuple(float(x) for x in args.delays_ms.split(",")) if args.delays_ms
+                      else plan["delays_ms"])
+    args.loads = tuple(args.loads.split(",")) if args.loads else plan["loads"]
+    args.runs = args.runs or plan["runs"]
+    args.requests = args.requests or plan["requests"]
+    if set(args.loads) - set(LOADS) or set(args.policies) - set(POLICIES):
+        p.error(f"loads must be of {sorted(LOADS)}, policies of {POLICIES}")
+    args.rates = ({k: float(v) for k, v in (x.split("=") for x in args.rates.split(","))}
+                  if args.rates else {})
+    return args
+
+
+def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (delay, load, policy): mean and 95% half-width over runs of each row metric."""
+    groups: dict[tuple[float, str, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["delay_ms"], r["load"], r["policy"]), []).append(r)
+    out = []
+    for (delay, load, policy), rs in groups.items():
+        entry: dict[str, Any] = {"delay_ms": delay, "load": load, "policy": policy,
+                                 "runs": len(rs)}
+        for key in ROW_KEYS:
+            vals = [float(r[key]) for r in rs if r.get(key) is not None]
+            m, half = mean_ci95(vals)
+            entry[key] = m
+            entry[f"{key}_ci95"] = half
+        out.append(entry)
+    return out
+
+
+async def calibrate(bed: Bed, args: argparse.Namespace) -> tuple[SimSetup, list[Any]]:
+    log("calibrating: a swarm of `local` peers, each measured alone")
+    import httpx
+
+    async with bed.swarm("local") as swarm:
+        urls = [p.http or "" for p in swarm.peers]
+        names = [f"testbed-p{i}-{s:g}core" for i, s in enumerate(args.shares)]
+        cpus = ([functools.partial(swarm.cpu_seconds, i) for i in range(len(urls))]
+                if bed.isolated else None)
+        speeds = await measure_peers(urls, args.model, names, args.seed, parallel=False,
+                                     cpus=cpus, shares=args.shares)
+        async with httpx.AsyncClient() as client:
+            view = (await client.get(f"{urls[0]}/v1/swarm", timeout=10.0)).json()
+    capacity = int(view["self"]["capacity_blocks"])
+    for i, s in enumerate(speeds):
+        c = s.calibration
+        log(f"peer {i} ({args.shares[i]:g} core): fixed {c.prefill_fixed_s * 1e3:.1f} ms, "
+            f"prefill {c.prefill_s_per_token * 1e3:.3f} ms/token, decode "
+            f"{c.decode_s_per_token * 1e3:.1f} ms/token; cold 512: "
+            f"{c.prefill_s(512, 0) * 1e3:.0f} ms")
+    setup = SimSetup(tuple(s.calibration for s in speeds), capacity, args.summary_interval)
+    return setup, speeds
+
+
+async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    started = time.monotonic()
+    data = load_tokenized_mmlu()
+    settings = PeerSettings(args.model, args.cache_bytes, args.summary_interval,
+                            Path(args.peer_log), tuple(shlex.split(args.peer_args)))
+    result: dict[str, Any] = {"params": {}, "calibration": [], "rows": [], "summary": [],
+                              "complete": False}
+
+    def save() -> None:
+        result["summary"] = summary(result["rows"])
+        result["params"]["elapsed_s"] = round(time.monotonic() - started, 1)
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+
+    with tempfile.TemporaryDirectory(prefix="testbed-") as workdir:
+        async with open_bed(not args.no_isolation, args.shares, settings,
+                            args.bandwidth_mbit * 1e6, Path(workdir)) as bed:
+            setup, speeds = await calibrate(bed, args)
+            result["calibration"] = [s.as_dict() for s in speeds]
+            if args.calibration_json:
+                Path(args.calibration_json).write_text(
+                    json.dumps(result["calibration"], indent=2) + "\n")
+
+            def workload_at(rate: float, seed: int = args.seed) -> list[Any]:
+                return mixed_requests(data, WorkloadSpec(args.requests, rate,
+                                                         args.max_new_tokens, seed))
+
+            rates: dict[str, float] = {}
+            for load in args.loads:
+                if load in args.rates:
+                    rates[load] = args.rates[load]
+                else:
+                    rates[load], util = rate_for_utilization(setup, LOADS[load], workload_at)
+                    log(f"load {load}: {rates[load]:.2f} requests/s (simulated busiest peer "
+                        f"under random {util:.2f} busy)")
+            result["params"] = {
+                "shares": list(args.shares), "model": args.model, "policies": args.policies,
+                "delays_ms": list(args.delays_ms), "loads": {k: LOADS[k] for k in args.loads},
+                "rates_per_s": rates, "runs": args.runs, "requests": args.requests,
+                "cache_bytes": args.cache_bytes, "capacity_blocks": setup.capacity_blocks,
+                "summary_interval_s": args.summary_interval,
+                "max_new_tokens": args.max_new_tokens,
+                "bandwidth_mbit": args.bandwidth_mbit, "quick": args.quick,
+                "isolated": bed.isolated, "seed": args.seed, "peer_args": args.peer_args,
+                "workload": describe(workload_at(rates[args.loads[0]])),
+            }
+            for delay_ms in args.delays_ms:
+                bed.set_delay(delay_ms / 1000)
+                for load in args.loads:
+                    for run in range(args.runs):
+                        seed = args.seed + run
+                        workload = workload_at(rates[load], seed)
+                        for policy in args.policies:
+                            measured = await run_policy(bed, policy, workload, args.model,
+                                                        seed)
+                            row: dict[str, Any] = {
+                                "policy": policy, "delay_ms": delay_ms, "load": load,
+                                "rate_per_s": rates[load], "run": run, "seed": seed,
+                                **summarise(measured),
+                                "shares": list(args.shares), "model": args.model,
+                                "quick": args.quick, "peer_args": args.peer_args,
+                                # the machine's 1-minute load average: other work on the box
+                                # takes CPU the quotas promise (2 cores here)
+                                "loadavg_1m": round(os.getloadavg()[0], 2),
+                            }
+                            pred = predict(setup, policy, delay_ms, workload, seed)
+                            row["predicted_ttft_mean_s"] = pred.ttft_mean_s
+                            row["predicted_busiest_peer_utilization"] = (
+                                pred.busiest_peer_utilization)
+                            row["predicted_hit_ratio"] = pred.hit_ratio
+                            result["rows"].append(row)
+                            save()
+                            log(f"d={delay_ms:g} ms {load} run {run} {policy}: ttft "
+                                f"{row['ttft_mean_s']:.3f} s (sim {pred.ttft_mean_s:.3f}) "
+                                f"hit {row['hit_ratio']:.2f} busiest "
+                                f"{row['busiest_peer_utilization']:.2f} fwd "
+                                f"{row['forwarded_fraction']:.2f} failed {row['failed']} "
+                                f"[{time.monotonic() - started:.0f} s]")
+            result["link_stats"] = bed.link_stats()
+    result["complete"] = True
+    result["params"]["machine"] = (f"{os.cpu_count()} CPUs, load average "
+                                   f"{os.getloadavg()[0]:.1f} at end")
+    save()
+    return result
+
+
+class Stopped(Exception):
+    """SIGTERM or SIGHUP arrived: everything built has been torn down."""
+
+
+async def run_until_signalled(args: argparse.Namespace) -> dict[str, Any]:
+    """main_async, cancelled (and so torn down: peers, namespaces, emulator, CPU groups)
+    on SIGTERM or SIGHUP as on Ctrl-C."""
+    result: dict[str, Any] = {}
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGHUP) as signals:
+        async with trio.open_nursery() as nursery:
+
+            async def watch() -> None:
+                async for _ in signals:
+                    nursery.cancel_scope.cancel()
+                    return
+
+            async def work() -> None:
+                result.update(await main_async(args))
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(watch)
+            nursery.start_soon(work)
+    if not result:
+        raise Stopped()
+    return result
+
+
+def _interrupted(path: str) -> None:
+    print(f"bench.testbed: interrupted; everything torn down; rows so far are in {path}",
+          file=sys.stderr)
+    sys.exit(130)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if not args.no_isolation:
+        from bench.testbed.net import check_support
+
+        missing = check_support()
+        if missing:
+            print(f"bench.testbed: {missing}", file=sys.stderr)
+            sys.exit(2)
+    try:
+        result = trio.run(run_until_signalled, args)
+    except (KeyboardInterrupt, Stopped):
+        _interrupted(args.json)
+    except BaseExceptionGroup as group:  # Ctrl-C inside a nursery arrives grouped
+        if group.split((KeyboardInterrupt, Stopped))[1] is not None:
+            raise
+        _interrupted(args.json)
+    emit_json({"summary": result["summary"], "params": result["params"]}, None)
+
+
+if __name__ == "__main__":
+    main()
+

@@ -1,0 +1,151 @@
+"""Each testbed peer's speed under its CPU quota, as the simulator's Calibration.
+
+A peer is measured over HTTP with greedy requests of one new token, for prompts of random
+token ids (never in any cache) of a few lengths cold, then the same prompts extended so
+that all but the extension is cached; the median of `REPEATS` draws per point. A
+request's time is the CPU seconds its peer's CPU group used for it over the peer's share
+(the time it takes at the full quota; robust to other work on the machine, which
+stretches wall-clock times), or, without CPU groups, the client's time to first token.
+A least-squares fit of the simulator's prefill form (bench/sim/calibration.py
+`Calibration.from_points`) gives fixed, per-token and attention costs; the fixed term
+holds everything a request pays besides its prompt (HTTP, routing at the entry, the
+stream, the sampler), which the simulator has no other place for. Decode per token is
+the difference between a request with DECODE_TOKENS new tokens and one with one, over
+DECODE_TOKENS - 1 (CPU), or (end - first token) / (DECODE_TOKENS - 1) (wall clock).
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import trio
+
+from bench.sim.calibration import Calibration
+from bench.swarm import stream_completion
+
+COLD_LENGTHS = (32, 512, 1024)  # prompt tokens of the cold points
+EXTENSION_TOKENS = 96  # new tokens after a cached prompt (the warm points)
+DECODE_TOKENS = 12
+REPEATS = 3
+TOKEN_RANGE = (1000, 40000)  # ids well inside the SmolLM2 vocabulary, no special tokens
+TIMEOUT_S = 60.0
+MIN_S_PER_TOKEN = 1e-6  # a floor where noise hides the per-token cost
+
+
+@dataclass(frozen=True)
+class PeerSpeed:
+    """One peer's measured points and the calibration fitted to them."""
+
+    points: tuple[tuple[int, int, float], ...]  # (cached tokens, new tokens, TTFT s)
+    decode_s_per_token: float
+    calibration: Calibration
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "points": [list(p) for p in self.points],
+            "decode_s_per_token": self.decode_s_per_token,
+            "calibration": self.calibration.as_dict(),
+        }
+
+
+async def _ttft(client: httpx.AsyncClient, url: str, model: str, prompt: Sequence[int],
+                max_tokens: int = 1) -> tuple[float, float]:
+    """(TTFT, end to end) of one greedy streamed request; RuntimeError on failure."""
+    body = {"model": model, "prompt": list(prompt), "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    got = await stream_completion(client, url, body, TIMEOUT_S)
+    if got.error or got.first is None:
+        raise RuntimeError(f"calibration request to {url} failed: {got.error}")
+    return got.first - got.start, got.end - got.start
+
+
+Clock = Callable[[], float]  # seconds of some kind, read before and after a request
+
+
+async def measure_peer(url: str, model: str, name: str, seed: int, cpu: Clock | None = None,
+                       share: float = 1.0, block_size: int = 16) -> PeerSpeed:
+    """Measure the peer at `url` (nothing else should be sent to it meanwhile).
+
+    With `cpu` (the peer's CPU seconds so far, from its CPU group) a request's time is
+    the CPU it used over `share`: what it takes at the peer's full quota, whatever else
+    runs on the machine. Without, the client's wall-clock TTFT."""
+    rng = random.Random(f"{seed}/calibrate/{url}")
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(*TOKEN_RANGE) for _ in range(n)]
+
+    async def timed(client: httpx.AsyncClient, prompt: list[int],
+                    max_tokens: int = 1) -> float:
+        before = cpu() if cpu else 0.0
+        ttft, _ = await _ttft(client, url, model, prompt, max_tokens)
+        return (cpu() - before) / share if cpu else ttft
+
+    samples: dict[tuple[int, int], list[float]] = {}
+    decodes: list[float] = []
+    async with httpx.AsyncClient(timeout=TIMEOUT_S) as client:
+        await _ttft(client, url, model, tokens(16))  # first request: lazy set-up
+        for _ in range(REPEATS):
+            for length in COLD_LENGTHS:
+                prompt = tokens(length)
+                samples.setdefault((0, length), []).append(await timed(client, prompt))
+                cached = length // block_size * block_size
+                warm = await timed(client, prompt + tokens(EXTENSION_TOKENS))
+                new = length + EXTENSION_TOKENS - cached
+                samples.setdefault((cached, new), []).append(warm)
+            if cpu:
+                one = await timed(client, tokens(32))
+                many = await timed(client, tokens(32), DECODE_TOKENS)
+                decodes.append(max(0.0, many - one) / (DECODE_TOKENS - 1))
+            else:
+                first, end = await _ttft(client, url, model, tokens(32), DECODE_TOKENS)
+                decodes.append((end - first) / (DECODE_TOKENS - 1))
+    points = tuple((k, n, statistics.median(v)) for (k, n), v in sorted(samples.items()))
+    decode = max(statistics.median(decodes), MIN_S_PER_TOKEN)
+    how = f"CPU seconds / {share:g} core" if cpu else "client-side TTFT"
+    source = f"bench.testbed.calibrate: {how} at {url}, median of {REPEATS}"
+    return PeerSpeed(points, decode, fit(points, decode, name, source))
+
+
+def fit(points: Sequence[tuple[int, int, float]], decode_s_per_token: float, name: str,
+        source: str) -> Calibration:
+    """The simulator's three-term fit; where noise makes a term negative (a tiny model's
+    attention term is within the noise), the two-term fit fixed + per_token * new."""
+    try:
+        return Calibration.from_points(list(points), decode_s_per_token, name, source)
+    except ValueError:
+        pass
+    xs = [float(n) for _, n, _ in points]
+    ys = [t for _, _, t in points]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var if var else 0.0
+    slope = max(slope, MIN_S_PER_TOKEN)
+    fixed = max(0.0, my - slope * mx)
+    return Calibration(name, fixed, slope, 0.0, decode_s_per_token, source + " (two-term fit)")
+
+
+async def measure_peers(urls: Sequence[str], model: str, names: Sequence[str], seed: int,
+                        parallel: bool, cpus: Sequence[Clock] | None = None,
+                        shares: Sequence[float] | None = None) -> list[PeerSpeed]:
+    """Every peer's speed (by CPU seconds over share where `cpus` and `shares` are
+    given); all at once when `parallel`, else one after another."""
+    out: list[PeerSpeed | None] = [None] * len(urls)
+
+    async def one(i: int) -> None:
+        cpu = cpus[i] if cpus is not None else None
+        share = shares[i] if shares is not None else 1.0
+        out[i] = await measure_peer(urls[i], model, names[i], seed, cpu, share)
+
+    if parallel:
+        async with trio.open_nursery() as nursery:
+            for i in range(len(urls)):
+                nursery.start_soon(one, i)
+    else:
+        for i in range(len(urls)):
+            await one(i)
+    return [s for s in out if s is not None]

@@ -1,0 +1,75 @@
+"""The simulator's prediction of a testbed run, and the arrival rates of the loads.
+
+The same workload (the very TokenRequest list the client sends), the same peers (one
+measured Calibration each, bench/testbed/calibrate.py, as SimParams.peer_calibrations),
+their cache capacity, summary interval, delay and policy; no warm-up is left out, as the
+testbed measures every request of a cold swarm. `rate_for_utilization` picks an arrival
+rate at which the simulated busiest peer under `random` (which spreads work evenly over
+unequal peers) reaches a target utilisation: the testbed's loads are named by it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from bench.sim.calibration import Calibration
+from bench.sim.model import Simulator
+from bench.sim.params import SimParams
+from bench.workloads import TokenRequest
+
+SIM_JITTER = 0.0  # the emulator's links have a fixed delay
+
+
+@dataclass(frozen=True)
+class SimSetup:
+    """The swarm the simulator is given (everything but policy, delay and workload)."""
+
+    calibrations: tuple[Calibration, ...]
+    capacity_blocks: int
+    summary_interval_s: float
+    block_size: int = 16
+
+    def params(self, policy: str, delay_ms: float, seed: int) -> SimParams:
+        return SimParams(
+            policy=policy, peers=len(self.calibrations), delay_ms=delay_ms, jitter=SIM_JITTER,
+            summary_interval_s=self.summary_interval_s, capacity_blocks=self.capacity_blocks,
+            block_size=self.block_size, warmup_fraction=0.0, seed=seed,
+            calibration=self.calibrations[0], peer_calibrations=self.calibrations,
+        )
+
+
+@dataclass(frozen=True)
+class Prediction:
+    ttft_mean_s: float
+    busiest_peer_utilization: float
+    hit_ratio: float
+    forwarded_fraction: float
+
+
+def predict(setup: SimSetup, policy: str, delay_ms: float, workload: Sequence[TokenRequest],
+            seed: int) -> Prediction:
+    """One simulated run of `workload`."""
+    sim = Simulator(setup.params(policy, delay_ms, seed), workload)
+    result = sim.run()
+    duration = max(result.metrics["duration_s"], 1e-9)
+    busiest = max(p.busy_s for p in sim.peers) / duration
+    return Prediction(result.metrics["ttft_mean_s"], busiest, result.metrics["hit_ratio"],
+                      result.metrics["forwarded_fraction"])
+
+
+def rate_for_utilization(
+    setup: SimSetup, target: float, make_workload: Callable[[float], list[TokenRequest]],
+    lo: float = 0.5, hi: float = 200.0, steps: int = 12, policy: str = "random",
+) -> tuple[float, float]:
+    """(rate, simulated busiest utilisation) nearest `target` by bisection on the rate."""
+    best = (lo, 0.0)
+    for _ in range(steps):
+        rate = (lo * hi) ** 0.5
+        util = predict(setup, policy, 0.0, make_workload(rate), seed=0).busiest_peer_utilization
+        best = (rate, util)
+        if util < target:
+            lo = rate
+        else:
+            hi = rate
+    return best

@@ -1,0 +1,124 @@
+"""bench.testbed: the quick run on real isolated peers (root and a capable kernel only),
+and the pieces that need no machine: the workload mix, the gossip delivered fraction, the
+calibration fit, the per-point summary and the one-line refusal."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.testbed import __main__ as cli
+from bench.testbed.calibrate import fit
+from bench.testbed.runner import gossip_delivered
+from bench.testbed.workload import GROUP_STRIDE, WorkloadSpec, mixed_requests
+from bench.workloads import tokenize_mmlu
+from peer.demo_data import MmluQuestion
+
+ROW_KEYS = {"policy", "delay_ms", "load", "run", "seed", "requests", "ttft_mean_s", "ttft_p99_s",
+            "e2e_mean_s", "hit_ratio", "busiest_peer_utilization", "predicted_ttft_mean_s",
+            "forwarded_fraction", "failed", "gossip_delivered_fraction", "shares", "model"}
+
+
+def _data():  # type: ignore[no-untyped-def]
+    questions = [
+        MmluQuestion(f"topic {s}", f"What is {s} + {i}?",
+                     (str(s + i), str(s + i + 1), "no", "all of the above"), "A")
+        for s in range(6) for i in range(12)
+    ]
+    return tokenize_mmlu(lambda texts: [[ord(c) for c in t] for t in texts], "chars",
+                         questions)
+
+
+def test_the_mix_is_sorted_capped_and_keeps_streams_apart() -> None:
+    spec = WorkloadSpec(requests=120, rate_per_s=20.0, max_new_tokens=2, seed=3)
+    requests = mixed_requests(_data(), spec)
+    assert len(requests) == 120
+    arrivals = [r.arrival_s for r in requests]
+    assert arrivals == sorted(arrivals)
+    assert all(1 <= r.max_new_tokens <= 2 for r in requests)
+    streams = {r.prefix_key // GROUP_STRIDE for r in requests}
+    assert streams == {0, 1, 2}  # MMLU, chat and agent requests all present
+    # one prefix key, one prefix: the simulator hashes a shared prefix once per key
+    by_key: dict[int, tuple[int, ...]] = {}
+    for r in requests:
+        assert by_key.setdefault(r.prefix_key, r.prefix) == r.prefix
+    assert mixed_requests(_data(), spec) == requests  # seeded
+
+
+def test_gossip_delivered_fraction() -> None:
+    ids = ["a", "b", "c"]
+    views = [
+        {"gossip_counts": {"published": 10, "accepted": {"b": 10, "c": 5}}},
+        {"gossip_counts": {"published": 10, "accepted": {"a": 10, "c": 10}}},
+        {"gossip_counts": {"published": 10, "accepted": {"a": 10, "b": 10, "c": 99}}},
+    ]
+    # 55 of 30 x 2 = 60 delivered; a peer's count of its own summaries is not a delivery
+    assert gossip_delivered(views, ids) == pytest.approx(55 / 60)
+    assert gossip_delivered([*views[:2], {"peers": []}], ids) is None
+    assert gossip_delivered([*views[:2], None], ids) is None
+
+
+def test_fit_recovers_a_calibration_and_falls_back_when_noise_wins() -> None:
+    points = [(0, n, 0.05 + 1e-4 * n) for n in (32, 512, 1024)]
+    points += [(k, 96, 0.05 + 1e-4 * 96) for k in (32, 512, 1024)]
+    cal = fit(points, 0.02, "p", "test")
+    assert cal.prefill_fixed_s == pytest.approx(0.05, abs=2e-3)
+    assert cal.prefill_s_per_token == pytest.approx(1e-4, rel=0.05)
+    # a negative attention or per-token term from noise: the two-term fit, still positive
+    noisy = [(0, 32, 0.20), (0, 512, 0.21), (0, 1024, 0.19), (512, 96, 0.25)]
+    cal = fit(noisy, 0.02, "p", "test")
+    assert cal.prefill_s_per_token > 0 and cal.prefill_s_per_token_ctx == 0.0
+
+
+def test_summary_gives_a_mean_and_interval_per_point_and_policy() -> None:
+    rows = [{"delay_ms": 0.0, "load": "high", "policy": "cost", "ttft_mean_s": t,
+             "predicted_ttft_mean_s": None} for t in (1.0, 1.2, 1.1)]
+    rows.append({"delay_ms": 0.0, "load": "high", "policy": "local", "ttft_mean_s": 2.0})
+    out = {(s["policy"]): s for s in cli.summary(rows)}
+    assert out["cost"]["runs"] == 3
+    assert out["cost"]["ttft_mean_s"] == pytest.approx(1.1)
+    assert 0 < out["cost"]["ttft_mean_s_ci95"] < 0.5
+    assert math.isnan(out["local"]["ttft_mean_s_ci95"])  # one run: no interval
+
+
+def test_an_unsupported_machine_gets_one_line_and_exit_2(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import bench.testbed.net as net
+
+    monkeypatch.setattr(net, "check_support", lambda: "no cgroup cpu controller")
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--json", "/nonexistent/x.json", "--quick"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == ["bench.testbed: no cgroup cpu controller"]
+
+
+def _unsupported() -> str | None:
+    from bench.testbed.net import check_support
+
+    return check_support()
+
+
+@pytest.mark.skipif(_unsupported() is not None, reason=f"testbed: {_unsupported()}")
+def test_quick_run_on_isolated_peers(tmp_path: Path) -> None:
+    out = tmp_path / "quick.json"
+    done = subprocess.run([sys.executable, "-m", "bench.testbed", "--quick", "--json", str(out)],
+                          capture_output=True, text=True, timeout=360, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["complete"] and result["params"]["isolated"] and result["params"]["quick"]
+    rows = result["rows"]
+    assert sorted(r["policy"] for r in rows) == sorted(cli.POLICIES)
+    for row in rows:
+        assert row.keys() >= ROW_KEYS
+        assert row["quick"] and row["requests"] == cli.QUICK["requests"]
+        assert row["failed"] <= row["requests"] // 10
+        assert 0 < row["ttft_mean_s"] <= row["e2e_mean_s"]
+        assert 0 < row["busiest_peer_utilization"] <= 1.2  # a quota is a ceiling
+        assert row["predicted_ttft_mean_s"] > 0
+    assert len(result["summary"]) == len(cli.POLICIES)
