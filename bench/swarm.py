@@ -1,7 +1,7 @@
 """The real thing: N peer processes on loopback, the MMLU workload over HTTP, per policy.
 
     python -m bench.swarm --json PATH [--peers 4] [--model tiny-random] [--requests 160]
-        [--rate 4] [--zipf 1.0] [--subjects 40] [--cache-bytes 1000000] [--delay-ms 0]
+        [--rate 4] [--zipf 1.0] [--subjects 40] [--cache-bytes 1000000]
         [--policies local,random,least_loaded,longest_prefix,cost]
 
 For each policy a fresh swarm starts (cold caches), every peer waits until it knows
@@ -10,8 +10,8 @@ popularity, a random entry peer per request, prompts as token ids (the SmolLM2
 tokenizer, which tiny-random shares), greedy decoding, streamed over server-sent events.
 Time to first token is measured by this client (send to first text chunk), so it
 includes HTTP, routing, forwarding and queueing. The hit ratio is cached over prompt
-tokens, from each response's usage. `--delay-ms` adds a one-way delay to every forward
-(each peer's `--forward-delay`), emulating a wide-area network.
+tokens, from each response's usage. Peers share this machine's cores and loopback; for
+peers on their own CPU shares behind emulated wide-area links, see bench.testbed.
 """
 
 from __future__ import annotations
@@ -76,8 +76,6 @@ async def _spawn(
         "--report", "json", "--exit-with-stdin", "--log-level", args.peer_log_level,
         *shlex.split(args.peer_args),
     ]
-    if args.delay_ms:
-        cmd += ["--forward-delay", str(args.delay_ms / 1000)]
     if bootstrap:
         cmd += ["--bootstrap", *bootstrap]
     peer = await procs.start(
@@ -297,7 +295,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             "peers": args.peers, "model": args.model, "requests": args.requests,
             "rate_per_s": args.rate, "zipf_s": args.zipf, "subjects": args.subjects,
             "max_new_tokens": args.max_new_tokens, "cache_bytes": args.cache_bytes,
-            "delay_ms": args.delay_ms, "summary_interval_s": args.summary_interval,
+            "summary_interval_s": args.summary_interval,
             "seed": args.seed, "prompt_tokens_mean": statistics.fmean(prompt_tokens),
             "requests_sent": len(workload), "left_out_over_context": left_out,
             "context_tokens": context,
@@ -314,7 +312,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="tiny-random", help="or smollm2-135m")
     p.add_argument("--policies", default=",".join(POLICIES))
     add_workload_arguments(p)
-    p.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay per forward")
     p.add_argument("--summary-interval", type=float, default=1.0)
     p.add_argument("--peer-log", default=os.devnull, help="peers' stderr goes here")
     p.add_argument("--outcomes", help="append every request's outcome here (JSON lines)")

@@ -110,7 +110,6 @@ class PeerConfig:
     # stream (negotiation round trip, request) and d for its first token (the reply), as
     # on a WAN; pings count 2d (node.py), so the router sees that round trip. Load probes
     # and root lookups are not delayed.
-    forward_delay_s: float = 0.0
     verify_fraction: float = DEFAULT_VERIFY_FRACTION
     probation_requests: int = DEFAULT_PROBATION_REQUESTS  # 0: no probation
     probation_share: int = DEFAULT_PROBATION_SHARE
@@ -202,8 +201,6 @@ class PeerConfig:
             raise ValueError("revision must not be empty")
         if not all(self.served_model_names):
             raise ValueError("served_model_names must not hold an empty name")
-        if self.forward_delay_s < 0:
-            raise ValueError(f"forward_delay_s must be >= 0, got {self.forward_delay_s}")
         if not 0.0 <= self.verify_fraction <= 1.0:
             raise ValueError(f"verify_fraction must be in [0, 1], got {self.verify_fraction}")
         if self.probation_requests < 0 or self.probation_share < 1:

@@ -313,11 +313,7 @@ async def open_peer(config: PeerConfig, engine: EngineView | None = None) -> Asy
             config.bootstrap,
             liveness_interval_s=max(LIVENESS_INTERVAL_MIN_S, config.summary_interval_s),
             rng=random.Random(),
-            # the benchmark hook's emulated WAN delay applies to pings as to forwards,
-            # so the router sees the round trips it would see on such a network
-            on_rtt=lambda peer, rtt: _note_peer(
-                table, host, peer, rtt + 2 * config.forward_delay_s
-            ),
+            on_rtt=lambda peer, rtt: _note_peer(table, host, peer, rtt),
             on_forget=table.remove,
             members=lambda: [view.peer_id for view in table.views(trio.current_time())],
         )

@@ -82,7 +82,6 @@ FIELD_HELP = {
     "request_timeout_s": "end-to-end deadline when the client gives none",
     "bootstrap_timeout_s": "seconds to reach a bootstrap peer before giving up (0: forever)",
     "served_model_names": "extra names the HTTP API accepts for the model",
-    "forward_delay_s": "benchmarks: add S seconds one-way delay to every forward (WAN)",
     "verify_fraction": "share of forwarded responses verified before delivery",
     "probation_requests": "matching shadow answers before a new peer is trusted (0: none)",
     "quarantine_file": "quarantined peers (none: quarantine.json next to the identity)",
@@ -125,7 +124,7 @@ TUNING_SETTINGS = frozenset({
     "block_size", "summary_interval_s", "bloom_fp_rate", "gossip_mode", "gossip_neighbours",
     "policy", "max_queue", "max_inbound_per_peer", "forward_first_token_s",
     "forward_token_gap_s", "request_timeout_s", "bootstrap_timeout_s", "served_model_names",
-    "forward_delay_s", "verify_fraction", "probation_requests", "probation_share",
+    "verify_fraction", "probation_requests", "probation_share",
     "quarantine_file", "first_token_multiple", "first_token_floor_s", "hedge_multiple",
     "hedge_floor_s", "load_probes", "load_probe_wait_s", "lookup_wait_s",
 })  # fmt: skip

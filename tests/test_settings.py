@@ -160,7 +160,7 @@ VOLUNTEER_FLAGS = (
     "--config", "--mdns", "--upnp", "--relays", "--print-config", "--help-all",
 )  # fmt: skip
 KNOB_FLAGS = (
-    "--forward-delay", "--block-size", "--hedge-multiple", "--hedge-floor",
+    "--block-size", "--hedge-multiple", "--hedge-floor",
     "--first-token-multiple", "--first-token-floor", "--load-probes", "--load-probe-wait",
     "--bloom-fp-rate", "--max-queue", "--max-inbound-per-peer", "--probation-requests",
     "--probation-share", "--summary-interval", "--policy", "--gossip-mode", "--report",
@@ -181,11 +181,11 @@ def test_serve_help_shows_a_volunteers_flags_and_help_all_the_knobs(capsys, monk
     # hidden, not gone: the same flags, variables and file keys set the same settings
     monkeypatch.setenv("PREFIXSWARM_HEDGE_FLOOR_S", "0.3")
     args = cli.build_parser().parse_args([
-        "serve", "--config", "none", "--forward-delay", "0.02", "--block-size", "32",
+        "serve", "--config", "none", "--summary-interval", "0.5", "--block-size", "32",
         "--hedge-multiple", "3", "--load-probes", "1", "--report", "json", "--exit-with-stdin",
     ])  # fmt: skip
     config = cli.config_from_args(args)
-    assert (config.forward_delay_s, config.block_size, config.hedge_multiple) == (0.02, 32, 3.0)
+    assert (config.summary_interval_s, config.block_size, config.hedge_multiple) == (0.5, 32, 3.0)
     assert (config.load_probes, config.hedge_floor_s) == (1, 0.3)
     assert args.report == "json" and args.exit_with_stdin
 

@@ -173,7 +173,6 @@ class RemoteAttempt:
         vocab_size: int,
         gap_s: float,
         deadline: float = float("inf"),
-        delay_s: float = 0.0,
     ) -> None:
         try:
             self._request = infer_request(
@@ -187,7 +186,6 @@ class RemoteAttempt:
         self._vocab_size = vocab_size
         self._gap_s = gap_s
         self._deadline = deadline  # the request's end-to-end deadline
-        self._delay_s = delay_s  # test/bench hook: emulated one-way WAN delay
         self._frames: FrameStream | None = None
         self._charge: ForwardCharge | None = None
         self._got_first = False
@@ -206,8 +204,6 @@ class RemoteAttempt:
             self.peer_id, len(self._request.prompt_token_ids), now
         )
         with self._errors():
-            if self._delay_s:  # on a WAN: the stream's negotiation (a round trip) and the
-                await trio.sleep(3 * self._delay_s)  # request's one-way trip
             stream = await self._host.new_stream(
                 ID.from_base58(self.peer_id), [INFER_PROTOCOL], timeout_s=STREAM_OPEN_TIMEOUT_S
             )
@@ -222,8 +218,6 @@ class RemoteAttempt:
                     raise Faulty("finished without sending a token")
                 else:
                     raise _remote_error(message)
-            if self._delay_s:
-                await trio.sleep(self._delay_s)  # the reply's trip
             self.first_at = self.last_at = trio.current_time()
             self._got_first = True
             if self._charge is not None:

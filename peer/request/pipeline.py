@@ -281,5 +281,4 @@ class Pipeline:
             vocab_size=self._engine.vocab_size,
             gap_s=self._config.forward_token_gap_s,
             deadline=deadline,
-            delay_s=self._config.forward_delay_s,
         )
