@@ -9,6 +9,7 @@ The last test runs real hosts on loopback.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import AsyncExitStack
 
@@ -85,6 +86,16 @@ async def test_a_prune_we_send_backs_us_off_that_peer(router: GossipSub) -> None
     assert router._check_back_off(peer, TOPIC)
     graft, _prune = router.mesh_heartbeat()
     assert peer not in graft
+
+
+def test_expired_back_offs_are_forgotten_even_for_topics_no_longer_heard(
+    router: GossipSub,
+) -> None:
+    (peer,) = _peers(1)
+    router.back_off["/a/topic/we/left"] = {peer: int(time.time()) - 1}  # expired
+    router._add_back_off(peer, TOPIC, False)
+    router.mesh_heartbeat()
+    assert list(router.back_off) == [TOPIC] and router._check_back_off(peer, TOPIC)
 
 
 def test_a_mesh_at_its_degree_grafts_no_more_peers(router: GossipSub) -> None:

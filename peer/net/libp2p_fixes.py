@@ -354,8 +354,21 @@ def _back_off_after_our_prune(router: GossipSub, peer: ID, topic: str, unsubscri
     router._add_back_off(peer, topic, unsubscribing, back_off + PRUNE_BACKOFF_SLACK_S)
 
 
+def _forget_expired_back_offs(router: GossipSub) -> None:
+    """py-libp2p deletes a back-off only when it checks that very (topic, peer): entries
+    for topics no longer heard (ring mode) would pile up."""
+    now = int(time.time())  # py-libp2p's back-off clock, whole seconds
+    for topic in list(router.back_off):
+        peers = router.back_off[topic]
+        for peer in [p for p, until in peers.items() if until <= now]:
+            del peers[peer]
+        if not peers:
+            del router.back_off[topic]
+
+
 def _backing_off_pruned(mesh_heartbeat: Any) -> Any:
     def heartbeat(self: GossipSub) -> Any:
+        _forget_expired_back_offs(self)
         to_graft, to_prune = mesh_heartbeat(self)
         for peer, topics in to_prune.items():
             for topic in topics:
