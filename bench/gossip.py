@@ -1,14 +1,17 @@
 """Gossip cost and propagation delay with one peer per OS process.
 
     python -m bench.gossip --json PATH [--peers 8] [--duration 60] [--interval 2]
-        [--gossip-modes full,ring] [--neighbours 8] [--model tiny-random --serve-rps 2]
+        [--gossip-modes full,ring] [--runs 1] [--neighbours 8]
+        [--model tiny-random --serve-rps 2]
 
 Swarms of `--peers` runner processes (peer.node_runner: cache-only engines with churning
 content, or with `--model` a real model under a steady load), one after the other: a
-baseline with publishing off, then one run per gossip mode. Per peer: the CPU and bytes
-that gossip costs (run minus baseline) and the delay from publish to acceptance (each
-key is defined in `bench()`). CPU shares mean something only on a quiet machine: the
-JSON records the load average of every run.
+baseline with publishing off, then `--runs` runs per gossip mode, each a fresh swarm.
+Every run reports the fraction of (summary, receiver) pairs delivered and the p99
+propagation delay in summary intervals; `delivery` gathers them per mode, run by run.
+Per peer: the CPU and bytes that gossip costs (run minus baseline) and the delay from
+publish to acceptance (each key is defined in `bench()`). CPU shares mean something only
+on a quiet machine: the JSON records the load average of every run.
 """
 
 from __future__ import annotations
@@ -170,22 +173,40 @@ async def _run_swarm(
     return procs, start, end
 
 
+WORST_PAIRS = 5  # (receiver, sender) pairs with the most missed summaries, per run
+
+
 def _propagation(
     procs: list[PeerProcess], start: float, end: float, audience: dict[str, set[str]]
-) -> dict[str, float]:
-    """Delays from publish to acceptance over (summary, receiver in its audience) pairs."""
+) -> dict[str, Any]:
+    """Delays from publish to acceptance over (summary, receiver in its audience) pairs,
+    and the receiver/sender pairs that missed summaries."""
     published: dict[tuple[str, int], float] = {}
     for p in procs:
         for ev in p.events:
             if ev["event"] == "published" and start <= ev["t"] <= end:
                 published[(p.peer_id, ev["seq"])] = ev["t"]
     delays: list[float] = []
+    received: dict[tuple[str, str], int] = {}  # (receiver, sender) -> summaries delivered
     for p in procs:
         for ev in p.events:
             if ev["event"] == "accepted" and p.peer_id in audience.get(ev["sender"], ()):
                 sent = published.get((ev["sender"], ev["seq"]))
                 if sent is not None:
                     delays.append(ev["t"] - sent)
+                    pair = (p.peer_id, ev["sender"])
+                    received[pair] = received.get(pair, 0) + 1
+    sent_by: dict[str, int] = {}
+    for sender, _seq in published:
+        sent_by[sender] = sent_by.get(sender, 0) + 1
+    missed = sorted(
+        (
+            (sent_by[sender] - received.get((receiver, sender), 0), receiver, sender)
+            for sender in sent_by
+            for receiver in audience[sender]
+        ),
+        reverse=True,
+    )
     expected = sum(len(audience[sender]) for sender, _ in published)
     return {
         "summaries": float(len(published)),
@@ -193,6 +214,12 @@ def _propagation(
         "p50_s": percentile(delays, 0.50),
         "p99_s": percentile(delays, 0.99),
         "max_s": max(delays, default=float("nan")),
+        "pairs_missing": sum(1 for n, _r, _s in missed if n > 0),
+        "worst_pairs": [
+            {"receiver": r, "sender": s, "missed": n, "published": sent_by[s]}
+            for n, r, s in missed[:WORST_PAIRS]
+            if n > 0
+        ],
     }
 
 
@@ -260,7 +287,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         base = [_rates(p, b0, b1) for p in base_procs]
         base_cpu = statistics.mean(r["cpu_share"] for r in base)
         base_wire = statistics.mean(r["wire_bytes_per_s"] for r in base)
-        for mode in modes:
+        for mode, run in [(m, i) for m in modes for i in range(args.runs)]:
             machine = [_machine()]
             procs, g0, g1 = await _run_swarm(
                 args, workdir, publish=True, measure_s=args.duration, mode=mode,
@@ -270,8 +297,15 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             rates = [_rates(p, g0, g1) for p in procs]
             prop = _propagation(procs, g0, g1, _audience(procs, mode, args.neighbours))
             cpu = [r["cpu_share"] - base_cpu for r in rates]
+            print(
+                f"{mode} run {run + 1}/{args.runs}: delivered "
+                f"{prop['delivered_fraction']:.4f}, p99 "
+                f"{prop['p99_s'] / args.interval:.2f} intervals, load {os.getloadavg()[0]:.1f}",
+                file=sys.stderr,
+            )
             runs.append({
                 "gossip_mode": mode,
+                "run": run,
                 "peers": args.peers,
                 "neighbours": args.neighbours if mode == GossipMode.RING.value else None,
                 "duration_s": args.duration,
@@ -291,6 +325,8 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                 "propagation_p99_intervals": prop["p99_s"] / args.interval,
                 "propagation_max_s": prop["max_s"],
                 "delivered_fraction": prop["delivered_fraction"],
+                "pairs_missing": prop["pairs_missing"],
+                "worst_pairs": prop["worst_pairs"],
                 "summaries_published": prop["summaries"],
                 "cpu_share_per_peer_max": max(cpu),
                 "handler_cpu_share_per_peer": statistics.mean(
@@ -309,6 +345,18 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             })  # fmt: skip
     return {
         "peers": args.peers,
+        "delivery": {
+            mode: {
+                "delivered_fraction": [r["delivered_fraction"] for r in by_mode],
+                "propagation_p99_intervals": [r["propagation_p99_intervals"] for r in by_mode],
+                "delivered_fraction_min": min(r["delivered_fraction"] for r in by_mode),
+                "propagation_p99_intervals_max": max(
+                    r["propagation_p99_intervals"] for r in by_mode
+                ),
+            }
+            for mode in modes
+            for by_mode in [[r for r in runs if r["gossip_mode"] == mode]]
+        },
         "runs": runs,
         "settings": {
             "fill_blocks": args.fill_blocks,
@@ -317,6 +365,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             "model": args.model,
             "serve_rps": args.serve_rps,
             "neighbours": args.neighbours,
+            "runs": args.runs,
         },
         "machine": {
             "cpus": os.cpu_count(),
@@ -344,6 +393,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="s to wait for full tables before measuring anyway")
     parser.add_argument("--gossip-modes", default="full,ring",
                         help="comma-separated gossip modes to measure, one swarm each")
+    parser.add_argument("--runs", type=int, default=1,
+                        help="swarms per gossip mode, one after the other")
     parser.add_argument("--neighbours", type=int, default=DEFAULT_GOSSIP_NEIGHBOURS,
                         help="mode ring: neighbours each peer hears")
     parser.add_argument("--model", default=None,
@@ -353,6 +404,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.peers < 2:
         parser.error("--peers must be >= 2")
+    if args.runs < 1:
+        parser.error("--runs must be >= 1")
     known = {m.value for m in GossipMode}
     if not args.gossip_modes or set(args.gossip_modes.split(",")) - known:
         parser.error(f"--gossip-modes takes a comma-separated subset of {sorted(known)}")

@@ -187,6 +187,7 @@ class Peer:
             invite=self.invite(),
             trust=self.serving.trust if self.serving is not None else None,
             holepunch=holepunch.statistics() if holepunch is not None else None,
+            gossip_counts=self.gossip.gossip_counts(),
             link_to=self.link_to,
             link_remote=self.link_remote,
         )

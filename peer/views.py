@@ -48,13 +48,15 @@ def swarm_view(
     invite: str | None = None,
     trust: TrustLedger | None = None,
     holepunch: dict[str, Any] | None = None,
+    gossip_counts: dict[str, Any] | None = None,
     link_to: Callable[[str], str | None] = _no_link,
     link_remote: Callable[[str], str | None] = _no_link,
 ) -> dict[str, Any]:
     """This peer's view of the swarm, as plain JSON: itself, then every peer in its table.
 
     `invite` is the string others join with (None while no address is dialable);
-    `holepunch` is the hole punch's statistics(); `link_to` and `link_remote` say how a
+    `holepunch` is the hole punch's statistics(); `gossip_counts` is Gossip.gossip_counts()
+    (summaries published, and accepted per sender); `link_to` and `link_remote` say how a
     peer is reached ('direct', 'relayed') and the far end of a direct connection."""
     load = engine.load()
     cache = engine.cache
@@ -101,6 +103,7 @@ def swarm_view(
             "holepunch": holepunch,
         },
         "peers": sorted(peers, key=lambda p: p["peer_id"]),
+        "gossip_counts": gossip_counts,
     }
 
 

@@ -176,6 +176,11 @@ def test_local_swarm_serves_and_stops_every_process_on_sigint(tmp_path: Path):
         assert {p["peer_id"] for p in swarm["peers"]} == {
             p["peer_id"] for p in ready["peers"][1:]
         }
+        # each peer in the table got there by a summary accepted from it
+        accepted = swarm["gossip_counts"]["accepted"]
+        assert set(accepted) == {p["peer_id"] for p in ready["peers"][1:]}
+        assert all(n >= 1 for n in accepted.values())
+        assert swarm["gossip_counts"]["published"] >= 1
         ids = {p["peer_id"] for p in ready["peers"]}
         for entry in ready["peers"]:  # a request entering at each peer
             body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "temperature": 0}

@@ -202,6 +202,7 @@ async def test_models_swarm_health_metrics(nursery, tiny_engine_factory):
         assert swarm["self"]["peer_id"] == peer.peer_id
         assert swarm["self"]["cached_blocks"] == 3
         assert swarm["peers"] == []
+        assert swarm["gossip_counts"]["accepted"] == {}  # alone: nobody to hear
         metrics = (await http.get("/metrics")).text
     lines = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
              for line in metrics.splitlines() if line and not line.startswith("#")}

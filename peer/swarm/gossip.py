@@ -45,7 +45,7 @@ from peer.engine.api import EngineView
 from peer.swarm.incremental_bloom import CacheFilter
 from peer.swarm.local_summary import build_summary
 from peer.swarm.neighbourhood import Neighbourhood
-from peer.swarm.peer_table import PeerTable, Verdict
+from peer.swarm.peer_table import MAX_PEERS, PeerTable, Verdict
 from peer.swarm.publish_policy import PublishPolicy
 from peer.version import version
 from protocols.bloom import BloomFilter
@@ -116,6 +116,8 @@ class Gossip:
         self._publishing = True
         self._logged: set[tuple[str, str]] = set()
         self._rejected: dict[str, int] = {}
+        # summaries accepted per sender, for as many senders as the table holds peers
+        self._accepted_from: dict[str, int] = {}
         self._cpu_s = 0.0
         self._stats = {
             "published": 0,
@@ -128,6 +130,7 @@ class Gossip:
             "superseded": 0,
             "delivered": 0,
             "expired": 0,
+            "left": 0,
             "neighbours_joined": 0,
             "neighbours_left": 0,
         }
@@ -207,6 +210,20 @@ class Gossip:
             "seq": self._seq,
             "cpu_s": self._cpu_s,
         }
+
+    def gossip_counts(self) -> dict[str, Any]:
+        """{"published": summaries we published, "accepted": {sender: summaries accepted
+        from it}}: what a testbed compares across peers to find summaries that never
+        arrived. Senders no longer in the table are forgotten once MAX_PEERS are counted."""
+        return {"published": self._stats["published"], "accepted": dict(self._accepted_from)}
+
+    def _count_accepted(self, sender: str) -> None:
+        if sender not in self._accepted_from and len(self._accepted_from) >= MAX_PEERS:
+            now = trio.current_time()
+            for gone in [p for p in self._accepted_from if self._table.get(p, now) is None]:
+                del self._accepted_from[gone]
+        if sender in self._accepted_from or len(self._accepted_from) < MAX_PEERS:
+            self._accepted_from[sender] = self._accepted_from.get(sender, 0) + 1
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Subscribe, then publish and expire until cancelled."""
@@ -398,6 +415,7 @@ class Gossip:
         if not result.accepted:
             return self._reject(source_str, str(result.reason), result.detail)
         self._stats["accepted"] += 1
+        self._count_accepted(source_str)
         if result.reason is Verdict.LEFT:
             self._stats["left"] += 1
             logger.info("peer %s left the swarm", source_str)
