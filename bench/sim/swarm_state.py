@@ -15,7 +15,6 @@ from typing import Any
 from bench.sim.params import SimParams
 from bench.workloads import TokenRequest
 from peer.config import (
-    DEFAULT_PROBATION_REQUESTS,
     DEFAULT_PROBATION_SHARE,
     DEFAULT_VERIFY_FRACTION,
     SUMMARY_EXPIRY_INTERVALS,
@@ -102,10 +101,12 @@ class SimPeer:
         self.table = PeerTable(peer_id, params.model_id, params.block_size, expiry, probe_cache)
         policy = (Policy(params.policy) if params.policy in {p.value for p in Policy}
                   else Policy.COST)
-        # the serving peer's ledger, with the live defaults (peer/request/serving.py)
+        # the serving peer's ledger (peer/request/serving.py) in an established swarm: every
+        # peer past probation (a fresh one holds a new peer to 1 request in
+        # DEFAULT_PROBATION_SHARE until DEFAULT_PROBATION_REQUESTS verified ones)
         self.trust = TrustLedger(
             verify_fraction=DEFAULT_VERIFY_FRACTION,
-            probation_requests=DEFAULT_PROBATION_REQUESTS,
+            probation_requests=0,
             probation_share=DEFAULT_PROBATION_SHARE,
         )
         self.router = build_router(policy, rng, block_size=params.block_size, trust=self.trust)
