@@ -196,7 +196,7 @@ class Simulator(ServerModel, RoutingModel, GossipModel):
             elif kind == FIRST_BACK:  # the entry's pipeline gives the forward back
                 self.peers[a].table.forward_prefilled(payload)
             else:
-                self.peers[a].table.forward_ended(payload, prefilled=True)
+                self._forward_done(self.peers[a], payload)
         return self._result()
 
     def _arrive(self, rid: int, now: float) -> None:
@@ -242,8 +242,9 @@ class Simulator(ServerModel, RoutingModel, GossipModel):
         self._forwarded += 1
         counted = len(tokens) - match_tokens if self.params.forward_counts_uncached else len(tokens)
         job.charge = entry.table.record_forward(self.peers[target].peer_id, counted, now)
-        delay = sum(self._one_way() for _ in range(2 * self.params.stream_setup_rtts + 1))
-        self._push(now + wait + delay, DELIVER, target, job)
+        legs = [self._one_way() for _ in range(2 * self.params.stream_setup_rtts + 1)]
+        job.sent = now + wait + sum(legs[:-1])  # the stream is open; the request goes
+        self._push(now + wait + sum(legs), DELIVER, target, job)
 
     @functools.cached_property
     def _warmup(self) -> tuple[int, float]:

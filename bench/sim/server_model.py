@@ -98,7 +98,7 @@ class ServerModel:
             peer.served_after_warmup += 1
         job.e2e = now + job.ret - job.arrival
         if job.charge is not None:
-            self._push(now + job.ret, END_BACK, job.entry, job.charge)
+            self._push(now + job.ret, END_BACK, job.entry, job)
 
     def _insert(self, peer: SimPeer, tokens: tuple[int, ...], now: float) -> None:
         """Insert `tokens`' full blocks as the engine does (evicting exactly what it needs)."""

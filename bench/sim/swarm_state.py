@@ -13,7 +13,12 @@ from typing import Any
 
 from bench.sim.params import SimParams
 from bench.workloads import TokenRequest
-from peer.config import SUMMARY_EXPIRY_INTERVALS, Policy
+from peer.config import (
+    DEFAULT_PROBATION_SHARE,
+    DEFAULT_VERIFY_FRACTION,
+    SUMMARY_EXPIRY_INTERVALS,
+    Policy,
+)
 from peer.engine.radix import RadixCache
 from peer.engine.scheduler import BatchQueue
 from peer.engine.speeds import (
@@ -23,6 +28,7 @@ from peer.engine.speeds import (
     warmup_prefill_speed,
 )
 from peer.routing.router import build_router
+from peer.routing.trust import TrustLedger
 from peer.swarm.incremental_bloom import CacheFilter, Memo, Shape
 from peer.swarm.interest import Interest, Lookups
 from peer.swarm.peer_table import ForwardCharge, PeerTable
@@ -54,6 +60,7 @@ class Job:
         "req",
         "ret",
         "rid",
+        "sent",
         "target",
         "tokens",
         "ttft",
@@ -75,6 +82,7 @@ class Job:
         self.pos = 0  # prompt tokens read (cached ones included)
         self.decode_left = 0  # tokens still to decode after the first
         self.ret = 0.0
+        self.sent = math.nan  # forwarded: when the request left the entry on its stream
         self.ttft = math.nan
         self.e2e = math.nan
         self.history = 0  # follow-up turns: tokens of history the engine could have cached
@@ -93,7 +101,15 @@ class SimPeer:
         self.table = PeerTable(peer_id, params.model_id, params.block_size, expiry, probe_cache)
         policy = (Policy(params.policy) if params.policy in {p.value for p in Policy}
                   else Policy.COST)
-        self.router = build_router(policy, rng, block_size=params.block_size)
+        # the serving peer's ledger (peer/request/serving.py) in an established swarm: every
+        # peer past probation (a fresh one holds a new peer to 1 request in
+        # DEFAULT_PROBATION_SHARE until DEFAULT_PROBATION_REQUESTS verified ones)
+        self.trust = TrustLedger(
+            verify_fraction=DEFAULT_VERIFY_FRACTION,
+            probation_requests=0,
+            probation_share=DEFAULT_PROBATION_SHARE,
+        )
+        self.router = build_router(policy, rng, block_size=params.block_size, trust=self.trust)
         self.filter = CacheFilter(params.bloom_fp_rate, shape=shape, memos=memos)
         self.publish_policy = PublishPolicy(
             params.summary_interval_s, early_publish=params.early_publish
