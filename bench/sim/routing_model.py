@@ -13,7 +13,7 @@ from typing import Any
 
 from bench.sim.swarm_state import Job, SimPeer
 from peer.engine.scheduler import reusable_tokens
-from peer.request.pipeline import MIN_OBSERVED_DECODE_TOKENS, MIN_OBSERVED_PREFILL_TOKENS
+from peer.engine.speeds import forward_speeds
 from peer.routing.cost import single_stream_decode
 from peer.routing.decide import ProbeFirst, next_step
 from peer.routing.probing import ProbeRound
@@ -246,7 +246,7 @@ class RoutingModel:
 
     def _forward_done(self, entry: SimPeer, job: Job) -> None:
         """A forward's last token is back at its entry: the entry's bookkeeping, as
-        peer/request/pipeline.py `_attempt_ok` does it: the table's count of the forward,
+        peer/request/run.py `RunContext.served` does it: the table's count of the forward,
         and what the trust ledger learns (served, the claimed match, observed speeds)."""
         entry.table.forward_ended(job.charge, prefilled=True)
         peer_id = self.peers[job.target].peer_id
@@ -256,12 +256,7 @@ class RoutingModel:
         n = len(job.tokens)
         claimed = entry.table.estimate_match(peer_id, job.chain) * bs
         trust.record_claim(peer_id, min(claimed, (n - 1) // bs * bs), job.cached)
-        prefill = decode = None
         ttft = job.arrival + job.ttft - job.sent  # from the request sent to its first token
-        if ttft > 0 and n - job.cached >= MIN_OBSERVED_PREFILL_TOKENS:
-            prefill = (n - job.cached) / ttft
-        produced = job.req.max_new_tokens
-        if produced >= MIN_OBSERVED_DECODE_TOKENS:
-            span = job.e2e - job.ttft
-            decode = (produced - 1) / span if span > 0 else None
-        trust.record_speeds(peer_id, prefill, decode)
+        span = job.e2e - job.ttft  # first to last token, both as they reach the entry
+        trust.record_speeds(peer_id, *forward_speeds(n - job.cached, ttft, job.req.max_new_tokens,
+                                                     span))
