@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from bench.sim import experiments
 from bench.sim.calibration import NOTES_CALIBRATION, Calibration
-from bench.sim.model import simulate
+from bench.sim.model import Simulator, simulate
 from bench.sim.params import ORACLE, POLICY_NAMES, SimParams
 from bench.workloads import TokenizedMMLU, TokenRequest, poisson_arrivals, zipf_weights
 from peer.swarm.incremental_bloom import IncrementalBloom
@@ -140,6 +140,21 @@ def test_batching_server_by_hand() -> None:
     result = simulate(params, [TokenRequest(0.0, 0, a, (), 1), TokenRequest(1.0, 0, a, (), 1)])
     assert result.ttft_s == pytest.approx([0.105, 0.009])
     assert result.metrics["hit_ratio"] == pytest.approx(96 / 200)
+
+
+def test_the_engine_holds_a_prompt_that_shares_one_being_read() -> None:
+    """The engine's hold rule (scheduler.waits_for_shared_prefill): b, the same 600-token
+    prompt as a, arrives while a is read in three steps (256, 256, 88 tokens, 5 ms each
+    fixed: 0.615 s); b waits instead of reading it again, then reuses 592 tokens (37 full
+    blocks) and computes 8 (5 ms + 8 ms)."""
+    cal = Calibration("flat", 0.0, 1e-3, 0.0, 0.01, "test", batch_step_slope=0.5)
+    long = tuple(range(600))
+    params = SimParams(policy="local", peers=1, calibration=cal, warmup_fraction=0.0)
+    sim = Simulator(params, [TokenRequest(0.0, 0, long, (), 1),
+                             TokenRequest(0.001, 0, long, (), 1)])
+    result = sim.run()
+    assert [job.cached for job in sim.jobs] == [0, 592]
+    assert result.ttft_s == pytest.approx([0.615, 0.627])
 
 
 def test_forwarding_pays_stream_setup_and_both_ways() -> None:

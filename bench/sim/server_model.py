@@ -4,18 +4,18 @@ Each peer's batch is the engine's own state machine (scheduler.BatchQueue): betw
 up to `max_running` waiting requests join the batch, oldest first, each matched and locked
 then (late, as the engine does); a step decodes every sequence past its prompt and reads
 prefill chunks within `step_tokens` (BatchQueue.plan) and takes
-`Calibration.step_s(decodes, chunks)`. A prompt's first token comes at the end of
+`Calibration.step_s(decodes, chunks)`. A waiting prompt that shares more blocks with a
+prompt still being read than its cache holds waits for it (the engine's hold rule,
+scheduler.waits_for_shared_prefill). A prompt's first token comes at the end of
 the step that reads its last chunk, when its blocks are inserted (RadixCache.insert
 evicts exactly what it needs); the lock is released when the request completes. Load is
-what Engine.load reports; speeds are measured per step (speeds.observe_step). Not
-modelled: the engine holding back a request that shares a prompt still being read (the
-simulator admits with no `hold` rule).
+what Engine.load reports; speeds are measured per step (speeds.observe_step).
 """
 
 from __future__ import annotations
 
 from bench.sim.swarm_state import END_BACK, FIRST_BACK, PHASE, Job, SimPeer, no_value
-from peer.engine.scheduler import StepPlan, reusable_blocks
+from peer.engine.scheduler import StepPlan, reusable_blocks, waits_for_shared_prefill
 from peer.engine.speeds import observe_step
 
 
@@ -44,7 +44,12 @@ class ServerModel:
             job.cached = job.pos = match.num_tokens
             job.new = n - job.cached
 
-        peer.queue.admit(self.params.max_running, join)
+        def hold(job: Job) -> bool:
+            prefilling = (o.tokens for o in peer.queue.batch.values() if o.pos < len(o.tokens))
+            return waits_for_shared_prefill(job.tokens, self._reusable(peer, job.tokens), bs,
+                                            prefilling)
+
+        peer.queue.admit(self.params.max_running, join, hold)
         plan = peer.queue.plan(self.params.step_tokens)
         if not plan:
             peer.step_started = -1.0
