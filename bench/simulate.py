@@ -37,7 +37,7 @@ from bench.sim.experiments import (
     run_grid,
 )
 from bench.sim.model import simulate
-from bench.sim.params import POLICY_NAMES, SimParams
+from bench.sim.params import POLICY_NAMES, SWARM_TRUST_STATES, SimParams
 from bench.sim.regimes import REGIME_NAMES, regime
 from bench.workloads import load_tokenized_mmlu
 from peer.config import GossipMode
@@ -55,6 +55,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seeds", type=int, default=1,
                     help="workload seeds --seed .. --seed + N - 1 (the simulator's seed of "
                     "each is the workload's + 1000)")
+    ap.add_argument("--swarm-trust", choices=SWARM_TRUST_STATES, default=SimParams.swarm_trust,
+                    help="every peer's trust ledger at t = 0: established (each peer past "
+                    "every other's probation) or cold (all on probation)")
     ap.add_argument("--regimes", help="comma-separated subset of the grid's regimes: "
                     "cpu,gpu,mixed")
     ap.add_argument("--json", type=Path, help="write {'params', 'rows'} here")
@@ -154,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     cal = (Calibration.from_engine_json(args.calibration) if args.calibration
            else regime("cpu").calibration)
     probes: dict[str, Any] = {} if args.load_probes is None else {"load_probes": args.load_probes}
+    probes["swarm_trust"] = args.swarm_trust
     t0 = time.perf_counter()
     data = load_tokenized_mmlu()
     print(f"MMLU tokens ready in {time.perf_counter() - t0:.1f} s", file=sys.stderr)

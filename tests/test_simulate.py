@@ -157,6 +157,23 @@ def test_the_engine_holds_a_prompt_that_shares_one_being_read() -> None:
     assert result.ttft_s == pytest.approx([0.615, 0.627])
 
 
+def test_swarm_trust_established_or_cold() -> None:
+    """An established swarm starts with every peer past every other's probation (the
+    live ledger, fed verified responses); a cold one with every peer on probation, which
+    holds forwards to probation peers to 1 request in DEFAULT_PROBATION_SHARE."""
+    wl = workload(300)
+    forwarded = {}
+    for state, probation in (("established", False), ("cold", True)):
+        params = dataclasses.replace(SMALL, swarm_trust=state)
+        sim = Simulator(params, wl)
+        assert all(p.trust.on_probation(q.peer_id) is probation
+                   for p in sim.peers for q in sim.peers if p is not q)
+        forwarded[state] = sim.run().metrics["forwarded_fraction"]
+    assert forwarded["cold"] < forwarded["established"]
+    with pytest.raises(ValueError, match="swarm_trust"):
+        SimParams(swarm_trust="warm")
+
+
 def test_forwarding_pays_stream_setup_and_both_ways() -> None:
     # Two peers, d = 100 ms without jitter: a forwarded request pays setup RTT + 2 one-ways.
     # (slope 1: a step has no fixed cost, a lone prefill of 100 tokens takes 100 ms)

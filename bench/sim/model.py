@@ -7,8 +7,9 @@ Each simulated peer (bench/sim/swarm_state.py) owns a real `RadixCache`, `PeerTa
 (gossip_model.py); here are the event loop, arrivals and the metrics. Every one-way
 message takes d + U(0, jitter * d); a forward first opens a stream (`stream_setup_rtts`
 round trips), then sends the request; requests enter at a uniformly chosen peer, which
-counts its forwards in flight as peer/request/pipeline.py does. Every number is a field
-of SimParams or Calibration.
+counts its forwards in flight as peer/request/pipeline.py does, and routes with its own
+trust ledger (SimParams.swarm_trust: established or cold at t = 0). Every number is a
+field of SimParams or Calibration.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from bench.sim.gossip_model import GossipModel
 from bench.sim.params import (
     COST_EXACT_LOAD,
     COST_PROBE,
+    ESTABLISHED,
     EXACT_LONGEST_PREFIX,
     ORACLE,
     RunResult,
@@ -86,6 +88,9 @@ class Simulator(ServerModel, RoutingModel, GossipModel):
         self._delivered: list[tuple[float, float, CacheSummary] | None] = [None] * params.peers
         self._applied_seq = [[0] * params.peers for _ in range(params.peers)]
         self._index = {p.peer_id: p.idx for p in self.peers}
+        if params.swarm_trust == ESTABLISHED:
+            for peer in self.peers:
+                peer.trust_all(p.peer_id for p in self.peers if p is not peer)
         # ring mode: every peer knows every peer, so all agree on a root's homes
         self._homes = HomeRing()
         self._homes.update(self._index)

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Iterable
 from typing import Any
 
 from bench.sim.params import SimParams
 from bench.workloads import TokenRequest
 from peer.config import (
+    DEFAULT_PROBATION_REQUESTS,
     DEFAULT_PROBATION_SHARE,
     DEFAULT_VERIFY_FRACTION,
     SUMMARY_EXPIRY_INTERVALS,
@@ -101,12 +103,11 @@ class SimPeer:
         self.table = PeerTable(peer_id, params.model_id, params.block_size, expiry, probe_cache)
         policy = (Policy(params.policy) if params.policy in {p.value for p in Policy}
                   else Policy.COST)
-        # the serving peer's ledger (peer/request/serving.py) in an established swarm: every
-        # peer past probation (a fresh one holds a new peer to 1 request in
-        # DEFAULT_PROBATION_SHARE until DEFAULT_PROBATION_REQUESTS verified ones)
+        # the serving peer's ledger (peer/request/serving.py) at the live defaults; every
+        # peer starts on probation, unless the swarm is established (Simulator: trust_all)
         self.trust = TrustLedger(
             verify_fraction=DEFAULT_VERIFY_FRACTION,
-            probation_requests=0,
+            probation_requests=DEFAULT_PROBATION_REQUESTS,
             probation_share=DEFAULT_PROBATION_SHARE,
         )
         self.router = build_router(policy, rng, block_size=params.block_size, trust=self.trust)
@@ -146,6 +147,13 @@ class SimPeer:
         self.bytes_published = 0
         self.served = 0
         self.served_after_warmup = 0
+
+    def trust_all(self, peer_ids: Iterable[str]) -> None:
+        """An established swarm: each of `peer_ids` has passed this peer's probation, fed to
+        the ledger as the pipeline feeds it (verified good responses until promoted)."""
+        for peer_id in peer_ids:
+            while self.trust.on_probation(peer_id):
+                self.trust.record_served(peer_id, verified=True)
 
     @property
     def prefill_tps(self) -> float:
