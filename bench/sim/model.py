@@ -150,6 +150,11 @@ class Simulator(ServerModel, RoutingModel, GossipModel):
             # whatever share of the request they are (the rule before the cost budget)
             cost_fraction=math.inf if params.policy == COST_PROBE else DEFAULT_COST_FRACTION,
         )
+        # the window whose busy time `busiest_peer_utilization` reports: from the first
+        # measured arrival (after the warm-up) to the last arrival (before the drain)
+        first_id, first_arrival_s = self._warmup
+        arrivals = [r.arrival_s for r in workload[first_id:]] or [workload[-1].arrival_s]
+        self.busy_window = (max(min(arrivals), first_arrival_s), max(arrivals))
         self._probe_stats = {"rounds": 0, "sent": 0, "answered": 0, "changed": 0, "wait_s": 0.0}
 
     def _push(self, t: float, kind: int, a: int, payload: Any = None) -> None:
@@ -287,6 +292,7 @@ class Simulator(ServerModel, RoutingModel, GossipModel):
         gossip_bytes = sum(p.bytes_published for p in self.peers)
         publishes = sum(p.published for p in self.peers)
         received, received_bytes = self._received, self._received_bytes
+        window = self.busy_window[1] - self.busy_window[0]
         metrics = {
             "requests": float(len(kept)),
             "ttft_mean_s": mean(ttft),
@@ -300,6 +306,10 @@ class Simulator(ServerModel, RoutingModel, GossipModel):
             "max_peer_share": max(served) / max(1, sum(served)),
             "forwarded_fraction": self._forwarded / len(jobs),
             "utilization_mean": sum(p.busy_s for p in self.peers) / (n * duration),
+            # the busiest peer's busy fraction while measured requests arrive
+            "busiest_peer_utilization": (
+                max(p.busy_in_window_s for p in self.peers) / window if window > 0 else math.nan
+            ),
             "duration_s": duration,
             "summaries_published": float(publishes),
             "summary_bytes_mean": gossip_bytes / publishes if publishes else 0.0,

@@ -62,6 +62,8 @@ class ServerModel:
         """A step ended on `peer`: advance its requests; returns the requests completed."""
         seconds = now - peer.step_started
         peer.busy_s += seconds
+        start, end = self.busy_window
+        peer.busy_in_window_s += max(0.0, min(now, end) - max(peer.step_started, start))
         prefill_tokens = sum(n for _, n in plan.prefill)
         peer.speeds, _ = observe_step(peer.speeds, prefill_tokens, len(plan.decode), seconds)
         done = 0

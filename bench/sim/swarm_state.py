@@ -141,6 +141,7 @@ class SimPeer:
         self.queue: BatchQueue[Job] = BatchQueue()  # who waits, who is in the batch
         self.step_started = -1.0  # < 0: no step in flight
         self.busy_s = 0.0
+        self.busy_in_window_s = 0.0  # of busy_s, within Simulator.busy_window
         # gossip
         self.seq = 0
         self.published = 0
