@@ -250,7 +250,7 @@ def render(quick: Sequence[Row], final: Sequence[Row], params: dict[str, Any],
         "",
         "- Quick grid (`--quick`): 16 peers, MMLU 5-shot prompts (SmolLM2 tokenizer), "
         "256 KV blocks of 16 tokens a peer, summaries every 2 s; (a) one-way delay, (b) Zipf "
-        "skew at d = 5 ms, (c) offered load 0.5-1.5 at d = 5 ms, s = 1; 1,200 requests a run; "
+        "skew at d = 5 ms, (c) offered load 0.5-2.5 at d = 5 ms, s = 1; 1,200 requests a run; "
         "in the cpu and the gpu regime (the gpu delay sweep is finer: a GPU recomputes a "
         "prefix in tens of milliseconds). Load 1.0 is the arrival rate the swarm could just "
         "serve with no prefix reuse, from the regime's own service times.",
@@ -284,7 +284,11 @@ def render(quick: Sequence[Row], final: Sequence[Row], params: dict[str, Any],
         "steps; s = 0.12 on the cpu, 0 on the gpu). Load is normalised by a lone "
         "request's service time, so batching peers at load 1.5 are busy, not saturated: "
         "their steps run about 65% of the time under `cost` (`utilization_mean` in the "
-        "rows). `cost` probes the live load of up to 2 candidates when it pays and the "
+        "rows); the load sweep goes on to 2.5, where the busiest peer is >= 90% busy in "
+        "both regimes (`busiest_peer_utilization`: its busy fraction while the measured "
+        "requests arrive). Each engine holds a prompt back while one that shares more of "
+        "it is still being read (the live hold rule). `cost` probes the live load of up "
+        "to 2 candidates when it pays and the "
         "probe's round trips are at most 5% of the request's estimated cost "
         "(peer/routing/probing.py, the live peer's core); `cost_probe` is the what-if without "
         "that budget (it probes whenever an answer could gain its round trips).",

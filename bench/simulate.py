@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.sim.calibration import Calibration
-from bench.sim.checks import compare_cost, scale_checks
+from bench.sim.checks import compare_cost, held_out, scale_checks
 from bench.sim.experiments import (
     WORKLOADS,
     Base,
@@ -37,7 +37,7 @@ from bench.sim.experiments import (
     run_grid,
 )
 from bench.sim.model import simulate
-from bench.sim.params import POLICY_NAMES, SimParams
+from bench.sim.params import POLICY_NAMES, SWARM_TRUST_STATES, SimParams
 from bench.sim.regimes import REGIME_NAMES, regime
 from bench.workloads import load_tokenized_mmlu
 from peer.config import GossipMode
@@ -55,6 +55,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seeds", type=int, default=1,
                     help="workload seeds --seed .. --seed + N - 1 (the simulator's seed of "
                     "each is the workload's + 1000)")
+    ap.add_argument("--seed-list", help="comma-separated workload seeds (instead of --seed and "
+                    "--seeds), e.g. held-out seeds 101,102,103,104,105")
+    ap.add_argument("--swarm-trust", choices=SWARM_TRUST_STATES, default=SimParams.swarm_trust,
+                    help="every peer's trust ledger at t = 0: established (each peer past "
+                    "every other's probation) or cold (all on probation)")
     ap.add_argument("--regimes", help="comma-separated subset of the grid's regimes: "
                     "cpu,gpu,mixed")
     ap.add_argument("--json", type=Path, help="write {'params', 'rows'} here")
@@ -110,7 +115,8 @@ def _progress(i: int, n: int, row: dict[str, Any]) -> None:
         f"[{i}/{n}] {row['experiment']:9s} {row['policy']:14s} N={row['peers']:<3d} "
         f"d={row['delay_ms']:<5g} s={row['zipf_s']:<4g} load={row['load']:<5g} "
         f"ttft={row['ttft_mean_s']:.3f}s e2e={row['e2e_mean_s']:.3f}s "
-        f"hit={row['hit_ratio']:.3f} cov={row['load_cov']:.2f} ({row['wall_s']:.1f}s)",
+        f"hit={row['hit_ratio']:.3f} cov={row['load_cov']:.2f} "
+        f"busy={row['busiest_peer_utilization']:.2f} ({row['wall_s']:.1f}s)",
         file=sys.stderr,
         flush=True,
     )
@@ -154,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     cal = (Calibration.from_engine_json(args.calibration) if args.calibration
            else regime("cpu").calibration)
     probes: dict[str, Any] = {} if args.load_probes is None else {"load_probes": args.load_probes}
+    probes["swarm_trust"] = args.swarm_trust
     t0 = time.perf_counter()
     data = load_tokenized_mmlu()
     print(f"MMLU tokens ready in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
@@ -183,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
         grid = final_grid(args.seed, args.seeds)
     else:
         grid = full_grid(args.seed, args.seeds)
+    if args.seed_list:
+        grid = dataclasses.replace(grid, seeds=tuple(int(x) for x in args.seed_list.split(",")))
     if args.regimes:
         grid = dataclasses.replace(grid, regimes=tuple(args.regimes.split(",")))
     if args.interval_s is not None:
@@ -233,6 +242,10 @@ def main(argv: list[str] | None = None) -> int:
     checks = _checks(rows)
     out = {"params": params, "rows": rows, "cost_vs_best": checks,
            "scale_checks": scale_checks(rows)}
+    if len(grid.seeds) > 1:
+        out["held_out"] = held_out(rows)
+        print(json.dumps({k: out["held_out"][k] for k in ("seeds", "targets", "pass",
+                                                          "busy_load")}), flush=True)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(out, indent=1, default=str))

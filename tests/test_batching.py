@@ -8,7 +8,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from peer.engine.api import Completion, SamplingParams, TokenEvent
-from peer.engine.scheduler import BatchQueue, StepPlan, admit_count, plan_step
+from peer.engine.scheduler import (
+    BatchQueue,
+    StepPlan,
+    admit_count,
+    plan_step,
+    waits_for_shared_prefill,
+)
 
 GREEDY3 = SamplingParams(max_new_tokens=3)
 
@@ -47,6 +53,18 @@ def test_plan_examples():
     assert plan_step([1], [(3, 5), (4, 10)], 256) == StepPlan((1,), ((3, 5), (4, 10)))
     assert plan_step(list(range(300)), [(999, 7)], 256).prefill == ((999, 1),)
     assert admit_count(5, 30, 32) == 2 and admit_count(5, 40, 32) == 0
+
+
+def test_a_prompt_waits_for_one_being_read_that_gives_it_another_block():
+    prompt = list(range(100))  # 6 reusable blocks of 16 (the last token is computed)
+    read = [prompt[:40] + [7] * 60]  # shares 2 whole blocks and 8 tokens
+    assert waits_for_shared_prefill(prompt, 0, 16, read)  # 2 blocks more than cached
+    assert waits_for_shared_prefill(prompt, 16, 16, read)  # still one more
+    assert not waits_for_shared_prefill(prompt, 32, 16, read)  # nothing more to gain
+    assert not waits_for_shared_prefill(prompt, 96, 16, [prompt])  # all reusable cached
+    assert not waits_for_shared_prefill(prompt, 0, 16, [[1, *prompt[1:]]])
+    assert not waits_for_shared_prefill(prompt, 0, 16, [])
+    assert not waits_for_shared_prefill(prompt[:16], 0, 16, [prompt])  # no reusable block
 
 
 class Seq:

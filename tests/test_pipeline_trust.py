@@ -10,6 +10,7 @@ import pytest
 import trio
 
 from peer.engine.engine import SamplingParams
+from peer.engine.speeds import forward_speeds
 from peer.request.pipeline import GenerationChunk, Outcome
 from peer.request.race import first_token_timeout_s, hedge_delay_s
 from peer.routing.trust import TrustState
@@ -145,6 +146,13 @@ async def test_speeds_observed_on_a_forward_cap_the_advertised_ones(autojump_clo
     assert view.observed_prefill_tokens_per_s == pytest.approx(200 / 0.5)
     assert view.observed_decode_tokens_per_s == pytest.approx(9 / 0.9)
     assert swarm.trust.cap_speeds(A, 1e9, 1e9, 1.0, 1.0) == pytest.approx((800.0, 20.0))
+
+
+def test_a_forward_says_something_of_speeds_only_when_compute_dominates_its_timing():
+    assert forward_speeds(640, 2.0, 9, 0.5) == (320.0, 16.0)
+    assert forward_speeds(63, 2.0, 7, 0.5) == (None, None)  # a hit's short suffix, 7 tokens
+    assert forward_speeds(640, None, 9, None) == (None, None)  # not timed
+    assert forward_speeds(640, 0.0, 9, 0.0) == (None, None)
 
 
 async def test_wrong_tokens_are_caught_at_fraction_one_and_never_delivered(autojump_clock):

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from bench.sim import experiments
 from bench.sim.calibration import NOTES_CALIBRATION, Calibration
-from bench.sim.model import simulate
+from bench.sim.model import Simulator, simulate
 from bench.sim.params import ORACLE, POLICY_NAMES, SimParams
 from bench.workloads import TokenizedMMLU, TokenRequest, poisson_arrivals, zipf_weights
 from peer.swarm.incremental_bloom import IncrementalBloom
@@ -142,6 +142,51 @@ def test_batching_server_by_hand() -> None:
     assert result.metrics["hit_ratio"] == pytest.approx(96 / 200)
 
 
+def test_the_engine_holds_a_prompt_that_shares_one_being_read() -> None:
+    """The engine's hold rule (scheduler.waits_for_shared_prefill): b, the same 600-token
+    prompt as a, arrives while a is read in three steps (256, 256, 88 tokens, 5 ms each
+    fixed: 0.615 s); b waits instead of reading it again, then reuses 592 tokens (37 full
+    blocks) and computes 8 (5 ms + 8 ms)."""
+    cal = Calibration("flat", 0.0, 1e-3, 0.0, 0.01, "test", batch_step_slope=0.5)
+    long = tuple(range(600))
+    params = SimParams(policy="local", peers=1, calibration=cal, warmup_fraction=0.0)
+    sim = Simulator(params, [TokenRequest(0.0, 0, long, (), 1),
+                             TokenRequest(0.001, 0, long, (), 1)])
+    result = sim.run()
+    assert [job.cached for job in sim.jobs] == [0, 592]
+    assert result.ttft_s == pytest.approx([0.615, 0.627])
+
+
+def test_busiest_peer_utilization_is_busy_time_while_measured_requests_arrive() -> None:
+    """One peer, a 100-token prompt every second, each served alone in 105 ms: over the
+    window from the first to the last arrival (10 s) it is busy 10 x 105 ms."""
+    cal = Calibration("flat", 0.0, 1e-3, 0.0, 0.01, "test", batch_step_slope=0.5)
+    reqs = [TokenRequest(float(i), i, tuple(range(i, i + 100)), (), 1) for i in range(11)]
+    params = SimParams(policy="local", peers=1, calibration=cal, warmup_fraction=0.0)
+    m = simulate(params, reqs).metrics
+    assert m["busiest_peer_utilization"] == pytest.approx(1.05 / 10)
+    two = dataclasses.replace(params, peers=2, policy="round_robin", delay_ms=0.0)
+    m = simulate(two, reqs).metrics  # the busiest of two serves 6 of the 11, 5 in the window
+    assert m["busiest_peer_utilization"] == pytest.approx(5 * 0.105 / 10)
+
+
+def test_swarm_trust_established_or_cold() -> None:
+    """An established swarm starts with every peer past every other's probation (the
+    live ledger, fed verified responses); a cold one with every peer on probation, which
+    holds forwards to probation peers to 1 request in DEFAULT_PROBATION_SHARE."""
+    wl = workload(300)
+    forwarded = {}
+    for state, probation in (("established", False), ("cold", True)):
+        params = dataclasses.replace(SMALL, swarm_trust=state)
+        sim = Simulator(params, wl)
+        assert all(p.trust.on_probation(q.peer_id) is probation
+                   for p in sim.peers for q in sim.peers if p is not q)
+        forwarded[state] = sim.run().metrics["forwarded_fraction"]
+    assert forwarded["cold"] < forwarded["established"]
+    with pytest.raises(ValueError, match="swarm_trust"):
+        SimParams(swarm_trust="warm")
+
+
 def test_forwarding_pays_stream_setup_and_both_ways() -> None:
     # Two peers, d = 100 ms without jitter: a forwarded request pays setup RTT + 2 one-ways.
     # (slope 1: a step has no fixed cost, a lone prefill of 100 tokens takes 100 ms)
@@ -261,3 +306,30 @@ def test_grid_rows_and_cli_json(tmp_path, monkeypatch) -> None:
     assert {r["experiment"] for r in rows} == {"delay", "skew", "load"}
     assert (tmp_path / "plots" / "a_delay.png").stat().st_size > 0
     assert (tmp_path / "plots" / "cost_vs_best.md").exists()
+
+
+def test_held_out_check_per_seed_on_the_mean_and_at_the_busy_load() -> None:
+    from bench.sim.checks import held_out
+
+    def row(seed, policy, ttft, load=0.5, busy=0.5, experiment="load", regime="cpu"):
+        return {"experiment": experiment, "regime": regime, "seed": seed, "policy": policy,
+                "peers": 16, "delay_ms": 5.0, "zipf_s": 1.0, "load": load,
+                "ttft_mean_s": ttft, "busiest_peer_utilization": busy}
+
+    rows = []
+    for seed, cost in ((101, 1.0), (102, 1.3)):  # 0% and 30% behind random: mean 15%
+        rows += [row(seed, "cost", cost), row(seed, "random", 1.0), row(seed, "oracle", 0.5)]
+        rows += [row(seed, "cost", 2.0, 2.0, 0.95), row(seed, "random", 3.0, 2.0, 1.0),
+                 row(seed, "oracle", 1.6, 2.0, 0.9),  # 1.25x: the busy target holds
+                 row(seed, "cost", 4.0, 2.5, 1.0), row(seed, "oracle", 2.0, 2.5, 1.0)]
+    out = held_out(rows)
+    assert out["seeds"] == [101, 102]
+    by_load = {m["load"]: m for m in out["mean"]}
+    assert by_load[0.5]["ratio"] == pytest.approx(1.15)
+    assert by_load[0.5]["best_other_policy"] == "random"
+    assert max(c["ratio"] for c in out["per_seed"]) == pytest.approx(1.3)
+    busy = [(t["load"], t["target_applies"]) for t in out["busy_load"]]
+    assert busy == [(2.0, True), (2.5, False)]  # the lowest load >= 90% busy is the target
+    assert out["targets"] == {"mean_within_5pct": False, "each_seed_within_15pct": False,
+                              "busy_load_reached": True, "busy_cost_over_oracle_le_1_3": True}
+    assert not out["pass"]

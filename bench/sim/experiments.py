@@ -62,6 +62,9 @@ PRESSURE_POLICIES = (
     EXACT_LONGEST_PREFIX,
 )
 MULTI_TURN_POLICIES = (Policy.LOCAL.value, *QUICK_POLICIES)
+# The quick grid's load sweep: up to where the busiest peer is >= 90% busy under `cost` in
+# both regimes (row `busiest_peer_utilization`; cpu ~0.94 at load 2, gpu ~0.85 at 2).
+QUICK_LOADS = (0.5, 1.0, 1.5, 2.0, 2.5)
 REQUIRED_ROW_KEYS = (
     "experiment", "policy", "peers", "delay_ms", "zipf_s", "load",
     "ttft_mean_s", "ttft_p99_s", "e2e_mean_s", "hit_ratio", "load_cov",
@@ -143,7 +146,7 @@ def quick_grid(seed: int = 1, seeds: int = 1) -> Grid:
         base=_cpu_base(seed, 1200),
         delays_ms=regime("cpu").quick_delays_ms,
         zipf_s=(0.0, 1.0, 1.5),
-        loads=(0.5, 1.0, 1.5),
+        loads=QUICK_LOADS,
         policies=(Policy.LOCAL.value, *QUICK_POLICIES),
         experiments=("delay", "skew", "load"),
         regimes=regimes,

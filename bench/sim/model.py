@@ -7,8 +7,9 @@ Each simulated peer (bench/sim/swarm_state.py) owns a real `RadixCache`, `PeerTa
 (gossip_model.py); here are the event loop, arrivals and the metrics. Every one-way
 message takes d + U(0, jitter * d); a forward first opens a stream (`stream_setup_rtts`
 round trips), then sends the request; requests enter at a uniformly chosen peer, which
-counts its forwards in flight as peer/request/pipeline.py does. Every number is a field
-of SimParams or Calibration.
+counts its forwards in flight as peer/request/pipeline.py does, and routes with its own
+trust ledger (SimParams.swarm_trust: established or cold at t = 0). Every number is a
+field of SimParams or Calibration.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from bench.sim.gossip_model import GossipModel
 from bench.sim.params import (
     COST_EXACT_LOAD,
     COST_PROBE,
+    ESTABLISHED,
     EXACT_LONGEST_PREFIX,
     ORACLE,
     RunResult,
@@ -86,6 +88,9 @@ class Simulator(ServerModel, RoutingModel, GossipModel):
         self._delivered: list[tuple[float, float, CacheSummary] | None] = [None] * params.peers
         self._applied_seq = [[0] * params.peers for _ in range(params.peers)]
         self._index = {p.peer_id: p.idx for p in self.peers}
+        if params.swarm_trust == ESTABLISHED:
+            for peer in self.peers:
+                peer.trust_all(p.peer_id for p in self.peers if p is not peer)
         # ring mode: every peer knows every peer, so all agree on a root's homes
         self._homes = HomeRing()
         self._homes.update(self._index)
@@ -145,6 +150,11 @@ class Simulator(ServerModel, RoutingModel, GossipModel):
             # whatever share of the request they are (the rule before the cost budget)
             cost_fraction=math.inf if params.policy == COST_PROBE else DEFAULT_COST_FRACTION,
         )
+        # the window whose busy time `busiest_peer_utilization` reports: from the first
+        # measured arrival (after the warm-up) to the last arrival (before the drain)
+        first_id, first_arrival_s = self._warmup
+        arrivals = [r.arrival_s for r in workload[first_id:]] or [workload[-1].arrival_s]
+        self.busy_window = (max(min(arrivals), first_arrival_s), max(arrivals))
         self._probe_stats = {"rounds": 0, "sent": 0, "answered": 0, "changed": 0, "wait_s": 0.0}
 
     def _push(self, t: float, kind: int, a: int, payload: Any = None) -> None:
@@ -196,7 +206,7 @@ class Simulator(ServerModel, RoutingModel, GossipModel):
             elif kind == FIRST_BACK:  # the entry's pipeline gives the forward back
                 self.peers[a].table.forward_prefilled(payload)
             else:
-                self.peers[a].table.forward_ended(payload, prefilled=True)
+                self._forward_done(self.peers[a], payload)
         return self._result()
 
     def _arrive(self, rid: int, now: float) -> None:
@@ -242,8 +252,9 @@ class Simulator(ServerModel, RoutingModel, GossipModel):
         self._forwarded += 1
         counted = len(tokens) - match_tokens if self.params.forward_counts_uncached else len(tokens)
         job.charge = entry.table.record_forward(self.peers[target].peer_id, counted, now)
-        delay = sum(self._one_way() for _ in range(2 * self.params.stream_setup_rtts + 1))
-        self._push(now + wait + delay, DELIVER, target, job)
+        legs = [self._one_way() for _ in range(2 * self.params.stream_setup_rtts + 1)]
+        job.sent = now + wait + sum(legs[:-1])  # the stream is open; the request goes
+        self._push(now + wait + sum(legs), DELIVER, target, job)
 
     @functools.cached_property
     def _warmup(self) -> tuple[int, float]:
@@ -281,6 +292,7 @@ class Simulator(ServerModel, RoutingModel, GossipModel):
         gossip_bytes = sum(p.bytes_published for p in self.peers)
         publishes = sum(p.published for p in self.peers)
         received, received_bytes = self._received, self._received_bytes
+        window = self.busy_window[1] - self.busy_window[0]
         metrics = {
             "requests": float(len(kept)),
             "ttft_mean_s": mean(ttft),
@@ -294,6 +306,10 @@ class Simulator(ServerModel, RoutingModel, GossipModel):
             "max_peer_share": max(served) / max(1, sum(served)),
             "forwarded_fraction": self._forwarded / len(jobs),
             "utilization_mean": sum(p.busy_s for p in self.peers) / (n * duration),
+            # the busiest peer's busy fraction while measured requests arrive
+            "busiest_peer_utilization": (
+                max(p.busy_in_window_s for p in self.peers) / window if window > 0 else math.nan
+            ),
             "duration_s": duration,
             "summaries_published": float(publishes),
             "summary_bytes_mean": gossip_bytes / publishes if publishes else 0.0,

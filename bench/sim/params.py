@@ -44,6 +44,12 @@ COST_EXACT_LOAD = "cost_exact_load"
 # exact prefix of its prompt, known instantly (a tie to the entry peer, then to the least
 # busy). The ceiling of the cache-pressure sweep for prefix-affinity routing.
 EXACT_LONGEST_PREFIX = "exact_longest_prefix"
+# The swarm's trust state at t = 0 (every peer's peer/routing/trust.py ledger, live defaults):
+# `established`, every peer has passed every other's probation (a swarm that has run a
+# while); `cold`, every peer is new to every other, each on probation.
+ESTABLISHED = "established"
+COLD = "cold"
+SWARM_TRUST_STATES = (ESTABLISHED, COLD)
 POLICY_NAMES = (
     *(p.value for p in Policy), ORACLE, COST_PROBE, COST_EXACT_LOAD, EXACT_LONGEST_PREFIX
 )
@@ -86,6 +92,7 @@ class SimParams:
     # and load_probe_wait_s): 0 ranks on gossiped load only, as before probing existed.
     load_probes: int = DEFAULT_LOAD_PROBES
     load_probe_wait_s: float = DEFAULT_LOAD_PROBE_WAIT_S
+    swarm_trust: str = ESTABLISHED  # SWARM_TRUST_STATES
     # the first requests fill caches; left out of the metrics with (at least) those of the
     # first summary interval (Simulator._warmup)
     warmup_fraction: float = 0.1
@@ -117,6 +124,9 @@ class SimParams:
             )
         if self.bloom_bits_per_entry is not None and self.bloom_bits_per_entry <= 0:
             raise ValueError(f"bloom_bits_per_entry must be > 0, got {self.bloom_bits_per_entry}")
+        if self.swarm_trust not in SWARM_TRUST_STATES:
+            raise ValueError(f"swarm_trust must be one of {SWARM_TRUST_STATES}, "
+                             f"got {self.swarm_trust!r}")
         if not 0 <= self.warmup_fraction < 1:
             raise ValueError(f"warmup_fraction must be in [0, 1), got {self.warmup_fraction}")
 

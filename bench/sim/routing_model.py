@@ -13,6 +13,7 @@ from typing import Any
 
 from bench.sim.swarm_state import Job, SimPeer
 from peer.engine.scheduler import reusable_tokens
+from peer.engine.speeds import forward_speeds
 from peer.routing.cost import single_stream_decode
 from peer.routing.decide import ProbeFirst, next_step
 from peer.routing.probing import ProbeRound
@@ -87,6 +88,7 @@ class RoutingModel:
             if summary is not None and entry.table.apply(summary, peer_id, now).accepted:
                 applied[source] = summary.seq
                 self._summaries_applied += 1
+                entry.table.record_rtt(peer_id, (at - wait) / trips, now)  # the query's
         wait = min(budget, max(at for at, _ in answers))
         change = entry.lookups.admit(
             answered,
@@ -241,3 +243,20 @@ class RoutingModel:
             )
         ranked = entry.router.rank_estimates(estimates, len(job.tokens), job.req.max_new_tokens)
         return self._index[ranked[0].peer_id], ranked[0].match_tokens
+
+    def _forward_done(self, entry: SimPeer, job: Job) -> None:
+        """A forward's last token is back at its entry: the entry's bookkeeping, as
+        peer/request/run.py `RunContext.served` does it: the table's count of the forward,
+        and what the trust ledger learns (served, the claimed match, observed speeds)."""
+        entry.table.forward_ended(job.charge, prefilled=True)
+        peer_id = self.peers[job.target].peer_id
+        trust = entry.trust
+        trust.record_served(peer_id, verified=trust.on_probation(peer_id))
+        bs = self.params.block_size
+        n = len(job.tokens)
+        claimed = entry.table.estimate_match(peer_id, job.chain) * bs
+        trust.record_claim(peer_id, min(claimed, (n - 1) // bs * bs), job.cached)
+        ttft = job.arrival + job.ttft - job.sent  # from the request sent to its first token
+        span = job.e2e - job.ttft  # first to last token, both as they reach the entry
+        trust.record_speeds(peer_id, *forward_speeds(n - job.cached, ttft, job.req.max_new_tokens,
+                                                     span))

@@ -4,18 +4,18 @@ Each peer's batch is the engine's own state machine (scheduler.BatchQueue): betw
 up to `max_running` waiting requests join the batch, oldest first, each matched and locked
 then (late, as the engine does); a step decodes every sequence past its prompt and reads
 prefill chunks within `step_tokens` (BatchQueue.plan) and takes
-`Calibration.step_s(decodes, chunks)`. A prompt's first token comes at the end of
+`Calibration.step_s(decodes, chunks)`. A waiting prompt that shares more blocks with a
+prompt still being read than its cache holds waits for it (the engine's hold rule,
+scheduler.waits_for_shared_prefill). A prompt's first token comes at the end of
 the step that reads its last chunk, when its blocks are inserted (RadixCache.insert
 evicts exactly what it needs); the lock is released when the request completes. Load is
-what Engine.load reports; speeds are measured per step (speeds.observe_step). Not
-modelled: the engine holding back a request that shares a prompt still being read (the
-simulator admits with no `hold` rule).
+what Engine.load reports; speeds are measured per step (speeds.observe_step).
 """
 
 from __future__ import annotations
 
 from bench.sim.swarm_state import END_BACK, FIRST_BACK, PHASE, Job, SimPeer, no_value
-from peer.engine.scheduler import StepPlan, reusable_blocks
+from peer.engine.scheduler import StepPlan, reusable_blocks, waits_for_shared_prefill
 from peer.engine.speeds import observe_step
 
 
@@ -44,7 +44,12 @@ class ServerModel:
             job.cached = job.pos = match.num_tokens
             job.new = n - job.cached
 
-        peer.queue.admit(self.params.max_running, join)
+        def hold(job: Job) -> bool:
+            prefilling = (o.tokens for o in peer.queue.batch.values() if o.pos < len(o.tokens))
+            return waits_for_shared_prefill(job.tokens, self._reusable(peer, job.tokens), bs,
+                                            prefilling)
+
+        peer.queue.admit(self.params.max_running, join, hold)
         plan = peer.queue.plan(self.params.step_tokens)
         if not plan:
             peer.step_started = -1.0
@@ -57,6 +62,8 @@ class ServerModel:
         """A step ended on `peer`: advance its requests; returns the requests completed."""
         seconds = now - peer.step_started
         peer.busy_s += seconds
+        start, end = self.busy_window
+        peer.busy_in_window_s += max(0.0, min(now, end) - max(peer.step_started, start))
         prefill_tokens = sum(n for _, n in plan.prefill)
         peer.speeds, _ = observe_step(peer.speeds, prefill_tokens, len(plan.decode), seconds)
         done = 0
@@ -98,7 +105,7 @@ class ServerModel:
             peer.served_after_warmup += 1
         job.e2e = now + job.ret - job.arrival
         if job.charge is not None:
-            self._push(now + job.ret, END_BACK, job.entry, job.charge)
+            self._push(now + job.ret, END_BACK, job.entry, job)
 
     def _insert(self, peer: SimPeer, tokens: tuple[int, ...], now: float) -> None:
         """Insert `tokens`' full blocks as the engine does (evicting exactly what it needs)."""

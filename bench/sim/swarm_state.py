@@ -9,11 +9,18 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Iterable
 from typing import Any
 
 from bench.sim.params import SimParams
 from bench.workloads import TokenRequest
-from peer.config import SUMMARY_EXPIRY_INTERVALS, Policy
+from peer.config import (
+    DEFAULT_PROBATION_REQUESTS,
+    DEFAULT_PROBATION_SHARE,
+    DEFAULT_VERIFY_FRACTION,
+    SUMMARY_EXPIRY_INTERVALS,
+    Policy,
+)
 from peer.engine.radix import RadixCache
 from peer.engine.scheduler import BatchQueue
 from peer.engine.speeds import (
@@ -23,6 +30,7 @@ from peer.engine.speeds import (
     warmup_prefill_speed,
 )
 from peer.routing.router import build_router
+from peer.routing.trust import TrustLedger
 from peer.swarm.incremental_bloom import CacheFilter, Memo, Shape
 from peer.swarm.interest import Interest, Lookups
 from peer.swarm.peer_table import ForwardCharge, PeerTable
@@ -54,6 +62,7 @@ class Job:
         "req",
         "ret",
         "rid",
+        "sent",
         "target",
         "tokens",
         "ttft",
@@ -75,6 +84,7 @@ class Job:
         self.pos = 0  # prompt tokens read (cached ones included)
         self.decode_left = 0  # tokens still to decode after the first
         self.ret = 0.0
+        self.sent = math.nan  # forwarded: when the request left the entry on its stream
         self.ttft = math.nan
         self.e2e = math.nan
         self.history = 0  # follow-up turns: tokens of history the engine could have cached
@@ -93,7 +103,14 @@ class SimPeer:
         self.table = PeerTable(peer_id, params.model_id, params.block_size, expiry, probe_cache)
         policy = (Policy(params.policy) if params.policy in {p.value for p in Policy}
                   else Policy.COST)
-        self.router = build_router(policy, rng, block_size=params.block_size)
+        # the serving peer's ledger (peer/request/serving.py) at the live defaults; every
+        # peer starts on probation, unless the swarm is established (Simulator: trust_all)
+        self.trust = TrustLedger(
+            verify_fraction=DEFAULT_VERIFY_FRACTION,
+            probation_requests=DEFAULT_PROBATION_REQUESTS,
+            probation_share=DEFAULT_PROBATION_SHARE,
+        )
+        self.router = build_router(policy, rng, block_size=params.block_size, trust=self.trust)
         self.filter = CacheFilter(params.bloom_fp_rate, shape=shape, memos=memos)
         self.publish_policy = PublishPolicy(
             params.summary_interval_s, early_publish=params.early_publish
@@ -124,12 +141,20 @@ class SimPeer:
         self.queue: BatchQueue[Job] = BatchQueue()  # who waits, who is in the batch
         self.step_started = -1.0  # < 0: no step in flight
         self.busy_s = 0.0
+        self.busy_in_window_s = 0.0  # of busy_s, within Simulator.busy_window
         # gossip
         self.seq = 0
         self.published = 0
         self.bytes_published = 0
         self.served = 0
         self.served_after_warmup = 0
+
+    def trust_all(self, peer_ids: Iterable[str]) -> None:
+        """An established swarm: each of `peer_ids` has passed this peer's probation, fed to
+        the ledger as the pipeline feeds it (verified good responses until promoted)."""
+        for peer_id in peer_ids:
+            while self.trust.on_probation(peer_id):
+                self.trust.record_served(peer_id, verified=True)
 
     @property
     def prefill_tps(self) -> float:

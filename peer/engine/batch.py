@@ -24,7 +24,13 @@ from .api import Completion, EngineError, SamplingParams, TokenEvent, Usage
 from .radix import RadixCache
 from .requests import RequestState, StopTracker, sample_token
 from .runner import Runner, SeqKV
-from .scheduler import BatchQueue, StepPlan, reusable_blocks, reusable_tokens
+from .scheduler import (
+    BatchQueue,
+    StepPlan,
+    reusable_blocks,
+    reusable_tokens,
+    waits_for_shared_prefill,
+)
 from .speeds import StepSpeeds, observe_step
 
 __all__ = ["BatchLoop"]
@@ -185,13 +191,9 @@ class BatchLoop:
     def _shares_prefill_in_flight(self, req: RequestState) -> bool:
         if self.cache.capacity_blocks == 0:
             return False
-        want = self._reusable_tokens(req.tokens, req.salt) + self.block_size
-        if want > reusable_blocks(len(req.tokens), self.block_size) * self.block_size:
-            return False
-        head = req.tokens[:want]
-        return any(
-            other.prefilling and other.salt == req.salt and other.tokens[:want] == head
-            for other in self._queue.batch.values()
+        return waits_for_shared_prefill(
+            req.tokens, self._reusable_tokens(req.tokens, req.salt), self.block_size,
+            (o.tokens for o in self._queue.batch.values() if o.prefilling and o.salt == req.salt),
         )
 
     async def _step(self) -> None:

@@ -12,7 +12,7 @@ BatchQueue holds who waits and who is in the batch; batch.py's BatchLoop drives 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
@@ -26,6 +26,7 @@ __all__ = [
     "plan_step",
     "reusable_blocks",
     "reusable_tokens",
+    "waits_for_shared_prefill",
 ]
 
 # ~0.5 s of SmolLM2 prefill on 2 CPU cores: the most a running stream waits for a new prompt.
@@ -85,6 +86,21 @@ def reusable_blocks(prompt_tokens: int, block_size: int) -> int:
 def reusable_tokens(cached_tokens: int, prompt_tokens: int, block_size: int) -> int:
     """Of `cached_tokens` matched in the cache, how many a request reuses (reusable_blocks)."""
     return min(cached_tokens, reusable_blocks(prompt_tokens, block_size) * block_size)
+
+
+def waits_for_shared_prefill(
+    tokens: Sequence[int], reusable: int, block_size: int, prefilling: Iterable[Sequence[int]]
+) -> bool:
+    """Whether a waiting prompt `tokens`, of which the cache can supply `reusable` tokens,
+    is held back this step: it shares at least one more block than that with one of the
+    `prefilling` prompts (admitted, still being read). That prompt's blocks are inserted
+    when it is read, and this one then reuses them instead of computing them a second time
+    (requests that share a prefix often arrive together)."""
+    want = reusable + block_size
+    if want > reusable_blocks(len(tokens), block_size) * block_size:
+        return False
+    head = tokens[:want]
+    return any(other[:want] == head for other in prefilling)
 
 
 class Scheduled(Protocol):

@@ -15,11 +15,14 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 __all__ = [
+    "MIN_OBSERVED_DECODE_TOKENS",
+    "MIN_OBSERVED_PREFILL_TOKENS",
     "PREFILL_SAMPLE_MIN_TOKENS",
     "SPEED_EWMA_ALPHA",
     "WARMUP_PROMPT_TOKENS",
     "StepSpeeds",
     "ewma",
+    "forward_speeds",
     "observe_step",
     "prefill_speed_sample",
     "warmup_max_prompt_tokens",
@@ -29,6 +32,11 @@ __all__ = [
 SPEED_EWMA_ALPHA = 0.2  # weight of the newest speed sample: smooths ~2x noise over ~5 samples
 PREFILL_SAMPLE_MIN_TOKENS = 16  # one block: shorter chunks are all fixed cost
 WARMUP_PROMPT_TOKENS = 64  # enough to measure prefill speed without delaying start-up
+# A forward's speeds are observed (they cap what the peer advertises) only when compute
+# dominates the round trips and overheads in its timing: a cache hit that computes 3
+# tokens in 10 ms says nothing of the peer's prefill speed.
+MIN_OBSERVED_PREFILL_TOKENS = 64
+MIN_OBSERVED_DECODE_TOKENS = 8
 
 
 class StepSpeeds(NamedTuple):
@@ -37,6 +45,21 @@ class StepSpeeds(NamedTuple):
     prefill: float
     decode: float  # one stream, at the batch of the steps measured
     batch_decode: float  # all streams of those steps together
+
+
+def forward_speeds(
+    computed_tokens: int, ttft_s: float | None, produced: int, decode_span_s: float | None
+) -> tuple[float | None, float | None]:
+    """What an entry peer learns of a remote peer's speeds from one forward, timed at the
+    entry: prefill as the prompt tokens it computed over the time from the request sent to
+    its first token, decode as (produced - 1) tokens over the first to the last token; None
+    where the forward says too little (MIN_OBSERVED_*) or a time is unknown."""
+    prefill = decode = None
+    if ttft_s is not None and ttft_s > 0 and computed_tokens >= MIN_OBSERVED_PREFILL_TOKENS:
+        prefill = computed_tokens / ttft_s
+    if decode_span_s is not None and decode_span_s > 0 and produced >= MIN_OBSERVED_DECODE_TOKENS:
+        decode = (produced - 1) / decode_span_s
+    return prefill, decode
 
 
 def observe_step(

@@ -25,6 +25,7 @@ import trio
 
 from peer.config import PeerConfig
 from peer.engine.api import EngineError, GeneratingEngine, SamplingParams
+from peer.engine.speeds import forward_speeds
 from peer.engine.text import StopTracker
 from peer.request.admission import Overloaded
 from peer.request.forward import (
@@ -51,11 +52,6 @@ from peer.routing.trust import Promote, Quarantine, TrustLedger
 from peer.swarm.peer_table import PeerTable
 
 logger = logging.getLogger(__name__)
-# A forward's speeds are observed (they cap what the peer advertises) only when compute
-# dominates the round trips and overheads in its timing: a cache hit that computes 3
-# tokens in 10 ms says nothing of the peer's prefill speed.
-MIN_OBSERVED_PREFILL_TOKENS = 64
-MIN_OBSERVED_DECODE_TOKENS = 8
 
 # The pipeline's attempt factory: candidate, prompt, params, request id, deadline, salt.
 AttemptFactory = Callable[
@@ -143,16 +139,14 @@ class RunContext:
             claimed = self.table.estimate_match(peer_id, chain) * block
             self.trust.record_claim(peer_id, min(claimed, (len(prompt) - 1) // block * block),
                                     cached)
-        prefill = decode = None
-        if attempt.sent_at is not None and attempt.first_at is not None and cached is not None:
-            ttft = attempt.first_at - attempt.sent_at
-            if ttft > 0 and len(prompt) - cached >= MIN_OBSERVED_PREFILL_TOKENS:
-                prefill = (len(prompt) - cached) / ttft
-        if (attempt.first_at is not None and attempt.last_at is not None
-                and produced >= MIN_OBSERVED_DECODE_TOKENS):
-            span = attempt.last_at - attempt.first_at
-            decode = (produced - 1) / span if span > 0 else None
-        self.trust.record_speeds(peer_id, prefill, decode)
+        sent, first, last = attempt.sent_at, attempt.first_at, attempt.last_at
+        ttft = span = None
+        if sent is not None and first is not None and cached is not None:
+            ttft = first - sent
+        if first is not None and last is not None:
+            span = last - first
+        computed = len(prompt) - (cached or 0)
+        self.trust.record_speeds(peer_id, *forward_speeds(computed, ttft, produced, span))
 
     def failed(
         self, candidate: Candidate, outcome: Outcome, exc: AttemptFailed, route: list[Attempt],
