@@ -16,7 +16,6 @@ from bench.sim.params import SimParams
 from bench.workloads import TokenRequest
 from peer.config import (
     DEFAULT_PROBATION_REQUESTS,
-    DEFAULT_PROBATION_SHARE,
     DEFAULT_VERIFY_FRACTION,
     SUMMARY_EXPIRY_INTERVALS,
     Policy,
@@ -108,7 +107,6 @@ class SimPeer:
         self.trust = TrustLedger(
             verify_fraction=DEFAULT_VERIFY_FRACTION,
             probation_requests=DEFAULT_PROBATION_REQUESTS,
-            probation_share=DEFAULT_PROBATION_SHARE,
         )
         self.router = build_router(policy, rng, block_size=params.block_size, trust=self.trust)
         self.filter = CacheFilter(params.bloom_fp_rate, shape=shape, memos=memos)
@@ -151,10 +149,10 @@ class SimPeer:
 
     def trust_all(self, peer_ids: Iterable[str]) -> None:
         """An established swarm: each of `peer_ids` has passed this peer's probation, fed to
-        the ledger as the pipeline feeds it (verified good responses until promoted)."""
+        the ledger as the pipeline feeds it (matching shadow answers until promoted)."""
         for peer_id in peer_ids:
             while self.trust.on_probation(peer_id):
-                self.trust.record_served(peer_id, verified=True)
+                self.trust.record_shadow_match(peer_id)
 
     @property
     def prefill_tps(self) -> float:
