@@ -217,8 +217,14 @@ async def _report_up(
             }
         )
         while True:
-            known = sorted(v.peer_id for v in peer.table.views(trio.current_time()))
-            _emit({"event": "peers", "peer_ids": known})
+            views = peer.table.views(trio.current_time())
+            # known: a summary of it arrived; routable: also a measured round trip (what
+            # a serving peer's router needs before the peer is a candidate)
+            _emit({
+                "event": "peers",
+                "peer_ids": sorted(v.peer_id for v in views),
+                "routable": sorted(v.peer_id for v in views if v.rtt_s is not None),
+            })
             await trio.sleep(PEERS_REPORT_INTERVAL_S)
 
 

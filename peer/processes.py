@@ -57,6 +57,8 @@ class PeerProcess:
     multiaddrs: tuple[str, ...] = ()
     http: str | None = None
     known: frozenset[str] = frozenset()  # the peers it knows ("peers" or "table" lines)
+    # of those, the ones with a measured round trip: its router's candidates ("peers")
+    routable: frozenset[str] = frozenset()
     table: dict[str, Any] | None = None  # node_runner: the last table report
     stats: dict[str, Any] | None = None  # node_runner: the last statistics
     reports: list[dict[str, Any]] = field(default_factory=list)  # table lines, if kept
@@ -112,6 +114,7 @@ class PeerProcess:
             self.up.set()
         elif kind == "peers":  # peer.cli serve
             self.known = frozenset(report.get("peer_ids", ()))
+            self.routable = frozenset(report.get("routable", ()))
         elif kind == "table":  # peer.node_runner
             self.table, self.stats = report.get("peers"), report.get("stats")
             self.known = frozenset(self.table or {})

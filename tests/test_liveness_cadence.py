@@ -1,7 +1,8 @@
 """Discovery's liveness pings in virtual time: a peer the table keeps round trips for is
 warmed up at 1 s then pinged every liveness interval; one whose round trips the table
 drops (no summary of it yet; in gossip mode `ring`, a peer we do not hear) is pinged at
-doubling gaps up to UNKEPT_PING_MAX_INTERVALS intervals, and warms up once it is kept."""
+doubling gaps up to UNKEPT_PING_MAX_INTERVALS intervals, and warms up once it is kept. A
+member first pinged through relays (and failing) is pinged at once when it connects."""
 
 from __future__ import annotations
 
@@ -12,11 +13,13 @@ import trio
 from libp2p.peer.id import ID
 
 from peer.net.discovery import (
+    RELAY_PING_BACKOFF_MAX_S,
     RTT_WARMUP_SAMPLES,
     UNKEPT_PING_MAX_INTERVALS,
     WARMUP_PING_INTERVAL_S,
     Discovery,
 )
+from peer.net.wire import PeerUnreachable
 from tests.fake_host import new_peer_id
 
 KEPT, UNKEPT = ID.from_base58(new_peer_id(1)), ID.from_base58(new_peer_id(2))
@@ -69,3 +72,52 @@ async def test_unkept_round_trips_back_off_and_kept_ones_warm_up(autojump_clock)
     later = [t for t in host.pings[UNKEPT] if t >= 60.0]
     assert later and later[0] < 60.0 + cap + 1
     assert [round(b - a) for a, b in itertools.pairwise(later)][:1] == [1]
+
+
+class LateDirectHost:
+    """A member known by gossip that no relay reaches (a swarm without relays), then
+    dialled directly at `connect_at`; records the pings it answered."""
+
+    def __init__(self, connect_at: float) -> None:
+        self.connect_at = connect_at
+        self.answered: list[float] = []
+
+    def is_connected(self, peer_id: ID) -> bool:
+        return trio.current_time() >= self.connect_at
+
+    def connected_peers(self) -> list[ID]:
+        return [KEPT] if self.is_connected(KEPT) else []
+
+    def may_relay_to(self, peer_id: ID) -> bool:
+        return not self.is_connected(peer_id)
+
+    async def ping(self, peer_id: ID, *, timeout_s: float) -> float:
+        if not self.is_connected(peer_id):
+            raise PeerUnreachable("no direct or relayed route")
+        self.answered.append(trio.current_time())
+        return 0.001
+
+
+async def test_a_member_pinged_through_relays_is_pinged_at_once_when_it_connects(
+    autojump_clock,
+):
+    # In a starting swarm a peer hears of another by gossip (through the bootstrap peer)
+    # before its discovery dials it; the relayed pings in between fail and back off by
+    # liveness intervals. The direct connection must not inherit that back-off: until the
+    # first round trip the router does not count the peer as a candidate.
+    connect_at = 25.0
+    host = LateDirectHost(connect_at)
+    discovery = Discovery(
+        host, None, b"key", (),  # type: ignore[arg-type]
+        liveness_interval_s=LIVENESS_S, rng=random.Random(0),
+        members=lambda: [str(KEPT)],
+    )
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(discovery._liveness_loop)
+        await trio.sleep(connect_at + 10.0)
+        nursery.cancel_scope.cancel()
+    assert LIVENESS_S * 2 < RELAY_PING_BACKOFF_MAX_S  # a back-off that would outlast a tick
+    assert host.answered and host.answered[0] <= connect_at + WARMUP_PING_INTERVAL_S
+    # ...then it warms up like any new connection
+    gaps = [round(b - a) for a, b in itertools.pairwise(host.answered)]
+    assert gaps[: RTT_WARMUP_SAMPLES - 1] == [WARMUP_PING_INTERVAL_S] * (RTT_WARMUP_SAMPLES - 1)

@@ -23,7 +23,8 @@ def child(*, ignore_term: bool = False, exit_code: int | None = None) -> list[st
         "print('not json', flush=True)",
         "sys.stderr.write('child log line\\n'); sys.stderr.flush()",
         f"print(json.dumps({UP!r}), flush=True)" if exit_code is None else "",
-        "print(json.dumps({'event': 'peers', 'peer_ids': ['a', 'b']}), flush=True)",
+        "print(json.dumps({'event': 'peers', 'peer_ids': ['a', 'b'], 'routable': ['b']}), "
+        "flush=True)",
         "print(json.dumps({'event': 'published', 'seq': 1}), flush=True)",
         f"sys.exit({exit_code})" if exit_code is not None else "",
         "sys.stdin.read()" if not ignore_term else "import time; time.sleep(60)",
@@ -39,6 +40,7 @@ async def test_reports_are_followed_and_every_child_stops_at_exit(tmp_path: Path
             await one.wait_up(20)
             await two.wait_up(20)
             await procs.wait_for(lambda: one.known == {"a", "b"}, "peers line", 20)
+            assert one.routable == {"b"}  # known with a measured round trip
             assert (one.index, two.index) == (1, 2)
             assert (one.peer_id, one.multiaddrs, one.http) == (
                 UP["peer_id"], tuple(UP["multiaddrs"]), UP["http"])

@@ -104,6 +104,7 @@ class Discovery:
         self._rtts_kept: dict[ID, int] = {}  # per connected peer, for the warm-up cadence
         self._rtts_unkept: dict[ID, int] = {}  # consecutive answered pings the table dropped
         self._next_ping: dict[ID, float] = {}
+        self._direct: set[ID] = set()  # directly connected at the last liveness tick
         self._bootstrapped = trio.Event()
         # bootstrap peer id -> its last dial error (cli.py digs out the root cause)
         self.bootstrap_errors: dict[str, Exception] = {}
@@ -299,13 +300,21 @@ class Discovery:
         tick = min(WARMUP_PING_INTERVAL_S, self._liveness_interval_s)
         while True:
             await trio.sleep(tick)
-            connected = set(self._host.connected_peers()) | self._relayed_members()
-            for gone in set(self._next_ping).union(self._ping_failures) - connected:
-                self._next_ping.pop(gone, None)  # a reconnected peer warms up again
-                self._rtts_kept.pop(gone, None)
-                self._rtts_unkept.pop(gone, None)
-                self._ping_failures.pop(gone, None)
-                self._relay_ping_failures.pop(gone, None)
+            direct = set(self._host.connected_peers())
+            connected = direct | self._relayed_members()
+            # A gone peer, and one now directly connected that was not at the last tick,
+            # start afresh: the latter may be a member we pinged through relays before
+            # the dial (those pings fail in a swarm without relays), whose back-off would
+            # otherwise hold its first round trip, and so its candidacy, for 10 s or more.
+            for fresh in (set(self._next_ping).union(self._ping_failures) - connected) | (
+                direct - self._direct
+            ):
+                self._next_ping.pop(fresh, None)  # a reconnected peer warms up again
+                self._rtts_kept.pop(fresh, None)
+                self._rtts_unkept.pop(fresh, None)
+                self._ping_failures.pop(fresh, None)
+                self._relay_ping_failures.pop(fresh, None)
+            self._direct = direct
             now = trio.current_time()
             async with trio.open_nursery() as nursery:
                 for peer_id in connected:
