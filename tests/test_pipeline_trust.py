@@ -21,6 +21,7 @@ from tests.fake_host import (
     FakeEngine,
     Step,
     answer,
+    fake_config,
     fake_swarm,
     honest,
     new_peer_id,
@@ -332,7 +333,7 @@ async def test_a_failed_shadow_backs_the_newcomer_off_and_shutdown_cancels_one(
     async with shadows_served(swarm):
         _, result = await collect(swarm.pipeline)
         assert result.served_by == SELF
-        await trio.sleep(2.0)  # the shadow's first-token deadline (1 s) passed
+        await trio.sleep(fake_config().forward_first_token_s + 1.0)  # a shadow's deadline
         assert swarm.pipeline.statistics()["shadow_stalled"] == 1
         await collect(swarm.pipeline)  # within the back-off: no shadow
         assert swarm.host.dialed() == [A]
@@ -342,6 +343,20 @@ async def test_a_failed_shadow_backs_the_newcomer_off_and_shutdown_cancels_one(
     assert swarm.host.dialed() == [A, A]
     assert swarm.pipeline.shadows.planner.in_flight == 0
     assert swarm.trust.view(A).state is TrustState.PROBATION
+
+
+async def test_a_slow_newcomer_earns_credit_past_a_forwards_first_token_deadline(
+    autojump_clock,
+):
+    """Nobody waits for a shadow: a first token after the estimate-based deadline a
+    client's forward would get (1 s floor here) still counts, up to forward_first_token_s."""
+    swarm = fake_swarm({A: (7, honest(ttft_s=5.0))}, PROMPT, trusted=False, verify_fraction=0.0)
+    async with shadows_served(swarm):
+        _, result = await collect(swarm.pipeline)
+        assert result.served_by == SELF
+        await trio.sleep(10.0)
+    stats = swarm.pipeline.statistics()
+    assert stats["shadow_matched"] == 1 and stats.get("shadow_stalled", 0) == 0
 
 
 async def test_a_private_or_sampled_request_carries_no_shadow(autojump_clock):

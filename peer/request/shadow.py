@@ -26,7 +26,6 @@ import trio
 from peer.engine.api import EngineError, SamplingParams
 from peer.request.forward import AttemptFailed, Faulty, Finished, RemoteAttempt
 from peer.request.generation import Outcome
-from peer.request.race import first_token_timeout_s
 from peer.request.run import RunContext
 from peer.routing.router import Candidate
 from peer.routing.shadow import Shadow, ShadowPlanner, first_difference
@@ -130,7 +129,7 @@ class Shadows:
                     failure = exc
                     return
                 try:
-                    output = await self._read(attempt, candidate, deadline)
+                    output = await self._read(attempt, deadline)
                 except AttemptFailed as exc:
                     failure = exc
                     return
@@ -148,11 +147,11 @@ class Shadows:
                 planner.ended(shadow, failed=False)
             logger.debug("shadow %d to %s ended (judged: %s)", shadow.number, peer_id, judged)
 
-    async def _read(
-        self, attempt: RemoteAttempt, candidate: Candidate, deadline: float
-    ) -> list[int]:
-        """The whole answer, under a forward's first-token deadline and token gaps."""
-        timeout = first_token_timeout_s(self._context.config, candidate)
+    async def _read(self, attempt: RemoteAttempt, deadline: float) -> list[int]:
+        """The whole answer, under the longest first-token deadline any forward gets
+        (`forward_first_token_s`): nobody waits for a shadow, and a busy newcomer's answer
+        is as good late as early; the in-flight bounds limit what a staller holds."""
+        timeout = self._context.config.forward_first_token_s
         with trio.move_on_at(min(deadline, trio.current_time() + timeout)) as timer:
             await attempt.open()
         if timer.cancelled_caught:

@@ -35,8 +35,9 @@ __all__ = [
 
 DEFAULT_SHADOW_SHARE = 1  # every request may carry one shadow: a cold swarm earns trust in
 #   a few requests (the in-flight bounds, not the share, bound the extra traffic)
-DEFAULT_MAX_SHADOWS_IN_FLIGHT = 2  # shadows of one entry at once: a flood of new identities
-#   costs the entry at most two extra streams (its own compute is never spent on them)
+DEFAULT_MAX_SHADOWS_IN_FLIGHT = 4  # shadows of one entry at once: a flood of new identities
+#   costs the entry at most four extra streams (its own compute is never spent on them),
+#   and a swarm of five earns each newcomer's trust in parallel
 
 
 class Shadow(NamedTuple):
