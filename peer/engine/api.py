@@ -24,6 +24,7 @@ from protocols.blocks import BlockHasher
 from .radix import CacheEvent
 
 __all__ = [
+    "AUTO_DTYPE",
     "DEVICES",
     "DTYPES",
     "MAX_CHAT_MESSAGES",
@@ -58,7 +59,8 @@ MAX_PROMPT_CHARS_PER_TOKEN = 32  # longer text than this x max_context can't fit
 MAX_CHAT_MESSAGES = 1024  # bounds the chat-template work for one request
 # Weight-only quantized formats (quant.py): CPU only, bfloat16 activations.
 QUANT_FORMATS = ("int8", "int4")
-DTYPES = ("float32", "bfloat16", "float16", *QUANT_FORMATS)  # float16 only off the CPU
+AUTO_DTYPE = "auto"  # model.py's choose_dtype: bfloat16 where the hardware has it, else float32
+DTYPES = (AUTO_DTYPE, "float32", "bfloat16", "float16", *QUANT_FORMATS)  # float16: not CPU
 DEVICES = ("auto", "cpu", "cuda", "mps")  # auto: cuda, then mps, then cpu
 
 
