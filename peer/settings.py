@@ -94,7 +94,9 @@ FIELD_HELP = {
     "hedge_floor_s": "the earliest a hedge starts",
     "load_probes": "candidates asked for their load before forwarding (0: gossiped load only)",
     "load_probe_wait_s": "the longest a request waits for load probes",
-    "dtype": "weights and KV precision (float32, bfloat16; float16 needs a GPU)",
+    "dtype": "weights and KV precision: auto (bfloat16 where the CPU or GPU computes it "
+             "natively, else float32), float32, bfloat16, int8 or int4 (weight-only, CPU; "
+             "bfloat16 activations); float16 needs a GPU",
     "device": "auto, cpu, cuda or mps",
     "threads": "torch CPU threads (none: torch's default)",
     "revision": "a hub id's branch, tag or commit",

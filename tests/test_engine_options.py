@@ -8,7 +8,13 @@ import torch
 from peer import cli
 from peer.config import PeerConfig
 from peer.engine.engine import Engine
-from peer.engine.model import ModelLoadError, load_model, resolve_device
+from peer.engine.model import (
+    ModelLoadError,
+    choose_dtype,
+    cpu_flags,
+    load_model,
+    resolve_device,
+)
 from protocols.ids import split_model_id
 from tests.helpers_engine import assert_serves_like_transformers
 
@@ -60,13 +66,34 @@ def test_bad_precision_and_device_are_clear_errors(tmp_path):
         load_model("tiny-random", threads=0)
 
 
+def test_auto_dtype_is_bfloat16_only_where_the_hardware_computes_it(tmp_path):
+    avx2 = frozenset({"avx2", "fma"})
+    assert choose_dtype("smollm2-135m", "cpu", avx2)[0] == "float32"
+    assert choose_dtype("smollm2-135m", "cpu", avx2 | {"avx512_bf16"})[0] == "bfloat16"
+    assert choose_dtype("org/model", "cpu", avx2 | {"amx_bf16"}) == (
+        "bfloat16", "this CPU has amx_bf16")
+    assert choose_dtype("tiny-random", "cpu", avx2 | {"avx512_bf16"})[0] == "float32"
+    assert choose_dtype("smollm2-135m", "cuda", avx2, cuda_bf16=True)[0] == "bfloat16"
+    assert choose_dtype("smollm2-135m", "cuda", avx2 | {"amx_bf16"})[0] == "float32"
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512_bf16\n\nprocessor\t: 1\n")
+    assert cpu_flags(info) == {"fpu", "avx2", "avx512_bf16"}
+    assert cpu_flags(tmp_path / "missing") == frozenset()
+
+
+def test_auto_names_the_dtype_it_chose(capsys):
+    loaded = load_model("tiny-random", dtype="auto", device="cpu")
+    assert split_model_id(loaded.model_id)[1] == "float32"
+    assert "--dtype auto: float32 (tiny-random is a test model)" in capsys.readouterr().err
+
+
 def test_cli_flags_reach_the_config():
     args = cli.build_parser().parse_args(
         ["serve", "--dtype", "bfloat16", "--device", "cpu", "--threads", "2", "--identity", ""]
     )
     config = cli.config_from_args(args)
     assert (config.dtype, config.device, config.threads) == ("bfloat16", "cpu", 2)
-    assert PeerConfig().dtype == "float32" and PeerConfig().device == "auto"
+    assert PeerConfig().dtype == "auto" and PeerConfig().device == "auto"
     with pytest.raises(ValueError, match="dtype"):
         PeerConfig(dtype="float8")
     with pytest.raises(ValueError, match="threads"):

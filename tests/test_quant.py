@@ -1,0 +1,157 @@
+"""Weight-only int8 and int4: the quantizers' rounding, the layers against their own
+dequantized weights, and the engine on quantized weights serving exactly what the same
+quantized model computes one request at a time (batched, chunked and cached alike)."""
+
+import pytest
+import torch
+import trio
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from peer.engine.api import QUANT_FORMATS, SamplingParams
+from peer.engine.engine import Engine
+from peer.engine.model import ModelLoadError, load_model
+from peer.engine.quant import (
+    ACTIVATION_DTYPE,
+    Int4Linear,
+    Int8Linear,
+    quantize_int4,
+    quantize_int8,
+)
+from protocols.ids import split_model_id
+from tests.helpers_engine import assert_serves_like_transformers
+
+GREEDY4 = SamplingParams(max_new_tokens=4)
+
+
+def prompt(n, start=100):
+    return [start + 7 * i % 5000 for i in range(n)]
+
+
+def dequant_int4(q, scales_and_zeros, group=32):
+    n, k = q.shape
+    sz = scales_and_zeros.float().transpose(0, 1)  # [N, K / group, 2]
+    w = (q.float().reshape(n, k // group, group) - 8) * sz[..., :1] + sz[..., 1:]
+    return w.reshape(n, k)
+
+
+def test_int8_rounds_each_weight_to_the_nearest_step_of_its_channel():
+    w = torch.randn(48, 96) * torch.linspace(0.01, 3, 48)[:, None]
+    q, scales = quantize_int8(w)
+    assert q.dtype == torch.int8 and scales.dtype == ACTIVATION_DTYPE
+    err = (q.float() * scales.float()[:, None] - w).abs()
+    assert (err <= scales.float()[:, None] / 2 * 1.001).all()
+    assert q.abs().amax(dim=1).min() >= 126  # the range is used
+
+
+def test_int4_gives_back_the_4bit_values_of_q4_1_blocks():
+    """A GGUF Q4_1 block is w = q * d + m over 32 weights (q in 0..15): quantizing the
+    dequantized floats finds the same q (scales rounded to bfloat16 or not)."""
+    gen = torch.Generator().manual_seed(7)
+    n, k = 32, 128
+    q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int32)
+    q[:, ::32], q[:, 1::32] = 0, 15  # every block spans the full range, as Q4_1 makes it
+    d = torch.rand(n, k // 32, 1, generator=gen) * 0.05 + 1e-3
+    m = -torch.rand(n, k // 32, 1, generator=gen) * 0.4
+    w = (q.float().reshape(n, k // 32, 32) * d + m).reshape(n, k)
+    got, scales_and_zeros = quantize_int4(w)
+    assert torch.equal(got, q)
+    # the values differ only by the scale and zero rounded to bfloat16 (8 bits of mantissa)
+    sz = scales_and_zeros.float().transpose(0, 1).repeat_interleave(32, dim=1)
+    bound = 2**-8 * (15 * sz[..., 0] + sz[..., 1].abs())
+    assert ((dequant_int4(got, scales_and_zeros) - w).abs() <= bound).all()
+
+
+def test_int4_of_random_weights_stays_within_half_a_step():
+    w = torch.randn(64, 96)
+    q, scales_and_zeros = quantize_int4(w)
+    assert q.min() >= 0 and q.max() <= 15
+    step = scales_and_zeros[..., 0].float().transpose(0, 1).repeat_interleave(32, dim=1)
+    assert ((dequant_int4(q, scales_and_zeros) - w).abs() <= step * 0.55).all()
+
+
+@pytest.mark.parametrize("layer", [Int8Linear, Int4Linear])
+def test_the_layers_compute_x_times_their_dequantized_weights(layer):
+    torch.manual_seed(3)
+    w, b = torch.randn(32, 64) * 0.1, torch.randn(32)
+    lin = layer(w, b)
+    if layer is Int8Linear:
+        deq = lin.weight_int8.float() * lin.scales.float()[:, None]
+    else:
+        deq = dequant_int4(quantize_int4(w)[0], lin.scales_and_zeros)
+    x = torch.randn(2, 5, 64).to(ACTIVATION_DTYPE)
+    want = x.float() @ deq.T + b.to(ACTIVATION_DTYPE).float()
+    got = lin(x)
+    assert got.shape == (2, 5, 32) and got.dtype == ACTIVATION_DTYPE
+    assert torch.allclose(got.float(), want, atol=0.05, rtol=0.02)
+    assert not torch.allclose(got.float(), x.float() @ w.T * 0, atol=0.05)  # not trivially 0
+
+
+@pytest.fixture(scope="module", params=QUANT_FORMATS)
+def quant_model(request):
+    return load_model("tiny-random", dtype=request.param, device="cpu")
+
+
+async def test_quantized_model_serves_with_reuse_and_matches_its_own_generate(quant_model):
+    name, fmt, fingerprint = split_model_id(quant_model.model_id)
+    assert (name, fmt) == ("tiny-random", fmt) and fmt in QUANT_FORMATS and len(fingerprint) == 12
+    model = quant_model.model
+    layers = [type(m).__name__ for m in model.modules()]
+    assert "Linear" not in layers  # every nn.Linear swapped
+    assert type(model.lm_head) is Int8Linear  # the head stays 8-bit in both formats
+    want = Int4Linear if fmt == "int4" else Int8Linear
+    assert type(model.model.layers[0].mlp.down_proj) is want
+    assert model.model.embed_tokens.weight.dtype == ACTIVATION_DTYPE
+    engine = Engine.from_model(quant_model)
+    assert engine.layout.itemsize == 2  # bfloat16 KV
+    await assert_serves_like_transformers(engine, model, prompt(40))
+
+
+def test_formats_have_their_own_ids(quant_model, tiny_model):
+    assert split_model_id(quant_model.model_id)[2] != split_model_id(tiny_model.model_id)[2]
+    again = load_model("tiny-random", dtype=split_model_id(quant_model.model_id)[1])
+    assert again.model_id == quant_model.model_id  # deterministic: peers agree
+
+
+def test_quantized_formats_are_cpu_only():
+    if not torch.cuda.is_available():
+        with pytest.raises(ModelLoadError, match="no CUDA device"):
+            load_model("tiny-random", dtype="int8", device="cuda")
+
+
+@settings(max_examples=6, deadline=None)
+@given(
+    shared=st.lists(st.integers(0, 49151), min_size=16, max_size=60),
+    tails=st.lists(
+        st.tuples(st.integers(0, 60), st.lists(st.integers(0, 49151), min_size=1, max_size=20)),
+        min_size=2, max_size=5,
+    ),
+    step_tokens=st.integers(1, 48),
+    budget_blocks=st.integers(1, 6),
+)
+def test_batched_cached_quantized_generation_equals_one_at_a_time(
+    quant_model, shared, tails, step_tokens, budget_blocks
+):
+    """Prompts sharing prefixes, all at once, chunked and through an evicting cache:
+    greedy tokens equal an uncached engine's on the same quantized weights, one request
+    at a time."""
+    prompts = [shared[:cut] + tail for cut, tail in tails] * 2
+    reference = Engine.from_model(quant_model, cache_bytes=0)
+    batched = Engine.from_model(
+        quant_model, cache_bytes=budget_blocks * reference.layout.block_bytes)
+    batched.step_tokens = step_tokens
+
+    async def run():
+        want = [(await reference.generate(p, GREEDY4)).token_ids for p in prompts]
+        got = [None] * len(prompts)
+
+        async def one(i):
+            got[i] = (await batched.generate(prompts[i], GREEDY4)).token_ids
+
+        async with trio.open_nursery() as nursery:
+            for i in range(len(prompts)):
+                nursery.start_soon(one, i)
+        assert got == want
+
+    trio.run(run)
+    assert batched.statistics()["max_batch"] >= 2
