@@ -38,6 +38,7 @@ SIMULATOR_OWN = {
     "SIM_SEED_OFFSET",
     "TURNS_PER_SESSION",
     "QUICK_LOADS",
+    "GREEDY",
     # The evaluation's targets over result rows (bench/sim/checks.py): claims, not rules.
     "BUSY",
     "BUSY_ORACLE_RATIO",
@@ -65,7 +66,8 @@ def _module_numbers(path: Path) -> set[str]:
 
 def test_the_simulator_defines_no_numbers_of_its_own_but_these() -> None:
     """A number written into bench/sim must be the simulator's own, and listed above."""
-    event_kinds = {"ARRIVE", "DELIVER", "PHASE", "TICK", "SUMMARY", "FIRST_BACK", "END_BACK"}
+    event_kinds = {"ARRIVE", "DELIVER", "PHASE", "TICK", "SUMMARY", "FIRST_BACK", "END_BACK",
+                   "VERDICT"}
     found: set[str] = set()
     for path in sorted(SIM_DIR.glob("*.py")):
         found |= _module_numbers(path)

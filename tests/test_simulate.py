@@ -15,7 +15,9 @@ from bench.sim import experiments
 from bench.sim.calibration import NOTES_CALIBRATION, Calibration
 from bench.sim.model import Simulator, simulate
 from bench.sim.params import ORACLE, POLICY_NAMES, SimParams
+from bench.stats import mean
 from bench.workloads import TokenizedMMLU, TokenRequest, poisson_arrivals, zipf_weights
+from peer.config import DEFAULT_PROBATION_REQUESTS
 from peer.swarm.incremental_bloom import IncrementalBloom
 from protocols.bloom import BloomFilter
 
@@ -171,20 +173,66 @@ def test_busiest_peer_utilization_is_busy_time_while_measured_requests_arrive() 
 
 
 def test_swarm_trust_established_or_cold() -> None:
-    """An established swarm starts with every peer past every other's probation (the
-    live ledger, fed verified responses); a cold one with every peer on probation, which
-    holds forwards to probation peers to 1 request in DEFAULT_PROBATION_SHARE."""
+    """An established swarm starts with every peer past every other's probation (the live
+    ledger, fed matching shadow answers) and sends no shadow; in a cold one every peer
+    starts on probation for every other, serves no client until promoted, and is promoted
+    by the entries' shadows (the live ShadowPlanner: DEFAULT_PROBATION_REQUESTS matches):
+    forwards start and grow as pairs are promoted."""
     wl = workload(300)
-    forwarded = {}
+    runs = {}
     for state, probation in (("established", False), ("cold", True)):
         params = dataclasses.replace(SMALL, swarm_trust=state)
         sim = Simulator(params, wl)
         assert all(p.trust.on_probation(q.peer_id) is probation
                    for p in sim.peers for q in sim.peers if p is not q)
-        forwarded[state] = sim.run().metrics["forwarded_fraction"]
-    assert forwarded["cold"] < forwarded["established"]
+        runs[state] = (sim, sim.run().metrics)
+    sim, m = runs["established"]
+    assert m["shadows_per_request"] == 0 and not sim.shadow_jobs and not sim.promotions
+    assert m["trusted_pair_fraction"] == 1.0
+    sim, m = runs["cold"]
+    assert sim.promotions and m["shadows_per_request"] > 0
+    assert m["trusted_pair_fraction"] == len(sim.promotions) / (4 * 3)
+    promoted = {(entry, peer): t for t, entry, peer in sim.promotions}
+    for job in sim.jobs:  # a client is served by its entry or by a peer it promoted earlier
+        if job.target != job.entry:
+            assert promoted[job.entry, job.target] <= job.arrival
+    for (entry, peer), t in promoted.items():  # after exactly K shadows, then none
+        to_peer = [j for j in sim.shadow_jobs if (j.entry, j.target) == (entry, peer)]
+        assert sum(1 for j in to_peer if j.arrival < t) == DEFAULT_PROBATION_REQUESTS
+        assert all(j.arrival < t for j in to_peer)
+    half = len(sim.jobs) // 2
+    early, late = ([j.target != j.entry for j in part]
+                   for part in (sim.jobs[:half], sim.jobs[half:]))
+    assert 0 <= mean(early) < mean(late)
+    assert 0 < m["forwarded_fraction"] < runs["established"][1]["forwarded_fraction"]
     with pytest.raises(ValueError, match="swarm_trust"):
         SimParams(swarm_trust="warm")
+
+
+def test_shadows_cost_the_newcomer_compute_and_reach_no_client() -> None:
+    """Two cold peers, a distinct 100-token prompt every second, each read alone in
+    100 ms: every request is served once for its client; each shadow is one more 100 ms
+    job at the peer on probation, none is a client's; both peers are promoted after K
+    shadows each, then forward."""
+    cal = Calibration("flat", 0.0, 1e-3, 0.0, 0.01, "test", batch_step_slope=1.0)
+    rng = random.Random(5)
+    reqs = [TokenRequest(float(i), i, tuple(rng.randrange(VOCAB) for _ in range(100)), (), 1)
+            for i in range(60)]
+    params = SimParams(policy="round_robin", peers=2, delay_ms=1.0, jitter=0.0,
+                       calibration=cal, warmup_fraction=0.0, swarm_trust="cold")
+    sim = Simulator(params, reqs)
+    result = sim.run()
+    assert result.completions == [1] * len(reqs)
+    assert len(result.ttft_s) == len(reqs)
+    assert sum(p.served for p in sim.peers) == len(reqs)
+    shadows = sum(p.shadows_served for p in sim.peers)
+    assert shadows == 2 * DEFAULT_PROBATION_REQUESTS == len(sim.shadow_jobs)
+    assert all(j.shadow is not None and j.shadow.peer_id == sim.peers[j.target].peer_id
+               and j.target != j.entry for j in sim.shadow_jobs)
+    busy = sum(p.busy_s for p in sim.peers)
+    assert busy == pytest.approx(0.1 * (len(reqs) + shadows))
+    assert sorted((e, p) for _, e, p in sim.promotions) == [(0, 1), (1, 0)]
+    assert 0 < result.metrics["forwarded_fraction"] < 1
 
 
 def test_forwarding_pays_stream_setup_and_both_ways() -> None:

@@ -8,8 +8,12 @@ Each simulated peer (bench/sim/swarm_state.py) owns a real `RadixCache`, `PeerTa
 message takes d + U(0, jitter * d); a forward first opens a stream (`stream_setup_rtts`
 round trips), then sends the request; requests enter at a uniformly chosen peer, which
 counts its forwards in flight as peer/request/pipeline.py does, and routes with its own
-trust ledger (SimParams.swarm_trust: established or cold at t = 0). Every number is a
-field of SimParams or Calibration.
+trust ledger (SimParams.swarm_trust: established or cold at t = 0). Peers on probation
+serve no client: as the live entry does, each routed request may carry a shadow copy (the
+peer's own ShadowPlanner decides) to the probation peer its router ranks best, a real job
+there that reaches no client; its answer (honest peers' greedy answers always match) is
+judged when both answers are back at the entry, and DEFAULT_PROBATION_REQUESTS matches
+promote. Every number is a field of SimParams or Calibration.
 """
 
 from __future__ import annotations
@@ -33,7 +37,17 @@ from bench.sim.params import (
 )
 from bench.sim.routing_model import RoutingModel
 from bench.sim.server_model import ServerModel
-from bench.sim.swarm_state import ARRIVE, DELIVER, FIRST_BACK, PHASE, SUMMARY, TICK, Job, SimPeer
+from bench.sim.swarm_state import (
+    ARRIVE,
+    DELIVER,
+    FIRST_BACK,
+    PHASE,
+    SUMMARY,
+    TICK,
+    VERDICT,
+    Job,
+    SimPeer,
+)
 from bench.stats import cov, mean, percentile
 from bench.workloads import TokenRequest
 from peer.config import GossipMode, Policy
@@ -43,6 +57,7 @@ from peer.routing.probing import (
     DEFAULT_MIN_WAIT_S,
     ProbeSettings,
 )
+from peer.routing.shadow import Shadow
 from peer.swarm.incremental_bloom import Memo, Shape
 from peer.swarm.neighbourhood import Neighbourhood
 from peer.swarm.providers import HomeRing, ProviderIndex
@@ -51,6 +66,8 @@ from protocols.bloom import ProbeCache
 from protocols.framing import encode_frame
 from protocols.roots import SummaryReply
 from protocols.summary import CacheSummary
+
+GREEDY = 0.0  # the simulated workload's temperature: answers are compared (shadow.comparable)
 
 
 class Simulator(ServerModel, RoutingModel, GossipModel):
@@ -126,6 +143,8 @@ class Simulator(ServerModel, RoutingModel, GossipModel):
         self._seq = 0
         self._prefix_chains: dict[int, list[int]] = {}
         self.jobs: list[Job] = []
+        self.shadow_jobs: list[Job] = []  # shadow copies sent, in order
+        self.promotions: list[tuple[float, int, int]] = []  # (time, entry, peer promoted)
         self._forwarded = 0
         self._summaries_applied = 0
         self._summaries_rejected = 0
@@ -205,6 +224,8 @@ class Simulator(ServerModel, RoutingModel, GossipModel):
                 self._deliver_summary(a, payload, t)
             elif kind == FIRST_BACK:  # the entry's pipeline gives the forward back
                 self.peers[a].table.forward_prefilled(payload)
+            elif kind == VERDICT:
+                self._verdict(self.peers[a], payload, t)
             else:
                 self._forward_done(self.peers[a], payload)
         return self._result()
@@ -243,18 +264,42 @@ class Simulator(ServerModel, RoutingModel, GossipModel):
         job.target = target
         if self._ring:
             entry.lookups.touch(self.peers[target].peer_id)
+        # after routing, as peer/request/pipeline.py asks: a shadow to a probation peer?
+        shadow = entry.shadows.choose(job.probation, temperature=GREEDY, private=False)
         if target == job.entry:
             if wait > 0:
                 self._push(now + wait, DELIVER, target, job)
             else:
                 self._start(job, now)
-            return
-        self._forwarded += 1
-        counted = len(tokens) - match_tokens if self.params.forward_counts_uncached else len(tokens)
-        job.charge = entry.table.record_forward(self.peers[target].peer_id, counted, now)
+        else:
+            self._forwarded += 1
+            self._send(entry, job, match_tokens, now, wait)
+        if shadow is not None:
+            self._send_shadow(entry, job, shadow, now, wait)
+
+    def _send(self, entry: SimPeer, job: Job, match_tokens: int, now: float,
+              wait: float) -> None:
+        """Forward ``job`` to ``job.target`` after ``wait``: the entry's table counts it; a
+        stream opens (`stream_setup_rtts` round trips), then the request goes."""
+        n = len(job.tokens)
+        counted = n - match_tokens if self.params.forward_counts_uncached else n
+        job.charge = entry.table.record_forward(self.peers[job.target].peer_id, counted, now)
         legs = [self._one_way() for _ in range(2 * self.params.stream_setup_rtts + 1)]
         job.sent = now + wait + sum(legs[:-1])  # the stream is open; the request goes
-        self._push(now + wait + sum(legs), DELIVER, target, job)
+        self._push(now + wait + sum(legs), DELIVER, job.target, job)
+
+    def _send_shadow(self, entry: SimPeer, job: Job, shadow: Shadow, now: float,
+                     wait: float) -> None:
+        """A copy of ``job`` to the probation peer ``shadow`` names: an ordinary forward
+        (peer/request/shadow.py) whose answer reaches no client."""
+        copy = Job(len(self.workload) + len(self.shadow_jobs), job.req, job.tokens, job.chain)
+        copy.entry = job.entry
+        copy.target = self._index[shadow.peer_id]
+        copy.shadow = shadow
+        copy.twin, job.twin = job, copy
+        self.shadow_jobs.append(copy)
+        chosen = next(c for c in job.probation if c.peer_id == shadow.peer_id)
+        self._send(entry, copy, min(chosen.match_tokens, len(job.tokens) - 1), now, wait)
 
     @functools.cached_property
     def _warmup(self) -> tuple[int, float]:
@@ -293,6 +338,10 @@ class Simulator(ServerModel, RoutingModel, GossipModel):
         publishes = sum(p.published for p in self.peers)
         received, received_bytes = self._received, self._received_bytes
         window = self.busy_window[1] - self.busy_window[0]
+        pairs = n * (n - 1)
+        trusted = sum(1 for p in self.peers for q in self.peers
+                      if p is not q and not p.trust.on_probation(q.peer_id))
+        promoted_at = [t for t, _, _ in self.promotions]
         metrics = {
             "requests": float(len(kept)),
             "ttft_mean_s": mean(ttft),
@@ -337,6 +386,12 @@ class Simulator(ServerModel, RoutingModel, GossipModel):
             ),
             "probe_changed_fraction": self._probe_stats["changed"] / len(jobs),
             "probe_wait_mean_s": self._probe_stats["wait_s"] / len(jobs),
+            # shadows (all requests, warm-up included): copies sent per request; at the end,
+            # the fraction of (entry, peer) pairs past probation; when pairs were promoted
+            "shadows_per_request": len(self.shadow_jobs) / len(jobs),
+            "trusted_pair_fraction": trusted / pairs if pairs else 1.0,
+            "promotion_p50_s": percentile(promoted_at, 0.5),
+            "promotion_max_s": max(promoted_at, default=math.nan),
         }
         return RunResult(self.params, metrics, ttft, e2e, [j.target for j in jobs], completions)
 

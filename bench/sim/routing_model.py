@@ -134,9 +134,10 @@ class RoutingModel:
         return reusable_tokens(peer.cache.peek(tokens), len(tokens), self.params.block_size)
 
     def _ranked(self, entry: SimPeer, job: Job, now: float) -> list[Candidate]:
-        """The entry peer's router, as the live pipeline calls it, on its current table."""
+        """The entry peer's router, as the live pipeline calls it, on its current table:
+        the candidates, best first; the peers on probation go to ``job.probation``."""
         self._catch_up(entry)
-        return entry.router.rank(
+        ranked = entry.router.rank_all(
             job.chain,
             len(job.tokens),
             job.req.max_new_tokens,
@@ -144,6 +145,8 @@ class RoutingModel:
             entry.table,
             now,
         )
+        job.probation = ranked.probation
+        return ranked.candidates
 
     def _router_choice(self, entry: SimPeer, job: Job, now: float) -> tuple[int, int]:
         ranked = self._ranked(entry, job, now)
@@ -247,11 +250,31 @@ class RoutingModel:
     def _forward_done(self, entry: SimPeer, job: Job) -> None:
         """A forward's last token is back at its entry: the entry's bookkeeping, as
         peer/request/run.py `RunContext.served` does it: the table's count of the forward,
-        and what the trust ledger learns (served, the claimed match, observed speeds)."""
+        and what the trust ledger learns (served, the claimed match, observed speeds). A
+        shadow's answer waits for the client's to be judged (`_verdict`)."""
         entry.table.forward_ended(job.charge, prefilled=True)
+        if job.shadow is not None:
+            return
         peer_id = self.peers[job.target].peer_id
         trust = entry.trust
         trust.record_served(peer_id, verified=trust.on_probation(peer_id))
+        self._observe(entry, job)
+
+    def _verdict(self, entry: SimPeer, job: Job, now: float) -> None:
+        """A shadow's answer and its request's are both at the entry: an honest simulated
+        peer's greedy answer always matches, so the entry records what the forward showed
+        and the planner counts the match (`record_shadow_match`: promoted after
+        DEFAULT_PROBATION_REQUESTS), as peer/request/shadow.py `_judge` does."""
+        assert job.shadow is not None
+        self._observe(entry, job)
+        if entry.shadows.matched(job.shadow) is not None:
+            self.promotions.append((now, entry.idx, job.target))
+
+    def _observe(self, entry: SimPeer, job: Job) -> None:
+        """What a finished forward showed of its peer (`RunContext.observe`): its claim,
+        its speeds."""
+        peer_id = self.peers[job.target].peer_id
+        trust = entry.trust
         bs = self.params.block_size
         n = len(job.tokens)
         claimed = entry.table.estimate_match(peer_id, job.chain) * bs

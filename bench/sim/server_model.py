@@ -14,7 +14,9 @@ what Engine.load reports; speeds are measured per step (speeds.observe_step).
 
 from __future__ import annotations
 
-from bench.sim.swarm_state import END_BACK, FIRST_BACK, PHASE, Job, SimPeer, no_value
+import math
+
+from bench.sim.swarm_state import END_BACK, FIRST_BACK, PHASE, VERDICT, Job, SimPeer, no_value
 from peer.engine.scheduler import StepPlan, reusable_blocks, waits_for_shared_prefill
 from peer.engine.speeds import observe_step
 
@@ -59,7 +61,8 @@ class ServerModel:
         self._push(now + peer.cal.step_s(len(plan.decode), chunks), PHASE, peer.idx, plan)
 
     def _phase(self, peer: SimPeer, plan: StepPlan, now: float) -> int:
-        """A step ended on `peer`: advance its requests; returns the requests completed."""
+        """A step ended on `peer`: advance its requests; returns the client requests
+        completed (shadows are not)."""
         seconds = now - peer.step_started
         peer.busy_s += seconds
         start, end = self.busy_window
@@ -71,8 +74,7 @@ class ServerModel:
             job = peer.queue.batch[rid]
             job.decode_left -= 1
             if job.decode_left <= 0:
-                self._complete(peer, job, now)
-                done += 1
+                done += self._complete(peer, job, now)
         for rid, n in plan.prefill:
             job = peer.queue.batch[rid]
             job.pos += n
@@ -80,8 +82,7 @@ class ServerModel:
                 self._prefill_done(peer, job, now)
                 job.decode_left = job.req.max_new_tokens - 1
                 if job.decode_left <= 0:
-                    self._complete(peer, job, now)
-                    done += 1
+                    done += self._complete(peer, job, now)
         self._step(peer, now)
         return done
 
@@ -93,19 +94,30 @@ class ServerModel:
         if job.charge is not None:
             self._push(now + job.ret, FIRST_BACK, job.entry, job.charge)
 
-    def _complete(self, peer: SimPeer, job: Job, now: float) -> None:
+    def _complete(self, peer: SimPeer, job: Job, now: float) -> int:
+        """The last token of ``job``: 1 for a client request, 0 for a shadow."""
         peer.cache.unlock(job.match)
         job.match = None
         peer.queue.finish(job.rid)
         if self.params.cache_generated and job.req.output:
             self._insert(peer, job.tokens + job.req.output, now)
         peer.running -= 1
+        job.e2e = now + job.ret - job.arrival
+        job.answered = now + job.ret
+        if job.charge is not None:
+            self._push(now + job.ret, END_BACK, job.entry, job)
+        twin = job.twin
+        if twin is not None and not math.isnan(twin.answered):
+            # both answers are at the entry: the shadow is judged (peer/request/shadow.py)
+            shadow_job = twin if job.shadow is None else job
+            self._push(max(job.answered, twin.answered), VERDICT, job.entry, shadow_job)
+        if job.shadow is not None:
+            peer.shadows_served += 1
+            return 0
         peer.served += 1
         if self._measured(job):
             peer.served_after_warmup += 1
-        job.e2e = now + job.ret - job.arrival
-        if job.charge is not None:
-            self._push(now + job.ret, END_BACK, job.entry, job)
+        return 1
 
     def _insert(self, peer: SimPeer, tokens: tuple[int, ...], now: float) -> None:
         """Insert `tokens`' full blocks as the engine does (evicting exactly what it needs)."""

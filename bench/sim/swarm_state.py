@@ -1,8 +1,8 @@
 """The simulated swarm's state: event kinds, a request in flight, a peer.
 
 A `SimPeer` owns the live peer's pure parts: a real `RadixCache`, `PeerTable`, `Router`,
-`PublishPolicy` and `CacheFilter`, the ring lookup's cores, and the speeds the engine
-measures (seeded as Engine.warmup() seeds them).
+`TrustLedger` and `ShadowPlanner`, `PublishPolicy` and `CacheFilter`, the ring lookup's
+cores, and the speeds the engine measures (seeded as Engine.warmup() seeds them).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from bench.sim.params import SimParams
 from bench.workloads import TokenRequest
 from peer.config import (
     DEFAULT_PROBATION_REQUESTS,
+    DEFAULT_PROBATION_SHARE,
     DEFAULT_VERIFY_FRACTION,
     SUMMARY_EXPIRY_INTERVALS,
     Policy,
@@ -28,7 +29,8 @@ from peer.engine.speeds import (
     warmup_max_prompt_tokens,
     warmup_prefill_speed,
 )
-from peer.routing.router import build_router
+from peer.routing.router import Candidate, build_router
+from peer.routing.shadow import DEFAULT_MAX_SHADOWS_IN_FLIGHT, Shadow, ShadowPlanner
 from peer.routing.trust import TrustLedger
 from peer.swarm.incremental_bloom import CacheFilter, Memo, Shape
 from peer.swarm.interest import Interest, Lookups
@@ -39,13 +41,15 @@ from protocols.blocks import BlockHasher
 from protocols.bloom import ProbeCache
 
 # Event kinds, in the order they are handled when simultaneous (then FIFO).
-ARRIVE, DELIVER, PHASE, TICK, SUMMARY, FIRST_BACK, END_BACK = range(7)
+ARRIVE, DELIVER, PHASE, TICK, SUMMARY, FIRST_BACK, END_BACK, VERDICT = range(8)
 
 
 class Job:
-    """One request: its prompt, where it entered and is served, and its progress."""
+    """One request, or a shadow copy of one (a job at a probation peer that reaches no
+    client): its prompt, where it entered and is served, and its progress."""
 
     __slots__ = (
+        "answered",
         "arrival",
         "cached",
         "chain",
@@ -57,14 +61,17 @@ class Job:
         "match",
         "new",
         "pos",
+        "probation",
         "queued",
         "req",
         "ret",
         "rid",
         "sent",
+        "shadow",
         "target",
         "tokens",
         "ttft",
+        "twin",
     )
 
     def __init__(self, rid: int, req: TokenRequest, tokens: tuple[int, ...], chain: list[int]):
@@ -87,6 +94,10 @@ class Job:
         self.ttft = math.nan
         self.e2e = math.nan
         self.history = 0  # follow-up turns: tokens of history the engine could have cached
+        self.probation: list[Candidate] = []  # the entry router's probation peers, best first
+        self.shadow: Shadow | None = None  # set on a shadow copy: the planner's decision
+        self.twin: Job | None = None  # a request's shadow copy, a shadow's request
+        self.answered = math.nan  # when its whole answer is back at the entry
 
 
 class SimPeer:
@@ -109,6 +120,10 @@ class SimPeer:
             probation_requests=DEFAULT_PROBATION_REQUESTS,
         )
         self.router = build_router(policy, rng, block_size=params.block_size, trust=self.trust)
+        # the entry's shadows of requests to peers on probation, as peer/request/pipeline.py
+        # builds them
+        self.shadows = ShadowPlanner(self.trust, share=DEFAULT_PROBATION_SHARE,
+                                     max_in_flight=DEFAULT_MAX_SHADOWS_IN_FLIGHT)
         self.filter = CacheFilter(params.bloom_fp_rate, shape=shape, memos=memos)
         self.publish_policy = PublishPolicy(
             params.summary_interval_s, early_publish=params.early_publish
@@ -144,8 +159,9 @@ class SimPeer:
         self.seq = 0
         self.published = 0
         self.bytes_published = 0
-        self.served = 0
+        self.served = 0  # client requests (shadows are counted apart)
         self.served_after_warmup = 0
+        self.shadows_served = 0
 
     def trust_all(self, peer_ids: Iterable[str]) -> None:
         """An established swarm: each of `peer_ids` has passed this peer's probation, fed to

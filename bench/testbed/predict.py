@@ -2,10 +2,12 @@
 
 The same workload (the very TokenRequest list the client sends), the same peers (one
 measured Calibration each, bench/testbed/calibrate.py, as SimParams.peer_calibrations),
-their cache capacity, summary interval, delay and policy; no warm-up is left out, as the
-testbed measures every request of a cold swarm. `rate_for_utilization` picks an arrival
-rate at which the simulated busiest peer under `random` (which spreads work evenly over
-unequal peers) reaches a target utilisation: the testbed's loads are named by it.
+their cache capacity, summary interval, delay and policy; a cold swarm (every peer on
+probation for every other, promoted by shadows: each testbed run starts a fresh swarm)
+and no warm-up left out, as the testbed measures every request. `rate_for_utilization`
+picks an arrival rate at which the simulated busiest peer under `random` (which spreads
+work evenly over unequal peers) reaches a target utilisation: the testbed's loads are
+named by it.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from dataclasses import dataclass
 
 from bench.sim.calibration import Calibration
 from bench.sim.model import Simulator
-from bench.sim.params import SimParams
+from bench.sim.params import COLD, SimParams
 from bench.workloads import TokenRequest
 
 SIM_JITTER = 0.0  # the emulator's links have a fixed delay
@@ -29,6 +31,7 @@ class SimSetup:
     capacity_blocks: int
     summary_interval_s: float
     block_size: int = 16
+    swarm_trust: str = COLD  # each testbed run starts a fresh swarm
 
     def params(self, policy: str, delay_ms: float, seed: int) -> SimParams:
         return SimParams(
@@ -36,6 +39,7 @@ class SimSetup:
             summary_interval_s=self.summary_interval_s, capacity_blocks=self.capacity_blocks,
             block_size=self.block_size, warmup_fraction=0.0, seed=seed,
             calibration=self.calibrations[0], peer_calibrations=self.calibrations,
+            swarm_trust=self.swarm_trust,
         )
 
 
