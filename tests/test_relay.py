@@ -56,7 +56,8 @@ async def test_outbound_only_peer_is_served_through_a_relay(nursery, tiny_engine
         timeout_s=20,
         what="the holder reserved a relay slot",
     )
-    entry = await start_peer(nursery, config((), boot), tiny_engine_factory())
+    # the entry trusts the holder from the start: a peer on probation serves no client
+    entry = await start_peer(nursery, config((), boot, probation_requests=0), tiny_engine_factory())
     prefix = tokens(640, seed=1)
     prompt = prefix + tokens(20, seed=2)
     await holder.peer.engine.generate(prefix + tokens(9, seed=3), SamplingParams(max_new_tokens=1))
