@@ -30,8 +30,14 @@ DEFAULT_SHARES = (0.2, 0.3, 0.4, 0.5)
 # The loads: the arrival rate at which the simulated busiest peer under `random` is this
 # busy (bench/testbed/predict.py rate_for_utilization); rows carry the measured value.
 LOADS = {"half": 0.5, "high": 0.9}
-FULL = {"delays_ms": (0.0, 20.0, 50.0), "loads": ("half", "high"), "runs": 5, "requests": 200}
-QUICK = {"delays_ms": (20.0,), "loads": ("high",), "runs": 1, "requests": 60}
+# `warmup`: requests each swarm serves before the measured ones (same generator, same
+# seed, unmeasured): a fresh swarm's peers are on probation for one another until three
+# shadows each have matched (nine per entry with four peers), so without it a run would
+# measure the swarm's first seconds, not a running swarm; the prediction leaves out the
+# same requests.
+FULL = {"delays_ms": (0.0, 20.0, 50.0), "loads": ("half", "high"), "runs": 5, "requests": 200,
+        "warmup": 80}
+QUICK = {"delays_ms": (20.0,), "loads": ("high",), "runs": 1, "requests": 60, "warmup": 60}
 ROW_KEYS = ("ttft_mean_s", "ttft_p99_s", "e2e_mean_s", "hit_ratio", "busiest_peer_utilization",
             "predicted_ttft_mean_s", "forwarded_fraction")
 
@@ -48,6 +54,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--loads", help=f"of {sorted(LOADS)} (default: both; quick: high)")
     p.add_argument("--runs", type=int, help="runs per point (default 5; quick 1)")
     p.add_argument("--requests", type=int, help="per policy run (default 200; quick 60)")
+    p.add_argument("--warmup", type=int,
+                   help="unmeasured requests before them (default 80; quick 60)")
     p.add_argument("--seed", type=int, default=0, help="run r uses seed + r")
     p.add_argument("--model", default="tiny-random")
     p.add_argument("--cache-bytes", type=int, default=2_000_000)
@@ -72,6 +80,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.loads = tuple(args.loads.split(",")) if args.loads else plan["loads"]
     args.runs = args.runs or plan["runs"]
     args.requests = args.requests or plan["requests"]
+    args.warmup = plan["warmup"] if args.warmup is None else args.warmup
+    if args.warmup < 0:
+        p.error("--warmup must be >= 0")
     if set(args.loads) - set(LOADS) or set(args.policies) - set(POLICIES):
         p.error(f"loads must be of {sorted(LOADS)}, policies of {POLICIES}")
     args.rates = ({k: float(v) for k, v in (x.split("=") for x in args.rates.split(","))}
@@ -117,7 +128,8 @@ async def calibrate(bed: Bed, args: argparse.Namespace) -> tuple[SimSetup, list[
             f"prefill {c.prefill_s_per_token * 1e3:.3f} ms/token, decode "
             f"{c.decode_s_per_token * 1e3:.1f} ms/token; cold 512: "
             f"{c.prefill_s(512, 0) * 1e3:.0f} ms")
-    setup = SimSetup(tuple(s.calibration for s in speeds), capacity, args.summary_interval)
+    setup = SimSetup(tuple(s.calibration for s in speeds), capacity, args.summary_interval,
+                     warmup_requests=args.warmup)
     return setup, speeds
 
 
@@ -145,7 +157,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                     json.dumps(result["calibration"], indent=2) + "\n")
 
             def workload_at(rate: float, seed: int = args.seed) -> list[Any]:
-                return mixed_requests(data, WorkloadSpec(args.requests, rate,
+                return mixed_requests(data, WorkloadSpec(args.warmup + args.requests, rate,
                                                          args.max_new_tokens, seed))
 
             rates: dict[str, float] = {}
@@ -160,6 +172,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 "shares": list(args.shares), "model": args.model, "policies": args.policies,
                 "delays_ms": list(args.delays_ms), "loads": {k: LOADS[k] for k in args.loads},
                 "rates_per_s": rates, "runs": args.runs, "requests": args.requests,
+                "warmup_requests": args.warmup,
                 "cache_bytes": args.cache_bytes, "capacity_blocks": setup.capacity_blocks,
                 "summary_interval_s": args.summary_interval,
                 "max_new_tokens": args.max_new_tokens,
@@ -175,7 +188,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                         workload = workload_at(rates[load], seed)
                         for policy in args.policies:
                             measured = await run_policy(bed, policy, workload, args.model,
-                                                        seed)
+                                                        seed, warmup=args.warmup)
                             row: dict[str, Any] = {
                                 "policy": policy, "delay_ms": delay_ms, "load": load,
                                 "rate_per_s": rates[load], "run": run, "seed": seed,

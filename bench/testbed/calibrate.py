@@ -12,6 +12,11 @@ holds everything a request pays besides its prompt (HTTP, routing at the entry, 
 stream, the sampler), which the simulator has no other place for. Decode per token is
 the difference between a request with DECODE_TOKENS new tokens and one with one, over
 DECODE_TOKENS - 1 (CPU), or (end - first token) / (DECODE_TOKENS - 1) (wall clock).
+
+A peer also spends CPU with no request at all (gossip, pings, the DHT): `IDLE_S` of
+idleness first measure that rate, and requests get the share less it (their CPU less
+that rate over their wall time, over share - rate), since the simulator gives a peer's
+whole share to requests.
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ REPEATS = 3
 TOKEN_RANGE = (1000, 40000)  # ids well inside the SmolLM2 vocabulary, no special tokens
 TIMEOUT_S = 60.0
 MIN_S_PER_TOKEN = 1e-6  # a floor where noise hides the per-token cost
+IDLE_S = 3.0  # how long a peer is watched doing nothing: its background CPU rate
+MAX_BACKGROUND = 0.5  # of the share: more says the measurement broke, not the peer
 
 
 @dataclass(frozen=True)
@@ -44,11 +51,13 @@ class PeerSpeed:
     points: tuple[tuple[int, int, float], ...]  # (cached tokens, new tokens, TTFT s)
     decode_s_per_token: float
     calibration: Calibration
+    background_cores: float = 0.0  # CPU the idle peer used (cores), taken off its share
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "points": [list(p) for p in self.points],
             "decode_s_per_token": self.decode_s_per_token,
+            "background_cores": self.background_cores,
             "calibration": self.calibration.as_dict(),
         }
 
@@ -79,16 +88,27 @@ async def measure_peer(url: str, model: str, name: str, seed: int, cpu: Clock | 
     def tokens(n: int) -> list[int]:
         return [rng.randrange(*TOKEN_RANGE) for _ in range(n)]
 
+    background = 0.0  # cores the idle peer uses (measured below, with `cpu`)
+
     async def timed(client: httpx.AsyncClient, prompt: list[int],
                     max_tokens: int = 1) -> float:
         before = cpu() if cpu else 0.0
+        start = trio.current_time()
         ttft, _ = await _ttft(client, url, model, prompt, max_tokens)
-        return (cpu() - before) / share if cpu else ttft
+        if not cpu:
+            return ttft
+        used = cpu() - before - background * (trio.current_time() - start)
+        return max(used, 0.0) / (share - background)
 
     samples: dict[tuple[int, int], list[float]] = {}
     decodes: list[float] = []
     async with httpx.AsyncClient(timeout=TIMEOUT_S) as client:
         await _ttft(client, url, model, tokens(16))  # first request: lazy set-up
+        if cpu:
+            idle_from, idle_start = cpu(), trio.current_time()
+            await trio.sleep(IDLE_S)
+            rate = (cpu() - idle_from) / (trio.current_time() - idle_start)
+            background = min(max(rate, 0.0), MAX_BACKGROUND * share)
         for _ in range(REPEATS):
             for length in COLD_LENGTHS:
                 prompt = tokens(length)
@@ -106,9 +126,10 @@ async def measure_peer(url: str, model: str, name: str, seed: int, cpu: Clock | 
                 decodes.append((end - first) / (DECODE_TOKENS - 1))
     points = tuple((k, n, statistics.median(v)) for (k, n), v in sorted(samples.items()))
     decode = max(statistics.median(decodes), MIN_S_PER_TOKEN)
-    how = f"CPU seconds / {share:g} core" if cpu else "client-side TTFT"
+    how = (f"CPU seconds / ({share:g} core less {background:.3f} idle)" if cpu
+           else "client-side TTFT")
     source = f"bench.testbed.calibrate: {how} at {url}, median of {REPEATS}"
-    return PeerSpeed(points, decode, fit(points, decode, name, source))
+    return PeerSpeed(points, decode, fit(points, decode, name, source), background)
 
 
 def fit(points: Sequence[tuple[int, int, float]], decode_s_per_token: float, name: str,

@@ -4,7 +4,9 @@ The same workload (the very TokenRequest list the client sends), the same peers 
 measured Calibration each, bench/testbed/calibrate.py, as SimParams.peer_calibrations),
 their cache capacity, summary interval, delay and policy; a cold swarm (every peer on
 probation for every other, promoted by shadows: each testbed run starts a fresh swarm)
-and no warm-up left out, as the testbed measures every request. `rate_for_utilization`
+and the same warm-up left out (`warmup_requests`: the requests the testbed sends before
+the measured ones; the busiest peer's utilisation is over the measured arrivals, as the
+testbed measures it). `rate_for_utilization`
 picks an arrival rate at which the simulated busiest peer under `random` (which spreads
 work evenly over unequal peers) reaches a target utilisation: the testbed's loads are
 named by it.
@@ -13,7 +15,7 @@ named by it.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from bench.sim.calibration import Calibration
 from bench.sim.model import Simulator
@@ -32,6 +34,7 @@ class SimSetup:
     summary_interval_s: float
     block_size: int = 16
     swarm_trust: str = COLD  # each testbed run starts a fresh swarm
+    warmup_requests: int = 0  # the first requests of every workload are not measured
 
     def params(self, policy: str, delay_ms: float, seed: int) -> SimParams:
         return SimParams(
@@ -53,13 +56,18 @@ class Prediction:
 
 def predict(setup: SimSetup, policy: str, delay_ms: float, workload: Sequence[TokenRequest],
             seed: int) -> Prediction:
-    """One simulated run of `workload`."""
-    sim = Simulator(setup.params(policy, delay_ms, seed), workload)
-    result = sim.run()
-    duration = max(result.metrics["duration_s"], 1e-9)
-    busiest = max(p.busy_s for p in sim.peers) / duration
-    return Prediction(result.metrics["ttft_mean_s"], busiest, result.metrics["hit_ratio"],
-                      result.metrics["forwarded_fraction"])
+    """One simulated run of `workload`, its first `setup.warmup_requests` not measured."""
+    params = setup.params(policy, delay_ms, seed)
+    if setup.warmup_requests:
+        if setup.warmup_requests >= len(workload):
+            raise ValueError(f"a warm-up of {setup.warmup_requests} leaves nothing of "
+                             f"{len(workload)} requests to measure")
+        # int(n * fraction) is the first measured request (Simulator._warmup)
+        fraction = (setup.warmup_requests + 0.5) / len(workload)
+        params = replace(params, warmup_fraction=fraction)
+    result = Simulator(params, workload).run()
+    return Prediction(result.metrics["ttft_mean_s"], result.metrics["busiest_peer_utilization"],
+                      result.metrics["hit_ratio"], result.metrics["forwarded_fraction"])
 
 
 def rate_for_utilization(

@@ -487,8 +487,10 @@ async def _views(client: httpx.AsyncClient, peers: Sequence[SwarmPeer]) -> list[
 
 
 async def run_policy(bed: Bed, policy: str, workload: Sequence[TokenRequest], model: str,
-                     seed: int) -> RunMeasurement:
-    """A fresh swarm of `policy`, the workload sent open loop, every request timed."""
+                     seed: int, warmup: int = 0) -> RunMeasurement:
+    """A fresh swarm of `policy`, the workload sent open loop, every request timed; the
+    first `warmup` requests are served but not measured, and utilisation is the peers'
+    CPU from the first measured request's arrival to the last arrival."""
     rng = random.Random(f"{seed}/entries")  # the same entries for every policy
     entries = [rng.randrange(len(bed.shares)) for _ in workload]
     setup_start = time.perf_counter()
@@ -499,10 +501,13 @@ async def run_policy(bed: Bed, policy: str, workload: Sequence[TokenRequest], mo
                               max_keepalive_connections=MAX_IN_FLIGHT)
         async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S, limits=limits) as client:
             cpu0 = [swarm.cpu_seconds(i) for i in range(len(swarm.peers))]
-            start = trio.current_time()
+            start = window_start = trio.current_time()
             async with trio.open_nursery() as nursery:
                 for index, (request, entry) in enumerate(zip(workload, entries, strict=True)):
                     await trio.sleep_until(start + request.arrival_s)
+                    if index == warmup:
+                        window_start = trio.current_time()
+                        cpu0 = [swarm.cpu_seconds(i) for i in range(len(swarm.peers))]
 
                     async def one(request: TokenRequest = request, entry: int = entry,
                                   index: int = index) -> None:
@@ -510,13 +515,14 @@ async def run_policy(bed: Bed, policy: str, workload: Sequence[TokenRequest], mo
                                                     model, index))
 
                     nursery.start_soon(one)
+                window = max(trio.current_time() - window_start, 1e-9)
+                cpu1 = [swarm.cpu_seconds(i) for i in range(len(swarm.peers))]
             wall = trio.current_time() - start
-            cpu1 = [swarm.cpu_seconds(i) for i in range(len(swarm.peers))]
-            utilization = [(b - a) / (share * wall)
+            utilization = [(b - a) / (share * window)
                            for a, b, share in zip(cpu0, cpu1, swarm.shares, strict=True)]
             views = await _views(client, swarm.peers)
         delivered = gossip_delivered(views, [p.peer_id for p in swarm.peers])
-    outcomes.sort(key=lambda o: o.index)
+    outcomes = sorted((o for o in outcomes if o.index >= warmup), key=lambda o: o.index)
     return RunMeasurement(outcomes, wall, utilization, delivered, setup_s, swarm.up_s)
 
 
