@@ -26,10 +26,12 @@ from typing import Any
 from bench.report import emit_json
 from bench.sim.experiments import DEPLOYABLE
 from bench.stats import mean_ci95
+from bench.testbed.report import section as testbed_section
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK_JSON = ROOT / "docs" / "results" / "quick.json"
 FINAL_JSON = ROOT / "docs" / "results" / "final.json"
+TESTBED_JSON = ROOT / "docs" / "results" / "testbed.json"  # bench.testbed's full run
 RESULTS_MD = ROOT / "docs" / "RESULTS.md"
 MARGIN = 1.05  # "never more than 5% behind the best deployable policy"
 ORACLE_BOUND = 1.2  # "at most 1.2x the oracle's at the highest load"
@@ -399,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     params = {"regimes": {**qparams.get("regimes", {}), **fparams.get("regimes", {})},
               "quick_wall_s": qparams.get("wall_s"), "quick_runs": len(quick),
               "final_wall_s": fparams.get("wall_s"), "final_runs": len(final)}
-    page = render(quick, final, params, result, seeds)
+    page = render(quick, final, params, result, seeds) + "\n" + testbed_section(TESTBED_JSON)
     if args.check:
         same = args.write.is_file() and args.write.read_text() == page
         print(f"{args.write}: {'matches' if same else 'differs from'} the rows", file=sys.stderr)

@@ -122,3 +122,43 @@ def test_quick_run_on_isolated_peers(tmp_path: Path) -> None:
         assert 0 < row["busiest_peer_utilization"] <= 1.2  # a quota is a ceiling
         assert row["predicted_ttft_mean_s"] > 0
     assert len(result["summary"]) == len(cli.POLICIES)
+
+
+def _row(policy: str, run: int, ttft: float, predicted: float) -> dict[str, object]:
+    return {"policy": policy, "delay_ms": 20.0, "load": "high", "run": run,
+            "ttft_mean_s": ttft, "predicted_ttft_mean_s": predicted, "hit_ratio": 0.5,
+            "forwarded_fraction": 0.5, "busiest_peer_utilization": 0.9}
+
+
+def test_the_targets_are_read_from_the_rows() -> None:
+    from bench.testbed.report import checks
+
+    rows = [_row("cost", r, 1.0 + 0.01 * r, 1.1) for r in range(3)]
+    rows += [_row("random", r, 2.0 + 0.01 * r, 2.1) for r in range(3)]
+    rows += [_row("local", r, 1.5 + 0.01 * r, 1.0) for r in range(3)]
+    (point,) = checks(rows)
+    assert point["cost_lowest"] and point["cost_clear_of_random"] and point["cost_clear_of_local"]
+    assert point["predicted_over_measured"]["local"] == pytest.approx(1.0 / 1.51)
+    assert not point["predictions_within_25pct"]  # local's 0.66 is off by more than 25%
+    rows += [_row("longest_prefix", r, 0.9, 0.9) for r in range(3)]
+    (point,) = checks(rows)
+    assert not point["cost_lowest"] and not point["cost_within_5pct_of_longest_prefix"]
+
+
+def test_the_prediction_leaves_out_the_warm_up() -> None:
+    from bench.sim.calibration import Calibration
+    from bench.testbed.predict import SimSetup, predict
+    from bench.workloads import TokenRequest
+
+    cal = Calibration("flat", 0.0, 1e-3, 0.0, 0.01, "test", batch_step_slope=1.0)
+    # 10 requests of 100 tokens, then 10 of 300, far apart: each peer serves them alone
+    reqs = [TokenRequest(float(i), i, tuple(range(i * 1000, i * 1000 + (100 if i < 10 else 300))),
+                         (), 1) for i in range(20)]
+    setup = SimSetup((cal,), capacity_blocks=256, summary_interval_s=0.5)
+    everything = predict(setup, "local", 0.0, reqs, seed=1).ttft_mean_s
+    measured = predict(SimSetup((cal,), 256, 0.5, warmup_requests=10), "local", 0.0, reqs,
+                       seed=1).ttft_mean_s
+    assert everything == pytest.approx(0.2, rel=0.05)
+    assert measured == pytest.approx(0.3, rel=0.05)
+    with pytest.raises(ValueError, match="warm-up"):
+        predict(SimSetup((cal,), 256, 0.5, warmup_requests=20), "local", 0.0, reqs, seed=1)

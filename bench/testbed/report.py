@@ -1,0 +1,136 @@
+"""docs/RESULTS.md's testbed section, generated from the committed testbed rows.
+
+    python -m bench.claims        # writes the page, this section included
+
+Per point (delay, load) and policy: the measured mean TTFT over runs with its 95%
+interval (bench.stats.mean_ci95), the simulator's prediction on the same workload and
+calibrations, their ratio, hit ratio, forwarded fraction and the busiest peer's measured
+utilisation; then the issue's checks, each computed from the rows: `cost` lowest of the
+deployable policies, its interval clear of random's and local's, within 5% of
+longest_prefix, and every prediction within 25% of the measurement.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from bench.stats import mean_ci95
+
+Row = dict[str, Any]
+POLICIES = ("cost", "longest_prefix", "local", "random", "least_loaded")
+PREDICTION_TOLERANCE = 0.25  # |predicted / measured - 1|
+LONGEST_PREFIX_MARGIN = 1.05
+COMMAND = "sudo .venv/bin/python -m bench.testbed --json docs/results/testbed.json"
+
+
+def _points(rows: Sequence[Row]) -> dict[tuple[float, str], dict[str, list[Row]]]:
+    out: dict[tuple[float, str], dict[str, list[Row]]] = defaultdict(lambda: defaultdict(list))
+    for r in rows:
+        out[(float(r["delay_ms"]), str(r["load"]))][str(r["policy"])].append(r)
+    return out
+
+
+def _mean(rows: Sequence[Row], key: str) -> tuple[float, float]:
+    return mean_ci95([float(r[key]) for r in rows if r.get(key) is not None])
+
+
+def _fmt(m: float, h: float) -> str:
+    if math.isnan(m):
+        return "-"
+    return f"{m:.3f}" if math.isnan(h) else f"{m:.3f} ± {h:.3f}"
+
+
+def _clear(cost: tuple[float, float], other: tuple[float, float] | None) -> bool | None:
+    """Whether cost's 95% interval lies wholly below `other`'s (None: no interval)."""
+    if other is None or math.isnan(cost[1]) or math.isnan(other[1]):
+        return None
+    return cost[0] + cost[1] < other[0] - other[1]
+
+
+def checks(rows: Sequence[Row]) -> list[dict[str, Any]]:
+    """Per point, the issue's targets as booleans, with the numbers behind them."""
+    out = []
+    for (delay, load), by_policy in sorted(_points(rows).items()):
+        stats = {p: _mean(rs, "ttft_mean_s") for p, rs in by_policy.items()}
+        if "cost" not in stats:
+            continue
+        cm = stats["cost"][0]
+        lowest = all(cm <= m for p, (m, _) in stats.items() if p != "cost")
+        lp = stats.get("longest_prefix", (math.nan, math.nan))[0]
+        ratios = {}
+        for p, rs in by_policy.items():
+            measured = _mean(rs, "ttft_mean_s")[0]
+            predicted = _mean(rs, "predicted_ttft_mean_s")[0]
+            ratios[p] = predicted / measured if measured > 0 else math.nan
+        out.append({
+            "delay_ms": delay, "load": load, "cost_lowest": lowest,
+            "cost_clear_of_random": _clear(stats["cost"], stats.get("random")),
+            "cost_clear_of_local": _clear(stats["cost"], stats.get("local")),
+            "cost_within_5pct_of_longest_prefix": cm <= LONGEST_PREFIX_MARGIN * lp,
+            "predictions_within_25pct": all(
+                abs(r - 1) <= PREDICTION_TOLERANCE for r in ratios.values()),
+            "predicted_over_measured": ratios,
+        })
+    return out
+
+
+def section(path: Path) -> str:
+    """The page's testbed section; a line saying there are no rows when `path` is absent."""
+    if not path.is_file():
+        return "## The testbed\n\nNo testbed rows are committed yet (`" + COMMAND + "`).\n"
+    data = json.loads(path.read_text())
+    rows: list[Row] = data["rows"]
+    params = data.get("params", {})
+    lines = [
+        "## The testbed: real peers on small machines, next to the simulator",
+        "",
+        f"`{COMMAND}` ({len(rows)} rows, docs/testbed.md). "
+        f"{len(params.get('shares', []))} peers of {params.get('model')} with CPU shares "
+        f"{params.get('shares')} of a core, each in its own network namespace, every byte "
+        f"between peers through the link emulator ({params.get('bandwidth_mbit')} Mbit/s); "
+        f"{params.get('requests')} measured requests per policy run after "
+        f"{params.get('warmup_requests', 0)} unmeasured ones, {params.get('runs')} runs "
+        f"per point (seed + run), a fresh swarm per policy run, default trust settings. "
+        f"Arrival rates (requests/s): {params.get('rates_per_s')}. "
+        "TTFT in seconds: the mean over runs ± the half-width of its 95% interval; "
+        "`sim` is the simulator's prediction on the same workload and measured "
+        "calibrations; `util` the busiest peer's measured utilisation.",
+        "",
+    ]
+    for (delay, load), by_policy in sorted(_points(rows).items()):
+        lines += [f"### d = {delay:g} ms, load {load}", "",
+                  "| policy | TTFT mean | sim | sim / real | hit | forwarded | util | runs |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for policy in POLICIES:
+            rs = by_policy.get(policy)
+            if not rs:
+                continue
+            m, h = _mean(rs, "ttft_mean_s")
+            sim = _mean(rs, "predicted_ttft_mean_s")[0]
+            ratio = sim / m if m > 0 else math.nan
+            lines.append(
+                f"| {policy} | {_fmt(m, h)} | {sim:.3f} | {ratio:.2f} | "
+                f"{_mean(rs, 'hit_ratio')[0]:.2f} | {_mean(rs, 'forwarded_fraction')[0]:.2f} | "
+                f"{_mean(rs, 'busiest_peer_utilization')[0]:.2f} | {len(rs)} |")
+        lines.append("")
+    lines += ["### The targets, point by point", "",
+              "| d ms | load | cost lowest | clear of random | clear of local | "
+              "within 5% of longest_prefix | predictions within 25% |",
+              "|---|---|---|---|---|---|---|"]
+
+    def yes(v: bool | None) -> str:
+        return "n/a" if v is None else ("yes" if v else "**no**")
+
+    for c in checks(rows):
+        lines.append(
+            f"| {c['delay_ms']:g} | {c['load']} | {yes(c['cost_lowest'])} | "
+            f"{yes(c['cost_clear_of_random'])} | {yes(c['cost_clear_of_local'])} | "
+            f"{yes(c['cost_within_5pct_of_longest_prefix'])} | "
+            f"{yes(c['predictions_within_25pct'])} |")
+    lines.append("")
+    return "\n".join(lines)
