@@ -120,6 +120,7 @@ def test_every_bootstrap_unreachable_exits_1(capsys):
     err = capsys.readouterr().err
     assert "Traceback" not in err
     lines = err.splitlines()
+    assert "--dtype auto: float32" in lines.pop(0)  # the format chosen, said first
     assert "fingerprinting the weights" in lines[0] and "done in" in lines[1]
     assert "warming up the engine" in lines[2] and f"model {MODEL}+w" in lines[4]
     assert "ready in" in lines[4]
