@@ -82,7 +82,8 @@ class Int8Linear(nn.Module):
             bias.detach().to(ACTIVATION_DTYPE), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.aten._weight_int8pack_mm(_flat(x), self.weight_int8, self.scales)
+        y: torch.Tensor = torch.ops.aten._weight_int8pack_mm(
+            _flat(x), self.weight_int8, self.scales)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
@@ -113,7 +114,7 @@ class Int4Linear(nn.Module):
             bias.detach().to(ACTIVATION_DTYPE), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+        y: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(
             _flat(x), self.packed, self.group, self.scales_and_zeros)
         if self.bias is not None:
             y = y + self.bias
