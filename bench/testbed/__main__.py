@@ -19,9 +19,10 @@ import trio
 
 from bench.report import emit_json
 from bench.stats import mean_ci95
+from bench.testbed.beds import Bed, PeerSettings, log, open_bed
 from bench.testbed.calibrate import measure_peers
 from bench.testbed.predict import SimSetup, predict, rate_for_utilization
-from bench.testbed.runner import Bed, PeerSettings, log, open_bed, run_policy, summarise
+from bench.testbed.runner import run_policy, summarise
 from bench.testbed.workload import WorkloadSpec, describe, mixed_requests
 from bench.workloads import load_tokenized_mmlu
 

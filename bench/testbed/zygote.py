@@ -84,8 +84,8 @@ def _child(argv: list[str], stdout: str, stderr: str, netns: str | None) -> None
         code = peer.cli.main(argv)
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    except BaseException:
-        traceback.print_exc()
+    except BaseException:  # a forked child must never return into the zygote's loop:
+        traceback.print_exc()  # whatever ended it is printed, and it exits 1
         code = 1
     finally:
         for stream in (sys.stdout, sys.stderr):
