@@ -37,7 +37,7 @@ run: $(STAMP)
 # each worker, the serial part and every peer process the tests start would otherwise
 # compile the project and pytest's assertion rewrites again (collection: 11.3 s against
 # 7.5 s of wall time here). __pycache__/ is ignored by git.
-SERIAL_TESTS := tests/test_swarm_membership.py tests/test_web_browser.py tests/test_testbed_net.py
+SERIAL_TESTS := tests/test_swarm_membership.py tests/test_gossipsub_mesh.py tests/test_web_browser.py tests/test_testbed_net.py
 test: $(STAMP) system-packages
 	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest -n 2 --dist worksteal -m "not serial"
 	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest -m serial $(SERIAL_TESTS)

@@ -19,7 +19,7 @@ from peer.engine.quant import (
     quantize_int8,
 )
 from protocols.ids import split_model_id
-from tests.helpers_engine import assert_serves_like_transformers
+from tests.helpers_engine import assert_greedy_equal_up_to_ties, assert_serves_like_transformers
 
 GREEDY4 = SamplingParams(max_new_tokens=4)
 
@@ -134,7 +134,8 @@ def test_batched_cached_quantized_generation_equals_one_at_a_time(
 ):
     """Prompts sharing prefixes, all at once, chunked and through an evicting cache:
     greedy tokens equal an uncached engine's on the same quantized weights, one request
-    at a time."""
+    at a time, up to near-ties of the bfloat16 logits (a step of bfloat16 at the logits'
+    size is 1/32 here; the tolerance allows two)."""
     prompts = [shared[:cut] + tail for cut, tail in tails] * 2
     reference = Engine.from_model(quant_model, cache_bytes=0)
     batched = Engine.from_model(
@@ -151,7 +152,8 @@ def test_batched_cached_quantized_generation_equals_one_at_a_time(
         async with trio.open_nursery() as nursery:
             for i in range(len(prompts)):
                 nursery.start_soon(one, i)
-        assert got == want
+        for p, g, w in zip(prompts, got, want, strict=True):
+            assert_greedy_equal_up_to_ties(quant_model.model, p, g, w, tolerance=1 / 16)
 
     trio.run(run)
     assert batched.statistics()["max_batch"] >= 2
