@@ -1,6 +1,7 @@
 """Direct-connection upgrade over a relay: the pure core (peer/net/punch.py) and connection
 reversal on loopback (a public peer reaches an outbound-only one through a relay; the
-outbound-only one dials back, and the next stream goes over that direct connection)."""
+outbound-only one dials back where the relay sees the public one, and the next stream
+goes over that direct connection)."""
 
 from __future__ import annotations
 
@@ -243,7 +244,13 @@ async def test_a_public_peer_reached_through_a_relay_is_dialled_back(nursery):
         await holder.connect(relay.multiaddrs[0])
         await entry.connect(relay.multiaddrs[0])
         await wait_for(lambda: holder.reach.relayed_addrs() != [], "H reserved a slot on R")
-        await wait_for(lambda: entry.reachability().value == "public", "E is public")
+        # E is public: three reporters in distinct networks reached it at its address (on
+        # loopback every real reporter shares 127.0.0.0/24, which counts once).
+        e_addr = str(entry.multiaddrs[0]).split("/p2p/")[0]
+        for i, reporter in enumerate(("192.0.2.1", "198.51.100.1", "203.0.113.1")):
+            entry.reach.tracker.record(f"reporter{i}", ok=True, addr=e_addr,
+                                       now=trio.current_time(), reporter_ip=reporter)
+        assert entry.reachability().value == "public"
         assert not entry.is_connected(holder.peer_id)
         entry.libp2p.get_peerstore().add_addrs(
             holder.peer_id,
@@ -258,6 +265,9 @@ async def test_a_public_peer_reached_through_a_relay_is_dialled_back(nursery):
             lambda: entry.holepunch.stats["reversal_ok"] == 1, "E recorded the reversal"
         )
         assert holder.holepunch.stats["served_reversal_ok"] == 1
+        # H dialled only where R sees E connected (punch_policy): 127.0.0.1, this host
+        assert holder.holepunch.stats["dials_to_observed"] >= 1
+        assert holder.holepunch.stats["dials_to_unobserved"] == 0
         upgraded = entry.holepunch.upgraded[holder.peer_id.to_base58()]
         assert upgraded["mechanism"] == "reversal" and upgraded["remote"].startswith("127.0.0.1:")
         circuits = relay.reach.stats["circuits"]  # the upgrade's own stream went through R

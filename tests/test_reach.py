@@ -45,8 +45,10 @@ def test_verdicts_follow_the_evidence():
     assert t.verdict(0.0) is Reachability.UNKNOWN
     t.record("p1", ok=False, addr="/ip4/198.18.0.2/tcp/4001", now=1.0)
     assert t.verdict(1.0) is Reachability.PRIVATE
-    t.record("p2", ok=True, addr="/ip4/198.18.0.2/tcp/4001", now=2.0)
-    assert t.verdict(2.0) is Reachability.PUBLIC
+    for i, reporter in enumerate(("192.0.2.7", "198.51.100.7", "203.0.113.7")):
+        t.record(f"p{i + 2}", ok=True, addr="/ip4/198.18.0.2/tcp/4001", now=2.0,
+                 reporter_ip=reporter)
+    assert t.verdict(2.0) is Reachability.PUBLIC  # three networks agree (PUBLIC_QUORUM)
     assert t.confirmed_addrs(2.0) == ["/ip4/198.18.0.2/tcp/4001"]
     # evidence expires: a network may change
     assert t.verdict(2.0 + RESULT_TTL_S + 1) is Reachability.UNKNOWN
@@ -58,7 +60,7 @@ def test_a_peer_counts_once_its_latest_answer_wins():
     t.record("p1", ok=True, addr="/ip4/1.2.3.4/tcp/1", now=0.0)
     t.record("p1", ok=False, addr="/ip4/1.2.3.4/tcp/1", now=1.0)
     assert t.verdict(1.0) is Reachability.PRIVATE
-    assert t.evidence(1.0) == {"ok": 0, "failed": 1}
+    assert t.evidence(1.0) == {"ok": 0, "failed": 1, "agreeing_networks": 0, "quorum": 3}
 
 
 @given(st.lists(st.tuples(st.text(min_size=1, max_size=8), st.booleans()), max_size=200))

@@ -23,12 +23,16 @@ __all__ = [
     "Attempts",
     "Connect",
     "Mechanism",
+    "ObservedAnswer",
+    "ObservedQuery",
     "Result",
     "Role",
     "Sync",
     "choose_mechanism",
     "dialable_tcp",
     "parse_message",
+    "parse_observed_answer",
+    "parse_observed_query",
     "role_of",
     "sync_delay",
 ]
@@ -43,6 +47,8 @@ BACKOFF_FIRST_S = 5.0  # after a failure, the next try waits this long, doubling
 BACKOFF_MAX_S = 300.0  # ...and this long once ATTEMPTS_PER_PEER failed (networks change)
 MAX_TRACKED_PEERS = 1024  # per-peer attempt records kept (least recently used dropped)
 MAX_SYNC_DELAY_S = 2.0  # half a round trip longer than this is not a live relay
+MAX_OBSERVED_IPS = 4  # IPs one answer names: the peer's connections are few
+MAX_IP_CHARS = 45  # the longest textual IPv6 address
 
 
 class Mechanism(enum.StrEnum):
@@ -105,7 +111,8 @@ def dialable_tcp(addr: str) -> tuple[str, int] | None:
 class Connect:
     """Each side's addresses; the initiator's also names the mechanism and its peer id
     (a relayed stream does not say who opened it; the claim is checked by the dial's
-    Noise handshake, so a false one only costs a failed dial)."""
+    Noise handshake). Addresses are claims: peer/net/punch_policy.py dials only those at
+    an IP where the relay carrying the punch sees that peer connected."""
 
     addrs: tuple[str, ...]
     mechanism: Mechanism | None = None  # None in the responder's answer
@@ -186,6 +193,59 @@ def parse_message(raw: object) -> Message:
             raise RemoteProtocolError(f"error must be a string of at most {MAX_ERROR_CHARS}")
         return Result(ok, error)
     raise RemoteProtocolError(f"unknown message type {kind!r}")
+
+
+# -- where a relay sees a peer ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ObservedQuery:
+    """To the relay carrying a punch: 'where do you see this peer connect from?'."""
+
+    peer_id: str
+
+    def encode(self) -> bytes:
+        return encode_frame({"type": "observed?", "peer": self.peer_id}, CONTROL_FRAME_BYTES)
+
+
+@dataclass(frozen=True)
+class ObservedAnswer:
+    """The IPs of the answerer's live connections to that peer (none: not connected)."""
+
+    ips: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.ips) > MAX_OBSERVED_IPS:
+            raise ValueError(f"at most {MAX_OBSERVED_IPS} IPs, got {len(self.ips)}")
+
+    def encode(self) -> bytes:
+        return encode_frame({"type": "observed", "ips": list(self.ips)}, CONTROL_FRAME_BYTES)
+
+
+def parse_observed_query(raw: object) -> ObservedQuery:
+    if not isinstance(raw, dict) or raw.get("type") != "observed?":
+        raise RemoteProtocolError("expected an observed? query")
+    peer = raw.get("peer")
+    if not isinstance(peer, str) or not 0 < len(peer) <= MAX_PEER_ID_CHARS:
+        raise RemoteProtocolError(f"peer must be a string of 1..{MAX_PEER_ID_CHARS}")
+    return ObservedQuery(peer)
+
+
+def parse_observed_answer(raw: object) -> ObservedAnswer:
+    if not isinstance(raw, dict) or raw.get("type") != "observed":
+        raise RemoteProtocolError("expected an observed answer")
+    ips = raw.get("ips")
+    if not isinstance(ips, list) or len(ips) > MAX_OBSERVED_IPS:
+        raise RemoteProtocolError(f"ips must be a list of at most {MAX_OBSERVED_IPS}")
+    out: list[str] = []
+    for ip in ips:
+        if not isinstance(ip, str) or len(ip) > MAX_IP_CHARS:
+            raise RemoteProtocolError("an observed IP must be a short string")
+        try:
+            out.append(str(ipaddress.ip_address(ip)))
+        except ValueError as exc:
+            raise RemoteProtocolError(f"not an IP address: {ip!r}") from exc
+    return ObservedAnswer(tuple(out))
 
 
 # -- the attempt budget -------------------------------------------------------------------

@@ -9,6 +9,11 @@ py-libp2p 0.8.1's TCP listener and `dial_addr(source=...)` set SO_REUSEPORT, and
 `Swarm.dial_addr_as_responder` upgrades a dialled socket as the listener). A new
 connection lands in libp2p's swarm, whose `new_stream` reuses any connection to a peer id:
 the next stream to that peer goes direct and the relay is no longer used.
+
+Either side dials only where the other was observed (peer/net/punch_policy.py): the relay
+carrying the punch says where it sees the other side (peer/net/observed.py). A responder
+serves punches only when they arrive through a relay it reserved a slot on, within a
+budget per relay (`PunchBudget`, the relay's id being the one its connection proves).
 """
 
 from __future__ import annotations
@@ -21,11 +26,17 @@ from typing import Any
 import multiaddr
 import trio
 from libp2p.custom_types import TProtocol
-from libp2p.io.utils import read_exactly
 from libp2p.peer.id import ID
 
+from peer.net.observed import (
+    OBSERVED_PROTOCOL,
+    ask_observed,
+    connection_ips,
+    interface_networks,
+    read_control,
+    serve_observed,
+)
 from peer.net.punch import (
-    CONTROL_FRAME_BYTES,
     MAX_ADDRS,
     MAX_SYNC_DELAY_S,
     Attempts,
@@ -40,26 +51,22 @@ from peer.net.punch import (
     role_of,
     sync_delay,
 )
-from peer.net.reachability import Reachability
+from peer.net.punch_policy import MAX_PUNCH_DIALS, DialPlan, PunchBudget, plan_dials
+from peer.net.reachability import Reachability, relay_of
 from protocols.errors import RemoteProtocolError
-from protocols.framing import FRAME_HEADER_BYTES, decode_cbor
 
 logger = logging.getLogger(__name__)
 
 HOLEPUNCH_PROTOCOL = "/prefixswarm/holepunch/1.0.0"
 CONTROL_TIMEOUT_S = 5.0  # one control message each way through a relay
 DIAL_TIMEOUT_S = 5.0  # one direct dial and its upgrade (a dropped SYN is resent at 1 s, 3 s)
-UPGRADE_TIMEOUT_S = 30.0  # one whole upgrade: control round trips and up to MAX_ADDRS dials
+UPGRADE_TIMEOUT_S = 30.0  # one whole upgrade: control round trips and its dials
 UPGRADES_AT_ONCE = 4  # upgrades we run, as initiator and as responder together
 MAX_UPGRADED_REMEMBERED = 256  # last upgrade per peer, for statistics and /v1/swarm
 
 
 async def _read(stream: Any) -> object:
-    header = await read_exactly(stream, FRAME_HEADER_BYTES)
-    length = int.from_bytes(header, "big")
-    if not 1 <= length <= CONTROL_FRAME_BYTES:
-        raise RemoteProtocolError(f"control frame of {length} bytes (limit {CONTROL_FRAME_BYTES})")
-    return parse_message(decode_cbor(await read_exactly(stream, length)))
+    return parse_message(await read_control(stream))
 
 
 async def _close(stream: Any) -> None:
@@ -100,8 +107,10 @@ class HolePunch:
         self._host = host  # peer.net.host.SwarmHost
         self._source = tcp_source(listen_addrs)
         self._attempts = Attempts()  # as initiator
-        self._served = Attempts()  # as responder: bounds what a stranger makes us dial
+        self._served = Attempts()  # as responder: one at a time per claimed initiator
+        self._budget = PunchBudget()  # as responder: punches per relay that carried them
         self._slots = trio.Semaphore(UPGRADES_AT_ONCE)
+        self._observed: OrderedDict[str, frozenset[str]] = OrderedDict()  # the last plan's IPs
         self._nursery: trio.Nursery | None = None
         self.stats: Counter[str] = Counter()
         self.upgraded: OrderedDict[str, dict[str, Any]] = OrderedDict()
@@ -115,6 +124,7 @@ class HolePunch:
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         self._host.libp2p.set_stream_handler(TProtocol(HOLEPUNCH_PROTOCOL), self._handle)
+        self._host.libp2p.set_stream_handler(TProtocol(OBSERVED_PROTOCOL), self._handle_observed)
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             task_status.started()
@@ -172,12 +182,15 @@ class HolePunch:
                 rtt = trio.current_time() - sent_at
             if not isinstance(answer, Connect) or answer.mechanism is not None:
                 raise RemoteProtocolError(f"expected the responder's Connect, got {answer!r}")
-            mechanism = choose_mechanism(initiator_public=public, responder_addrs=len(answer.addrs))
+            plan = DialPlan(())
+            if not public:  # we dial too: only where our relay sees the responder
+                plan = await self._plan(stream.muxed_conn.peer_id, peer_id, answer.addrs)
+            mechanism = choose_mechanism(initiator_public=public, responder_addrs=len(plan.targets))
             if mechanism is None:
                 self.stats["skipped_no_addrs"] += 1
                 return False
             if mechanism is Mechanism.REVERSAL:
-                with trio.fail_after(CONTROL_TIMEOUT_S + DIAL_TIMEOUT_S * MAX_ADDRS):
+                with trio.fail_after(CONTROL_TIMEOUT_S + DIAL_TIMEOUT_S * MAX_PUNCH_DIALS):
                     result = await _read(stream)
                 if not isinstance(result, Result):
                     raise RemoteProtocolError(f"expected a Result, got {result!r}")
@@ -186,13 +199,27 @@ class HolePunch:
                 with trio.fail_after(CONTROL_TIMEOUT_S):
                     await stream.write(Sync().encode())
                 await trio.sleep(sync_delay(rtt))
-                ok = await self._dial(peer_id, answer.addrs, role_of(initiator=True))
+                ok = await self._dial(peer_id, plan, role_of(initiator=True))
         finally:
             await _close(stream)
         self._record(peer_id, mechanism, ok)
         return ok
 
     # -- responder -------------------------------------------------------------------------
+
+    def _our_relays(self) -> set[str]:
+        """Relays we hold a reservation on: the only carriers whose punches we serve."""
+        return {r for a in self._host.reach.relayed_addrs() if (r := relay_of(a)) is not None}
+
+    def _admit(self, carrier: ID, initiator: ID) -> str | None:
+        """Why a punch carried by `carrier` for `initiator` is refused, or None."""
+        if carrier == initiator or self._host.is_connected(initiator):
+            return "already_direct"  # a direct connection exists: nothing to dial
+        if carrier.to_base58() not in self._our_relays():
+            return "not_our_relay"  # only our relays carry punches to us
+        if not self._budget.try_take(carrier.to_base58(), trio.current_time()):
+            return "budget"
+        return None
 
     async def _handle(self, stream: Any) -> None:
         initiator: str | None = None
@@ -207,6 +234,10 @@ class HolePunch:
                 raise RemoteProtocolError(f"not a peer id: {hello.peer_id!r}") from exc
             if peer_id == self._host.peer_id:
                 raise RemoteProtocolError("a hole punch to ourselves")
+            refusal = self._admit(stream.muxed_conn.peer_id, peer_id)
+            if refusal is not None:
+                self.stats[f"refused_{refusal}"] += 1
+                return
             initiator = hello.peer_id
             if not self._served.try_start(initiator, trio.current_time()):
                 self.stats["refused_budget"] += 1
@@ -232,8 +263,9 @@ class HolePunch:
         public = self._host.reach.verdict() is Reachability.PUBLIC
         with trio.fail_after(CONTROL_TIMEOUT_S):
             await stream.write(Connect(tuple(self._my_addrs(public))).encode())
+        plan = await self._plan(stream.muxed_conn.peer_id, peer_id, hello.addrs)
         if mechanism is Mechanism.REVERSAL:
-            ok = await self._dial(peer_id, hello.addrs, None)
+            ok = await self._dial(peer_id, plan, None)
             with trio.fail_after(CONTROL_TIMEOUT_S):
                 await stream.write(Result(ok, "" if ok else "no direct dial succeeded").encode())
         else:
@@ -243,25 +275,41 @@ class HolePunch:
                 sync = await _read(stream)
             if not isinstance(sync, Sync):
                 raise RemoteProtocolError(f"expected Sync, got {sync!r}")
-            ok = await self._dial(peer_id, hello.addrs, role_of(initiator=False))
+            ok = await self._dial(peer_id, plan, role_of(initiator=False))
         self._record(peer_id, mechanism, ok, responder=True)
         return ok
 
     # -- dialling ----------------------------------------------------------------------------
 
-    async def _dial(self, peer_id: ID, addrs: Sequence[str], role: Role | None) -> bool:
-        """Dial the peer's addresses in turn until a connection to it exists.
+    async def _plan(self, carrier: ID, peer_id: ID, claimed: Sequence[str]) -> DialPlan:
+        """What to dial of the addresses `peer_id` named: only at IPs where we or the relay
+        carrying the punch (`carrier`) see it connected (punch_policy.plan_dials)."""
+        observed = connection_ips(self._host, peer_id)
+        if carrier != peer_id:
+            observed += await ask_observed(self._host, carrier, peer_id)
+        plan = plan_dials(claimed, observed, interface_networks())
+        self._observed[peer_id.to_base58()] = frozenset(observed)
+        while len(self._observed) > MAX_UPGRADED_REMEMBERED:
+            self._observed.popitem(last=False)
+        for reason, n in plan.refused.items():
+            self.stats[f"addrs_refused_{reason}"] += n
+        return plan
+
+    async def _dial(self, peer_id: ID, plan: DialPlan, role: Role | None) -> bool:
+        """Dial the planned addresses in turn until a connection to the peer exists.
 
         role None: an ordinary dial (reversal). DIALER/LISTENER: from our listen port,
         upgraded as that role (simultaneous open). The other side's SYN may also reach
-        our listener first; any connection to the peer afterwards counts."""
+        our listener first; any connection to the peer afterwards counts. Every dial is
+        counted as aimed at an observed IP or not (`dials_to_unobserved` must stay 0)."""
         network = self._host.libp2p.get_network()
-        for addr in addrs[:MAX_ADDRS]:
-            target = dialable_tcp(addr)
-            if target is None:
-                continue
-            family = "ip6" if ":" in target[0] else "ip4"
-            maddr = multiaddr.Multiaddr(f"/{family}/{target[0]}/tcp/{target[1]}")
+        observed = self._observed.get(peer_id.to_base58(), frozenset())
+        for ip, port in plan.targets:
+            if self._host.is_connected(peer_id):
+                return True
+            self.stats["dials_to_observed" if ip in observed else "dials_to_unobserved"] += 1
+            family = "ip6" if ":" in ip else "ip4"
+            maddr = multiaddr.Multiaddr(f"/{family}/{ip}/tcp/{port}")
             with trio.move_on_after(DIAL_TIMEOUT_S):
                 try:
                     if role is None:
@@ -272,9 +320,10 @@ class HolePunch:
                         await network.dial_addr_as_responder(maddr, peer_id, source=self._source)
                 except Exception as exc:  # refused, timed out, wrong peer: the next address
                     logger.debug("direct dial to %s at %s: %r", peer_id, maddr, exc)
-            if self._host.is_connected(peer_id):
-                return True
         return bool(self._host.is_connected(peer_id))
+
+    async def _handle_observed(self, stream: Any) -> None:
+        await serve_observed(self._host, stream)
 
     def _record(
         self, peer_id: ID, mechanism: Mechanism, ok: bool, *, responder: bool = False

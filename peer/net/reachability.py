@@ -5,9 +5,13 @@ No I/O and no clock: time is a parameter. peer/net/relay_service.py is the trio 
 
 Reachability (an AutoNAT equivalent): a peer asks peers it is connected to to open a
 fresh TCP connection back to it, on the IP they see it connect from and the ports it
-listens on. One success makes it PUBLIC (it is dialable at that address); failures from
-MIN_FAILING_PEERS distinct peers and no success make it PRIVATE (behind NAT or a
-firewall); a peer with no listen port is PRIVATE at once (outbound only).
+listens on. An answer is a claim: it becomes PUBLIC only when PUBLIC_QUORUM reporters in
+distinct networks (/24 for IPv4, /48 for IPv6: one operator rarely holds many) each
+reached it at the same address, so one liar (or several in one network) can neither
+flip a peer behind NAT to PUBLIC (it would drop its relays) nor make it advertise an
+address of the liar's choosing. Failures from MIN_FAILING_PEERS peers and no quorum
+make it PRIVATE (behind NAT or a firewall); a peer with no listen port is PRIVATE at
+once (outbound only). Every answer expires after RESULT_TTL_S.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from protocols.framing import decode_cbor, encode_frame
 __all__ = [
     "CONTROL_FRAME_BYTES",
     "MAX_DIALBACK_PORTS",
+    "PUBLIC_QUORUM",
     "DialBackRequest",
     "DialBackResponse",
     "Reachability",
@@ -37,6 +42,7 @@ __all__ = [
     "decode_control",
     "expand_unspecified",
     "is_circuit",
+    "network_of",
     "parse_relay_request",
     "relay_of",
 ]
@@ -50,6 +56,11 @@ MAX_TEXT_CHARS = 200  # error texts in replies
 # NAT is often connected to a single peer at first, and UNKNOWN would leave it without
 # relays; one later success (any peer) makes it PUBLIC again.
 MIN_FAILING_PEERS = 1
+# Reporters in distinct networks that must each have reached us at one address before we
+# say PUBLIC: one is a single liar's word; three is AutoNAT v1's confidence as well.
+PUBLIC_QUORUM = 3
+IPV4_NETWORK_BITS = 24  # reporters within one /24 count as one network...
+IPV6_NETWORK_BITS = 48  # ...and within one /48 (a site's allocation)
 RESULT_TTL_S = 900.0  # a dial-back result is evidence for this long (networks change)
 MAX_RESULTS = 32  # results kept: one per asking peer is enough
 
@@ -60,11 +71,25 @@ class Reachability(enum.StrEnum):
     PRIVATE = "private"  # peers could not: behind NAT or a firewall, or outbound only
 
 
+def network_of(ip: str) -> str:
+    """The network a reporter's IP stands for: its /24 (IPv4, IPv4-mapped IPv6 included)
+    or /48 (IPv6); "" for anything unparsable (all such reporters are one network)."""
+    try:
+        addr = ipaddress.ip_address(ip)
+    except ValueError:
+        return ""
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        addr = addr.ipv4_mapped
+    bits = IPV4_NETWORK_BITS if addr.version == 4 else IPV6_NETWORK_BITS
+    return str(ipaddress.ip_network(f"{addr}/{bits}", strict=False))
+
+
 @dataclass
 class _Result:
     ok: bool
     addr: str
     at: float
+    network: str  # the reporter's network (network_of its IP)
 
 
 class ReachabilityTracker:
@@ -74,46 +99,62 @@ class ReachabilityTracker:
         self._listen_ports = listen_ports
         self._results: OrderedDict[str, _Result] = OrderedDict()  # by asking peer
 
-    def record(self, peer_id: str, *, ok: bool, addr: str, now: float) -> None:
-        """Peer `peer_id` tried to dial us at `addr` (a multiaddr without /p2p)."""
+    def record(
+        self, peer_id: str, *, ok: bool, addr: str, now: float, reporter_ip: str = ""
+    ) -> None:
+        """Peer `peer_id`, connected to us from `reporter_ip`, tried to dial us at `addr`
+        (a multiaddr without /p2p; the IP in it is the one the reporter says it saw)."""
         self._results.pop(peer_id, None)
-        self._results[peer_id] = _Result(ok, addr, now)
+        self._results[peer_id] = _Result(ok, addr, now, network_of(reporter_ip))
         while len(self._results) > MAX_RESULTS:
             self._results.popitem(last=False)
 
     def _fresh(self, now: float) -> list[_Result]:
         return [r for r in self._results.values() if now - r.at <= RESULT_TTL_S]
 
+    def _agreement(self, now: float) -> dict[str, set[str]]:
+        """For each address, the distinct reporter networks that reached us there."""
+        networks: dict[str, set[str]] = {}
+        for r in self._fresh(now):
+            if r.ok:
+                networks.setdefault(r.addr, set()).add(r.network)
+        return networks
+
     def verdict(self, now: float) -> Reachability:
         if self._listen_ports == 0:
             return Reachability.PRIVATE
-        fresh = self._fresh(now)
-        if any(r.ok for r in fresh):
+        if self.confirmed_addrs(now):
             return Reachability.PUBLIC
-        if sum(1 for r in fresh if not r.ok) >= MIN_FAILING_PEERS:
+        if sum(1 for r in self._fresh(now) if not r.ok) >= MIN_FAILING_PEERS:
             return Reachability.PRIVATE
         return Reachability.UNKNOWN
 
     def confirmed_addrs(self, now: float) -> list[str]:
-        """Addresses another peer reached us at (deduplicated, newest first)."""
-        seen: dict[str, None] = {}
-        for r in reversed(self._fresh(now)):
-            if r.ok:
-                seen.setdefault(r.addr, None)
-        return list(seen)
+        """Addresses PUBLIC_QUORUM reporter networks reached us at (most agreed first)."""
+        agreed = self._agreement(now)
+        quorum = [a for a, nets in agreed.items() if len(nets) >= PUBLIC_QUORUM]
+        return sorted(quorum, key=lambda a: -len(agreed[a]))
 
     def observed_addrs(self, now: float) -> list[str]:
         """Where peers saw us come from (observed IP, our listen port), dialable or not:
         the address a hole punch aims at, since a NAT that keeps source ports maps our
-        listen port there. Newest first, deduplicated."""
-        seen: dict[str, None] = {}
-        for r in reversed(self._fresh(now)):
-            seen.setdefault(r.addr, None)
-        return list(seen)
+        listen port there. Those reported from the most networks first, then newest;
+        deduplicated (a liar's address comes after every agreed one)."""
+        fresh = self._fresh(now)
+        networks: dict[str, set[str]] = {}
+        for r in reversed(fresh):
+            networks.setdefault(r.addr, set()).add(r.network)
+        return sorted(networks, key=lambda a: -len(networks[a]))  # stable: newest first
 
     def evidence(self, now: float) -> dict[str, int]:
         fresh = self._fresh(now)
-        return {"ok": sum(r.ok for r in fresh), "failed": sum(not r.ok for r in fresh)}
+        agreed = self._agreement(now)
+        return {
+            "ok": sum(r.ok for r in fresh),
+            "failed": sum(not r.ok for r in fresh),
+            "agreeing_networks": max((len(n) for n in agreed.values()), default=0),
+            "quorum": PUBLIC_QUORUM,
+        }
 
 
 # -- relay limits and reservations -------------------------------------------------------

@@ -209,6 +209,7 @@ class Reach:
         except Exception as exc:  # the peer is gone or does not speak the protocol
             logger.debug("dial-back request to %s: %s", peer_id, exc)
             return
+        remote = stream.get_remote_address()  # the reporter's own IP: its network is its vote
         try:
             with trio.fail_after(CONTROL_TIMEOUT_S + DIALBACK_DIAL_TIMEOUT_S * len(self._ports)):
                 await stream.write(request.encode())
@@ -223,7 +224,8 @@ class Reach:
         port = response.ok_ports[0] if ok else self._ports[0]
         family = "ip6" if ":" in response.observed_ip else "ip4"
         addr = f"/{family}/{response.observed_ip}/tcp/{port}"
-        self.tracker.record(peer_id.to_base58(), ok=ok, addr=addr, now=now)
+        self.tracker.record(peer_id.to_base58(), ok=ok, addr=addr, now=now,
+                            reporter_ip=remote[0] if remote else "")
         self.stats["dialbacks_ok" if ok else "dialbacks_failed"] += 1
 
     # -- reachability checks (server) -------------------------------------------------
