@@ -31,6 +31,7 @@ from typing import Any
 import httpx
 import trio
 
+from bench.adversary_surface import watch_surface
 from bench.stats import percentile
 from bench.swarm import (
     completion_body,
@@ -49,7 +50,7 @@ from peer.processes import (
 
 SCENARIOS = (
     "baseline", "liar_staller", "wrong_tokens_greedy", "wrong_tokens_sampled",
-    "forged_origins", "sybil",
+    "forged_origins", "sybil", "punch_scanner", "reachability_liar",
 )
 LIARS = ("liar_staller", "wrong_tokens_greedy", "wrong_tokens_sampled", "sybil")
 HONEST_PEERS = 3
@@ -306,10 +307,12 @@ async def run_scenario(
                     await trio.sleep(0.2)
             known = [len(p.known & wanted) for p in honest]
             log(f"{name}: honest peers list {known} of {len(wanted)} rogue identities")
-        outcomes = await _drive(args, honest, workload, sampled)
+        async with watch_surface(name, honest, rogue) as surface:
+            outcomes = await _drive(args, honest, workload, sampled)
         if rogue is not None:
             await rogue.wait_fresh_stats()
         row = summarise(name, outcomes, refs, honest, rogue, args.max_new_tokens)
+        row.update(surface.row(name, rogue.answered if rogue else None))
         if args.outcomes:
             with open(args.outcomes, "a") as out:
                 for o in sorted(outcomes, key=lambda o: o.index):
@@ -342,7 +345,7 @@ async def _add_trust_states(
     async with httpx.AsyncClient(timeout=10) as client:
         for peer in honest:
             try:
-                view = (await client.get(f"{peer.api.http}/v1/swarm")).json()
+                view = (await client.get(f"{peer.http}/v1/swarm")).json()
             except (httpx.HTTPError, ValueError):
                 continue
             trusts = [p.get("trust") for p in view.get("peers", ()) if p["peer_id"] in fakes]

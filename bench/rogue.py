@@ -17,6 +17,8 @@ Modes (the attacks bench.adversary measures, each within what an honest peer's v
   summaries (attractive ones, as above) of --forged fresh identities that never connect.
 - sybil: --identities peers in this one process (one shared engine), each connected and
   advertising the attractive summary, each answering like wrong_tokens_greedy.
+- punch_scanner, reachability_liar: serve honestly and attack the network layer
+  (hole-punch Connects naming loopback ports; lying dial-back answers): bench/rogues/.
 
 This is a bench tool: production code carries no attack mode. It changes a running
 `Peer` from the outside (its gossip publisher and its inference stream handler).
@@ -49,6 +51,7 @@ from libp2p.peer.id import ID
 from libp2p.pubsub.pb import rpc_pb2
 from libp2p.pubsub.pubsub import PUBSUB_SIGNING_PREFIX
 
+from bench.rogues import punch_scanner, reachability_liar
 from peer.config import PeerConfig
 from peer.net.wire import FrameStream, StreamBroken
 from peer.node import Peer, open_peer
@@ -86,8 +89,11 @@ class Mode(enum.Enum):
     WRONG_TOKENS_SAMPLED = "wrong_tokens_sampled"
     FORGED_ORIGINS = "forged_origins"
     SYBIL = "sybil"
+    PUNCH_SCANNER = "punch_scanner"  # bench/rogues/punch_scanner.py
+    REACHABILITY_LIAR = "reachability_liar"  # bench/rogues/reachability_liar.py
 
 
+SURFACE_ATTACKS = {Mode.PUNCH_SCANNER: punch_scanner, Mode.REACHABILITY_LIAR: reachability_liar}
 ATTRACTIVE_MODES = frozenset(
     {Mode.LIAR_STALLER, Mode.WRONG_TOKENS_GREEDY, Mode.WRONG_TOKENS_SAMPLED, Mode.SYBIL}
 )
@@ -176,6 +182,9 @@ class Rogue:
         self.answered: Counter[str] = Counter()
 
     def install(self, peer: Peer) -> None:
+        if self.mode in SURFACE_ATTACKS:  # serves honestly; attacks the network layer
+            SURFACE_ATTACKS[self.mode].install(peer, self.answered)
+            return
         if self.mode in ATTRACTIVE_MODES:
             self._poison_gossip(peer)
         if self.mode is not Mode.FORGED_ORIGINS:
