@@ -6,6 +6,7 @@ identity the relay is not connected to; punches are budgeted per relay."""
 
 from __future__ import annotations
 
+import ipaddress
 from collections import Counter
 
 import trio
@@ -15,7 +16,7 @@ from libp2p.peer.id import ID
 
 from peer.config import PeerConfig
 from peer.net.host import open_host
-from peer.net.observed import read_control
+from peer.net.observed import interface_networks, read_control
 from peer.net.punch import Connect, Mechanism, Result, parse_message
 from peer.net.punch_policy import BUDGET_BURST
 from peer.net.punch_service import HOLEPUNCH_PROTOCOL
@@ -133,3 +134,7 @@ async def test_through_our_relay_only_the_observed_ip_is_dialled_once(nursery):
         assert await punch(await relayed(), fresh_id(), ports) is None
         assert stats["refused_budget"] == 1
         assert set(accepted) <= {ports[0]}
+
+
+def test_our_networks_include_loopback_with_its_mask():
+    assert ipaddress.ip_network("127.0.0.0/8") in interface_networks()

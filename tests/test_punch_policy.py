@@ -1,15 +1,23 @@
-"""A hole punch dials only where the other side was observed: plan_dials and the budget
-per authenticated peer (pure; time is a parameter)."""
+"""A hole punch dials only where the other side was observed: plan_dials, the budget
+per authenticated peer (pure; time is a parameter) and the observed? exchange."""
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from peer.net.punch import dialable_tcp
+from peer.net.punch import (
+    MAX_OBSERVED_IPS,
+    ObservedAnswer,
+    ObservedQuery,
+    dialable_tcp,
+    parse_observed_answer,
+    parse_observed_query,
+)
 from peer.net.punch_policy import (
     BUDGET_BURST,
     BUDGET_REFILL_S,
@@ -20,6 +28,8 @@ from peer.net.punch_policy import (
     on_our_lan,
     plan_dials,
 )
+from protocols.errors import RemoteProtocolError
+from protocols.framing import FRAME_HEADER_BYTES, decode_cbor
 
 OURS = [ipaddress.ip_network("127.0.0.0/8"), ipaddress.ip_network("192.168.1.0/24")]
 SCAN = [f"/ip4/127.0.0.1/tcp/{p}" for p in range(9000, 9008)]
@@ -120,3 +130,38 @@ def test_budget_never_grants_more_than_burst_plus_refills(steps):
         granted[key] += budget.try_take(str(key), now)
     for n in granted.values():
         assert n <= 3 + now / 10.0
+
+
+# -- the observed? exchange ----------------------------------------------------------------
+
+
+
+def test_observed_messages_round_trip_and_reject_what_is_not_an_ip():
+    query = ObservedQuery("12D3KooWQ9jhXKDBEqvJpiRtsQUc1S4SaFKv8VdGsd3MWFEUvRWB")
+    assert parse_observed_query(decode_cbor(query.encode()[FRAME_HEADER_BYTES:])) == query
+    answer = ObservedAnswer(("198.18.0.4", "2001:db8::1"))
+    assert parse_observed_answer(decode_cbor(answer.encode()[FRAME_HEADER_BYTES:])) == answer
+    for bad in ({"type": "observed", "ips": ["1.2.3.4/24"]},
+                {"type": "observed", "ips": ["1.1.1.1"] * (MAX_OBSERVED_IPS + 1)},
+                {"type": "observed", "ips": [7]}, {"type": "observed?", "peer": ""}, []):
+        with pytest.raises(RemoteProtocolError):
+            parse_observed_answer(bad)
+    with pytest.raises(ValueError):
+        ObservedAnswer(("1.1.1.1",) * (MAX_OBSERVED_IPS + 1))
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=50),
+    lambda inner: st.lists(inner, max_size=6) | st.dictionaries(st.text(max_size=8), inner,
+                                                                max_size=4),
+    max_leaves=20,
+)
+
+
+@given(json_values | st.fixed_dictionaries(
+    {"type": st.sampled_from(["observed", "observed?"]),
+     "ips": st.lists(st.text(max_size=50), max_size=6), "peer": st.text(max_size=140)}))
+def test_observed_decoders_return_a_message_or_raise_remote_protocol_error(raw):
+    for parse in (parse_observed_query, parse_observed_answer):
+        with contextlib.suppress(RemoteProtocolError):
+            parse(raw)
