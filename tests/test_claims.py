@@ -18,6 +18,7 @@ from peer.routing.reliability import (
     DEBT_HALF_LIFE_S,
     HEDGE_LOST_CHARGE,
     MAX_DEBT,
+    RELEASE_DEBT,
     Debt,
     Lapse,
     charge,
@@ -131,7 +132,8 @@ def test_a_demoted_peer_ranks_after_self_until_its_debt_has_halved():
     assert order(0.0) == ["p", SELF]
     ledger.record_lapse("p", Lapse.HEDGE_LOST, 0.0)
     assert order(0.0) == ["p", SELF]  # one hedge lost: not yet
-    ledger.record_lapse("p", Lapse.HEDGE_LOST, 1.0)  # 0.5 * 2**(-1/30) + 0.5 < 1
+    ledger.record_served("p", verified=False, now=0.5)  # repays half of it
+    ledger.record_lapse("p", Lapse.HEDGE_LOST, 1.0)  # ~0.75 in all: not yet
     assert order(1.0) == ["p", SELF]
     ledger.record_lapse("p", Lapse.STALLED, 2.0)
     ranked = r.rank(chain, 40 * BS, NEW, me(), table, 3.0)
@@ -145,9 +147,11 @@ def test_a_demoted_peer_ranks_after_self_until_its_debt_has_halved():
 # -- the debt ----------------------------------------------------------------------------
 
 
-def test_a_failure_demotes_for_one_half_life_and_the_debt_halves():
+def test_a_failure_demotes_until_its_debt_has_decayed_under_release():
     debt = charge(Debt(), 1.0, 10.0)
-    assert debt.demoted_until == pytest.approx(10.0 + DEBT_HALF_LIFE_S)
+    lasts = DEBT_HALF_LIFE_S * math.log2(1 / RELEASE_DEBT)
+    assert debt.demoted_until == pytest.approx(10.0 + lasts)
+    assert DEBT_HALF_LIFE_S < debt.demoted_until - 10.0 < 1.2 * DEBT_HALF_LIFE_S
     assert decayed(debt, 10.0 + DEBT_HALF_LIFE_S) == pytest.approx(0.5)
 
 
@@ -169,19 +173,22 @@ def test_an_honest_peer_that_loses_one_race_in_four_is_never_demoted():
 
 def test_a_staller_is_demoted_at_its_second_hedge_lost_and_stays_bounded():
     debt = charge(Debt(), HEDGE_LOST_CHARGE, 0.0)
-    debt = charge(debt, HEDGE_LOST_CHARGE, 0.0)
-    assert debt.demoted_until == pytest.approx(DEBT_HALF_LIFE_S)
+    debt = charge(debt, HEDGE_LOST_CHARGE, 5.0)  # 5 s apart: decay cannot hide the pair
+    assert debt.demoted_until > 5.0 + DEBT_HALF_LIFE_S
     for _ in range(100):
-        debt = charge(debt, 1.0, 0.0)
+        debt = charge(debt, 1.0, 5.0)
     assert debt.amount == MAX_DEBT
-    assert debt.demoted_until == pytest.approx(DEBT_HALF_LIFE_S * math.log2(MAX_DEBT / 0.5))
+    longest = DEBT_HALF_LIFE_S * math.log2(MAX_DEBT / RELEASE_DEBT)
+    assert debt.demoted_until == pytest.approx(5.0 + longest)
+    assert longest <= 130.0
 
 
 def test_a_success_ends_a_demotion_once_the_debt_is_under_release():
     debt = charge(Debt(), 1.0, 0.0)
+    longest = debt.demoted_until
     debt = credit(debt, 0.0)  # 0.75: still demoted, for less long
-    assert 0.0 < debt.demoted_until < DEBT_HALF_LIFE_S
-    debt = credit(debt, 0.0)  # 0.5: released
+    assert 0.0 < debt.demoted_until < longest
+    debt = credit(credit(debt, 0.0), 0.0)  # 0.25: released
     assert debt.demoted_until == -math.inf
 
 
@@ -193,7 +200,8 @@ def test_the_debt_stays_within_bounds(steps):
         now += dt
         debt = charge(debt, amount, now) if kind == "charge" else credit(debt, now)
         assert 0.0 <= debt.amount <= MAX_DEBT
-        assert debt.demoted_until <= now + DEBT_HALF_LIFE_S * math.log2(MAX_DEBT / 0.5) + 1e-9
+        longest = DEBT_HALF_LIFE_S * math.log2(MAX_DEBT / RELEASE_DEBT)
+        assert debt.demoted_until <= now + longest + 1e-9
 
 
 def test_underdelivery_is_graded_from_the_slack_to_a_full_failure():

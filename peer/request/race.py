@@ -4,7 +4,9 @@
 multiple of the router's TTFT estimate, with a floor), the next starts too, at most
 MAX_RACING at once; a failure starts the next at once. The first racer with a token wins
 and the others are cancelled (reset); one that started before the winner was hedged and
-lost, and shows as stalled in the route (it is not backed off: see HedgeLost). Each
+lost: it shows as stalled in the route with the time it cost, and the trust ledger
+charges it a fraction of a failure (peer/routing/reliability.py; the router's back-off
+does not apply: see HedgeLost). Each
 remote racer's first-token deadline is a multiple of its estimate, with a floor, capped
 by ``forward_first_token_s``.
 
@@ -37,8 +39,8 @@ AnyAttempt = LocalAttempt | RemoteAttempt
 
 # One candidate's attempt, for a request already bound (AttemptFailed if it cannot be made).
 MakeAttempt = Callable[[Candidate], AnyAttempt]
-# A failed attempt, recorded the moment it happens.
-OnFailed = Callable[[Candidate, AttemptFailed], None]
+# A failed attempt, recorded the moment it happens, with the seconds it was waited on.
+OnFailed = Callable[[Candidate, AttemptFailed, float], None]
 
 
 @dataclass
@@ -50,6 +52,7 @@ class Racer:
     index: int  # start order within the race
     verify: bool = False  # the trust ledger chose its response for verification
     failed: bool = False  # failed on its own (not merely cancelled because another won)
+    started_at: float = 0.0  # when its attempt started (the shell's clock)
 
 
 def estimated_ttft_s(candidate: Candidate) -> float:
@@ -141,9 +144,11 @@ class Race:
                 try:
                     attempt = self._make_attempt(candidate)
                 except AttemptFailed as exc:
-                    self._on_failed(candidate, exc)
+                    self._on_failed(candidate, exc, 0.0)
                     continue
-                racer = Racer(candidate, attempt, len(self._started))
+                racer = Racer(
+                    candidate, attempt, len(self._started), started_at=trio.current_time()
+                )
                 self._running.append(racer)
                 self._started.append(racer)
                 self._wake = trio.Event()
@@ -183,7 +188,7 @@ class Race:
             racer.failed = True
             self._running.remove(racer)
             await attempt.aclose()
-            self._on_failed(candidate, exc)
+            self._on_failed(candidate, exc, trio.current_time() - racer.started_at)
             self._wake.set()
             return
         except trio.Cancelled:  # another racer won
@@ -191,7 +196,7 @@ class Race:
             with trio.CancelScope(shield=True):
                 await attempt.aclose()
             if self._winner is not None and racer.index < self._winner.index:
-                self._on_failed(candidate, HedgeLost())
+                self._on_failed(candidate, HedgeLost(), trio.current_time() - racer.started_at)
             raise
         finally:
             self._waiters.discard(peer_id, waiter)

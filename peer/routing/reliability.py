@@ -43,10 +43,11 @@ FAILURE_CHARGE = 1.0  # the unit: an attempt that failed or stalled
 HEDGE_LOST_CHARGE = 0.5  # no first token by its hedge delay (>= 2x its estimate), beaten
 #   by a later start: half a failure, so two in a row without a success demote
 SERVED_CREDIT = 0.25  # a response delivered repays a quarter of a failure
-DEMOTE_DEBT = 1.0  # one failure's worth: ranked after self, as a failed peer is
-RELEASE_DEBT = 0.5  # ... until the debt has halved below this (one half-life after 1.0)
+DEMOTE_DEBT = 0.9  # a failure, or two hedges lost within ~10 s: ranked after self, as a
+#   failed peer is (under 1.0 so that the decay between two lapses cannot keep them under)
+RELEASE_DEBT = DEMOTE_DEBT / 2  # ... until the debt has halved (one half-life at least)
 DEBT_HALF_LIFE_S = 30.0  # a demoted honest peer gets traffic back within about a minute
-MAX_DEBT = 8.0  # at most three half-lives (90 s) of demotion, however long the bad spell
+MAX_DEBT = 8.0  # at most ~4 half-lives (2 minutes) of demotion, however long the bad spell
 # Observed decode this many times slower than claimed before any charge: observations at
 # a busy batch run up to ~1.9x below a lone stream's speed (cost.BATCH_STEP_SLOPE at 8
 # streams), times the ~2x noise of shared CPUs.
