@@ -119,9 +119,9 @@ async def test_a_decode_far_below_the_claim_is_charged_on_a_served_response(auto
     assert swarm.trust.view(A).lapses == 1
     ranked = swarm.pipeline._rank(PROMPT, params, trio.current_time())
     assert ranked[0].peer_id == B  # demoted
-    # Observed now: it is priced at what it delivered, whatever it claims.
+    # Observed now: priced at no more than twice what it delivered, whatever it claims.
     a = next(c for c in ranked if c.peer_id == A)
-    assert a.estimate.decode_tokens_per_s == pytest.approx(1.0)
+    assert a.estimate.decode_tokens_per_s == pytest.approx(2.0)
 
 
 async def test_a_decode_near_the_claim_is_not_charged(autojump_clock):

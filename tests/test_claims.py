@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from peer.config import Policy
-from peer.routing.claims import believed_batch, believed_speeds, claimed_decode
+from peer.routing.claims import SPEED_SLACK, believed_batch, believed_speeds, claimed_decode
 from peer.routing.reliability import (
     DEBT_HALF_LIFE_S,
     HEDGE_LOST_CHARGE,
@@ -50,11 +50,20 @@ def test_no_claim_is_priced_faster_than_ours_before_an_observation(prefill, deco
 
 
 @given(speeds, speeds, speeds, st.floats(1.0, 1e6), st.floats(1.0, 1e6))
-def test_an_observation_replaces_any_claim(prefill, decode, batch, seen_prefill, seen_decode):
+def test_an_observation_bounds_any_claim(prefill, decode, batch, seen_prefill, seen_decode):
     believed = believed_speeds(prefill, decode, batch, seen_prefill, seen_decode,
                                OWN_PREFILL, OWN_DECODE)
-    assert believed[:2] == (seen_prefill, seen_decode)
+    assert seen_prefill <= believed.prefill_tokens_per_s <= SPEED_SLACK * seen_prefill
+    assert seen_decode <= believed.decode_tokens_per_s <= SPEED_SLACK * seen_decode
     assert believed.known
+
+
+def test_an_observation_is_a_floor_and_twice_it_a_ceiling():
+    assert believed_speeds(0.0, 0.0, 0.0, 300.0, 9.0, OWN_PREFILL, OWN_DECODE)[:2] == (300.0, 9.0)
+    assert believed_speeds(100.0, 5.0, 0.0, 300.0, 9.0, OWN_PREFILL, OWN_DECODE)[:2] == (
+        300.0, 9.0)  # seen faster than it says
+    assert believed_speeds(1e9, 1e-3, 1e9, 300.0, 9.0, OWN_PREFILL, OWN_DECODE)[:2] == (
+        600.0, 18.0)
 
 
 def test_the_batch_ratio_cannot_lift_a_tiny_decode_past_the_cap():

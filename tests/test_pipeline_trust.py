@@ -139,7 +139,7 @@ async def test_a_failure_is_seen_by_concurrent_requests_at_once(autojump_clock):
     assert swarm.pipeline.router.backoff_s(A) == 10.0  # one failure, recorded once
 
 
-async def test_speeds_observed_on_a_forward_replace_the_advertised_ones(autojump_clock):
+async def test_speeds_observed_on_a_forward_bound_the_advertised_ones(autojump_clock):
     prompt = list(range(100, 300))  # 200 tokens, none cached there: compute dominates
     swarm = fake_swarm({A: (1, honest(ttft_s=0.5, gap_s=0.1))}, prompt)
     await collect(swarm.pipeline, SamplingParams(max_new_tokens=10), prompt)

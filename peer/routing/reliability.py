@@ -11,7 +11,7 @@ itself, as it does a peer that just failed.
 Why graded and bounded: estimates on shared CPUs are off by 2x, so an honest peer loses
 an occasional hedge; at half a failure per hedge lost and a quarter repaid per success
 it would have to lose about one race in three, consistently, to be demoted, and then
-only for a half-life or so (and since observed speeds replace its claims, its estimates,
+only for a half-life or so (and since observed speeds bound its claims, its estimates,
 and so its hedge delays, soon fit it). A peer that stalls every stream it is given pays
 a hedge lost or a failure each try and is demoted after two at most; the debt is capped
 (MAX_DEBT) so that even a long bad spell is forgiven within a few half-lives: a demotion

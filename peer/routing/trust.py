@@ -5,7 +5,7 @@ Fed by method calls (time and randomness are parameters), it decides and returns
 (they serve no client; copies of requests served anyway check them: peer/routing/shadow.py)
 until ``probation_requests`` answers matched, trusted peers are verified at
 `verify_fraction`, a failed verification quarantines for good, overshooting Bloom claims
-discount a peer's claims, observed speeds replace advertised ones (peer/routing/claims.py),
+discount a peer's claims, observed speeds bound advertised ones (peer/routing/claims.py),
 and every lapse that cost a client time (a failure, a stall, a hedge race lost, a decode
 far slower than claimed) is charged to a reliability debt that ranks the peer after the
 entry peer while it lasts (peer/routing/reliability.py). docs/security.md says what each
@@ -51,7 +51,7 @@ OVERSHOOT_ALLOWANCE = 0.1  # honest overshoots per claim: the Bloom false-positi
 EXCESS_GRACE = 2.0  # unexplained overshoots tolerated before any discount
 DISCOUNT_PER_EXCESS = 0.5  # the claim factor halves per unexplained overshoot past the grace
 IGNORE_BELOW = 0.1  # a factor under this: the peer's claims are ignored (factor 0)
-SPEED_WINDOW = 8  # observations of a peer's speeds kept (the best of them replaces its claims:
+SPEED_WINDOW = 8  # observations of a peer's speeds kept (the best of them bounds its claims:
 #   an observation's overheads only ever make a peer look slower than it is)
 MAX_TRACKED_PEERS = 4096  # non-quarantined peers remembered; far above MAX_PEERS (256)
 MAX_QUARANTINED = 65_536  # quarantine records kept (a Sybil flood cannot grow it further)
