@@ -17,6 +17,8 @@ Modes (the attacks bench.adversary measures, each within what an honest peer's v
   summaries (attractive ones, as above) of --forged fresh identities that never connect.
 - sybil: --identities peers in this one process (one shared engine), each connected and
   advertising the attractive summary, each answering like wrong_tokens_greedy.
+- magnet_staller: speed claims that escape naive caps, honest until past probation, then
+  stalls every stream (bench/rogues/magnet_staller.py).
 
 This is a bench tool: production code carries no attack mode. It changes a running
 `Peer` from the outside (its gossip publisher and its inference stream handler).
@@ -86,6 +88,7 @@ class Mode(enum.Enum):
     WRONG_TOKENS_SAMPLED = "wrong_tokens_sampled"
     FORGED_ORIGINS = "forged_origins"
     SYBIL = "sybil"
+    MAGNET_STALLER = "magnet_staller"
 
 
 ATTRACTIVE_MODES = frozenset(
@@ -176,6 +179,11 @@ class Rogue:
         self.answered: Counter[str] = Counter()
 
     def install(self, peer: Peer) -> None:
+        if self.mode is Mode.MAGNET_STALLER:
+            from bench.rogues import magnet_staller
+
+            magnet_staller.install(peer, self.received, self.answered)
+            return
         if self.mode in ATTRACTIVE_MODES:
             self._poison_gossip(peer)
         if self.mode is not Mode.FORGED_ORIGINS:
