@@ -10,6 +10,7 @@ import trio
 from peer.api.metrics import Metrics
 from peer.engine.engine import SamplingParams
 from peer.request.pipeline import GenerationChunk, Outcome
+from peer.request.race import TOKEN_GAP_FLOOR_S, TOKEN_GAP_MULTIPLE, token_gap_s
 from peer.routing.reliability import HEDGE_LOST_CHARGE
 from tests.fake_host import (
     SELF,
@@ -147,3 +148,24 @@ async def test_a_peer_that_breaks_before_a_token_is_charged_a_failure(autojump_c
     assert route(result) == [(A, Outcome.FAILED), (B, Outcome.OK)]
     assert result.route[0].charged == 1.0
     assert result.route[0].waited_s == pytest.approx(0.2)
+
+
+async def test_silence_between_tokens_is_a_stall_after_a_multiple_of_the_token_time(
+    autojump_clock,
+):
+    # Default gap (10 s); the estimate prices a token at 1/100 s: the floor, 2 s, applies.
+    swarm = fake_swarm({A: (7, first_token_then_silence), B: (6, honest())}, PROMPT)
+    ranked = swarm.pipeline._rank(PROMPT, PARAMS, 0.0)
+    assert token_gap_s(swarm.pipeline.config, ranked[0]) == TOKEN_GAP_FLOOR_S
+    result = await collect(swarm.pipeline)
+    assert route(result) == [(A, Outcome.HANDED_OVER), (B, Outcome.OK)]
+    assert result.route[0].waited_s == pytest.approx(TOKEN_GAP_FLOOR_S)
+
+
+def test_a_slow_peer_gets_a_longer_gap_up_to_the_configured_one():
+    swarm = fake_swarm({A: (7, honest())}, PROMPT)
+    a = swarm.pipeline._rank(PROMPT, PARAMS, 0.0)[0]
+    slow = a._replace(estimate=a.estimate._replace(decode_tokens_per_s=4.0))
+    assert token_gap_s(swarm.pipeline.config, slow) == TOKEN_GAP_MULTIPLE / 4.0
+    crawling = a._replace(estimate=a.estimate._replace(decode_tokens_per_s=0.5))
+    assert token_gap_s(swarm.pipeline.config, crawling) == swarm.pipeline.config.forward_token_gap_s

@@ -32,6 +32,13 @@ from peer.routing.router import Candidate
 from peer.routing.trust import TrustLedger
 
 MAX_RACING = 3  # attempts racing for one request's first token at once (hedging bound)
+# A forward's silence between tokens is a stall after this many of its tokens' expected
+# time (the router's decode estimate, itself bounded by what was observed), at least
+# TOKEN_GAP_FLOOR_S (a busy engine's step with a long prefill chunk, or a GC pause, takes
+# tenths of a second, and an honest tiny-model peer on a 2-core machine at load 15 was
+# seen silent for over 2 s), at most PeerConfig.forward_token_gap_s.
+TOKEN_GAP_MULTIPLE = 20.0
+TOKEN_GAP_FLOOR_S = 5.0
 # The time left that a forward must at least have: below it, running locally is better.
 MIN_FORWARD_BUDGET_S = 0.05
 
@@ -67,6 +74,13 @@ def first_token_timeout_s(config: PeerConfig, candidate: Candidate) -> float:
     estimate = estimated_ttft_s(candidate)
     timeout = max(config.first_token_floor_s, config.first_token_multiple * estimate)
     return min(timeout, config.forward_first_token_s)
+
+
+def token_gap_s(config: PeerConfig, candidate: Candidate) -> float:
+    """How long a forward's stream may be silent between two tokens before it is stalled."""
+    decode = candidate.estimate.decode_tokens_per_s
+    expected = TOKEN_GAP_MULTIPLE / decode if decode > 0 else math.inf
+    return min(config.forward_token_gap_s, max(TOKEN_GAP_FLOOR_S, expected))
 
 
 def hedge_delay_s(config: PeerConfig, candidate: Candidate) -> float:
