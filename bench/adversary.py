@@ -50,7 +50,7 @@ from peer.processes import (
 
 SCENARIOS = (
     "baseline", "liar_staller", "wrong_tokens_greedy", "wrong_tokens_sampled",
-    "forged_origins", "sybil", "punch_scanner", "reachability_liar",
+    "forged_origins", "sybil", "punch_scanner", "reachability_liar", "magnet_staller",
 )
 LIARS = ("liar_staller", "wrong_tokens_greedy", "wrong_tokens_sampled", "sybil")
 HONEST_PEERS = 3
@@ -262,6 +262,10 @@ def summarise(
         row["rogue_still_tried_in_last_quarter"] = not stopped
     if name in LIARS and rogue is not None:
         row["requests_until_quarantine"] = None  # set from the ledgers (_add_trust_states)
+    if name == "magnet_staller" and rogue is not None:
+        from bench.rogues.magnet_staller import tried_first
+
+        row.update(tried_first(ok, fake_ids))
     if name in ("forged_origins", "sybil") and rogue is not None:
         # None of them ever serves correctly, so every attempt came before it proved itself.
         ids = rogue.forged_ids if name == "forged_origins" else rogue.peer_ids

@@ -19,6 +19,8 @@ Modes (the attacks bench.adversary measures, each within what an honest peer's v
   advertising the attractive summary, each answering like wrong_tokens_greedy.
 - punch_scanner, reachability_liar: serve honestly and attack the network layer
   (hole-punch Connects naming loopback ports; lying dial-back answers): bench/rogues/.
+- magnet_staller: speed claims that escape naive caps, honest until past probation, then
+  stalls every stream (bench/rogues/magnet_staller.py).
 
 This is a bench tool: production code carries no attack mode. It changes a running
 `Peer` from the outside (its gossip publisher and its inference stream handler).
@@ -91,6 +93,7 @@ class Mode(enum.Enum):
     SYBIL = "sybil"
     PUNCH_SCANNER = "punch_scanner"  # bench/rogues/punch_scanner.py
     REACHABILITY_LIAR = "reachability_liar"  # bench/rogues/reachability_liar.py
+    MAGNET_STALLER = "magnet_staller"
 
 
 SURFACE_ATTACKS = {Mode.PUNCH_SCANNER: punch_scanner, Mode.REACHABILITY_LIAR: reachability_liar}
@@ -184,6 +187,11 @@ class Rogue:
     def install(self, peer: Peer) -> None:
         if self.mode in SURFACE_ATTACKS:  # serves honestly; attacks the network layer
             SURFACE_ATTACKS[self.mode].install(peer, self.answered)
+            return
+        if self.mode is Mode.MAGNET_STALLER:
+            from bench.rogues import magnet_staller
+
+            magnet_staller.install(peer, self.received, self.answered)
             return
         if self.mode in ATTRACTIVE_MODES:
             self._poison_gossip(peer)

@@ -33,6 +33,8 @@ def trust_view(trust: TrustLedger | None, peer_id: str) -> dict[str, Any] | None
         "served": t.served,
         "discount": round(t.discount, 4),
         "claims": t.claims.value,
+        "debt": round(t.debt, 4),  # reliability debt in failures (peer/routing/reliability.py)
+        "lapses": t.lapses,
     }
 
 

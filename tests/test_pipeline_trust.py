@@ -139,14 +139,15 @@ async def test_a_failure_is_seen_by_concurrent_requests_at_once(autojump_clock):
     assert swarm.pipeline.router.backoff_s(A) == 10.0  # one failure, recorded once
 
 
-async def test_speeds_observed_on_a_forward_cap_the_advertised_ones(autojump_clock):
+async def test_speeds_observed_on_a_forward_bound_the_advertised_ones(autojump_clock):
     prompt = list(range(100, 300))  # 200 tokens, none cached there: compute dominates
     swarm = fake_swarm({A: (1, honest(ttft_s=0.5, gap_s=0.1))}, prompt)
     await collect(swarm.pipeline, SamplingParams(max_new_tokens=10), prompt)
     view = swarm.trust.view(A)
     assert view.observed_prefill_tokens_per_s == pytest.approx(200 / 0.5)
     assert view.observed_decode_tokens_per_s == pytest.approx(9 / 0.9)
-    assert swarm.trust.cap_speeds(A, 1e9, 1e9, 1.0, 1.0) == pytest.approx((800.0, 20.0))
+    standing = swarm.trust.routing(A)
+    assert (standing.observed_prefill, standing.observed_decode) == pytest.approx((400.0, 10.0))
 
 
 def test_a_forward_says_something_of_speeds_only_when_compute_dominates_its_timing():
@@ -413,7 +414,8 @@ async def test_swarm_view_shows_each_peers_trust():
     )
     view = {p["peer_id"]: p["trust"] for p in swarm_json["peers"]}
     assert view[A] == {"state": "probation", "reason": "new identity", "verified": 1,
-                       "served": 1, "discount": 1.0, "claims": "believed"}
+                       "served": 1, "discount": 1.0, "claims": "believed", "debt": 0.0,
+                       "lapses": 0}
     assert view[B]["state"] == "quarantined" and view[B]["reason"] == "wrong output: token 2"
     assert view[B]["discount"] == 0.0
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from peer.routing.reliability import DEBT_HALF_LIFE_S, Lapse
 from peer.routing.trust import (
     DEFAULT_VERIFY_FRACTION,
     ClaimsState,
@@ -111,14 +113,14 @@ def test_claim_factor_is_in_unit_range_and_never_rises_on_an_overshoot(claims):
             assert after <= before
 
 
-def test_advertised_speeds_are_capped_by_what_was_observed():
+def test_the_best_observed_speeds_are_what_the_router_reads():
     ledger = TrustLedger()
-    # Never observed: no faster than this peer itself.
-    assert ledger.cap_speeds("p", 1e9, 1e9, 500.0, 15.0) == (500.0, 15.0)
+    assert ledger.routing("p").observed_prefill == 0.0  # never observed
     ledger.record_speeds("p", 800.0, 20.0)
     ledger.record_speeds("p", 1000.0, None)
-    assert ledger.cap_speeds("p", 1e9, 1e9, 500.0, 15.0) == (2000.0, 40.0)
-    assert ledger.cap_speeds("p", 100.0, 10.0, 500.0, 15.0) == (100.0, 10.0)
+    ledger.record_speeds("p", 600.0, 15.0)
+    standing = ledger.routing("p")
+    assert (standing.observed_prefill, standing.observed_decode) == (1000.0, 20.0)
     assert ledger.view("p").observed_prefill_tokens_per_s == 1000.0
 
 
@@ -153,10 +155,13 @@ def test_bad_fraction_is_rejected(bad):
 
 def test_routing_view_follows_every_change_and_hides_the_quarantined():
     ledger = TrustLedger(probation_requests=1)
-    assert ledger.routing("p") == (True, 1.0, 0.0, 0.0)
+    assert ledger.routing("p")[:4] == (True, 1.0, 0.0, 0.0)
     ledger.record_served("p", verified=True)
     ledger.record_speeds("p", 100.0, 10.0)
-    assert ledger.routing("p") == (False, 1.0, 200.0, 20.0)
+    assert ledger.routing("p")[:4] == (False, 1.0, 100.0, 10.0)
+    assert ledger.routing("p").demoted_until == -math.inf
+    ledger.record_lapse("p", Lapse.STALLED, 5.0)
+    assert ledger.routing("p").demoted_until > 5.0 + DEBT_HALF_LIFE_S
     for _ in range(5):
         ledger.record_claim("p", 64, 0)
     assert ledger.routing("p").factor == ledger.claim_factor("p") < 1.0

@@ -175,6 +175,20 @@ class Metrics:
             ["outcome"],
             registry=self.registry,
         )
+        self.forward_wait = Counter(
+            "prefixswarm_forward_wait_seconds",
+            "Seconds clients waited on attempts on other peers that did not serve them, by outcome"
+            " (stalled, hedge races lost, failures)",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self.forward_charges = Counter(
+            "prefixswarm_forward_charges",
+            "What the trust ledger charged other peers for attempts that cost clients time, in"
+            " failures (peer/routing/reliability.py), by outcome",
+            ["outcome"],
+            registry=self.registry,
+        )
         self.served = Counter(
             "prefixswarm_served",
             "HTTP requests by where they were served: local or remote",
@@ -243,7 +257,12 @@ class Metrics:
         """Count the remote attempts of a route (a GenerationResult's or a failure's)."""
         for attempt in attempts:
             if not attempt.is_local:
-                self.forwards.labels(attempt.outcome.value).inc()
+                outcome = attempt.outcome.value
+                self.forwards.labels(outcome).inc()
+                if attempt.waited_s > 0:
+                    self.forward_wait.labels(outcome).inc(attempt.waited_s)
+                if attempt.charged > 0:
+                    self.forward_charges.labels(outcome).inc(attempt.charged)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -258,6 +258,7 @@ class GenerationResponse:
                 {
                     "peer_id": a.peer_id, "local": a.is_local, "outcome": a.outcome.value,
                     "detail": a.detail, "tokens": a.tokens,
+                    "waited_s": round(a.waited_s, 6), "charged": round(a.charged, 4),
                 }
                 for a in result.route
             ],

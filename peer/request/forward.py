@@ -90,8 +90,10 @@ class Faulty(AttemptFailed):
 class HedgeLost(AttemptFailed):
     """A later candidate delivered its first token first: this one was slower than its
     hedge delay, not stalled (its first-token deadline had not passed). Shown in the
-    route, but neither backed off nor reported to the requests waiting on it: estimates
-    on busy CPUs are off by 2x, and an honest peer must not lose its traffic for that."""
+    route and charged a fraction of a failure in the trust ledger (peer/routing/
+    reliability.py: graded so that an occasional loss, as 2x-off estimates on busy CPUs
+    cause, never demotes an honest peer), but neither backed off by the router nor
+    reported to the requests waiting on it."""
 
     def __init__(self) -> None:
         super().__init__(Outcome.STALLED, "hedged: a later candidate answered first")

@@ -53,6 +53,8 @@ class Attempt:
     detail: str
     tokens: int  # tokens this attempt contributed
     reason: str = ""  # the router's account of why it was a candidate (Candidate.reason)
+    waited_s: float = 0.0  # what it cost the client: the time it was waited on in vain
+    charged: float = 0.0  # what the trust ledger charged it, in failures (reliability.py)
 
 
 class RequestFailed(Exception):

@@ -42,7 +42,7 @@ from peer.request.generation import (
     Outcome,
     RequestFailed,
 )
-from peer.request.race import AnyAttempt
+from peer.request.race import AnyAttempt, token_gap_s
 from peer.request.run import RequestRun, RunContext
 from peer.request.shadow import Shadows
 from peer.routing.decide import ProbeFirst, next_step
@@ -279,6 +279,6 @@ class Pipeline:
             prompt=prompt,
             params=params,
             vocab_size=self._engine.vocab_size,
-            gap_s=self._config.forward_token_gap_s,
+            gap_s=token_gap_s(self._config, candidate),
             deadline=deadline,
         )

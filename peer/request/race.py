@@ -4,7 +4,9 @@
 multiple of the router's TTFT estimate, with a floor), the next starts too, at most
 MAX_RACING at once; a failure starts the next at once. The first racer with a token wins
 and the others are cancelled (reset); one that started before the winner was hedged and
-lost, and shows as stalled in the route (it is not backed off: see HedgeLost). Each
+lost: it shows as stalled in the route with the time it cost, and the trust ledger
+charges it a fraction of a failure (peer/routing/reliability.py; the router's back-off
+does not apply: see HedgeLost). Each
 remote racer's first-token deadline is a multiple of its estimate, with a floor, capped
 by ``forward_first_token_s``.
 
@@ -30,6 +32,13 @@ from peer.routing.router import Candidate
 from peer.routing.trust import TrustLedger
 
 MAX_RACING = 3  # attempts racing for one request's first token at once (hedging bound)
+# A forward's silence between tokens is a stall after this many of its tokens' expected
+# time (the router's decode estimate, itself bounded by what was observed), at least
+# TOKEN_GAP_FLOOR_S (a busy engine's step with a long prefill chunk, or a GC pause, takes
+# tenths of a second, and an honest tiny-model peer on a 2-core machine at load 15 was
+# seen silent for over 2 s), at most PeerConfig.forward_token_gap_s.
+TOKEN_GAP_MULTIPLE = 20.0
+TOKEN_GAP_FLOOR_S = 5.0
 # The time left that a forward must at least have: below it, running locally is better.
 MIN_FORWARD_BUDGET_S = 0.05
 
@@ -37,8 +46,8 @@ AnyAttempt = LocalAttempt | RemoteAttempt
 
 # One candidate's attempt, for a request already bound (AttemptFailed if it cannot be made).
 MakeAttempt = Callable[[Candidate], AnyAttempt]
-# A failed attempt, recorded the moment it happens.
-OnFailed = Callable[[Candidate, AttemptFailed], None]
+# A failed attempt, recorded the moment it happens, with the seconds it was waited on.
+OnFailed = Callable[[Candidate, AttemptFailed, float], None]
 
 
 @dataclass
@@ -50,6 +59,7 @@ class Racer:
     index: int  # start order within the race
     verify: bool = False  # the trust ledger chose its response for verification
     failed: bool = False  # failed on its own (not merely cancelled because another won)
+    started_at: float = 0.0  # when its attempt started (the shell's clock)
 
 
 def estimated_ttft_s(candidate: Candidate) -> float:
@@ -64,6 +74,13 @@ def first_token_timeout_s(config: PeerConfig, candidate: Candidate) -> float:
     estimate = estimated_ttft_s(candidate)
     timeout = max(config.first_token_floor_s, config.first_token_multiple * estimate)
     return min(timeout, config.forward_first_token_s)
+
+
+def token_gap_s(config: PeerConfig, candidate: Candidate) -> float:
+    """How long a forward's stream may be silent between two tokens before it is stalled."""
+    decode = candidate.estimate.decode_tokens_per_s
+    expected = TOKEN_GAP_MULTIPLE / decode if decode > 0 else math.inf
+    return min(config.forward_token_gap_s, max(TOKEN_GAP_FLOOR_S, expected))
 
 
 def hedge_delay_s(config: PeerConfig, candidate: Candidate) -> float:
@@ -141,9 +158,11 @@ class Race:
                 try:
                     attempt = self._make_attempt(candidate)
                 except AttemptFailed as exc:
-                    self._on_failed(candidate, exc)
+                    self._on_failed(candidate, exc, 0.0)
                     continue
-                racer = Racer(candidate, attempt, len(self._started))
+                racer = Racer(
+                    candidate, attempt, len(self._started), started_at=trio.current_time()
+                )
                 self._running.append(racer)
                 self._started.append(racer)
                 self._wake = trio.Event()
@@ -183,7 +202,7 @@ class Race:
             racer.failed = True
             self._running.remove(racer)
             await attempt.aclose()
-            self._on_failed(candidate, exc)
+            self._on_failed(candidate, exc, trio.current_time() - racer.started_at)
             self._wake.set()
             return
         except trio.Cancelled:  # another racer won
@@ -191,7 +210,7 @@ class Race:
             with trio.CancelScope(shield=True):
                 await attempt.aclose()
             if self._winner is not None and racer.index < self._winner.index:
-                self._on_failed(candidate, HedgeLost())
+                self._on_failed(candidate, HedgeLost(), trio.current_time() - racer.started_at)
             raise
         finally:
             self._waiters.discard(peer_id, waiter)

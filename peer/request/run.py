@@ -6,7 +6,10 @@ attempt factory bound to itself, streams the winner's tokens (held back for veri
 when the trust ledger chose it), and on a failure hands over to the next candidate with
 the prompt plus the tokens so far (greedy output stays identical). Attempts end in a
 typed `Outcome`; `RunContext`, shared by a pipeline's runs, records each one where the
-swarm learns from it (router back-off, trust, statistics, waiters on the same peer).
+swarm learns from it (router back-off, trust, statistics, waiters on the same peer). An
+attempt that cost the client time (failed, stalled, lost a hedge race, decoded far slower
+than its peer claimed) is charged to that peer's reliability debt in the trust ledger,
+and its route entry says how long it was waited on and what it was charged.
 
 Cancel scopes never span a `yield` here: each await has its own deadline, so a slow
 consumer (an HTTP client) is never blamed for a slow peer, nor the reverse.
@@ -47,6 +50,8 @@ from peer.request.generation import (
     RequestFailed,
 )
 from peer.request.race import AnyAttempt, Race, Racer, Waiters
+from peer.routing.claims import claimed_decode
+from peer.routing.reliability import Lapse
 from peer.routing.router import Candidate, Router
 from peer.routing.trust import Promote, Quarantine, TrustLedger
 from peer.swarm.peer_table import PeerTable
@@ -116,22 +121,25 @@ class RunContext:
         self.waiters = Waiters()
         self._on_quarantine = on_quarantine
 
-    def served(self, racer: Racer, prompt: list[int], produced: int) -> None:
-        """The winner delivered ``produced`` tokens and finished."""
+    def served(self, racer: Racer, prompt: list[int], produced: int) -> float:
+        """The winner delivered ``produced`` tokens and finished; what it was charged for
+        underdelivering (0 mostly)."""
         peer_id = racer.candidate.peer_id
-        self.router.record_outcome(peer_id, True, trio.current_time())
+        now = trio.current_time()
+        self.router.record_outcome(peer_id, True, now)
         attempt = racer.attempt
         if not isinstance(attempt, RemoteAttempt):
-            return
-        action = self.trust.record_served(peer_id, verified=racer.verify)
+            return 0.0
+        action = self.trust.record_served(peer_id, verified=racer.verify, now=now)
         if isinstance(action, Promote):
             logger.info("peer %s passed probation (%d verified)", peer_id, action.verified)
-        self.observe(peer_id, attempt, prompt, produced)
+        return self.observe(peer_id, attempt, prompt, produced)
 
     def observe(
         self, peer_id: str, attempt: RemoteAttempt, prompt: list[int], produced: int
-    ) -> None:
-        """What a finished forward showed of ``peer_id``: its claim, its speeds."""
+    ) -> float:
+        """What a finished forward showed of ``peer_id``: its claim, its speeds, and
+        whether it decoded far slower than its summary claimed (the charge, 0 if not)."""
         cached = attempt.cached_tokens
         block = self.engine.block_size
         if cached is not None:
@@ -146,21 +154,41 @@ class RunContext:
         if first is not None and last is not None:
             span = last - first
         computed = len(prompt) - (cached or 0)
-        self.trust.record_speeds(peer_id, *forward_speeds(computed, ttft, produced, span))
+        prefill, decode = forward_speeds(computed, ttft, produced, span)
+        self.trust.record_speeds(peer_id, prefill, decode)
+        view = self.table.get(peer_id, trio.current_time())
+        if view is None or decode is None:
+            return 0.0
+        claimed = claimed_decode(
+            view.summary.decode_tokens_per_s, view.summary.batch_decode_tokens_per_s
+        )
+        charged = self.trust.record_delivery(peer_id, claimed, decode, trio.current_time())
+        if charged:
+            self.stats["charged_underdelivered"] += 1
+        return charged
 
     def failed(
         self, candidate: Candidate, outcome: Outcome, exc: AttemptFailed, route: list[Attempt],
-        produced: int,
+        produced: int, waited_s: float = 0.0,
     ) -> None:
-        """Record a failed attempt at once (in the request's ``route`` too)."""
+        """Record a failed attempt at once (in the request's ``route`` too), ``waited_s``
+        the time the client waited on it in vain."""
         peer_id = candidate.peer_id
+        now = trio.current_time()
+        charged = 0.0
+        lapse = None if candidate.is_local else _lapse_of(exc)
+        if lapse is not None:
+            charged = self.trust.record_lapse(peer_id, lapse, now)
+            if charged:
+                self.stats[f"charged_{lapse.value}"] += 1
         route.append(
-            Attempt(peer_id, candidate.is_local, outcome, str(exc), produced, candidate.reason)
+            Attempt(peer_id, candidate.is_local, outcome, str(exc), produced, candidate.reason,
+                    waited_s, charged)
         )
         self.stats[f"attempt_{outcome.value}"] += 1
         blamed = not isinstance(exc, (MovedOn, HedgeLost))  # MovedOn: recorded already
         if blamed:
-            self.router.record_outcome(peer_id, False, trio.current_time())
+            self.router.record_outcome(peer_id, False, now)
         if isinstance(exc, Faulty):
             self.quarantine(peer_id, str(exc))
         if blamed and outcome is not Outcome.REFUSED and not candidate.is_local:
@@ -180,6 +208,21 @@ class RunContext:
         self.waiters.cancel(peer_id)
         if self._on_quarantine is not None:
             self._on_quarantine(action)
+
+
+def _lapse_of(exc: AttemptFailed) -> Lapse | None:
+    """What a remote attempt's failure charges its peer: nothing when the failure is not
+    its own doing now (a refusal when overloaded is honest, MovedOn was charged for the
+    request it failed, a wrong answer or a faulty one quarantines it)."""
+    if isinstance(exc, HedgeLost):
+        return Lapse.HEDGE_LOST
+    if isinstance(exc, (MovedOn, Faulty, _WrongOutput)):
+        return None
+    if exc.outcome is Outcome.STALLED:
+        return Lapse.STALLED
+    if exc.outcome is Outcome.FAILED:
+        return Lapse.FAILED
+    return None
 
 
 class RequestRun:
@@ -241,15 +284,17 @@ class RequestRun:
                 if produced and outcome is not Outcome.WRONG_OUTPUT:
                     outcome = Outcome.HANDED_OVER
                 progress.handovers += bool(produced)
-                context.failed(candidate, outcome, exc, self.route, produced)
+                context.failed(candidate, outcome, exc, self.route, produced,
+                               _silent_s(attempt))
                 continue
             finally:
                 await attempt.aclose()
             produced = len(progress.generated) - before
-            context.served(racer, prompt, produced)
+            charged = context.served(racer, prompt, produced)
             self.route.append(
-                Attempt(candidate.peer_id, candidate.is_local, Outcome.OK, "", produced,
-                        candidate.reason)
+                Attempt(candidate.peer_id, candidate.is_local, Outcome.OK,
+                        "decoded far slower than it claimed" if charged else "", produced,
+                        candidate.reason, charged=charged)
             )
             context.stats["served_local" if candidate.is_local else "served_remote"] += 1
             if len(self.route) > 1:
@@ -267,8 +312,8 @@ class RequestRun:
                 candidate, prompt, params, self.request_id, self.deadline, self.cache_salt
             )
 
-        def on_failed(candidate: Candidate, exc: AttemptFailed) -> None:
-            context.failed(candidate, exc.outcome, exc, self.route, 0)
+        def on_failed(candidate: Candidate, exc: AttemptFailed, waited_s: float) -> None:
+            context.failed(candidate, exc.outcome, exc, self.route, 0, waited_s)
 
         return Race(
             config=context.config, trust=context.trust, rng=context.rng, stats=context.stats,
@@ -380,3 +425,10 @@ class RequestRun:
             served_by=progress.served_by,
             route=tuple(self.route),
         )
+
+
+def _silent_s(attempt: AnyAttempt) -> float:
+    """How long a stream that failed during delivery had been silent: since its last
+    token (a remote one), else 0."""
+    last = attempt.last_at if isinstance(attempt, RemoteAttempt) else None
+    return max(0.0, trio.current_time() - last) if last is not None else 0.0

@@ -14,8 +14,10 @@ after the entry peer, for a backoff that doubles with each consecutive failure.
 
 With a `TrustLedger` (peer/routing/trust.py) and ``require_rtt`` (what a serving peer uses), only
 peers that proved reachable (a round trip measured here) and are not quarantined are
-candidates; claimed matches are multiplied by the ledger's discount, advertised speeds are
-capped by what was observed, and peers on probation are never candidates: `rank_all`
+candidates; claimed matches are multiplied by the ledger's discount, advertised speeds and
+batch shapes count only as far as evidence allows (peer/routing/claims.py: up to twice the
+best observed, else up to ours), a peer whose lapses put it in debt ranks after the entry
+peer like one that failed, and peers on probation are never candidates: `rank_all`
 returns them apart, best first, for shadow verification (peer/routing/shadow.py).
 """
 
@@ -27,6 +29,7 @@ from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 from peer.config import Policy
+from peer.routing.claims import believed_batch, believed_speeds, claimed_decode
 from peer.routing.cost import (
     BATCH_STEP_SLOPE,
     COPY_CHARGE,
@@ -291,27 +294,37 @@ class Router:
             if rtt is None and self._require_rtt:
                 self._unproven += 1  # never completed a ping with us: not a candidate
                 continue
-            prefill_s = summary.prefill_tokens_per_s
-            decode_s = summary.decode_tokens_per_s
+            observed_prefill = observed_decode = 0.0
+            demoted = False
+            lapsed_at = now
             on_probation = False
             if trust is not None:
                 standing = trust.routing(peer_id)
                 if standing is None:
                     self._quarantined += 1
                     continue
-                on_probation, factor, prefill_cap, decode_cap = standing
+                (on_probation, factor, observed_prefill, observed_decode, demoted_until,
+                 lapsed_at) = standing
+                demoted = now < demoted_until
                 if factor < 1.0:
                     match_blocks = int(match_blocks * factor)
-                if prefill_s > 0 and decode_s > 0:
-                    # Advertised speeds count up to what was observed (else up to ours).
-                    prefill_s = min(prefill_s, prefill_cap or prefill_prior)
-                    decode_s = min(decode_s, decode_cap or decode_prior)
-            speeds_known = prefill_s > 0 and decode_s > 0
-            if summary.batch_decode_tokens_per_s > summary.decode_tokens_per_s > 0:
-                # One stream's speed at its batch (capped like the advertised one, since
-                # what we observe is a stream's) to a lone stream's: the cost model's unit.
-                batch = summary.batch_decode_tokens_per_s / summary.decode_tokens_per_s
-                decode_s = single_stream_decode(decode_s, decode_s * batch)
+                believed = believed_speeds(
+                    summary.prefill_tokens_per_s, summary.decode_tokens_per_s,
+                    summary.batch_decode_tokens_per_s, observed_prefill, observed_decode,
+                    prefill_prior, decode_prior,
+                )
+                prefill_s, decode_s, speeds_known = believed
+                slots, step_tokens = believed_batch(
+                    summary.batch_slots, summary.step_tokens, local.batch_slots,
+                    local.step_tokens,
+                )
+            else:  # no ledger: every peer on its claims (build_router)
+                prefill_s = summary.prefill_tokens_per_s
+                decode_s = claimed_decode(
+                    summary.decode_tokens_per_s, summary.batch_decode_tokens_per_s
+                )
+                speeds_known = prefill_s > 0 and decode_s > 0
+                slots, step_tokens = summary.batch_slots, summary.step_tokens
             prefill = as_measured_here(prefill_s, prefill_prior)
             decode = as_measured_here(decode_s, decode_prior)
             queued = summary.queued_prompt_tokens + forwarded_tokens
@@ -320,8 +333,9 @@ class Router:
             if rtt is None:
                 rtt = rtt_prior
             failed_s_ago = self.failed_s_ago(peer_id, now) if peer_id in failed else None
+            if failed_s_ago is None and demoted:
+                failed_s_ago = max(0.0, now - lapsed_at)
             match_tokens = match_blocks * block_size
-            slots, step_tokens = summary.batch_slots, summary.step_tokens
             e = _new(
                 PeerEstimate,
                 (peer_id, False, match_blocks, match_tokens, queued, running, prefill, decode,

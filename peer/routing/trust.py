@@ -5,8 +5,11 @@ Fed by method calls (time and randomness are parameters), it decides and returns
 (they serve no client; copies of requests served anyway check them: peer/routing/shadow.py)
 until ``probation_requests`` answers matched, trusted peers are verified at
 `verify_fraction`, a failed verification quarantines for good, overshooting Bloom claims
-discount a peer's claims, and advertised speeds are capped at what was observed.
-docs/security.md says what each rule stops.
+discount a peer's claims, observed speeds bound advertised ones (peer/routing/claims.py),
+and every lapse that cost a client time (a failure, a stall, a hedge race lost, a decode
+far slower than claimed) is charged to a reliability debt that ranks the peer after the
+entry peer while it lasts (peer/routing/reliability.py). docs/security.md says what each
+rule stops.
 """
 
 from __future__ import annotations
@@ -19,6 +22,9 @@ from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
+
+from peer.routing.reliability import CHARGES, Debt, Lapse, credit, decayed, underdelivery_charge
+from peer.routing.reliability import charge as charge_debt
 
 __all__ = [
     "DEFAULT_PROBATION_REQUESTS",
@@ -45,8 +51,8 @@ OVERSHOOT_ALLOWANCE = 0.1  # honest overshoots per claim: the Bloom false-positi
 EXCESS_GRACE = 2.0  # unexplained overshoots tolerated before any discount
 DISCOUNT_PER_EXCESS = 0.5  # the claim factor halves per unexplained overshoot past the grace
 IGNORE_BELOW = 0.1  # a factor under this: the peer's claims are ignored (factor 0)
-SPEED_SLACK = 2.0  # observed speeds vary ~2x on shared CPUs (ranking.SPEED_NOISE_FACTOR)
-SPEED_WINDOW = 8  # observations of a peer's speeds kept (the best of them caps its claims)
+SPEED_WINDOW = 8  # observations of a peer's speeds kept (the best of them bounds its claims:
+#   an observation's overheads only ever make a peer look slower than it is)
 MAX_TRACKED_PEERS = 4096  # non-quarantined peers remembered; far above MAX_PEERS (256)
 MAX_QUARANTINED = 65_536  # quarantine records kept (a Sybil flood cannot grow it further)
 MAX_REASON_CHARS = 300  # a reason is a sentence for the operator, not a transcript
@@ -91,8 +97,10 @@ class RoutingTrust(NamedTuple):
 
     probation: bool
     factor: float  # claim_factor
-    prefill_cap: float  # 0: never observed (the router caps at this peer's own speed)
-    decode_cap: float
+    observed_prefill: float  # the best observed; 0: never (claims count up to ours)
+    observed_decode: float
+    demoted_until: float = -math.inf  # its reliability debt ranks it after self until then
+    lapsed_at: float = 0.0  # when it was last charged (the shell's clock)
 
 
 class PeerTrust(NamedTuple):
@@ -108,6 +116,8 @@ class PeerTrust(NamedTuple):
     overshoots: int
     observed_prefill_tokens_per_s: float  # 0 until observed
     observed_decode_tokens_per_s: float
+    debt: float = 0.0  # reliability debt, in failures, when last charged or credited
+    lapses: int = 0  # lapses charged (failures, stalls, hedges lost, underdelivery)
 
 
 @dataclass
@@ -120,6 +130,8 @@ class _Peer:
     excess: float = 0.0
     prefill: deque[float] = field(default_factory=lambda: deque(maxlen=SPEED_WINDOW))
     decode: deque[float] = field(default_factory=lambda: deque(maxlen=SPEED_WINDOW))
+    debt: Debt = field(default_factory=Debt)
+    lapses: int = 0
     routing: RoutingTrust | None = None  # kept current for the router (None: recompute)
 
 
@@ -181,19 +193,12 @@ class TrustLedger:
             peer.routing = RoutingTrust(
                 not peer.trusted and self.probation_requests > 0,
                 _factor(peer.excess),
-                SPEED_SLACK * max(peer.prefill, default=0.0),
-                SPEED_SLACK * max(peer.decode, default=0.0),
+                max(peer.prefill, default=0.0),
+                max(peer.decode, default=0.0),
+                peer.debt.demoted_until,
+                peer.debt.at,
             )
         return peer.routing
-
-    def cap_speeds(
-        self, peer_id: str, prefill: float, decode: float, own_prefill: float, own_decode: float
-    ) -> tuple[float, float]:
-        """Advertised speeds bounded by SPEED_SLACK x the best observed (else by ours)."""
-        peer = self._peers.get(peer_id)
-        cap_p = SPEED_SLACK * max(peer.prefill) if peer and peer.prefill else own_prefill
-        cap_d = SPEED_SLACK * max(peer.decode) if peer and peer.decode else own_decode
-        return min(prefill, cap_p), min(decode, cap_d)
 
     def should_verify(self, peer_id: str, rng: random.Random) -> bool:
         """Whether to verify this response of ``peer_id`` before delivering any of it."""
@@ -232,12 +237,49 @@ class TrustLedger:
             if value is not None and math.isfinite(value) and value > 0:
                 window.append(value)
 
-    def record_served(self, peer_id: str, *, verified: bool) -> Promote | None:
-        """A response of ``peer_id`` was delivered, verified good or unverified."""
+    def record_lapse(
+        self, peer_id: str, lapse: Lapse, now: float, amount: float | None = None
+    ) -> float:
+        """``peer_id`` cost a client time (reliability.py): charge its debt ``amount``, by
+        default the lapse's. Returns what was charged (0 for a quarantined peer)."""
+        if not math.isfinite(now):
+            raise ValueError(f"now must be finite, got {now}")
+        if peer_id in self._quarantined:
+            return 0.0
+        if amount is None:
+            amount = CHARGES[lapse]
+        peer = self._peer(peer_id)
+        peer.debt = charge_debt(peer.debt, amount, now)
+        peer.lapses += 1
+        peer.routing = None
+        self._count(f"charged_{lapse.value}")
+        return amount
+
+    def record_delivery(
+        self, peer_id: str, claimed_decode: float, observed_decode: float | None, now: float
+    ) -> float:
+        """A forward to ``peer_id`` decoded at ``observed_decode`` (None: not measurable)
+        after its summary claimed ``claimed_decode`` (claims.claimed_decode): charged when
+        it delivered far less than it claimed. Returns the charge."""
+        if observed_decode is None:
+            return 0.0
+        amount = underdelivery_charge(claimed_decode, observed_decode)
+        if amount <= 0.0:
+            return 0.0
+        return self.record_lapse(peer_id, Lapse.UNDERDELIVERED, now, amount)
+
+    def record_served(
+        self, peer_id: str, *, verified: bool, now: float | None = None
+    ) -> Promote | None:
+        """A response of ``peer_id`` was delivered, verified good or unverified; at
+        ``now`` (the shell's clock) it repays part of the peer's reliability debt."""
         if peer_id in self._quarantined:
             return None
         peer = self._peer(peer_id)
         peer.served += 1
+        if now is not None and peer.debt.amount > 0.0:
+            peer.debt = credit(peer.debt, now)
+            peer.routing = None
         if not verified:
             return None
         peer.verified += 1
@@ -312,7 +354,14 @@ class TrustLedger:
             peer.overshoots,
             max(peer.prefill, default=0.0),
             max(peer.decode, default=0.0),
+            peer.debt.amount,
+            peer.lapses,
         )
+
+    def debt(self, peer_id: str, now: float) -> float:
+        """``peer_id``'s reliability debt at ``now``, in failures."""
+        peer = self._peers.get(peer_id)
+        return 0.0 if peer is None else decayed(peer.debt, now)
 
     def quarantine_records(self) -> list[QuarantineRecord]:
         return list(self._quarantined.values())
