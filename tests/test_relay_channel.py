@@ -1,0 +1,221 @@
+"""The end-to-end channel through a relay (peer/net/relay_channel.py), in memory: an
+honest relay carries only ciphertext; a relay that changes, drops or replays a message,
+answers as the target, or switches the protocol is caught."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import trio
+import trio.testing
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.peer.id import ID
+
+from peer.net.relay_channel import (
+    RelayAuthError,
+    RelayChannelError,
+    secure_inbound,
+    secure_outbound,
+)
+from peer.net.wire import FrameStream, StreamBroken
+from protocols.framing import MAX_FRAME_BYTES, encode_frame
+from protocols.ids import INFER_PROTOCOL
+from protocols.infer import InferRequest
+
+SECRET = bytes(range(200, 256)) * 3
+
+
+class MemoryStream:
+    """The libp2p stream surface over one end of a trio memory stream pair."""
+
+    def __init__(self, stream: trio.abc.HalfCloseableStream) -> None:
+        self._stream = stream
+
+    async def read(self, n: int | None = None) -> bytes:
+        return await self._stream.receive_some(n)
+
+    async def write(self, data: bytes) -> None:
+        await self._stream.send_all(data)
+
+    async def close(self) -> None:
+        await self._stream.aclose()
+
+    async def reset(self) -> None:
+        await self._stream.aclose()
+
+
+@pytest.fixture
+async def pipes():
+    """A nursery for the relay's pipes, cancelled when the test ends."""
+    async with trio.open_nursery() as nursery:
+        yield nursery
+        nursery.cancel_scope.cancel()
+
+
+Rewrite = Callable[[int, bytes], bytes | None]  # (index of the write, data) -> forwarded
+
+
+def relayed_pair(
+    nursery: trio.Nursery, seen: list[bytes], back: Rewrite | None = None
+) -> tuple[MemoryStream, MemoryStream]:
+    """(entry end, target end) joined by a relay that logs every byte and may rewrite
+    (or drop, None) what flows back to the entry."""
+    entry, relay_a = trio.testing.memory_stream_pair()
+    relay_b, target = trio.testing.memory_stream_pair()
+
+    async def pipe(src: trio.abc.Stream, dst: trio.abc.Stream, rewrite: Rewrite | None) -> None:
+        index = 0
+        while data := await src.receive_some(65536):
+            seen.append(data)
+            out = rewrite(index, data) if rewrite else data
+            index += 1
+            if out is not None:
+                await dst.send_all(out)
+
+    nursery.start_soon(pipe, relay_a, relay_b, None)
+    nursery.start_soon(pipe, relay_b, relay_a, back)
+    return MemoryStream(entry), MemoryStream(target)
+
+
+async def handshake(
+    entry_end, target_end, entry_key, target_key, *, target_protocol=INFER_PROTOCOL
+):
+    target_id = ID.from_pubkey(target_key.public_key)
+    results: dict[str, object] = {}
+
+    async def target_side() -> None:
+        try:
+            results["target"] = await secure_inbound(target_end, target_key, target_protocol)
+        except RelayAuthError as exc:
+            results["target"] = exc
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(target_side)
+        try:
+            results["entry"] = await secure_outbound(
+                entry_end, entry_key, target_id, INFER_PROTOCOL
+            )
+        except RelayAuthError as exc:
+            results["entry"] = exc
+            nursery.cancel_scope.cancel()
+    return results["entry"], results.get("target")
+
+
+async def test_an_honest_relay_carries_only_ciphertext_and_both_ends_are_proven(pipes):
+    entry_key, target_key = create_new_key_pair(), create_new_key_pair()
+    seen: list[bytes] = []
+    entry_end, target_end = relayed_pair(pipes, seen)
+    entry, target = await handshake(entry_end, target_end, entry_key, target_key)
+    assert entry.remote_peer == ID.from_pubkey(target_key.public_key)
+    assert target.muxed_conn.peer_id == ID.from_pubkey(entry_key.public_key)
+
+    request = InferRequest(request_id="r", prompt_token_ids=tuple(range(300, 364)),
+                           max_new_tokens=4, deadline_s=10.0)
+    await FrameStream(entry).send(request)
+    await entry.write(SECRET)
+    frames = FrameStream(target)
+    assert (await frames.receive())["prompt"] == list(range(300, 364))
+    await target.write(b"answer")
+    assert await entry.read(6) == b"answer"
+
+    carried = b"".join(seen)
+    frame = encode_frame(request.to_wire(), MAX_FRAME_BYTES)
+    assert len(carried) > len(frame)  # it did carry the request...
+    for window in (frame[i:i + 16] for i in range(0, len(frame) - 16, 8)):
+        assert window not in carried  # ...but no 16 bytes of it in the clear
+    assert SECRET[:16] not in carried and b"answer" not in carried
+
+
+async def test_a_changed_byte_fails_authentication(pipes):
+    entry_key, target_key = create_new_key_pair(), create_new_key_pair()
+
+    def flip_after_handshake(index: int, data: bytes) -> bytes:
+        if index == 0:  # the handshake's second message
+            return data
+        return data[:-1] + bytes([data[-1] ^ 1])
+
+    entry_end, target_end = relayed_pair(pipes, [], flip_after_handshake)
+    entry, target = await handshake(entry_end, target_end, entry_key, target_key)
+    await target.write(b"tokens 1 2 3")
+    with pytest.raises(RelayChannelError):
+        await entry.read(12)
+    # what a forward reads frames with: a broken stream, never a message
+    await target.write(b"x")
+    with pytest.raises(StreamBroken):
+        await FrameStream(entry).receive()
+
+
+async def test_a_dropped_message_breaks_every_later_one(pipes):
+    entry_key, target_key = create_new_key_pair(), create_new_key_pair()
+    entry_end, target_end = relayed_pair(pipes, [], lambda i, d: None if i == 1 else d)
+    entry, target = await handshake(entry_end, target_end, entry_key, target_key)
+    await target.write(b"first")  # dropped by the relay
+    await trio.testing.wait_all_tasks_blocked()
+    await target.write(b"second")
+    with pytest.raises(RelayChannelError):
+        await entry.read(6)
+
+
+async def test_a_replayed_message_fails(pipes):
+    entry_key, target_key = create_new_key_pair(), create_new_key_pair()
+    entry_end, target_end = relayed_pair(pipes, [], lambda i, d: d + d if i == 1 else d)
+    entry, target = await handshake(entry_end, target_end, entry_key, target_key)
+    await target.write(b"once")
+    assert await entry.read(4) == b"once"
+    with pytest.raises(RelayChannelError):
+        await entry.read(4)
+
+
+async def test_a_relay_cannot_answer_as_the_target(pipes):
+    """The relay runs the handshake itself with its own key: the entry sees another id."""
+    entry_key, target_key, relay_key = (create_new_key_pair() for _ in range(3))
+    entry_end, relay_end = trio.testing.memory_stream_pair()
+    target_id = ID.from_pubkey(target_key.public_key)
+
+    async def impersonate() -> None:
+        with pytest.raises(RelayAuthError):
+            await secure_inbound(MemoryStream(relay_end), relay_key, INFER_PROTOCOL)
+
+    pipes.start_soon(impersonate)
+    with pytest.raises(RelayAuthError, match="failed"):
+        await secure_outbound(MemoryStream(entry_end), entry_key, target_id, INFER_PROTOCOL)
+
+
+async def test_a_relay_answering_in_the_clear_is_refused(pipes):
+    """An old-style plaintext answer (a frame of tokens) is no handshake message."""
+    entry_key, target_key = create_new_key_pair(), create_new_key_pair()
+    entry_end, relay_end = trio.testing.memory_stream_pair()
+
+    async def plaintext() -> None:
+        await relay_end.receive_some(65536)
+        await relay_end.send_all(b"\x00\x10" + b"\xa1\x66tokens\x83\x01\x02\x03" + b"\x00" * 4)
+        await relay_end.aclose()
+
+    pipes.start_soon(plaintext)
+    with pytest.raises(RelayAuthError):
+        await secure_outbound(
+            MemoryStream(entry_end), entry_key, ID.from_pubkey(target_key.public_key),
+            INFER_PROTOCOL,
+        )
+
+
+async def test_a_switched_protocol_breaks_the_handshake(pipes):
+    entry_key, target_key = create_new_key_pair(), create_new_key_pair()
+    entry_end, target_end = relayed_pair(pipes, [])
+    entry, target = await handshake(
+        entry_end, target_end, entry_key, target_key, target_protocol="/ipfs/ping/1.0.0"
+    )
+    assert isinstance(entry, RelayAuthError) or isinstance(target, RelayAuthError)
+
+
+async def test_a_silent_relay_times_out_in_virtual_time(autojump_clock):
+    entry_key, target_key = create_new_key_pair(), create_new_key_pair()
+    entry_end, _silent = trio.testing.memory_stream_pair()
+    start = trio.current_time()
+    with pytest.raises(RelayAuthError, match="within"):
+        await secure_outbound(
+            MemoryStream(entry_end), entry_key, ID.from_pubkey(target_key.public_key),
+            INFER_PROTOCOL,
+        )
+    assert trio.current_time() - start == pytest.approx(5.0)
