@@ -4,6 +4,7 @@ answers as the target, or switches the protocol is caught."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 
 import pytest
@@ -15,9 +16,12 @@ from libp2p.peer.id import ID
 from peer.net.relay_channel import (
     RelayAuthError,
     RelayChannelError,
+    SecuredStream,
+    accept_circuit,
     secure_inbound,
     secure_outbound,
 )
+from peer.net.relay_server import RelayStop
 from peer.net.wire import FrameStream, StreamBroken
 from protocols.framing import MAX_FRAME_BYTES, encode_frame
 from protocols.ids import INFER_PROTOCOL
@@ -219,3 +223,75 @@ async def test_a_silent_relay_times_out_in_virtual_time(autojump_clock):
             INFER_PROTOCOL,
         )
     assert trio.current_time() - start == pytest.approx(5.0)
+
+
+# -- the target's side of a circuit (accept_circuit) -------------------------------------
+
+
+class FromRelay(MemoryStream):
+    """A relay-stop stream as the target sees it: its connection names the relay."""
+
+    def __init__(self, stream: trio.abc.HalfCloseableStream, relay: ID) -> None:
+        super().__init__(stream)
+        self.muxed_conn = type("Conn", (), {"peer_id": relay})()
+
+
+async def circuit(
+    *, allowed: bool = True, claimed_origin: str | None = None, protocol: str = INFER_PROTOCOL
+) -> tuple[list[object], Counter[str], object]:
+    """Run accept_circuit against an entry that handshakes through a relay; returns the
+    streams the protocol handler got, the stats, and the entry's outcome."""
+    entry_key, target_key, relay_key = (create_new_key_pair() for _ in range(3))
+    relay_id = ID.from_pubkey(relay_key.public_key)
+    entry_id = ID.from_pubkey(entry_key.public_key).to_base58()
+    entry_end, target_end = trio.testing.memory_stream_pair()
+    handled: list[object] = []
+    stats: Counter[str] = Counter()
+
+    async def handler(stream: object) -> None:
+        handled.append(stream)
+
+    async def target_side() -> None:
+        await accept_circuit(
+            FromRelay(target_end, relay_id), target_key,
+            relay_allowed=lambda relay: allowed and relay == relay_id.to_base58(),
+            handler_for=lambda p: handler if p == INFER_PROTOCOL else None, stats=stats,
+        )
+
+    outcome: object = None
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(target_side)
+        try:
+            await entry_end.send_all(RelayStop(claimed_origin or entry_id, protocol).encode())
+            outcome = await secure_outbound(
+                MemoryStream(entry_end), entry_key, ID.from_pubkey(target_key.public_key),
+                INFER_PROTOCOL,
+            )
+        except (RelayAuthError, trio.BrokenResourceError) as exc:  # refused, or closed on us
+            outcome = exc
+    return handled, stats, outcome
+
+
+async def test_a_circuit_reaches_the_handler_as_the_proven_origin():
+    handled, stats, outcome = await circuit()
+    assert stats["relayed_inbound"] == 1 and len(handled) == 1
+    assert isinstance(handled[0], SecuredStream) and not isinstance(outcome, Exception)
+    assert handled[0].muxed_conn.peer_id == outcome._session.get_local_peer()
+
+
+async def test_a_circuit_from_a_relay_we_hold_no_slot_on_is_refused():
+    handled, stats, outcome = await circuit(allowed=False)
+    assert handled == [] and stats["relayed_inbound_refused"] == 1
+    assert isinstance(outcome, Exception)
+
+
+async def test_a_relay_naming_another_origin_is_refused():
+    other = ID.from_pubkey(create_new_key_pair().public_key).to_base58()
+    handled, stats, _ = await circuit(claimed_origin=other)
+    assert handled == [] and stats["relayed_inbound_refused"] == 1
+
+
+async def test_only_relayed_protocols_are_accepted():
+    handled, stats, outcome = await circuit(protocol="/prefixswarm/lookup/1.0.0")
+    assert handled == [] and stats["relayed_inbound_refused"] == 1
+    assert isinstance(outcome, Exception)
