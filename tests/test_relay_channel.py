@@ -141,9 +141,12 @@ async def test_a_changed_byte_fails_authentication(pipes):
 
     entry_end, target_end = relayed_pair(pipes, [], flip_after_handshake)
     entry, target = await handshake(entry_end, target_end, entry_key, target_key)
+    flagged: list[int] = []
+    entry.on_tampered = lambda: flagged.append(1)  # the entry then avoids that relay
     await target.write(b"tokens 1 2 3")
     with pytest.raises(RelayChannelError):
         await entry.read(12)
+    assert flagged == [1]
     # what a forward reads frames with: a broken stream, never a message
     await target.write(b"x")
     with pytest.raises(StreamBroken):
@@ -295,3 +298,36 @@ async def test_only_relayed_protocols_are_accepted():
     handled, stats, outcome = await circuit(protocol="/prefixswarm/lookup/1.0.0")
     assert handled == [] and stats["relayed_inbound_refused"] == 1
     assert isinstance(outcome, Exception)
+
+
+# -- the entry avoids a relay that failed it -----------------------------------------------
+
+
+class _Peerstore:
+    def addrs(self, peer_id: ID) -> list[str]:
+        from libp2p.peer.peerstore import PeerStoreError
+
+        raise PeerStoreError("unknown")
+
+
+class _Host:
+    def __init__(self, connected: list[ID]) -> None:
+        self._connected = connected
+        self.libp2p = type("Libp2p", (), {"get_peerstore": lambda _self: _Peerstore()})()
+
+    def connected_peers(self) -> list[ID]:
+        return list(self._connected)
+
+
+async def test_a_relay_that_failed_end_to_end_is_avoided_for_a_while(autojump_clock):
+    from peer.net.relay_service import BAD_RELAY_S, Reach
+
+    relays = [ID.from_pubkey(create_new_key_pair().public_key) for _ in range(3)]
+    target = ID.from_pubkey(create_new_key_pair().public_key)
+    reach = Reach(_Host(relays), listen_ports=(), announce=(), relay_service=True,
+                  use_relays=True)
+    assert set(reach.relay_candidates(target)) == set(relays)
+    reach.note_bad_relay(relays[0].to_base58())
+    assert set(reach.relay_candidates(target)) == set(relays[1:])
+    await trio.sleep(BAD_RELAY_S)
+    assert set(reach.relay_candidates(target)) == set(relays)
