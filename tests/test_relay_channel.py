@@ -185,8 +185,9 @@ async def test_a_relay_cannot_answer_as_the_target(pipes):
             await secure_inbound(MemoryStream(relay_end), relay_key, INFER_PROTOCOL)
 
     pipes.start_soon(impersonate)
-    with pytest.raises(RelayAuthError, match="failed"):
+    with pytest.raises(RelayAuthError, match="failed") as caught:
         await secure_outbound(MemoryStream(entry_end), entry_key, target_id, INFER_PROTOCOL)
+    assert caught.value.meddled  # the entry avoids that relay
 
 
 async def test_a_relay_answering_in_the_clear_is_refused(pipes):
@@ -200,11 +201,30 @@ async def test_a_relay_answering_in_the_clear_is_refused(pipes):
         await relay_end.aclose()
 
     pipes.start_soon(plaintext)
-    with pytest.raises(RelayAuthError):
+    with pytest.raises(RelayAuthError) as caught:
         await secure_outbound(
             MemoryStream(entry_end), entry_key, ID.from_pubkey(target_key.public_key),
             INFER_PROTOCOL,
         )
+    assert caught.value.meddled
+
+
+async def test_a_circuit_that_just_ends_is_no_evidence_against_the_relay(pipes):
+    """A target that left or refused the circuit: the relay stays usable."""
+    entry_key, target_key = create_new_key_pair(), create_new_key_pair()
+    entry_end, relay_end = trio.testing.memory_stream_pair()
+
+    async def hang_up() -> None:
+        await relay_end.receive_some(65536)
+        await relay_end.aclose()
+
+    pipes.start_soon(hang_up)
+    with pytest.raises(RelayAuthError) as caught:
+        await secure_outbound(
+            MemoryStream(entry_end), entry_key, ID.from_pubkey(target_key.public_key),
+            INFER_PROTOCOL,
+        )
+    assert not caught.value.meddled
 
 
 async def test_a_switched_protocol_breaks_the_handshake(pipes):
@@ -220,12 +240,13 @@ async def test_a_silent_relay_times_out_in_virtual_time(autojump_clock):
     entry_key, target_key = create_new_key_pair(), create_new_key_pair()
     entry_end, _silent = trio.testing.memory_stream_pair()
     start = trio.current_time()
-    with pytest.raises(RelayAuthError, match="within"):
+    with pytest.raises(RelayAuthError, match="within") as caught:
         await secure_outbound(
             MemoryStream(entry_end), entry_key, ID.from_pubkey(target_key.public_key),
             INFER_PROTOCOL,
         )
     assert trio.current_time() - start == pytest.approx(5.0)
+    assert not caught.value.meddled
 
 
 # -- the target's side of a circuit (accept_circuit) -------------------------------------

@@ -29,7 +29,8 @@ from libp2p.abc import IRawConnection
 from libp2p.crypto.keys import KeyPair
 from libp2p.crypto.x25519 import create_new_key_pair as create_x25519_key_pair
 from libp2p.exceptions import BaseLibp2pError
-from libp2p.io.exceptions import IOException
+from libp2p.io.exceptions import ConnectionClosedError, IncompleteReadError, IOException
+from libp2p.network.stream.exceptions import StreamClosed, StreamEOF, StreamReset
 from libp2p.peer.id import ID
 from libp2p.security.noise.patterns import PatternXX
 from libp2p.security.secure_session import SecureSession
@@ -50,7 +51,21 @@ class RelayChannelError(IOException):
 
 
 class RelayAuthError(Exception):
-    """The handshake through a relay failed or proved another identity than expected."""
+    """The handshake through a relay failed or proved another identity than expected.
+
+    `meddled`: the relay (or the path) sent something no honest pair sends: another
+    identity, a bad signature, a message that fails its tag. False when the stream just
+    ended or went quiet (a target that left or refused the circuit): no reason to
+    distrust the relay."""
+
+    def __init__(self, message: str, *, meddled: bool) -> None:
+        super().__init__(message)
+        self.meddled = meddled
+
+
+# How an honest circuit ends early: the target left, refused it, or the stream was reset.
+_ENDED = (IncompleteReadError, StreamEOF, StreamReset, StreamClosed, ConnectionClosedError,
+          EOFError)
 
 
 def prologue(protocol: str) -> bytes:
@@ -140,13 +155,17 @@ async def secure_outbound(
             session = await pattern.handshake_outbound(cast(IRawConnection, stream), expected)
     except trio.TooSlowError as exc:
         raise RelayAuthError(
-            f"no handshake from {expected} within {HANDSHAKE_TIMEOUT_S} s"
+            f"no handshake from {expected} within {HANDSHAKE_TIMEOUT_S} s", meddled=False
         ) from exc
-    except Exception as exc:  # bad signature, other identity, garbage, EOF: all the same
-        raise RelayAuthError(f"handshake with {expected} failed: {exc!r}") from exc
+    except _ENDED as exc:
+        raise RelayAuthError(f"circuit to {expected} ended: {exc!r}", meddled=False) from exc
+    except Exception as exc:  # bad signature, another identity, garbage
+        raise RelayAuthError(f"handshake with {expected} failed: {exc!r}", meddled=True) from exc
     assert isinstance(session, SecureSession)
     if session.get_remote_peer() != expected:  # checked by the pattern; never trust one check
-        raise RelayAuthError(f"handshake proved {session.get_remote_peer()}, not {expected}")
+        raise RelayAuthError(
+            f"handshake proved {session.get_remote_peer()}, not {expected}", meddled=True
+        )
     return SecuredStream(session, stream, protocol)
 
 
@@ -158,9 +177,11 @@ async def secure_inbound(stream: Any, identity: KeyPair, protocol: str) -> Secur
         with trio.fail_after(HANDSHAKE_TIMEOUT_S):
             session = await pattern.handshake_inbound(cast(IRawConnection, stream))
     except trio.TooSlowError as exc:
-        raise RelayAuthError(f"no handshake within {HANDSHAKE_TIMEOUT_S} s") from exc
+        raise RelayAuthError(f"no handshake within {HANDSHAKE_TIMEOUT_S} s", meddled=False) from exc
+    except _ENDED as exc:
+        raise RelayAuthError(f"circuit ended: {exc!r}", meddled=False) from exc
     except Exception as exc:  # as above
-        raise RelayAuthError(f"inbound handshake failed: {exc!r}") from exc
+        raise RelayAuthError(f"inbound handshake failed: {exc!r}", meddled=True) from exc
     assert isinstance(session, SecureSession)
     return SecuredStream(session, stream, protocol)
 

@@ -126,6 +126,9 @@ class Reach:
         self._my_relays: dict[str, tuple[str, float]] = {}  # relay id -> (its addr, expiry)
         self._direct_failed: dict[str, float] = {}  # peer id -> when a direct dial failed
         self._bad_relays: dict[str, float] = {}  # relay id -> when it failed us end to end
+        # relay id -> until when circuits through it are ours to serve: a reservation's
+        # expiry plus a TTL (the relay may still hold it after we dropped it at half-life)
+        self._circuits_from: dict[str, float] = {}
         self._dialbacks = trio.Semaphore(DIALBACK_CONCURRENCY)
         self._verdict = self.tracker.verdict(0.0)
         self.stats: Counter[str] = Counter()
@@ -314,6 +317,9 @@ class Reach:
         addr = f"{addrs[0]}/p2p/{relay.to_base58()}"
         previous = set(self._my_relays)
         self._my_relays[relay.to_base58()] = (addr, trio.current_time() + reply.ttl_s)
+        if len(self._circuits_from) >= MAX_BAD_RELAYS:
+            self._circuits_from.clear()  # refilled by the next refreshes
+        self._circuits_from[relay.to_base58()] = trio.current_time() + 2 * reply.ttl_s
         self.stats["reservations_made"] += 1
         if relay.to_base58() not in previous:
             self.on_addrs_changed()
@@ -361,7 +367,7 @@ class Reach:
         await accept_circuit(
             stream,
             self._identity(),
-            relay_allowed=lambda relay: relay in self._my_relays,
+            relay_allowed=lambda relay: trio.current_time() < self._circuits_from.get(relay, 0.0),
             handler_for=lambda protocol: mux.handlers.get(TProtocol(protocol)),
             stats=self.stats,
         )
@@ -405,10 +411,11 @@ class Reach:
                     continue
                 try:
                     secured = await secure_outbound(stream, self._identity(), peer_id, protocol)
-                except RelayAuthError as exc:  # the relay answered as someone else, or meddled
+                except RelayAuthError as exc:  # answered as someone else, meddled, or ended
                     errors.append(f"{relay}: {exc}")
                     self.stats["relayed_handshakes_failed"] += 1
-                    self.note_bad_relay(relay.to_base58())
+                    if exc.meddled:
+                        self.note_bad_relay(relay.to_base58())
                     await close_stream(stream)
                     continue
                 secured.on_tampered = functools.partial(self.note_bad_relay, relay.to_base58())
