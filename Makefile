@@ -54,7 +54,7 @@ lint: $(STAMP)
 		peer/request/admission.py peer/swarm/bloom_sizing.py peer/swarm/publish_policy.py peer/swarm/neighbourhood.py \
 		peer/swarm/interest.py peer/swarm/providers.py peer/demo_data.py peer/engine/radix.py \
 		peer/engine/speeds.py peer/routing/trust.py peer/routing/claims.py peer/routing/reliability.py peer/routing/shadow.py peer/request/request_log.py peer/settings.py \
-		peer/preflight.py peer/logs.py peer/version.py peer/progress.py peer/net/reachability.py peer/net/punch.py peer/net/punch_policy.py \
+		peer/preflight.py peer/logs.py peer/version.py peer/progress.py peer/net/reachability.py peer/net/relay_reservations.py peer/net/punch.py peer/net/punch_policy.py \
 		peer/engine/scheduler.py peer/engine/api.py peer/engine/text.py peer/routing/probing.py peer/routing/decide.py \
 		peer/request/generation.py peer/api/face.py peer/swarm/local_summary.py \
 		peer/swarm/incremental_bloom.py bench/testbed/link.py

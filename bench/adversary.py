@@ -20,6 +20,7 @@ import dataclasses
 import json
 import os
 import shlex
+import shutil
 import statistics
 import sys
 from collections import Counter
@@ -31,6 +32,7 @@ from typing import Any
 import httpx
 import trio
 
+from bench import adversary_relay
 from bench.adversary_surface import watch_surface
 from bench.stats import percentile
 from bench.swarm import (
@@ -51,6 +53,7 @@ from peer.processes import (
 SCENARIOS = (
     "baseline", "liar_staller", "wrong_tokens_greedy", "wrong_tokens_sampled",
     "forged_origins", "sybil", "punch_scanner", "reachability_liar", "magnet_staller",
+    "relay_impersonator",
 )
 LIARS = ("liar_staller", "wrong_tokens_greedy", "wrong_tokens_sampled", "sybil")
 HONEST_PEERS = 3
@@ -74,6 +77,7 @@ class RogueProcess:
     forged_ids: list[str] = field(default_factory=list)
     received: dict[str, int] = field(default_factory=dict)
     answered: dict[str, int] = field(default_factory=dict)
+    relay: dict[str, int] = field(default_factory=dict)  # relay_impersonator's counts
     up: trio.Event = field(default_factory=trio.Event)
     reports: int = 0  # stats lines read so far
 
@@ -84,6 +88,7 @@ class RogueProcess:
             self.up.set()
         elif report.get("event") == "stats":
             self.received, self.answered = report["received"], report["answered"]
+            self.relay = report.get("relay", {})
             self.reports += 1
 
     async def wait_fresh_stats(self) -> None:
@@ -99,12 +104,13 @@ def _environment() -> dict[str, str]:
 
 
 async def _spawn_honest(
-    procs: PeerProcesses, args: argparse.Namespace, bootstrap: Sequence[str]
+    procs: PeerProcesses, args: argparse.Namespace, bootstrap: Sequence[str],
+    listen: str = "/ip4/127.0.0.1/tcp/0", extra: Sequence[str] = (),
 ) -> PeerProcess:
     cmd = [
         sys.executable, "-m", "peer.cli", "serve",
         "--model", args.model, "--identity", "none",
-        "--listen", "/ip4/127.0.0.1/tcp/0", "--http", "127.0.0.1:0",
+        "--listen", listen, "--http", "127.0.0.1:0", *extra,
         "--cache-bytes", str(args.cache_bytes), "--summary-interval", "1",
         "--report", "json", "--exit-with-stdin", "--log-level", args.peer_log_level,
         *shlex.split(args.peer_args),
@@ -123,7 +129,9 @@ async def _spawn_rogue(
         sys.executable, "-m", "bench.rogue", "--mode", mode, "--model", args.model,
         "--cache-bytes", str(args.cache_bytes), "--identities", str(SYBIL_IDENTITIES),
         "--forged", str(FORGED_IDENTITIES), "--bootstrap", *bootstrap,
+        "--relay-dump", str(_relay_dump(args)),
     ]
+    shutil.rmtree(_relay_dump(args), ignore_errors=True)  # relay_impersonator's, per run
     rogue = RogueProcess()
     started = await procs.start(
         cmd, log_path=Path(args.peer_log), env=_environment(), on_report=rogue.apply
@@ -134,6 +142,10 @@ async def _spawn_rogue(
         started.check_alive()  # exited: its log's end says why
         raise PeerProcessError(f"the rogue ({mode}) not up within {READY_TIMEOUT_S:.0f} s")
     return rogue
+
+
+def _relay_dump(args: argparse.Namespace) -> Path:
+    return Path(args.json).with_suffix(".relay-dump")
 
 
 # -- requests -----------------------------------------------------------------------------
@@ -287,15 +299,17 @@ async def run_scenario(
         honest: list[PeerProcess] = []
         rogue: RogueProcess | None = None
         log(f"{name}: starting {HONEST_PEERS} honest peers")
-        first = await _spawn_honest(procs, args, [])
+        relayed = name == adversary_relay.SCENARIO  # peers 2 and 3 reachable only via relays
+        shape = adversary_relay.honest_shape if relayed else lambda i: ("/ip4/127.0.0.1/tcp/0", ())
+        first = await _spawn_honest(procs, args, [], *shape(0))
         honest.append(first)
         async with trio.open_nursery() as starting:
 
-            async def spawn_one() -> None:
-                honest.append(await _spawn_honest(procs, args, first.multiaddrs[:1]))
+            async def spawn_one(index: int) -> None:
+                honest.append(await _spawn_honest(procs, args, first.multiaddrs[:1], *shape(index)))
 
-            for _ in range(HONEST_PEERS - 1):
-                starting.start_soon(spawn_one)
+            for index in range(1, HONEST_PEERS):
+                starting.start_soon(spawn_one, index)
         ids = {p.peer_id for p in honest}
         with trio.fail_after(READY_TIMEOUT_S):
             while not all(p.known >= ids - {p.peer_id} for p in honest):
@@ -311,12 +325,24 @@ async def run_scenario(
                     await trio.sleep(0.2)
             known = [len(p.known & wanted) for p in honest]
             log(f"{name}: honest peers list {known} of {len(wanted)} rogue identities")
+            if relayed:  # until the outbound-only peers route to each other via the rogue
+                private = honest[1:]
+                with trio.move_on_after(READY_ROGUE_S):
+                    while not all(p.routable >= {q.peer_id for q in private} - {p.peer_id}
+                                  for p in private):
+                        await trio.sleep(0.2)
+                log(f"{name}: relay so far {rogue.relay}")
         async with watch_surface(name, honest, rogue) as surface:
             outcomes = await _drive(args, honest, workload, sampled)
         if rogue is not None:
             await rogue.wait_fresh_stats()
         row = summarise(name, outcomes, refs, honest, rogue, args.max_new_tokens)
         row.update(surface.row(name, rogue.answered if rogue else None))
+        if relayed and rogue is not None:
+            row.update(adversary_relay.relay_row(
+                _relay_dump(args), [r.prefix + r.suffix for r in workload], refs, rogue.relay,
+                sum(o.ok and o.text != refs[o.index] for o in outcomes),
+            ))
         if args.outcomes:
             with open(args.outcomes, "a") as out:
                 for o in sorted(outcomes, key=lambda o: o.index):

@@ -21,6 +21,8 @@ Modes (the attacks bench.adversary measures, each within what an honest peer's v
   (hole-punch Connects naming loopback ports; lying dial-back answers): bench/rogues/.
 - magnet_staller: speed claims that escape naive caps, honest until past probation, then
   stalls every stream (bench/rogues/magnet_staller.py).
+- relay_impersonator: serves honestly, and its relay logs, rewrites and impersonates
+  (bench/rogues/relay_impersonator.py).
 
 This is a bench tool: production code carries no attack mode. It changes a running
 `Peer` from the outside (its gossip publisher and its inference stream handler).
@@ -45,6 +47,7 @@ import signal
 import sys
 import types
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import trio
@@ -94,6 +97,7 @@ class Mode(enum.Enum):
     PUNCH_SCANNER = "punch_scanner"  # bench/rogues/punch_scanner.py
     REACHABILITY_LIAR = "reachability_liar"  # bench/rogues/reachability_liar.py
     MAGNET_STALLER = "magnet_staller"
+    RELAY_IMPERSONATOR = "relay_impersonator"  # bench/rogues/relay_impersonator.py
 
 
 SURFACE_ATTACKS = {Mode.PUNCH_SCANNER: punch_scanner, Mode.REACHABILITY_LIAR: reachability_liar}
@@ -195,7 +199,7 @@ class Rogue:
             return
         if self.mode in ATTRACTIVE_MODES:
             self._poison_gossip(peer)
-        if self.mode is not Mode.FORGED_ORIGINS:
+        if self.mode not in (Mode.FORGED_ORIGINS, Mode.RELAY_IMPERSONATOR):
             self._take_inference(peer)
 
     # gossip: publish the poisoned summary instead of the true one
@@ -392,6 +396,11 @@ async def run(args: argparse.Namespace) -> None:
             ]
             for peer in peers:
                 rogue.install(peer)
+            relay = None
+            if mode is Mode.RELAY_IMPERSONATOR:
+                from bench.rogues import relay_impersonator
+
+                relay = relay_impersonator.install(peers[0], Path(args.relay_dump))
             if mode is Mode.FORGED_ORIGINS:
                 keys = [create_new_key_pair(rng.randbytes(32)) for _ in range(args.forged)]
                 forged_ids = [ID.from_pubkey(k.public_key).to_base58() for k in keys]
@@ -405,7 +414,8 @@ async def run(args: argparse.Namespace) -> None:
             })
             while True:
                 _emit({"event": "stats", "received": dict(rogue.received),
-                       "answered": dict(rogue.answered)})
+                       "answered": dict(rogue.answered),
+                       **({"relay": relay.report()} if relay is not None else {})})
                 await trio.sleep(STATS_INTERVAL_S)
 
 
@@ -424,6 +434,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--forged", type=int, default=40, help="forged_origins: fresh identities")
     p.add_argument("--summary-interval", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--relay-dump", default="/tmp/relay_impersonator",
+                   help="relay_impersonator: every forwarded byte goes under this directory")
     p.add_argument("--log-level", default="ERROR")
     args = p.parse_args(argv)
     if not 1 <= args.identities <= MAX_IDENTITIES:

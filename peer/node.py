@@ -362,6 +362,9 @@ async def open_peer(config: PeerConfig, engine: EngineView | None = None) -> Asy
                 )
                 await nursery.start(serving.serve, host.libp2p)
                 nursery.start_soon(generating.refresh_speeds)
+                if host.reach is not None:  # a quarantined peer gets no relay slot from us
+                    trust = serving.trust
+                    host.reach.set_reservation_filter(lambda pid: not trust.routable(pid))
             peer = Peer(
                 config=config,
                 host=host,

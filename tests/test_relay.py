@@ -83,6 +83,10 @@ async def test_outbound_only_peer_is_served_through_a_relay(nursery, tiny_engine
     assert result.token_ids == reference.token_ids
     stats = relay.peer.host.reach.statistics()
     assert stats["circuits"] >= 1 and stats["reservations_granted"] >= 1
+    # End to end through the relay: the holder proved the entry's identity in a handshake
+    # (peer/net/relay_channel.py) and served it as the entry, never as the relay.
+    assert holder.peer.host.reach.stats["relayed_inbound"] >= 1
+    assert holder.peer.host.reach.stats["relayed_inbound_refused"] == 0
     # ...and operators see them in /metrics, with the NATed peer's verdict.
     exported = Metrics(relay.peer.statistics).render().decode()
     assert 'prefixswarm_relay_events_total{event="circuits"}' in exported

@@ -88,6 +88,13 @@ def tcp_source(listen_addrs: Sequence[str]) -> tuple[str, int] | None:
     return None
 
 
+def carrier_of(stream: Any) -> ID:
+    """The peer at the far end of the connection a stream runs on: the relay for a
+    relayed (end-to-end secured) stream, else the remote itself."""
+    relay: ID | None = getattr(stream, "relay", None)
+    return relay if relay is not None else stream.muxed_conn.peer_id
+
+
 def direct_remote(host: Any, peer_id: ID) -> str | None:
     """'ip:port' of a direct connection to the peer (what the socket says), else None."""
     for conn in host.libp2p.get_network().get_connections(peer_id):
@@ -184,7 +191,7 @@ class HolePunch:
                 raise RemoteProtocolError(f"expected the responder's Connect, got {answer!r}")
             plan = DialPlan(())
             if not public:  # we dial too: only where our relay sees the responder
-                plan = await self._plan(stream.muxed_conn.peer_id, peer_id, answer.addrs)
+                plan = await self._plan(carrier_of(stream), peer_id, answer.addrs)
             mechanism = choose_mechanism(initiator_public=public, responder_addrs=len(plan.targets))
             if mechanism is None:
                 self.stats["skipped_no_addrs"] += 1
@@ -234,7 +241,9 @@ class HolePunch:
                 raise RemoteProtocolError(f"not a peer id: {hello.peer_id!r}") from exc
             if peer_id == self._host.peer_id:
                 raise RemoteProtocolError("a hole punch to ourselves")
-            refusal = self._admit(stream.muxed_conn.peer_id, peer_id)
+            if getattr(stream, "relay", None) is not None and stream.muxed_conn.peer_id != peer_id:
+                raise RemoteProtocolError("the Connect names another peer than the one proven")
+            refusal = self._admit(carrier_of(stream), peer_id)
             if refusal is not None:
                 self.stats[f"refused_{refusal}"] += 1
                 return
@@ -263,7 +272,7 @@ class HolePunch:
         public = self._host.reach.verdict() is Reachability.PUBLIC
         with trio.fail_after(CONTROL_TIMEOUT_S):
             await stream.write(Connect(tuple(self._my_addrs(public))).encode())
-        plan = await self._plan(stream.muxed_conn.peer_id, peer_id, hello.addrs)
+        plan = await self._plan(carrier_of(stream), peer_id, hello.addrs)
         if mechanism is Mechanism.REVERSAL:
             ok = await self._dial(peer_id, plan, None)
             with trio.fail_after(CONTROL_TIMEOUT_S):

@@ -1,6 +1,11 @@
 """The relay side of /prefixswarm/relay/1.0.0: slots reserved by private peers and the
-circuits joined to them, bounded by `RelayLimits`. `Reach` (peer/net/relay_service.py)
-owns one and decides whether this peer relays at all.
+circuits joined to them, bounded by `RelayLimits` and the reservation rules
+(peer/net/relay_reservations.py). `Reach` (peer/net/relay_service.py) owns one and
+decides whether this peer relays at all.
+
+A circuit reaches its target on /prefixswarm/relay-stop/1.0.0: a `RelayStop` header
+(who asks, for which protocol), then the two ends run their own handshake through us
+(peer/net/relay_channel.py). What we pipe after that is ciphertext.
 """
 
 from __future__ import annotations
@@ -8,6 +13,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import trio
@@ -17,25 +23,56 @@ from libp2p.peer.id import ID
 
 from peer.net.punch_service import HOLEPUNCH_PROTOCOL
 from peer.net.reachability import (
+    CONTROL_FRAME_BYTES,
     RelayConnect,
     RelayLimits,
     RelayReply,
     RelayReserve,
-    Reservations,
     control_body_length,
     decode_control,
     parse_relay_request,
 )
-from protocols.framing import FRAME_HEADER_BYTES
+from peer.net.relay_reservations import Granted, ReservationBook, ReservationRules
+from protocols.errors import RemoteProtocolError
+from protocols.framing import FRAME_HEADER_BYTES, encode_frame
 from protocols.ids import INFER_PROTOCOL
 
 logger = logging.getLogger(__name__)
 
 RELAY_PROTOCOL = "/prefixswarm/relay/1.0.0"
+RELAY_STOP_PROTOCOL = "/prefixswarm/relay-stop/1.0.0"  # relay -> target: a circuit arrives
 # what a circuit may carry: inference, ping, and the direct-connection upgrade
 RELAYABLE = frozenset({INFER_PROTOCOL, str(PING_PROTOCOL_ID), HOLEPUNCH_PROTOCOL})
 CONTROL_TIMEOUT_S = 5.0  # one control message each way on a live connection
 PIPE_CHUNK_BYTES = 64 * 1024
+
+
+@dataclass(frozen=True)
+class RelayStop:
+    """Relay -> target, first on a relay-stop stream: `origin` asks for `protocol`.
+
+    Both are claims of the relay's; the handshake that follows proves the origin and
+    binds the protocol (peer/net/relay_channel.py)."""
+
+    origin: str
+    protocol: str
+
+    def encode(self) -> bytes:
+        return encode_frame(
+            {"op": "stop", "origin": self.origin, "protocol": self.protocol},
+            CONTROL_FRAME_BYTES,
+        )
+
+    @staticmethod
+    def parse(raw: object) -> RelayStop:
+        if not isinstance(raw, dict) or raw.get("op") != "stop":
+            raise RemoteProtocolError(f"expected a relay stop, got {raw!r:.80}")
+        origin, protocol = raw.get("origin"), raw.get("protocol")
+        if not isinstance(origin, str) or not 0 < len(origin) <= 128:
+            raise RemoteProtocolError("origin must be a peer id")
+        if protocol not in RELAYABLE:
+            raise RemoteProtocolError(f"protocol {protocol!r:.80} is not relayed")
+        return RelayStop(origin, protocol)
 
 
 async def read_control(stream: Any) -> object:
@@ -67,12 +104,17 @@ class RelayServer:
         limits: RelayLimits,
         stats: Counter[str],
         refusal: Callable[[], str | None],  # why this peer relays nothing now, or None
+        rules: ReservationRules | None = None,
     ) -> None:
         self._host = host
         self.limits = limits
         self.stats = stats  # shared with Reach: one statistics() for the whole service
         self._refusal = refusal
-        self._reservations = Reservations(limits)
+        self._reservations = ReservationBook(rules or ReservationRules(
+            max_total=limits.max_reservations, ttl_s=limits.reservation_ttl_s
+        ))
+        # peers refused a reservation whatever the book says (e.g. quarantined ones)
+        self.excluded: Callable[[str], bool] = lambda peer_id: False
         self._circuits: Counter[str] = Counter()  # open circuits per origin and per target
 
     def reservations_held(self, now: float) -> int:
@@ -107,14 +149,25 @@ class RelayServer:
         return True
 
     async def _serve_reserve(self, stream: Any, origin: str) -> None:
+        """Grant when this peer relays, the asker is not excluded and the book has room."""
         refusal = self._refusal()
-        expiry = None if refusal else self._reservations.reserve(origin, trio.current_time())
-        if expiry is None:
-            self.stats["reservations_refused"] += 1
-            await self._reply(stream, RelayReply(False, refusal or "no reservation slots left"))
-        else:
-            self.stats["reservations_granted"] += 1
-            await self._reply(stream, RelayReply(True, ttl_s=self.limits.reservation_ttl_s))
+        if refusal is None and self.excluded(origin):
+            refusal = "no reservation for this peer"
+        if refusal is None:
+            remote = stream.muxed_conn.get_remote_address()
+            source = str(remote[0]) if remote else f"unknown:{origin}"
+            decision = self._reservations.reserve(origin, source, trio.current_time())
+            if isinstance(decision, Granted):
+                self.stats["reservations_granted"] += 1
+                if decision.evicted is not None:
+                    self.stats["reservations_evicted"] += 1
+                ttl = decision.expiry - trio.current_time()
+                await self._reply(stream, RelayReply(True, ttl_s=ttl))
+                await close_stream(stream)
+                return
+            refusal = decision.reason
+        self.stats["reservations_refused"] += 1
+        await self._reply(stream, RelayReply(False, refusal))
         await close_stream(stream)
 
     async def _serve_connect(self, stream: Any, origin: str, request: RelayConnect) -> None:
@@ -139,13 +192,18 @@ class RelayServer:
             return
         self._circuits[origin] += 1
         self._circuits[target] += 1
+        onward = None
         try:
             try:
                 onward = await self._host.new_stream(
-                    ID.from_base58(target), [request.protocol], timeout_s=CONTROL_TIMEOUT_S,
+                    ID.from_base58(target), [RELAY_STOP_PROTOCOL], timeout_s=CONTROL_TIMEOUT_S,
                     relay=False,
                 )
+                with trio.fail_after(CONTROL_TIMEOUT_S):
+                    await onward.write(RelayStop(origin, request.protocol).encode())
             except Exception as exc:  # the target left
+                if onward is not None:
+                    await close_stream(onward)
                 self.stats["circuits_failed"] += 1
                 await self._reply(stream, RelayReply(False, f"target unreachable: {exc}"))
                 return

@@ -9,6 +9,7 @@ back to `Reach.open_relayed`. Wire format and bounds: docs/protocol.md.
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 import socket
@@ -18,6 +19,7 @@ from typing import Any
 
 import multiaddr
 import trio
+from libp2p.crypto.keys import KeyPair
 from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
 from libp2p.peer.peerstore import PeerStoreError
@@ -38,9 +40,15 @@ from peer.net.reachability import (
     is_circuit,
     relay_of,
 )
+from peer.net.relay_channel import (
+    RelayAuthError,
+    accept_circuit,
+    secure_outbound,
+)
 from peer.net.relay_server import (
     CONTROL_TIMEOUT_S,
     RELAY_PROTOCOL,
+    RELAY_STOP_PROTOCOL,
     RelayServer,
     close_stream,
     read_control,
@@ -61,6 +69,8 @@ RESERVE_RELAYS = 2  # relays a private peer keeps a reservation on
 RESERVE_RETRY_S = 2.0  # look for relays this often while we hold fewer than RESERVE_RELAYS
 DIRECT_FAILURE_MEMORY_S = 60.0  # after a failed direct dial, go through a relay this long
 RELAY_CANDIDATES = 4  # relays tried per relayed stream (hints first, then connected peers)
+BAD_RELAY_S = 600.0  # a relay that failed a handshake or changed a message is not used this long
+MAX_BAD_RELAYS = 1024
 
 
 def interface_ips() -> list[str]:
@@ -115,6 +125,10 @@ class Reach:
         self.tracker = ReachabilityTracker(listen_ports=len(self._ports))
         self._my_relays: dict[str, tuple[str, float]] = {}  # relay id -> (its addr, expiry)
         self._direct_failed: dict[str, float] = {}  # peer id -> when a direct dial failed
+        self._bad_relays: dict[str, float] = {}  # relay id -> when it failed us end to end
+        # relay id -> until when circuits through it are ours to serve: a reservation's
+        # expiry plus a TTL (the relay may still hold it after we dropped it at half-life)
+        self._circuits_from: dict[str, float] = {}
         self._dialbacks = trio.Semaphore(DIALBACK_CONCURRENCY)
         self._verdict = self.tracker.verdict(0.0)
         self.stats: Counter[str] = Counter()
@@ -170,6 +184,7 @@ class Reach:
         async with trio.open_nursery() as nursery:
             libp2p.set_stream_handler(TProtocol(DIALBACK_PROTOCOL), self._handle_dialback)
             libp2p.set_stream_handler(TProtocol(RELAY_PROTOCOL), self._relay.handle)
+            libp2p.set_stream_handler(TProtocol(RELAY_STOP_PROTOCOL), self._handle_circuit)
             self._nursery = nursery
             nursery.start_soon(self._check_loop)
             if self.use_relays:
@@ -304,6 +319,9 @@ class Reach:
         addr = f"{addrs[0]}/p2p/{relay.to_base58()}"
         previous = set(self._my_relays)
         self._my_relays[relay.to_base58()] = (addr, trio.current_time() + reply.ttl_s)
+        if len(self._circuits_from) >= MAX_BAD_RELAYS:
+            self._circuits_from.clear()  # refilled by the next refreshes
+        self._circuits_from[relay.to_base58()] = trio.current_time() + 2 * reply.ttl_s
         self.stats["reservations_made"] += 1
         if relay.to_base58() not in previous:
             self.on_addrs_changed()
@@ -326,6 +344,36 @@ class Reach:
             self._direct_failed.clear()
         self._direct_failed[peer_id.to_base58()] = trio.current_time()
 
+    def set_reservation_filter(self, excluded: Callable[[str], bool]) -> None:
+        """Peers refused a reservation on us whatever the book says (e.g. quarantined)."""
+        self._relay.excluded = excluded
+
+    def _identity(self) -> KeyPair:
+        libp2p = self._host.libp2p
+        return KeyPair(libp2p.get_private_key(), libp2p.get_public_key())
+
+    def note_bad_relay(self, relay: str) -> None:
+        """A relay failed an end-to-end handshake or changed a message: avoid it."""
+        if len(self._bad_relays) >= MAX_BAD_RELAYS:
+            self._bad_relays.clear()
+        self._bad_relays[relay] = trio.current_time()
+        self.stats["relays_avoided"] += 1
+
+    def _is_bad_relay(self, relay: str) -> bool:
+        at = self._bad_relays.get(relay)
+        return at is not None and trio.current_time() - at < BAD_RELAY_S
+
+    async def _handle_circuit(self, stream: Any) -> None:
+        """A circuit a relay brings us: served only from a relay we hold a slot on."""
+        mux = self._host.libp2p.get_mux()
+        await accept_circuit(
+            stream,
+            self._identity(),
+            relay_allowed=lambda relay: trio.current_time() < self._circuits_from.get(relay, 0.0),
+            handler_for=lambda protocol: mux.handlers.get(TProtocol(protocol)),
+            stats=self.stats,
+        )
+
     def relay_candidates(self, peer_id: ID) -> list[ID]:
         hints = []
         for addr in peer_addrs(self._host.libp2p, peer_id):
@@ -334,11 +382,13 @@ class Reach:
                 hints.append(relay)
         others = [p.to_base58() for p in self._host.connected_peers() if p != peer_id]
         self._rng.shuffle(others)
-        ordered = list(dict.fromkeys([*hints, *others]))[:RELAY_CANDIDATES]
+        ordered = [r for r in dict.fromkeys([*hints, *others]) if not self._is_bad_relay(r)]
+        ordered = ordered[:RELAY_CANDIDATES]
         return [ID.from_base58(r) for r in ordered]
 
     async def open_relayed(self, peer_id: ID, protocol: str, *, timeout_s: float) -> Any:
-        """A stream to `peer_id` speaking `protocol` through a relay; raises LookupError."""
+        """A stream to `peer_id` speaking `protocol` through a relay, end to end encrypted
+        and proven to reach `peer_id` (peer/net/relay_channel.py); raises LookupError."""
         errors: list[str] = []
         with trio.move_on_after(timeout_s):
             for relay in self.relay_candidates(peer_id):
@@ -357,11 +407,22 @@ class Reach:
                     errors.append(f"{relay}: {exc}")
                     await close_stream(stream)
                     continue
-                if reply.ok:
-                    self.stats["relayed_streams"] += 1
-                    return stream
-                errors.append(f"{relay}: {reply.error}")
-                await close_stream(stream)
+                if not reply.ok:
+                    errors.append(f"{relay}: {reply.error}")
+                    await close_stream(stream)
+                    continue
+                try:
+                    secured = await secure_outbound(stream, self._identity(), peer_id, protocol)
+                except RelayAuthError as exc:  # answered as someone else, meddled, or ended
+                    errors.append(f"{relay}: {exc}")
+                    self.stats["relayed_handshakes_failed"] += 1
+                    if exc.meddled:
+                        self.note_bad_relay(relay.to_base58())
+                    await close_stream(stream)
+                    continue
+                secured.on_tampered = functools.partial(self.note_bad_relay, relay.to_base58())
+                self.stats["relayed_streams"] += 1
+                return secured
         self.stats["relayed_stream_failures"] += 1
         raise LookupError("; ".join(errors) or "no relay to try")
 
