@@ -17,6 +17,8 @@ Modes (the attacks bench.adversary measures, each within what an honest peer's v
   summaries (attractive ones, as above) of --forged fresh identities that never connect.
 - sybil: --identities peers in this one process (one shared engine), each connected and
   advertising the attractive summary, each answering like wrong_tokens_greedy.
+- freeloader: 8 honest-looking identities, each streaming long requests at the first
+  bootstrap peer, one after another (bench/rogues/freeloader.py).
 
 This is a bench tool: production code carries no attack mode. It changes a running
 `Peer` from the outside (its gossip publisher and its inference stream handler).
@@ -49,6 +51,7 @@ from libp2p.peer.id import ID
 from libp2p.pubsub.pb import rpc_pb2
 from libp2p.pubsub.pubsub import PUBSUB_SIGNING_PREFIX
 
+from bench.rogues import freeloader
 from peer.config import PeerConfig
 from peer.net.wire import FrameStream, StreamBroken
 from peer.node import Peer, open_peer
@@ -86,6 +89,7 @@ class Mode(enum.Enum):
     WRONG_TOKENS_SAMPLED = "wrong_tokens_sampled"
     FORGED_ORIGINS = "forged_origins"
     SYBIL = "sybil"
+    FREELOADER = "freeloader"
 
 
 ATTRACTIVE_MODES = frozenset(
@@ -178,7 +182,7 @@ class Rogue:
     def install(self, peer: Peer) -> None:
         if self.mode in ATTRACTIVE_MODES:
             self._poison_gossip(peer)
-        if self.mode is not Mode.FORGED_ORIGINS:
+        if self.mode not in (Mode.FORGED_ORIGINS, Mode.FREELOADER):
             self._take_inference(peer)
 
     # gossip: publish the poisoned summary instead of the true one
@@ -347,6 +351,8 @@ async def run(args: argparse.Namespace) -> None:
     engine = await trio.to_thread.run_sync(load_engine, args.model, args.cache_bytes, 16)
     rogue = Rogue(mode, engine, rng)
     identities = args.identities if mode is Mode.SYBIL else 1
+    if mode is Mode.FREELOADER:
+        identities = freeloader.IDENTITIES
     config = PeerConfig(
         model=args.model, listen_addrs=("/ip4/127.0.0.1/tcp/0",), bootstrap=tuple(args.bootstrap),
         identity_file=None, cache_bytes=args.cache_bytes, summary_interval_s=args.summary_interval,
@@ -381,6 +387,13 @@ async def run(args: argparse.Namespace) -> None:
                 nursery.start_soon(
                     _forge_loop, peers[0], engine, keys, args.summary_interval, rng
                 )
+            if mode is Mode.FREELOADER:
+                target = freeloader.target_of(args.bootstrap[0])
+                for i, peer in enumerate(peers):
+                    nursery.start_soon(
+                        freeloader.freeload, peer, target, engine.vocab_size, rogue.answered,
+                        random.Random(args.seed + i),
+                    )
             _emit({
                 "event": "up", "pid": os.getpid(), "mode": mode.value,
                 "peer_ids": [p.peer_id for p in peers],

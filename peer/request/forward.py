@@ -127,8 +127,12 @@ class LocalAttempt:
             self._slot = self._admission.admit()
         except Overloaded as exc:
             raise AttemptFailed(Outcome.REFUSED, str(exc)) from exc
-        private = {} if self._cache_salt is None else {"cache_salt": self._cache_salt}
-        self._agen = self._engine.stream(self._prompt, self._params, **private)
+        if self._cache_salt is None:
+            self._agen = self._engine.stream(self._prompt, self._params)
+        else:
+            self._agen = self._engine.stream(
+                self._prompt, self._params, cache_salt=self._cache_salt
+            )
         first = await self.next_tokens()
         if isinstance(first, Finished):
             raise AttemptFailed(Outcome.FAILED, "the engine finished without a token")

@@ -25,6 +25,7 @@ from peer.config import PeerConfig
 from peer.engine.api import GeneratingEngine, SamplingParams
 from peer.net.wire import HandlerHost, StreamOpener
 from peer.request.admission import Admission, Overloaded
+from peer.request.budget import BudgetPolicy, RemoteBudget
 from peer.request.generation import (
     DeadlineExceeded,
     GenerationItem,
@@ -89,6 +90,12 @@ class Serving:
             self.admission,
             self_id=self_id,
             max_inbound_per_peer=config.max_inbound_per_peer,
+            budget=RemoteBudget(
+                BudgetPolicy(
+                    identity_share=config.identity_share, remote_share=config.remote_share
+                )
+            ),
+            refuses=lambda peer_id: not self.trust.routable(peer_id),
         )
         self.load = LoadService(engine)  # answers other entry peers' load probes
         self.pipeline = Pipeline(

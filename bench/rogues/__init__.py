@@ -1,0 +1,1 @@
+"""Attack code of bench.rogue modes, one module per mode."""
