@@ -49,9 +49,10 @@ from peer.processes import (
 
 SCENARIOS = (
     "baseline", "liar_staller", "wrong_tokens_greedy", "wrong_tokens_sampled",
-    "forged_origins", "sybil", "freeloader",
+    "forged_origins", "sybil", "freeloader", "probation_launderer",
 )
-LIARS = ("liar_staller", "wrong_tokens_greedy", "wrong_tokens_sampled", "sybil")
+LIARS = ("liar_staller", "wrong_tokens_greedy", "wrong_tokens_sampled", "sybil",
+         "probation_launderer")
 HONEST_PEERS = 3
 SYBIL_IDENTITIES = 10
 FORGED_IDENTITIES = 40
@@ -346,7 +347,7 @@ async def _add_trust_states(
     async with httpx.AsyncClient(timeout=10) as client:
         for peer in honest:
             try:
-                view = (await client.get(f"{peer.api.http}/v1/swarm")).json()
+                view = (await client.get(f"{peer.http}/v1/swarm")).json()
             except (httpx.HTTPError, ValueError):
                 continue
             trusts = [p.get("trust") for p in view.get("peers", ()) if p["peer_id"] in fakes]

@@ -32,6 +32,7 @@ from peer.engine.api import (
 from peer.net.wire import FrameStream, HandlerHost, InboundStream, StreamBroken, reset_quietly
 from peer.request.admission import Admission, Overloaded
 from peer.request.budget import OverBudget, RemoteBudget, request_cost_s
+from peer.request.signed import Signer, sign_answer
 from protocols.errors import RemoteProtocolError
 from protocols.ids import INFER_PROTOCOL
 from protocols.infer import (
@@ -79,6 +80,7 @@ class InferenceService:
         max_inbound_per_peer: int,
         budget: RemoteBudget | None = None,
         refuses: Callable[[str], bool] = lambda peer_id: False,
+        sign: Signer | None = None,
     ) -> None:
         self._engine = engine
         self._admission = admission
@@ -86,6 +88,7 @@ class InferenceService:
         self._max_per_peer = max_inbound_per_peer
         self.budget = budget or RemoteBudget()
         self._refuses = refuses  # whether a peer is served no more (quarantined here)
+        self._sign = sign  # signs every answer (None: unsigned, which entries refuse)
         self._per_peer: Counter[str] = Counter()
         self._leaving = False
         self._send, self._receive = trio.open_memory_channel[tuple[InboundStream, str]](
@@ -236,6 +239,10 @@ class InferenceService:
                         await frames.send(TokenChunk((item.token_id,), item.text))
                 elif isinstance(item, Completion):
                     usage = item.usage
+                    finish = finish_reason(item.finish_reason)
+                    signature = b"" if self._sign is None else sign_answer(
+                        self._sign, self._self_id, request, item.token_ids, finish
+                    )
                     result = InferResult(
                         prompt_tokens=usage.prompt_tokens,
                         cached_tokens=usage.cached_tokens,
@@ -243,8 +250,9 @@ class InferenceService:
                         ttft_s=usage.ttft_s,
                         decode_tokens_per_s=usage.decode_tokens_per_s,
                         total_s=usage.total_s,
-                        finish_reason=finish_reason(item.finish_reason),
+                        finish_reason=finish,
                         served_by=self._self_id,
+                        signature=signature,
                     )
                     with trio.fail_after(REPLY_WRITE_TIMEOUT_S):
                         await frames.send(result)

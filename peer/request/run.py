@@ -50,6 +50,7 @@ from peer.request.race import AnyAttempt, Race, Racer, Waiters
 from peer.routing.router import Candidate, Router
 from peer.routing.trust import Promote, Quarantine, TrustLedger
 from peer.swarm.peer_table import PeerTable
+from protocols.answers import Evidence
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +104,7 @@ class RunContext:
         stats: Counter[str],
         self_id: str,
         on_quarantine: Callable[[Quarantine], None] | None = None,
+        on_evidence: Callable[[Evidence], None] | None = None,
     ) -> None:
         self.config = config
         self.engine = engine
@@ -115,6 +117,16 @@ class RunContext:
         self.verify = engine.verify
         self.waiters = Waiters()
         self._on_quarantine = on_quarantine
+        self._on_evidence = on_evidence
+
+    def accuse(self, attempt: object) -> None:
+        """Tell other peers of a verified lie: the attempt's signed answer (none: a local
+        attempt, or an answer without its signed result)."""
+        if isinstance(attempt, RemoteAttempt) and self._on_evidence is not None:
+            evidence = attempt.evidence()
+            if evidence is not None:
+                self.stats["evidence_found"] += 1
+                self._on_evidence(evidence)
 
     def served(self, racer: Racer, prompt: list[int], produced: int) -> None:
         """The winner delivered ``produced`` tokens and finished."""
@@ -320,6 +332,7 @@ class RequestRun:
             finish = more
             good = await self._verified_prefix(prompt, output, params, served_by)
             if good is not None:
+                self._context.accuse(attempt)
                 if good:
                     yield self._emit(good, served_by)
                 raise _WrongOutput(f"verification failed after {len(good)} good tokens")

@@ -4,7 +4,8 @@ Fed by method calls (time and randomness are parameters), it decides and returns
 (`Promote`, `Quarantine`) that the pipeline carries out: new identities are on probation
 (they serve no client; copies of requests served anyway check them: peer/routing/shadow.py)
 until ``probation_requests`` answers matched, trusted peers are verified at
-`verify_fraction`, a failed verification quarantines for good, overshooting Bloom claims
+`verify_fraction` once their record is long (more often before: `verify_probability`), a
+failed verification quarantines for good, overshooting Bloom claims
 discount a peer's claims, and advertised speeds are capped at what was observed.
 docs/security.md says what each rule stops.
 """
@@ -201,7 +202,21 @@ class TrustLedger:
             return False
         if self.on_probation(peer_id):
             return True
-        return rng.random() < self.verify_fraction
+        return rng.random() < self.verify_probability(peer_id)
+
+    def verify_probability(self, peer_id: str) -> float:
+        """How likely a trusted peer's next response is verified: probation goes on
+        into service, at probation_requests / (verified + 1), down to verify_fraction.
+        Passing probation proves answers the peer may have obtained elsewhere (proxied to
+        an honest peer); its first answers to clients are checked almost surely, and
+        each good one makes the next check a little less likely. A fraction of 0 (verify
+        no trusted peer) turns the ramp off too."""
+        if self.verify_fraction == 0.0:
+            return 0.0
+        peer = self._peers.get(peer_id)
+        verified = peer.verified if peer is not None else 0
+        ramp = self.probation_requests / (verified + 1)
+        return min(1.0, max(self.verify_fraction, ramp))
 
     # -- what happened -----------------------------------------------------------------------
 
