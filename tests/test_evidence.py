@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 from hypothesis import given
 from hypothesis import strategies as st
 from libp2p.crypto.ed25519 import create_new_key_pair
@@ -169,3 +170,19 @@ async def test_an_answer_not_signed_by_its_server_is_a_fault(autojump_clock: Any
     assert not swarm.trust.routable(A)
     assert "not signed" in swarm.trust.view(A).reason
     assert list(result.token_ids) == GOOD  # every token came before the result
+
+
+async def test_evidence_arrives_over_a_stream_and_a_garbage_frame_is_counted() -> None:
+    from protocols.framing import encode_frame
+    from tests.test_remote_serving import _Pipe
+
+    quarantined: list[tuple[str, str]] = []
+    service, _ = _service(False, quarantined)
+    evidence = signed_evidence(4, (1, 2, 3))
+    for payload in (evidence.to_wire(), {"t": "evidence", "accused": 5}):
+        ours, theirs = trio.testing.memory_stream_pair()
+        await ours.send_all(encode_frame(payload))
+        await ours.aclose()
+        await service._receive_one(_Pipe(theirs), "sender")  # type: ignore[arg-type]
+    assert [p for p, _ in quarantined] == [evidence.accused]
+    assert service.statistics()["evidence_invalid"] == 1

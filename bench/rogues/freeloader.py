@@ -10,6 +10,7 @@ outcome ("served", or the error code) for the bench's row.
 
 from __future__ import annotations
 
+import logging
 import random
 import re
 from collections import Counter
@@ -18,8 +19,7 @@ from typing import Any
 import trio
 from libp2p.peer.id import ID
 
-from peer.net.wire import FrameStream, StreamBroken
-from protocols.errors import RemoteProtocolError
+from peer.net.wire import FrameStream
 from protocols.ids import INFER_PROTOCOL
 from protocols.infer import InferError, InferRequest, InferResult, parse_response
 
@@ -29,6 +29,7 @@ ANSWER_TOKENS = 100
 DEADLINE_S = 60.0
 RETRY_S = 1.0  # after a refusal that names no retry time, or a broken stream
 MAX_RETRY_S = 10.0
+logger = logging.getLogger("bench.rogue")
 _RETRY_AFTER = re.compile(r"retry after ([0-9.]+) s")
 
 
@@ -80,9 +81,7 @@ async def _one(
                         return retry_after(frame)
             finally:
                 await frames.close()
-    except (trio.TooSlowError, StreamBroken, RemoteProtocolError) as exc:
-        outcomes[f"broken: {type(exc).__name__}"] += 1
-        return RETRY_S
     except Exception as exc:  # a dial failed, say: the rogue goes on
         outcomes[f"broken: {type(exc).__name__}"] += 1
+        logger.error("freeloader %s: %s: %s", peer.peer_id[-8:], type(exc).__name__, exc)
         return RETRY_S
