@@ -428,11 +428,10 @@ async def run(args: argparse.Namespace) -> None:
                     _forge_loop, peers[0], engine, keys, args.summary_interval, rng
                 )
             if mode is Mode.FREELOADER:
-                target = freeloader.target_of(args.bootstrap[0])
                 for i, peer in enumerate(peers):
                     nursery.start_soon(
-                        freeloader.freeload, peer, target, engine.vocab_size, rogue.answered,
-                        random.Random(args.seed + i),
+                        freeloader.freeload, peer, args.bootstrap[0], engine.vocab_size,
+                        rogue.answered, random.Random(args.seed + i),
                     )
             _emit({
                 "event": "up", "pid": os.getpid(), "mode": mode.value,

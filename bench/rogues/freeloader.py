@@ -27,6 +27,7 @@ IDENTITIES = 8  # stranger identities, one stream each
 PROMPT_TOKENS = 1_900  # with ANSWER_TOKENS: ~2,000 tokens, inside tiny-random's context
 ANSWER_TOKENS = 100
 DEADLINE_S = 60.0
+STREAM_TIMEOUT_S = 20.0  # this process runs 8 hosts on a loaded machine
 RETRY_S = 1.0  # after a refusal that names no retry time, or a broken stream
 MAX_RETRY_S = 10.0
 logger = logging.getLogger("bench.rogue")
@@ -44,11 +45,20 @@ def retry_after(error: InferError) -> float:
 
 
 async def freeload(
-    peer: Any, target: ID, vocab_size: int, outcomes: Counter[str], rng: random.Random
+    peer: Any, bootstrap: str, vocab_size: int, outcomes: Counter[str], rng: random.Random
 ) -> None:
-    """Forever: one long request to `target` at a time from `peer`'s identity."""
+    """Forever: one long request at a time from `peer`'s identity to the peer at
+    `bootstrap` (dialled first, again whenever the connection is gone)."""
+    target = target_of(bootstrap)
     n = 0
     while True:
+        if not peer.host.is_connected(target):
+            try:
+                await peer.host.connect(bootstrap, timeout_s=STREAM_TIMEOUT_S)
+            except Exception as exc:  # the dial failed: try again later
+                outcomes[f"dial failed: {type(exc).__name__}"] += 1
+                await trio.sleep(RETRY_S)
+                continue
         n += 1
         request = InferRequest(
             request_id=f"{peer.peer_id[-8:]}-{n}",
@@ -67,7 +77,9 @@ async def _one(
     """Send one request and read its stream to the end; the seconds to wait after it."""
     try:
         with trio.fail_after(DEADLINE_S):
-            stream = await peer.host.new_stream(target, [INFER_PROTOCOL])
+            stream = await peer.host.new_stream(
+                target, [INFER_PROTOCOL], timeout_s=STREAM_TIMEOUT_S
+            )
             frames = FrameStream(stream)
             try:
                 await frames.send(request)
