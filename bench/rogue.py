@@ -431,7 +431,7 @@ async def run(args: argparse.Namespace) -> None:
                 for i, peer in enumerate(peers):
                     nursery.start_soon(
                         freeloader.freeload, peer, args.bootstrap[0], engine.vocab_size,
-                        rogue.answered, random.Random(args.seed + i),
+                        rogue.answered, random.Random(args.seed + i), i * freeloader.STAGGER_S,
                     )
             _emit({
                 "event": "up", "pid": os.getpid(), "mode": mode.value,

@@ -119,3 +119,17 @@ def test_no_identity_and_no_swarm_gets_more_than_its_share(
     for who, spent in per_id.items():
         assert spent <= p.identity_share * (p.burst_s + now) + largest[who] + 1e-9
     assert total <= p.remote_share * (p.burst_s + now) + max(largest.values(), default=0) + 1e-9
+
+
+def test_an_idle_engine_serves_over_budget_and_charges_it() -> None:
+    budget = RemoteBudget(POLICY)
+    assert isinstance(budget.admit("a", 2.0, 0.0), Admitted)  # the identity's 2 s
+    assert isinstance(budget.admit("a", 1.0, 0.0), OverBudget)  # busy: refused
+    idle = budget.admit("a", 1.0, 0.0, idle=True)
+    assert isinstance(idle, Admitted)  # idle: it takes time from nobody
+    refused = budget.admit("a", 0.5, 0.0)
+    assert isinstance(refused, OverBudget)
+    assert refused.retry_after_s == pytest.approx((1.0 + 0.5) / 0.25)  # its debt counts
+    for _ in range(10):  # the debt is bounded by the bucket's capacity
+        budget.release(budget.admit("a", 5.0, 0.0, idle=True))  # type: ignore[arg-type]
+    assert budget._identities["a"].level == -2.0

@@ -12,6 +12,7 @@ import trio
 import trio.testing
 from libp2p.peer.id import ID
 
+from peer.engine.api import EngineLoad
 from peer.engine.scheduler import BatchQueue
 from peer.request.admission import Admission
 from peer.request.budget import BudgetPolicy, RemoteBudget
@@ -73,9 +74,13 @@ class _Pipe:
 
 
 class _RecordingEngine(FakeEngine):
-    def __init__(self) -> None:
+    def __init__(self, busy: bool = False) -> None:
         super().__init__(ttft_s=0.1, gap_s=0.01)
         self.background: list[bool] = []
+        self.busy = busy  # our own clients' requests keep the engine running
+
+    def load(self) -> EngineLoad:
+        return EngineLoad(0, int(self.busy), 1000.0, 100.0)
 
     def stream(self, prompt: Any, params: Any, *, cache_salt: Any = None,
                background: bool = False) -> Any:
@@ -119,7 +124,7 @@ async def test_a_quarantined_peer_is_refused_with_a_typed_error(autojump_clock: 
 
 
 async def test_a_stranger_over_its_budget_is_refused_until_it_refills(autojump_clock: Any) -> None:
-    engine = _RecordingEngine()  # load(): prefill 1000 tokens/s, decode 100 tokens/s
+    engine = _RecordingEngine(busy=True)  # prefill 1000 tokens/s, decode 100 tokens/s
     budget = RemoteBudget(BudgetPolicy(identity_share=0.25, remote_share=0.5, burst_s=8.0))
     service = InferenceService(
         engine, Admission(4), self_id="me", max_inbound_per_peer=4, budget=budget
@@ -136,3 +141,7 @@ async def test_a_stranger_over_its_budget_is_refused_until_it_refills(autojump_c
     assert isinstance(again[-1], InferResult)
     stats = service.statistics()
     assert stats["refused_over_budget"] == 1 and stats["remote_admitted"] == 2
+    engine.busy = False  # an idle engine serves it over budget, and charges it
+    idle = await _ask(service, _request())
+    assert isinstance(idle[-1], InferResult)
+    assert service.statistics()["remote_admitted_idle"] == 1

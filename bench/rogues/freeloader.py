@@ -28,6 +28,7 @@ PROMPT_TOKENS = 1_900  # with ANSWER_TOKENS: ~2,000 tokens, inside tiny-random's
 ANSWER_TOKENS = 100
 DEADLINE_S = 60.0
 STREAM_TIMEOUT_S = 20.0  # this process runs 8 hosts on a loaded machine
+STAGGER_S = 1.0  # identity i starts after i of these: eight dials at once time out here
 RETRY_S = 1.0  # after a refusal that names no retry time, or a broken stream
 MAX_RETRY_S = 10.0
 logger = logging.getLogger("bench.rogue")
@@ -45,10 +46,12 @@ def retry_after(error: InferError) -> float:
 
 
 async def freeload(
-    peer: Any, bootstrap: str, vocab_size: int, outcomes: Counter[str], rng: random.Random
+    peer: Any, bootstrap: str, vocab_size: int, outcomes: Counter[str], rng: random.Random,
+    start_after_s: float = 0.0,
 ) -> None:
     """Forever: one long request at a time from `peer`'s identity to the peer at
     `bootstrap` (dialled first, again whenever the connection is gone)."""
+    await trio.sleep(start_after_s)
     target = target_of(bootstrap)
     n = 0
     while True:

@@ -8,7 +8,8 @@ identities, which refills at `remote_share`. A stranger who asks for more than i
 is refused (`OverBudget`, with when to come back); a swarm of fresh identities shares the
 remote bucket, so identities cost the attacker something but not this peer's clients.
 `remote_slots` bounds how many remote requests may run in the engine at once, so some of
-its batch always stays free for local requests.
+its batch always stays free for local requests. An idle engine serves anyone (charged all
+the same): the budgets share contention, they do not waste idle time.
 
 Time is a parameter (`now`, seconds on any monotonic clock); nothing here does I/O.
 """
@@ -123,6 +124,7 @@ class RemoteBudget:
         self._total: _Bucket | None = None
         self.running = 0
         self.admitted = 0
+        self.admitted_idle = 0
         self.refused_identity = 0
         self.refused_total = 0
         self.refused_slots = 0
@@ -147,9 +149,14 @@ class RemoteBudget:
         bucket.refill(now)
         return bucket
 
-    def admit(self, peer_id: str, cost_s: float, now: float) -> Admitted | OverBudget:
+    def admit(
+        self, peer_id: str, cost_s: float, now: float, *, idle: bool = False
+    ) -> Admitted | OverBudget:
         """Charge ``cost_s`` engine-seconds to ``peer_id`` and to the remote total, or say
-        why not. Charges nothing when refused."""
+        why not (charging nothing). ``idle``: the engine runs nothing now, so the request
+        takes time from nobody; it runs whatever the buckets hold, and is charged (a
+        bucket's debt is bounded by its capacity). Budgets share contention, not idle
+        time."""
         if not (math.isfinite(cost_s) and cost_s > 0) or not math.isfinite(now):
             raise ValueError(f"cost_s must be > 0 and now finite, got {cost_s}, {now}")
         if self.running >= self.policy.remote_slots:
@@ -159,19 +166,21 @@ class RemoteBudget:
                 retry_after_s=min(cost_s, self.policy.burst_s),
             )
         mine = self._identity_bucket(peer_id, now)
-        wait = mine.wait_for(cost_s)
-        if wait > 0:
-            self.refused_identity += 1
-            return OverBudget("this identity's share of the engine is spent", wait)
         total = self._total_bucket(now)
-        wait = total.wait_for(cost_s)
-        if wait > 0:
-            self.refused_total += 1
-            return OverBudget("the share of the engine for remote peers is spent", wait)
-        mine.level -= cost_s
-        total.level -= cost_s
+        if not idle:
+            wait = mine.wait_for(cost_s)
+            if wait > 0:
+                self.refused_identity += 1
+                return OverBudget("this identity's share of the engine is spent", wait)
+            wait = total.wait_for(cost_s)
+            if wait > 0:
+                self.refused_total += 1
+                return OverBudget("the share of the engine for remote peers is spent", wait)
+        for bucket in (mine, total):
+            bucket.level = max(-bucket.capacity, bucket.level - cost_s)
         self.running += 1
         self.admitted += 1
+        self.admitted_idle += idle
         return Admitted(peer_id, cost_s)
 
     def release(self, admitted: Admitted) -> None:
@@ -183,6 +192,7 @@ class RemoteBudget:
         return {
             "remote_running": self.running,
             "remote_admitted": self.admitted,
+            "remote_admitted_idle": self.admitted_idle,
             "refused_identity_budget": self.refused_identity,
             "refused_remote_budget": self.refused_total,
             "refused_remote_slots": self.refused_slots,

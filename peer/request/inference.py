@@ -165,7 +165,8 @@ class InferenceService:
             len(request.prompt_token_ids), request.max_new_tokens,
             load.prefill_tokens_per_s, load.decode_tokens_per_s,
         )
-        charge = self.budget.admit(remote, cost, trio.current_time())
+        idle = load.running_requests == 0 and load.waiting_requests == 0
+        charge = self.budget.admit(remote, cost, trio.current_time(), idle=idle)
         if isinstance(charge, OverBudget):
             self.stats["refused_over_budget"] += 1
             await self._reply_error(

@@ -206,16 +206,19 @@ class TrustLedger:
 
     def verify_probability(self, peer_id: str) -> float:
         """How likely a trusted peer's next response is verified: probation goes on
-        into service, at probation_requests / (verified + 1), down to verify_fraction.
-        Passing probation proves answers the peer may have obtained elsewhere (proxied to
-        an honest peer); its first answers to clients are checked almost surely, and
-        each good one makes the next check a little less likely. A fraction of 0 (verify
-        no trusted peer) turns the ramp off too."""
+        into service. With k = probation_requests, its first k answers to clients after
+        promotion are all verified, then the j-th more with probability k / (j + 1), down
+        to verify_fraction. Passing probation proves answers the peer may have obtained
+        elsewhere (proxied to an honest peer); what it delivers to clients is checked
+        until its record is long. A fraction of 0 (verify no trusted peer) turns this
+        off too."""
         if self.verify_fraction == 0.0:
             return 0.0
         peer = self._peers.get(peer_id)
         verified = peer.verified if peer is not None else 0
-        ramp = self.probation_requests / (verified + 1)
+        k = self.probation_requests
+        beyond = max(0, verified - 2 * k)  # verified answers past the first k in service
+        ramp = k / (beyond + 1) if k else 0.0
         return min(1.0, max(self.verify_fraction, ramp))
 
     # -- what happened -----------------------------------------------------------------------
