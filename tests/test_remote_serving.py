@@ -42,7 +42,10 @@ def test_background_sequences_join_and_prefill_after_the_peers_own() -> None:
     assert list(queue.batch) == [3, 0]  # ours first, then the oldest remote one
     assert [s.rid for s in queue.waiting] == [1, 2]  # still in arrival order
     plan = queue.plan(256)
-    assert plan.prefill == ((3, 100), (0, 156))  # our prompt is read first
+    assert plan.prefill == ((3, 100),)  # our prompt is read alone
+    own.pos = 100  # read: it decodes now, and the remote prompt gets a quarter step
+    plan = queue.plan(256)
+    assert plan.decode == (3,) and plan.prefill == ((0, 64),)
     unranked: BatchQueue[_Seq] = BatchQueue()  # without a rank: oldest first, as before
     for seq in (*remote, own):
         unranked.submit(seq)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
 __all__ = [
+    "BACKGROUND_SHARE",
     "DEFAULT_MAX_RUNNING",
     "DEFAULT_STEP_TOKENS",
     "BatchQueue",
@@ -33,6 +34,9 @@ __all__ = [
 DEFAULT_STEP_TOKENS = 256
 # Sequences in the batch at once; more wait (admission happens between steps).
 DEFAULT_MAX_RUNNING = 32
+# Prompts read for other peers get at most 1/4 of a step's tokens, and only in steps that
+# read none of ours: a step of ours then waits at most ~1/4 of a full step for theirs.
+BACKGROUND_SHARE = 4
 
 
 @dataclass(frozen=True)
@@ -165,13 +169,25 @@ class BatchQueue(Generic[S]):
         self.batch.pop(seq.rid, None)
 
     def plan(self, step_tokens: int) -> StepPlan:
-        """The next step over the batch: every decode, then prefill chunks oldest first."""
+        """The next step over the batch: every decode, then prefill chunks oldest first.
+
+        With a rank, prompts ranked above 0 (served for others) are read only in steps
+        where no rank-0 prompt is read, and then at most step_tokens // BACKGROUND_SHARE
+        tokens of them: a step's time grows with its tokens, so a long remote prompt
+        neither shares our prompts' steps nor makes the step one of ours waits for long."""
         decoding = [s.rid for s in self.batch.values() if s.pos >= len(s.tokens)]
         reading = [s for s in self.batch.values() if s.pos < len(s.tokens)]
+        budget = step_tokens
         if self._rank is not None:
-            reading.sort(key=self._rank)  # stable: oldest first within a rank
+            rank = self._rank
+            ours = [s for s in reading if rank(s) <= 0]
+            if ours:
+                reading = ours
+            else:
+                reading.sort(key=rank)  # stable: oldest first within a rank
+                budget = len(decoding) + max(1, step_tokens // BACKGROUND_SHARE)
         prefilling = [(s.rid, len(s.tokens) - s.pos) for s in reading]
-        return plan_step(decoding, prefilling, step_tokens)
+        return plan_step(decoding, prefilling, budget)
 
 
 def _age(seq: Scheduled) -> int:
