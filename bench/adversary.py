@@ -53,9 +53,10 @@ from peer.processes import (
 SCENARIOS = (
     "baseline", "liar_staller", "wrong_tokens_greedy", "wrong_tokens_sampled",
     "forged_origins", "sybil", "punch_scanner", "reachability_liar", "magnet_staller",
-    "relay_impersonator",
+    "relay_impersonator", "freeloader", "probation_launderer",
 )
-LIARS = ("liar_staller", "wrong_tokens_greedy", "wrong_tokens_sampled", "sybil")
+LIARS = ("liar_staller", "wrong_tokens_greedy", "wrong_tokens_sampled", "sybil",
+         "probation_launderer")
 HONEST_PEERS = 3
 SYBIL_IDENTITIES = 10
 FORGED_IDENTITIES = 40
@@ -262,6 +263,10 @@ def summarise(
         "served_by_unknown_peer": sum(o.served_by not in swarm_ids for o in ok),
         "fallbacks": sum(len(o.route) > 1 for o in ok),
         "served_by_another_peer": sum(o.served_by != o.entry for o in ok),  # forwarded
+        # Each honest peer's own clients (freeloader: the first is the one attacked).
+        "ttft_p50_by_entry_s": [
+            percentile([o.ttft_s for o in ok if o.entry == p.peer_id], 0.5) for p in honest
+        ],
     }
     if rogue is not None:
         row["rogue_ids"] = len(rogue.peer_ids) + len(rogue.forged_ids)

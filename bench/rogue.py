@@ -23,6 +23,10 @@ Modes (the attacks bench.adversary measures, each within what an honest peer's v
   stalls every stream (bench/rogues/magnet_staller.py).
 - relay_impersonator: serves honestly, and its relay logs, rewrites and impersonates
   (bench/rogues/relay_impersonator.py).
+- probation_launderer: the same summary; passes probation by forwarding its shadows to
+  an honest peer, then lies, signing everything (bench/rogues/probation_launderer.py).
+- freeloader: 8 honest-looking identities, each streaming long requests at the first
+  bootstrap peer, one after another (bench/rogues/freeloader.py).
 
 This is a bench tool: production code carries no attack mode. It changes a running
 `Peer` from the outside (its gossip publisher and its inference stream handler).
@@ -56,10 +60,11 @@ from libp2p.peer.id import ID
 from libp2p.pubsub.pb import rpc_pb2
 from libp2p.pubsub.pubsub import PUBSUB_SIGNING_PREFIX
 
-from bench.rogues import punch_scanner, reachability_liar
+from bench.rogues import freeloader, probation_launderer, punch_scanner, reachability_liar
 from peer.config import PeerConfig
 from peer.net.wire import FrameStream, StreamBroken
 from peer.node import Peer, open_peer
+from protocols.answers import signed_bytes
 from protocols.bloom import BloomFilter
 from protocols.errors import RemoteProtocolError
 from protocols.ids import INFER_PROTOCOL, gossip_topic
@@ -98,11 +103,14 @@ class Mode(enum.Enum):
     REACHABILITY_LIAR = "reachability_liar"  # bench/rogues/reachability_liar.py
     MAGNET_STALLER = "magnet_staller"
     RELAY_IMPERSONATOR = "relay_impersonator"  # bench/rogues/relay_impersonator.py
+    FREELOADER = "freeloader"
+    PROBATION_LAUNDERER = "probation_launderer"
 
 
 SURFACE_ATTACKS = {Mode.PUNCH_SCANNER: punch_scanner, Mode.REACHABILITY_LIAR: reachability_liar}
 ATTRACTIVE_MODES = frozenset(
-    {Mode.LIAR_STALLER, Mode.WRONG_TOKENS_GREEDY, Mode.WRONG_TOKENS_SAMPLED, Mode.SYBIL}
+    {Mode.LIAR_STALLER, Mode.WRONG_TOKENS_GREEDY, Mode.WRONG_TOKENS_SAMPLED, Mode.SYBIL,
+     Mode.PROBATION_LAUNDERER}
 )
 
 
@@ -187,8 +195,11 @@ class Rogue:
         self.rng = rng
         self.received: Counter[str] = Counter()
         self.answered: Counter[str] = Counter()
+        self.keys: dict[str, Any] = {}  # each identity's private key: it signs its lies
+        self.seen: Counter[str] = Counter()  # probation_launderer: requests per entry
 
     def install(self, peer: Peer) -> None:
+        self.keys[peer.peer_id] = peer.host.libp2p.get_private_key()
         if self.mode in SURFACE_ATTACKS:  # serves honestly; attacks the network layer
             SURFACE_ATTACKS[self.mode].install(peer, self.answered)
             return
@@ -199,7 +210,7 @@ class Rogue:
             return
         if self.mode in ATTRACTIVE_MODES:
             self._poison_gossip(peer)
-        if self.mode not in (Mode.FORGED_ORIGINS, Mode.RELAY_IMPERSONATOR):
+        if self.mode not in (Mode.FORGED_ORIGINS, Mode.RELAY_IMPERSONATOR, Mode.FREELOADER):
             self._take_inference(peer)
 
     # gossip: publish the poisoned summary instead of the true one
@@ -229,10 +240,31 @@ class Rogue:
             self.received[self_id] += 1
             if self.mode is Mode.WRONG_TOKENS_SAMPLED:
                 peer.start_soon(self._sampled_or_honest, stream, self_id, honest)
+            elif self.mode is Mode.PROBATION_LAUNDERER:
+                peer.start_soon(self._launder, peer, stream, remote)
             else:
-                peer.start_soon(self._misbehave, stream, remote)
+                peer.start_soon(self._misbehave, stream, remote, self_id)
 
         peer.host.libp2p.set_stream_handler(INFER_PROTOCOL, handle)
+
+    async def _launder(self, peer: Peer, stream: Any, remote: str) -> None:
+        frames = FrameStream(stream)
+        try:
+            request = await self._read_request(frames)
+            if request is None:
+                return
+            key = self.keys[peer.peer_id]
+
+            def sign(req: InferRequest, tokens: list[int], finish: FinishReason) -> bytes:
+                return bytes(key.sign(signed_bytes(peer.peer_id, req, tokens, finish)))
+
+            with contextlib.suppress(StreamBroken), trio.move_on_after(60):
+                await probation_launderer.launder(
+                    peer, frames, request, remote, self.engine, self.seen, self.answered,
+                    sign, self.rng,
+                )
+        finally:
+            await frames.close()
 
     async def _read_request(self, frames: Any) -> InferRequest | None:
         try:
@@ -241,7 +273,7 @@ class Rogue:
         except (RemoteProtocolError, StreamBroken, trio.TooSlowError):
             return None
 
-    async def _misbehave(self, stream: Any, remote: str) -> None:
+    async def _misbehave(self, stream: Any, remote: str, self_id: str = "") -> None:
         """Stall, or answer wrong tokens with a result claiming the entry served them."""
         frames = FrameStream(stream)
         try:
@@ -254,13 +286,16 @@ class Rogue:
                 return
             tokens = wrong_tokens(request, self.engine.vocab_size, self.rng)
             with contextlib.suppress(StreamBroken), trio.move_on_after(30):
-                await self._send_tokens(frames, request, tokens, served_by=remote)
+                await self._send_tokens(
+                    frames, request, tokens, served_by=remote, signer=self_id
+                )
                 self.answered["wrong_greedy"] += 1
         finally:
             await frames.close()
 
     async def _send_tokens(
-        self, frames: Any, request: InferRequest, tokens: list[int], served_by: str
+        self, frames: Any, request: InferRequest, tokens: list[int], served_by: str,
+        signer: str,
     ) -> None:
         for token in tokens:
             await frames.send(TokenChunk((token,), self.engine.decode([token])))
@@ -274,8 +309,16 @@ class Rogue:
                 total_s=0.01,
                 finish_reason=FinishReason.LENGTH,
                 served_by=served_by,
+                signature=self._sign(signer, request, tokens),
             )
         )
+
+    def _sign(self, signer: str, request: InferRequest, tokens: list[int]) -> bytes:
+        """The identity's own signature over its answer (a rogue signs as peers do)."""
+        key = self.keys.get(signer)
+        if key is None:
+            return b""
+        return bytes(key.sign(signed_bytes(signer, request, tokens, FinishReason.LENGTH)))
 
     async def _sampled_or_honest(self, stream: Any, self_id: str, honest: Any) -> None:
         """Greedy requests go to the honest service (the rogue looks fine on them)."""
@@ -293,7 +336,7 @@ class Rogue:
         try:
             tokens = await self._implausible(request)
             with contextlib.suppress(StreamBroken), trio.move_on_after(30):
-                await self._send_tokens(out, request, tokens, served_by=self_id)
+                await self._send_tokens(out, request, tokens, served_by=self_id, signer=self_id)
                 self.answered["wrong_sampled"] += 1
         finally:
             await out.close()
@@ -368,6 +411,8 @@ async def run(args: argparse.Namespace) -> None:
     engine = await trio.to_thread.run_sync(load_engine, args.model, args.cache_bytes, 16)
     rogue = Rogue(mode, engine, rng)
     identities = args.identities if mode is Mode.SYBIL else 1
+    if mode is Mode.FREELOADER:
+        identities = freeloader.IDENTITIES
     config = PeerConfig(
         model=args.model, listen_addrs=("/ip4/127.0.0.1/tcp/0",), bootstrap=tuple(args.bootstrap),
         identity_file=None, cache_bytes=args.cache_bytes, summary_interval_s=args.summary_interval,
@@ -407,6 +452,12 @@ async def run(args: argparse.Namespace) -> None:
                 nursery.start_soon(
                     _forge_loop, peers[0], engine, keys, args.summary_interval, rng
                 )
+            if mode is Mode.FREELOADER:
+                for i, peer in enumerate(peers):
+                    nursery.start_soon(
+                        freeloader.freeload, peer, args.bootstrap[0], engine.vocab_size,
+                        rogue.answered, random.Random(args.seed + i), i * freeloader.STAGGER_S,
+                    )
             _emit({
                 "event": "up", "pid": os.getpid(), "mode": mode.value,
                 "peer_ids": [p.peer_id for p in peers],

@@ -20,6 +20,9 @@ DEFAULT_GOSSIP_NEIGHBOURS = 8  # ring mode: ~2.4% of a core at 2 s (peer/swarm/n
 DEFAULT_BLOOM_FP_RATE = 0.01  # ~9.6 bits per entry: a 1% false hit costs one cache miss
 DEFAULT_MAX_QUEUE = 64  # admitted-but-waiting requests before `overloaded`
 DEFAULT_MAX_INBOUND_PER_PEER = 8  # concurrent forwarded requests accepted from one remote peer
+# Serving other peers (peer/request/budget.py): shares of this engine's time, sustained.
+DEFAULT_IDENTITY_SHARE = 0.25  # one remote identity: four strangers at most fill our share
+DEFAULT_REMOTE_SHARE = 0.5  # all remote identities together: the rest is our own clients'
 DEFAULT_FORWARD_FIRST_TOKEN_S = 30.0  # a forward with no first token by then is abandoned
 DEFAULT_FORWARD_TOKEN_GAP_S = 10.0  # a stream silent this long between tokens is stalled
 DEFAULT_REQUEST_TIMEOUT_S = 300.0  # an end-to-end deadline when the client gives none
@@ -100,6 +103,8 @@ class PeerConfig:
     policy: Policy = Policy.COST
     max_queue: int = DEFAULT_MAX_QUEUE
     max_inbound_per_peer: int = DEFAULT_MAX_INBOUND_PER_PEER
+    identity_share: float = DEFAULT_IDENTITY_SHARE  # peer/request/budget.py
+    remote_share: float = DEFAULT_REMOTE_SHARE
     forward_first_token_s: float = DEFAULT_FORWARD_FIRST_TOKEN_S
     forward_token_gap_s: float = DEFAULT_FORWARD_TOKEN_GAP_S
     request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
@@ -187,6 +192,10 @@ class PeerConfig:
             raise ValueError(f"max_queue must be in [1, {MAX_QUEUE_LIMIT}], got {self.max_queue}")
         if self.max_inbound_per_peer < 1:
             raise ValueError(f"max_inbound_per_peer must be >= 1, got {self.max_inbound_per_peer}")
+        for name in ("identity_share", "remote_share"):
+            value = getattr(self, name)
+            if not 0.0 < value <= 1.0:  # False for NaN too
+                raise ValueError(f"{name} must be in (0, 1], got {value}")
         for name in ("forward_first_token_s", "forward_token_gap_s", "request_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")

@@ -355,6 +355,7 @@ async def open_peer(config: PeerConfig, engine: EngineView | None = None) -> Asy
                 serving = Serving(
                     config=config, engine=generating, table=table, host=host,
                     self_id=self_id,
+                    sign=host.libp2p.get_private_key().sign,
                     before_route=(
                         lookup.before_route if lookup is not None and config.lookup_wait_s > 0
                         else None

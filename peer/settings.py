@@ -77,6 +77,8 @@ FIELD_HELP = {
     "the ring (0: no lookup)",
     "max_queue": "waiting requests before answering 429 overloaded",
     "max_inbound_per_peer": "concurrent forwarded requests accepted from one peer",
+    "identity_share": "share of this engine's time one other peer may use",
+    "remote_share": "share of this engine's time all other peers together may use",
     "forward_first_token_s": "seconds a forward may take to its first token",
     "forward_token_gap_s": "seconds a forwarded stream may stay silent between tokens",
     "request_timeout_s": "end-to-end deadline when the client gives none",
@@ -124,7 +126,8 @@ FIELD_HELP = {
 # setting, but listed by `serve --help-all` only, so `--help` shows what a volunteer needs.
 TUNING_SETTINGS = frozenset({
     "block_size", "summary_interval_s", "bloom_fp_rate", "gossip_mode", "gossip_neighbours",
-    "policy", "max_queue", "max_inbound_per_peer", "forward_first_token_s",
+    "policy", "max_queue", "max_inbound_per_peer", "identity_share", "remote_share",
+    "forward_first_token_s",
     "forward_token_gap_s", "request_timeout_s", "bootstrap_timeout_s", "served_model_names",
     "verify_fraction", "probation_requests", "probation_share",
     "quarantine_file", "first_token_multiple", "first_token_floor_s", "hedge_multiple",

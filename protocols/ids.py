@@ -13,6 +13,7 @@ import hashlib
 import re
 
 __all__ = [
+    "EVIDENCE_PROTOCOL",
     "INFER_PROTOCOL",
     "LOAD_PROTOCOL",
     "MAX_MODEL_ID_CHARS",
@@ -34,6 +35,8 @@ __all__ = [
 PROTOCOL_VERSION = "1.0.0"
 INFER_PROTOCOL = f"/prefixswarm/infer/{PROTOCOL_VERSION}"
 LOAD_PROTOCOL = "/prefixswarm/load/1.0.0"  # load probes (protocols/load.py), versioned apart
+# Evidence of a signed wrong answer (protocols/answers.py), one frame per stream.
+EVIDENCE_PROTOCOL = "/prefixswarm/evidence/1.0.0"
 # Gossip mode `ring`'s lookup beyond the ring (protocols/roots.py): provider records of
 # prefix roots at their home peers, and summaries on demand. Versioned apart.
 ROOTS_PROTOCOL = "/prefixswarm/roots/1.0.0"

@@ -36,6 +36,7 @@ MAX_PEER_ID_LEN = 128  # a base58 libp2p peer id is 46-53 characters
 MAX_ERROR_MESSAGE_LEN = 1_024  # characters; a reason for a log line, not a traceback
 MAX_SECONDS = 86_400.0  # a day: no timing in a result can honestly be longer
 MAX_TOKENS_PER_S = 1e7  # no engine decodes ten million tokens a second
+MAX_RESULT_SIGNATURE_LEN = 128  # ed25519 signs in 64 bytes (protocols/answers.py)
 
 KIND_REQUEST = "request"
 KIND_CHUNK = "chunk"
@@ -50,11 +51,15 @@ class ErrorCode(enum.Enum):
     INVALID_REQUEST = "invalid_request"  # the request is wrong; it is wrong everywhere
     DEADLINE = "deadline"  # the time left ran out; no one else can do better
     INTERNAL = "internal"  # the peer failed; another peer may not
+    OVER_BUDGET = "over_budget"  # the requester's share of this peer is spent for now
+    REFUSED = "refused"  # this peer serves the requester no more (it quarantined it)
 
     @property
     def retryable(self) -> bool:
         """Whether the entry peer should try its next candidate after this error."""
-        return self in (ErrorCode.OVERLOADED, ErrorCode.INTERNAL)
+        return self in (
+            ErrorCode.OVERLOADED, ErrorCode.INTERNAL, ErrorCode.OVER_BUDGET, ErrorCode.REFUSED
+        )
 
 
 class FinishReason(enum.Enum):
@@ -172,7 +177,8 @@ class TokenChunk:
 
 @dataclass(frozen=True)
 class InferResult:
-    """The end of a successful stream: usage, timing and who served it."""
+    """The end of a successful stream: usage, timing and who served it. ``signature`` is
+    the server's over its answer (protocols/answers.py `signed_bytes`); empty: unsigned."""
 
     prompt_tokens: int
     cached_tokens: int
@@ -182,6 +188,7 @@ class InferResult:
     total_s: float
     finish_reason: FinishReason
     served_by: str
+    signature: bytes = b""
 
     def __post_init__(self) -> None:
         _check_int("prompt_tokens", self.prompt_tokens, 1, MAX_PROMPT_TOKENS)
@@ -194,6 +201,10 @@ class InferResult:
         if not isinstance(self.finish_reason, FinishReason):
             raise ValueError(f"finish_reason must be a FinishReason, got {self.finish_reason!r}")
         _check_str("served_by", self.served_by, 1, MAX_PEER_ID_LEN)
+        if not isinstance(self.signature, bytes) or len(self.signature) > (
+            MAX_RESULT_SIGNATURE_LEN
+        ):
+            raise ValueError(f"signature must be at most {MAX_RESULT_SIGNATURE_LEN} bytes")
 
     def to_wire(self) -> dict[str, object]:
         return {
@@ -206,6 +217,7 @@ class InferResult:
             "total_s": float(self.total_s),
             "finish_reason": self.finish_reason.value,
             "served_by": self.served_by,
+            "sig": self.signature,
         }
 
 
@@ -285,6 +297,14 @@ def _tokens(obj: Mapping[object, object], key: str, max_len: int) -> tuple[int, 
     return tuple(value)
 
 
+def _bytes(obj: Mapping[object, object], key: str) -> bytes:
+    """An optional bytes field (absent: empty)."""
+    value = obj.get(key, b"")
+    if type(value) is not bytes:
+        raise RemoteProtocolError(f"infer frame field {key!r} must be bytes")
+    return value
+
+
 def _strings(obj: Mapping[object, object], key: str, max_len: int) -> tuple[str, ...]:
     value = _field(obj, key)
     if type(value) is not list and type(value) is not tuple:
@@ -341,6 +361,7 @@ def _build_response(kind: str, obj: Mapping[object, object], vocab_size: int) ->
                 total_s=_float(obj, "total_s"),
                 finish_reason=FinishReason(_str(obj, "finish_reason")),
                 served_by=_str(obj, "served_by"),
+                signature=_bytes(obj, "sig"),
             )
         if kind == KIND_ERROR:
             return InferError(ErrorCode(_str(obj, "code")), _str(obj, "message"))

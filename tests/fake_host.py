@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import trio
@@ -27,6 +27,7 @@ from peer.request.pipeline import Pipeline
 from peer.routing.router import Router
 from peer.routing.trust import TrustLedger
 from peer.swarm.peer_table import PeerTable
+from protocols.answers import signed_bytes
 from protocols.blocks import BlockHasher
 from protocols.bloom import BloomFilter
 from protocols.framing import FrameDecoder, encode_frame
@@ -40,8 +41,14 @@ BLOCK = 4
 VOCAB = 1000
 
 
+SIGNERS: dict[str, Any] = {}  # peer id -> its private key: fake peers sign their answers
+
+
 def new_peer_id(seed: int) -> str:
-    return ID.from_pubkey(create_new_key_pair(bytes([seed]) * 32).public_key).to_base58()
+    keys = create_new_key_pair(bytes([seed]) * 32)
+    peer_id = ID.from_pubkey(keys.public_key).to_base58()
+    SIGNERS[peer_id] = keys.private_key
+    return peer_id
 
 
 def next_token(token: int) -> int:
@@ -87,7 +94,8 @@ class FakeEngine:
         return "".join(f"<{t}>" for t in token_ids)
 
     async def stream(
-        self, prompt: Sequence[int], params: SamplingParams, *, cache_salt: bytes | None = None
+        self, prompt: Sequence[int], params: SamplingParams, *, cache_salt: bytes | None = None,
+        background: bool = False,
     ) -> AsyncIterator[Any]:
         await trio.sleep(self.ttft_s)
         out = reference(prompt, params.max_new_tokens)
@@ -163,6 +171,7 @@ class FakeStream:
         self._decoder = FrameDecoder()
         self.was_reset = False
         self.request: InferRequest | None = None
+        self._sent: list[int] = []
 
     async def write(self, data: bytes) -> None:
         self._decoder.feed(data)
@@ -182,7 +191,15 @@ class FakeStream:
         await trio.sleep(step.delay_s)
         if step.frame is None:
             raise BaseLibp2pError("stream reset by peer")
-        return encode_frame(step.frame.to_wire())
+        frame = step.frame
+        if isinstance(frame, TokenChunk):
+            self._sent.extend(frame.token_ids)
+        elif (isinstance(frame, InferResult) and not frame.signature
+              and self.peer_id in SIGNERS and self.request is not None):
+            # the peer signs what it sent, as every peer does (protocols/answers.py)
+            message = signed_bytes(self.peer_id, self.request, self._sent, frame.finish_reason)
+            frame = replace(frame, signature=SIGNERS[self.peer_id].sign(message))
+        return encode_frame(frame.to_wire())
 
     async def close(self) -> None:
         pass

@@ -24,7 +24,7 @@ class SlowEngine:
     def generating(self) -> Any:
         return self  # this wrapper, not the engine it wraps, generates
 
-    def stream(self, token_ids: Any, params: SamplingParams) -> AsyncGenerator[Any, None]:
+    def stream(self, token_ids: Any, params: SamplingParams, **_: Any) -> AsyncGenerator[Any, None]:
         agen = self._inner.stream(token_ids, params)
 
         async def slowed() -> AsyncGenerator[Any, None]:

@@ -188,6 +188,8 @@ def test_retryable_codes() -> None:
     assert {code for code in ErrorCode if code.retryable} == {
         ErrorCode.OVERLOADED,
         ErrorCode.INTERNAL,
+        ErrorCode.OVER_BUDGET,
+        ErrorCode.REFUSED,
     }
     assert not InferError(ErrorCode.INVALID_REQUEST, "bad").retryable
     long = InferError.truncated(ErrorCode.INTERNAL, "y" * 5000)

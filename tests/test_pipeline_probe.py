@@ -154,7 +154,7 @@ async def test_the_race_hedges_after_the_probe(autojump_clock):
 
 
 class SaltedEngine(FakeEngine):
-    def stream(self, prompt, params, cache_salt=None):
+    def stream(self, prompt, params, cache_salt=None, background=False):
         return super().stream(prompt, params)
 
 

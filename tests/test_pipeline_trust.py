@@ -462,7 +462,7 @@ async def test_a_private_request_is_never_forwarded(autojump_clock):
     salts = []
 
     class SaltedEngine(FakeEngine):
-        def stream(self, prompt, params, cache_salt=None):
+        def stream(self, prompt, params, cache_salt=None, background=False):
             salts.append(cache_salt)
             return super().stream(prompt, params)
 

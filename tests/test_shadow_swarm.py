@@ -45,7 +45,7 @@ class LyingEngine:
     def generating(self) -> Any:
         return self
 
-    def stream(self, token_ids: Any, params: SamplingParams) -> AsyncGenerator[Any, None]:
+    def stream(self, token_ids: Any, params: SamplingParams, **_: Any) -> AsyncGenerator[Any, None]:
         agen = self._inner.stream(token_ids, params)
         vocab = self._inner.vocab_size
 

@@ -149,7 +149,7 @@ def test_the_engine_uses_the_same_rules() -> None:
     importing it needs torch, which this check does not)."""
     root = SIM_DIR.parents[1] / "peer" / "engine"
     engine_src = (root / "engine.py").read_text() + (root / "batch.py").read_text()
-    assert "BatchQueue()" in engine_src  # its batch state machine (pure) admits and plans
+    assert "BatchQueue(" in engine_src  # its batch state machine (pure) admits and plans
     engine_src += inspect.getsource(scheduler.BatchQueue)
     for name in ("plan_step", "admit_count", "reusable_tokens", "reusable_blocks",
                  "observe_step", "warmup_max_prompt_tokens"):

@@ -26,7 +26,7 @@ class WrongEngine:
     def generating(self) -> Any:
         return self  # this wrapper, not the engine it wraps, generates
 
-    def stream(self, token_ids: Any, params: SamplingParams) -> Any:
+    def stream(self, token_ids: Any, params: SamplingParams, **_: Any) -> Any:
         agen = self._inner.stream(token_ids, params)
         vocab = self._inner.vocab_size
 

@@ -266,7 +266,8 @@ class GeneratingEngine(EngineView, Protocol):
     def statistics(self) -> Mapping[str, int | float]: ...
 
     def stream(
-        self, token_ids: Sequence[int], params: SamplingParams, *, cache_salt: bytes | None = ...
+        self, token_ids: Sequence[int], params: SamplingParams, *, cache_salt: bytes | None = ...,
+        background: bool = ...,
     ) -> AsyncGenerator[TokenEvent | Completion, None]: ...
 
     async def refresh_speeds(self) -> None:

@@ -62,7 +62,8 @@ class BatchLoop:
         self.cache_generated = cache_generated
         self.step_tokens = step_tokens
         self.max_running = max_running
-        self._queue: BatchQueue[RequestState] = BatchQueue()  # who waits, who is in the batch
+        # Who waits, who is in the batch; requests served for other peers go after our own.
+        self._queue: BatchQueue[RequestState] = BatchQueue(rank=_background_rank)
         # Called with each request's wait before its first step (metrics: queue wait).
         self.queue_wait_observers: list[Callable[[float], None]] = []
         self._next_rid = 0
@@ -96,13 +97,15 @@ class BatchLoop:
 
     async def _run(
         self, tokens: list[int], params: SamplingParams, salt: bytes | None,
-        tracker: StopTracker,
+        tracker: StopTracker, background: bool = False,
     ) -> AsyncGenerator[TokenEvent | Completion, None]:
         """One validated request from submission to its Completion: queued, admitted at a
-        step, advanced by steps (its own task runs them or waits for the running one)."""
+        step, advanced by steps (its own task runs them or waits for the running one).
+        A `background` request joins the batch and reads its prompt after the others."""
         queued = len(tokens) - self._reusable_tokens(tokens, salt)
         device = self.runner.device
         req = RequestState(self._next_rid, tokens, params, queued, tracker, device, salt)
+        req.background = background
         self._next_rid += 1
         self._stats["requests"] += 1
         self._running += 1
@@ -341,3 +344,6 @@ class BatchLoop:
         for (full, first, _, salt), blocks in zip(spans, copies, strict=True):
             self.insert_blocks(full, first, blocks, now, salt)
 
+
+def _background_rank(req: RequestState) -> int:
+    return 1 if req.background else 0

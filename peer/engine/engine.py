@@ -200,17 +200,21 @@ class Engine(BatchLoop):
     # -- requests --------------------------------------------------------------------------
 
     def stream(
-        self, token_ids: Sequence[int], params: SamplingParams, *, cache_salt: bytes | None = None
+        self, token_ids: Sequence[int], params: SamplingParams, *, cache_salt: bytes | None = None,
+        background: bool = False,
     ) -> AsyncGenerator[TokenEvent | Completion, None]:
         """Generate: yields a TokenEvent per token, then one Completion, last.
 
         Validates now (InvalidRequest). Close the iterator (or run it to the end) to
         release the request: `async with contextlib.aclosing(engine.stream(...))`.
         With `cache_salt` the request is private: it shares cached blocks only with
-        requests of the same salt, and its blocks are never announced.
+        requests of the same salt, and its blocks are never announced. A `background`
+        request (served for another peer) joins the batch and reads its prompt only after
+        the requests of this peer's own clients.
         """
         tokens = self.validate(token_ids, params)
-        return self._run(tokens, params, cache_salt, StopTracker(self.tokenizer, params.stop))
+        tracker = StopTracker(self.tokenizer, params.stop)
+        return self._run(tokens, params, cache_salt, tracker, background)
 
     async def generate(
         self, token_ids: Sequence[int], params: SamplingParams, *, cache_salt: bytes | None = None

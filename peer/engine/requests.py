@@ -103,6 +103,7 @@ class RequestState:
         self.rid = rid
         self.tokens = tokens
         self.salt = salt  # a private request's cache namespace (radix.py)
+        self.background = False  # served for another peer: yields to this peer's own
         self.params = params
         self.queued = queued  # uncached prompt tokens counted in the engine's queue
         self.tracker = tracker

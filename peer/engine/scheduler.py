@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
 __all__ = [
+    "BACKGROUND_SHARE",
     "DEFAULT_MAX_RUNNING",
     "DEFAULT_STEP_TOKENS",
     "BatchQueue",
@@ -33,6 +34,9 @@ __all__ = [
 DEFAULT_STEP_TOKENS = 256
 # Sequences in the batch at once; more wait (admission happens between steps).
 DEFAULT_MAX_RUNNING = 32
+# Prompts read for other peers get at most 1/4 of a step's tokens, and only in steps that
+# read none of ours: a step of ours then waits at most ~1/4 of a full step for theirs.
+BACKGROUND_SHARE = 4
 
 
 @dataclass(frozen=True)
@@ -119,11 +123,16 @@ S = TypeVar("S", bound=Scheduled)
 
 class BatchQueue(Generic[S]):
     """The batch state machine: sequences wait, join the batch between steps (`admit`),
-    are planned a step at a time (`plan`), and leave it finished or cancelled."""
+    are planned a step at a time (`plan`), and leave it finished or cancelled.
 
-    def __init__(self) -> None:
+    `rank(seq)` orders who goes first, lower first and oldest first within a rank: the
+    peer ranks its own clients' requests 0 and requests served for other peers 1, so
+    those join the batch and read their prompts only after its own (decodes all run)."""
+
+    def __init__(self, rank: Callable[[S], int] | None = None) -> None:
         self.waiting: deque[S] = deque()
         self.batch: dict[int, S] = {}  # admitted, unfinished; insertion order = age
+        self._rank = rank
 
     def submit(self, seq: S) -> None:
         self.waiting.append(seq)
@@ -138,15 +147,16 @@ class BatchQueue(Generic[S]):
         sequence waiting for the next step."""
         free = admit_count(len(self.waiting), len(self.batch), max_running)
         kept: deque[S] = deque()
-        while self.waiting:
-            seq = self.waiting.popleft()
+        order = self.waiting if self._rank is None else sorted(self.waiting, key=self._rank)
+        self.waiting = deque()
+        for seq in order:
             if free <= 0 or (hold is not None and hold(seq)):
                 kept.append(seq)
                 continue
             free -= 1
             join(seq)
             self.batch[seq.rid] = seq
-        self.waiting = kept
+        self.waiting = kept if self._rank is None else deque(sorted(kept, key=_age))
 
     def finish(self, rid: int) -> None:
         """The sequence leaves the batch (it ended or failed); no-op if it is not in it."""
@@ -159,9 +169,27 @@ class BatchQueue(Generic[S]):
         self.batch.pop(seq.rid, None)
 
     def plan(self, step_tokens: int) -> StepPlan:
-        """The next step over the batch: every decode, then prefill chunks oldest first."""
+        """The next step over the batch: every decode, then prefill chunks oldest first.
+
+        With a rank, prompts ranked above 0 (served for others) are read only in steps
+        where no rank-0 prompt is read, and then at most step_tokens // BACKGROUND_SHARE
+        tokens of them: a step's time grows with its tokens, so a long remote prompt
+        neither shares our prompts' steps nor makes the step one of ours waits for long."""
         decoding = [s.rid for s in self.batch.values() if s.pos >= len(s.tokens)]
-        prefilling = [
-            (s.rid, len(s.tokens) - s.pos) for s in self.batch.values() if s.pos < len(s.tokens)
-        ]
-        return plan_step(decoding, prefilling, step_tokens)
+        reading = [s for s in self.batch.values() if s.pos < len(s.tokens)]
+        budget = step_tokens
+        if self._rank is not None:
+            rank = self._rank
+            ours = [s for s in reading if rank(s) <= 0]
+            if ours:
+                reading = ours
+            else:
+                reading.sort(key=rank)  # stable: oldest first within a rank
+                budget = len(decoding) + max(1, step_tokens // BACKGROUND_SHARE)
+        prefilling = [(s.rid, len(s.tokens) - s.pos) for s in reading]
+        return plan_step(decoding, prefilling, budget)
+
+
+def _age(seq: Scheduled) -> int:
+    """Submission order: ids are given out in order (batch.py's _next_rid)."""
+    return seq.rid

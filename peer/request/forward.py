@@ -24,12 +24,15 @@ from peer.engine.api import Completion, GeneratingEngine, SamplingParams, TokenE
 from peer.net.wire import FrameStream, StreamOpener, WireError
 from peer.request.admission import Admission, Overloaded, Slot
 from peer.request.generation import Outcome
+from peer.request.signed import answer_signed
 from peer.swarm.peer_table import ForwardCharge, PeerTable
+from protocols.answers import Evidence
 from protocols.errors import RemoteProtocolError
 from protocols.ids import INFER_PROTOCOL
 from protocols.infer import (
     MAX_DEADLINE_S,
     ErrorCode,
+    FinishReason,
     InferError,
     InferRequest,
     InferResult,
@@ -129,8 +132,12 @@ class LocalAttempt:
             self._slot = self._admission.admit()
         except Overloaded as exc:
             raise AttemptFailed(Outcome.REFUSED, str(exc)) from exc
-        private = {} if self._cache_salt is None else {"cache_salt": self._cache_salt}
-        self._agen = self._engine.stream(self._prompt, self._params, **private)
+        if self._cache_salt is None:
+            self._agen = self._engine.stream(self._prompt, self._params)
+        else:
+            self._agen = self._engine.stream(
+                self._prompt, self._params, cache_salt=self._cache_salt
+            )
         first = await self.next_tokens()
         if isinstance(first, Finished):
             raise AttemptFailed(Outcome.FAILED, "the engine finished without a token")
@@ -191,6 +198,9 @@ class RemoteAttempt:
         self._frames: FrameStream | None = None
         self._charge: ForwardCharge | None = None
         self._got_first = False
+        self.answer: list[int] = []  # every token received, for the signature's check
+        self.signature = b""
+        self.finish_reason: FinishReason | None = None
         self._finished = False
         self.received = 0  # token ids received so far
         self.cached_tokens: int | None = None
@@ -244,7 +254,11 @@ class RemoteAttempt:
                             f"claims {message.cached_tokens} cached tokens of a {sent}-token "
                             "prompt"
                         )
+                    if not answer_signed(self.peer_id, self._request, self.answer, message):
+                        raise Faulty("its answer is not signed with its own key")
                     self.cached_tokens = message.cached_tokens
+                    self.signature = message.signature
+                    self.finish_reason = message.finish_reason
                     self._finished = True
                     return Finished(message.finish_reason.value)
                 else:
@@ -257,7 +271,17 @@ class RemoteAttempt:
         asked = self._request.max_new_tokens
         if self.received > asked:
             raise Faulty(f"sent {self.received} tokens, more than the {asked} asked for")
+        self.answer.extend(chunk.token_ids)
         return list(chunk.token_ids)
+
+    def evidence(self) -> Evidence | None:
+        """The peer's signed answer to this request, for others to re-score (None until
+        its signed result came)."""
+        if not self.signature or self.finish_reason is None or not self.answer:
+            return None
+        return Evidence(
+            self.peer_id, self._request, tuple(self.answer), self.finish_reason, self.signature
+        )
 
     @contextlib.contextmanager
     def _errors(self) -> Iterator[None]:

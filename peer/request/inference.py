@@ -1,10 +1,12 @@
 """The serving side of the inference protocol (protocols/infer.py over peer/net/wire.py).
 
 `InferenceService` serves forwarded requests: it owns every inbound request in its own
-nursery (libp2p's handler only hands the stream over), bounds the requests in flight per
-remote peer, runs them on the local engine through the shared `Admission`, streams
-tokens back, and stops generating as soon as the entry peer goes away (a reader watches
-the stream while the engine runs).
+nursery (libp2p's handler only hands the stream over), refuses peers this one quarantined
+(`refused`), bounds the requests in flight per remote peer and charges each to the remote
+budget (peer/request/budget.py: `over_budget` when a share is spent), runs them on the
+local engine through the shared `Admission` behind this peer's own clients' requests
+(`background`), streams tokens back, and stops generating as soon as the entry peer goes
+away (a reader watches the stream while the engine runs).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import contextlib
 import enum
 import logging
 from collections import Counter
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import trio
@@ -28,6 +31,8 @@ from peer.engine.api import (
 )
 from peer.net.wire import FrameStream, HandlerHost, InboundStream, StreamBroken, reset_quietly
 from peer.request.admission import Admission, Overloaded
+from peer.request.budget import OverBudget, RemoteBudget, request_cost_s
+from peer.request.signed import Signer, sign_answer
 from protocols.errors import RemoteProtocolError
 from protocols.ids import INFER_PROTOCOL
 from protocols.infer import (
@@ -73,11 +78,17 @@ class InferenceService:
         *,
         self_id: str,
         max_inbound_per_peer: int,
+        budget: RemoteBudget | None = None,
+        refuses: Callable[[str], bool] = lambda peer_id: False,
+        sign: Signer | None = None,
     ) -> None:
         self._engine = engine
         self._admission = admission
         self._self_id = self_id
         self._max_per_peer = max_inbound_per_peer
+        self.budget = budget or RemoteBudget()
+        self._refuses = refuses  # whether a peer is served no more (quarantined here)
+        self._sign = sign  # signs every answer (None: unsigned, which entries refuse)
         self._per_peer: Counter[str] = Counter()
         self._leaving = False
         self._send, self._receive = trio.open_memory_channel[tuple[InboundStream, str]](
@@ -133,6 +144,13 @@ class InferenceService:
             await self._reply_error(frames, ErrorCode.OVERLOADED, "this peer is leaving")
             await frames.close()
             return
+        if self._refuses(remote):
+            self.stats["refused_quarantined"] += 1
+            await self._reply_error(
+                frames, ErrorCode.REFUSED, "this peer quarantined you and serves you no more"
+            )
+            await frames.close()
+            return
         if self._per_peer[remote] >= self._max_per_peer:
             self.stats["refused_per_peer"] += 1
             await self._reply_error(
@@ -142,10 +160,26 @@ class InferenceService:
             )
             await frames.close()
             return
+        load = self._engine.load()
+        cost = request_cost_s(
+            len(request.prompt_token_ids), request.max_new_tokens,
+            load.prefill_tokens_per_s, load.decode_tokens_per_s,
+        )
+        idle = load.running_requests == 0 and load.waiting_requests == 0
+        charge = self.budget.admit(remote, cost, trio.current_time(), idle=idle)
+        if isinstance(charge, OverBudget):
+            self.stats["refused_over_budget"] += 1
+            await self._reply_error(
+                frames, ErrorCode.OVER_BUDGET,
+                f"{charge.reason}; retry after {charge.retry_after_s:.2f} s",
+            )
+            await frames.close()
+            return
         self._per_peer[remote] += 1
         try:
             await self._run(frames, request)
         finally:
+            self.budget.release(charge)
             self._per_peer[remote] -= 1
             if not self._per_peer[remote]:
                 del self._per_peer[remote]
@@ -198,7 +232,7 @@ class InferenceService:
     async def _send_generation(
         self, frames: FrameStream, request: InferRequest, params: SamplingParams
     ) -> None:
-        agen = self._engine.stream(request.prompt_token_ids, params)
+        agen = self._engine.stream(request.prompt_token_ids, params, background=True)
         async with contextlib.aclosing(agen):
             async for item in agen:
                 if isinstance(item, TokenEvent):
@@ -206,6 +240,10 @@ class InferenceService:
                         await frames.send(TokenChunk((item.token_id,), item.text))
                 elif isinstance(item, Completion):
                     usage = item.usage
+                    finish = finish_reason(item.finish_reason)
+                    signature = b"" if self._sign is None else sign_answer(
+                        self._sign, self._self_id, request, item.token_ids, finish
+                    )
                     result = InferResult(
                         prompt_tokens=usage.prompt_tokens,
                         cached_tokens=usage.cached_tokens,
@@ -213,8 +251,9 @@ class InferenceService:
                         ttft_s=usage.ttft_s,
                         decode_tokens_per_s=usage.decode_tokens_per_s,
                         total_s=usage.total_s,
-                        finish_reason=finish_reason(item.finish_reason),
+                        finish_reason=finish,
                         served_by=self._self_id,
+                        signature=signature,
                     )
                     with trio.fail_after(REPLY_WRITE_TIMEOUT_S):
                         await frames.send(result)
@@ -234,4 +273,5 @@ class InferenceService:
     def statistics(self) -> dict[str, int]:
         stats = dict(self.stats)
         stats["inbound_in_flight"] = sum(self._per_peer.values())
+        stats.update(self.budget.statistics())
         return stats

@@ -52,6 +52,7 @@ from peer.routing.router import Candidate, LocalState, Ranked, Router
 from peer.routing.shadow import DEFAULT_MAX_SHADOWS_IN_FLIGHT, ShadowPlanner
 from peer.routing.trust import Quarantine, TrustLedger
 from peer.swarm.peer_table import PeerTable
+from protocols.answers import Evidence
 
 __all__ = [  # the request's types live in peer/request/generation.py; importable here as before
     "Attempt",
@@ -83,6 +84,7 @@ class Pipeline:
         trust: TrustLedger,
         rng: random.Random | None = None,
         on_quarantine: Callable[[Quarantine], None] | None = None,
+        on_evidence: Callable[[Evidence], None] | None = None,
         before_route: Callable[[Sequence[int], Sequence[int], float], Awaitable[None]]
         | None = None,
     ) -> None:
@@ -107,7 +109,7 @@ class Pipeline:
         self._context = RunContext(
             config=config, engine=engine, router=router, table=table, trust=trust,
             rng=rng, stats=self.stats, self_id=self_id,
-            on_quarantine=on_quarantine,
+            on_quarantine=on_quarantine, on_evidence=on_evidence,
         )
         self.shadows = Shadows(
             planner=ShadowPlanner(trust, share=config.probation_share,
@@ -118,6 +120,10 @@ class Pipeline:
     @property
     def config(self) -> PeerConfig:
         return self._config
+
+    def quarantine(self, peer_id: str, reason: str) -> None:
+        """Quarantine ``peer_id`` as a verified lie here would (log, persist, waiters)."""
+        self._context.quarantine(peer_id, reason)
 
     @property
     def router(self) -> Router:

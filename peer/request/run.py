@@ -55,6 +55,7 @@ from peer.routing.reliability import Lapse
 from peer.routing.router import Candidate, Router
 from peer.routing.trust import Promote, Quarantine, TrustLedger
 from peer.swarm.peer_table import PeerTable
+from protocols.answers import Evidence
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +109,7 @@ class RunContext:
         stats: Counter[str],
         self_id: str,
         on_quarantine: Callable[[Quarantine], None] | None = None,
+        on_evidence: Callable[[Evidence], None] | None = None,
     ) -> None:
         self.config = config
         self.engine = engine
@@ -120,6 +122,16 @@ class RunContext:
         self.verify = engine.verify
         self.waiters = Waiters()
         self._on_quarantine = on_quarantine
+        self._on_evidence = on_evidence
+
+    def accuse(self, attempt: object) -> None:
+        """Tell other peers of a verified lie: the attempt's signed answer (none: a local
+        attempt, or an answer without its signed result)."""
+        if isinstance(attempt, RemoteAttempt) and self._on_evidence is not None:
+            evidence = attempt.evidence()
+            if evidence is not None:
+                self.stats["evidence_found"] += 1
+                self._on_evidence(evidence)
 
     def served(self, racer: Racer, prompt: list[int], produced: int) -> float:
         """The winner delivered ``produced`` tokens and finished; what it was charged for
@@ -365,6 +377,7 @@ class RequestRun:
             finish = more
             good = await self._verified_prefix(prompt, output, params, served_by)
             if good is not None:
+                self._context.accuse(attempt)
                 if good:
                     yield self._emit(good, served_by)
                 raise _WrongOutput(f"verification failed after {len(good)} good tokens")

@@ -25,6 +25,8 @@ from peer.config import PeerConfig
 from peer.engine.api import GeneratingEngine, SamplingParams
 from peer.net.wire import HandlerHost, StreamOpener
 from peer.request.admission import Admission, Overloaded
+from peer.request.budget import BudgetPolicy, RemoteBudget
+from peer.request.evidence import EvidenceService
 from peer.request.generation import (
     DeadlineExceeded,
     GenerationItem,
@@ -37,6 +39,7 @@ from peer.request.generation import (
 from peer.request.inference import InferenceService
 from peer.request.pipeline import Pipeline
 from peer.request.request_log import RequestLog, RequestOutcome, RequestRecord, route_of
+from peer.request.signed import Signer
 from peer.routing.probe_service import LoadService
 from peer.routing.router import build_router
 from peer.routing.trust import (
@@ -71,6 +74,7 @@ class Serving:
         rng: random.Random | None = None,
         before_route: Callable[[Sequence[int], Sequence[int], float], Awaitable[None]]
         | None = None,
+        sign: Signer | None = None,
     ) -> None:
         self.engine = engine
         self.admission = Admission(config.max_queue, name="engine queue")
@@ -89,6 +93,13 @@ class Serving:
             self.admission,
             self_id=self_id,
             max_inbound_per_peer=config.max_inbound_per_peer,
+            budget=RemoteBudget(
+                BudgetPolicy(
+                    identity_share=config.identity_share, remote_share=config.remote_share
+                )
+            ),
+            refuses=lambda peer_id: not self.trust.routable(peer_id),
+            sign=sign,
         )
         self.load = LoadService(engine)  # answers other entry peers' load probes
         self.pipeline = Pipeline(
@@ -102,7 +113,15 @@ class Serving:
             trust=self.trust,
             rng=rng,
             on_quarantine=self._persist_quarantine,
+            on_evidence=lambda evidence: self.evidence.spread(evidence),
             before_route=before_route,
+        )
+        # Told of lies other peers verified; tells them of ours (peer/request/evidence.py).
+        self.evidence = EvidenceService(
+            host=host, self_id=self_id, vocab_size=engine.vocab_size, verify=engine.verify,
+            is_quarantined=lambda peer_id: not self.trust.routable(peer_id),
+            quarantine=self.pipeline.quarantine,
+            peers=lambda: [v.peer_id for v in table.views(trio.current_time())],
         )
         self.requests = RequestLog()
 
@@ -134,6 +153,7 @@ class Serving:
         self.load.serve(libp2p_host)
         async with trio.open_nursery() as nursery:
             await nursery.start(self.pipeline.shadows.serve)
+            await nursery.start(self.evidence.serve, libp2p_host)
             await nursery.start(self.inference.serve, libp2p_host)
             task_status.started()
 
@@ -262,6 +282,7 @@ class Serving:
             "admission": self.admission.statistics(),
             "pipeline": self.pipeline.statistics(),
             "inference": self.inference.statistics(),
+            "evidence": self.evidence.statistics(),
             "load_probe": self.load.statistics(),
             "router": self.router.statistics()._asdict(),
             "trust": self.trust.statistics(),

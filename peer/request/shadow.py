@@ -195,6 +195,7 @@ class Shadows:
         )
         if action is not None:
             context.quarantined(action)
+            context.accuse(attempt)
         return True
 
     def _failed(self, shadow: Shadow, exc: AttemptFailed) -> None:

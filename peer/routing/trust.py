@@ -4,12 +4,12 @@ Fed by method calls (time and randomness are parameters), it decides and returns
 (`Promote`, `Quarantine`) that the pipeline carries out: new identities are on probation
 (they serve no client; copies of requests served anyway check them: peer/routing/shadow.py)
 until ``probation_requests`` answers matched, trusted peers are verified at
-`verify_fraction`, a failed verification quarantines for good, overshooting Bloom claims
-discount a peer's claims, observed speeds bound advertised ones (peer/routing/claims.py),
-and every lapse that cost a client time (a failure, a stall, a hedge race lost, a decode
-far slower than claimed) is charged to a reliability debt that ranks the peer after the
-entry peer while it lasts (peer/routing/reliability.py). docs/security.md says what each
-rule stops.
+`verify_fraction` once their record is long (more often before: `verify_probability`), a
+failed verification quarantines for good, overshooting Bloom claims discount a peer's
+claims, observed speeds bound advertised ones (peer/routing/claims.py), and every lapse
+that cost a client time (a failure, a stall, a hedge race lost, a decode far slower than
+claimed) is charged to a reliability debt that ranks the peer after the entry peer while
+it lasts (peer/routing/reliability.py). docs/security.md says what each rule stops.
 """
 
 from __future__ import annotations
@@ -206,7 +206,24 @@ class TrustLedger:
             return False
         if self.on_probation(peer_id):
             return True
-        return rng.random() < self.verify_fraction
+        return rng.random() < self.verify_probability(peer_id)
+
+    def verify_probability(self, peer_id: str) -> float:
+        """How likely a trusted peer's next response is verified: probation goes on
+        into service. With k = probation_requests, its first k answers to clients after
+        promotion are all verified, then the j-th more with probability k / (j + 1), down
+        to verify_fraction. Passing probation proves answers the peer may have obtained
+        elsewhere (proxied to an honest peer); what it delivers to clients is checked
+        until its record is long. A fraction of 0 (verify no trusted peer) turns this
+        off too."""
+        if self.verify_fraction == 0.0:
+            return 0.0
+        peer = self._peers.get(peer_id)
+        verified = peer.verified if peer is not None else 0
+        k = self.probation_requests
+        beyond = max(0, verified - 2 * k)  # verified answers past the first k in service
+        ramp = k / (beyond + 1) if k else 0.0
+        return min(1.0, max(self.verify_fraction, ramp))
 
     # -- what happened -----------------------------------------------------------------------
 
