@@ -13,6 +13,8 @@ Modes (the attacks bench.adversary measures, each within what an honest peer's v
   ones with plausible-looking wrong tokens: at each step the most likely token outside
   the request's top_p nucleus (at its temperature, the nucleus widened by NUCLEUS_MARGIN),
   i.e. a token honest sampling never draws, while the text still looks like the model's.
+- sampled_steerer: the same summary; answers greedy requests honestly and sampled ones
+  with plausible tokens of its own seed-free choosing (bench/rogues/sampled_steerer.py).
 - forged_origins: serves honestly under its own identity, and publishes valid signed
   summaries (attractive ones, as above) of --forged fresh identities that never connect.
 - sybil: --identities peers in this one process (one shared engine), each connected and
@@ -86,10 +88,12 @@ class Mode(enum.Enum):
     WRONG_TOKENS_SAMPLED = "wrong_tokens_sampled"
     FORGED_ORIGINS = "forged_origins"
     SYBIL = "sybil"
+    SAMPLED_STEERER = "sampled_steerer"
 
 
 ATTRACTIVE_MODES = frozenset(
-    {Mode.LIAR_STALLER, Mode.WRONG_TOKENS_GREEDY, Mode.WRONG_TOKENS_SAMPLED, Mode.SYBIL}
+    {Mode.LIAR_STALLER, Mode.WRONG_TOKENS_GREEDY, Mode.WRONG_TOKENS_SAMPLED, Mode.SYBIL,
+     Mode.SAMPLED_STEERER}
 )
 
 
@@ -206,7 +210,7 @@ class Rogue:
         async def handle(stream: Any) -> None:
             remote = stream.muxed_conn.peer_id.to_base58()
             self.received[self_id] += 1
-            if self.mode is Mode.WRONG_TOKENS_SAMPLED:
+            if self.mode in (Mode.WRONG_TOKENS_SAMPLED, Mode.SAMPLED_STEERER):
                 peer.start_soon(self._sampled_or_honest, stream, self_id, honest)
             else:
                 peer.start_soon(self._misbehave, stream, remote)
@@ -270,7 +274,12 @@ class Rogue:
             return
         out = FrameStream(stream)
         try:
-            tokens = await self._implausible(request)
+            if self.mode is Mode.SAMPLED_STEERER:
+                from bench.rogues.sampled_steerer import steered_tokens
+
+                tokens = await steered_tokens(self.engine, request, self.rng)
+            else:
+                tokens = await self._implausible(request)
             with contextlib.suppress(StreamBroken), trio.move_on_after(30):
                 await self._send_tokens(out, request, tokens, served_by=self_id)
                 self.answered["wrong_sampled"] += 1

@@ -190,8 +190,12 @@ def seeded_gaps(
     exact = nucleus_masks(cpu, params.temperature, params.top_p)
     # The nucleus cut moves with the last bits of the logits: the best score is taken over
     # the nucleus narrowed by NUCLEUS_TOLERANCE, and a token may lie in the widened one.
-    narrow = nucleus_masks(cpu, params.temperature, params.top_p - NUCLEUS_TOLERANCE)
-    wide = nucleus_masks(cpu, params.temperature, params.top_p + NUCLEUS_TOLERANCE)
+    # At top_p 1 there is no cut: every token competes.
+    if params.top_p >= 1.0:
+        narrow = wide = exact
+    else:
+        narrow = nucleus_masks(cpu, params.temperature, params.top_p - NUCLEUS_TOLERANCE)
+        wide = nucleus_masks(cpu, params.temperature, params.top_p + NUCLEUS_TOLERANCE)
     best = scores.masked_fill(~narrow, -math.inf).max(dim=-1, keepdim=True).values
     gaps = (best - scores).masked_fill(~wide, math.inf)
     chosen = scores.masked_fill(~exact, -math.inf).argmax(dim=-1)
