@@ -159,3 +159,23 @@ async def test_greedy_is_unchanged(tiny_engine, tiny_model):
             assert int(tiny_model.model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()) \
                 == tok
             ids.append(tok)
+
+
+def test_bench_sampling_runs_and_reports(tmp_path):
+    """The measurement's command, shrunk to tiny-random and float32: honest answers pass
+    under both batch shapes, and steered tokens are (almost) never accepted."""
+    import json
+
+    from bench import sampling as bench_sampling
+
+    out = tmp_path / "sampling.json"
+    assert bench_sampling.main(["--json", str(out), "--model", "tiny-random", "--dtypes",
+                                "float32", "--answers", "2", "--answer-tokens", "4",
+                                "--prompt-tokens", "40"]) == 0
+    rows = json.loads(out.read_text())["dtypes"]["float32"]
+    for key in ("t1.0_p1.0", "t0.7_p0.9"):
+        row = rows[key]
+        assert row["honest_accepted"] == 1.0 and row["positions"] == 16
+        assert row["batch_identical_answers"] == 2
+        assert row["steer_false_accept"] < 0.5
+    assert rows["t1.0_p1.0"]["unseeded_accepted_fraction_mean"] > 0.5  # the old room
