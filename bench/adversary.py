@@ -352,7 +352,7 @@ async def _add_trust_states(
     async with httpx.AsyncClient(timeout=10) as client:
         for peer in honest:
             try:
-                view = (await client.get(f"{peer.api.http}/v1/swarm")).json()
+                view = (await client.get(f"{peer.http}/v1/swarm")).json()
             except (httpx.HTTPError, ValueError):
                 continue
             trusts = [p.get("trust") for p in view.get("peers", ()) if p["peer_id"] in fakes]
