@@ -2,7 +2,7 @@
 
     python -m bench.adversary --json PATH [--requests 24] [--concurrency 4]
         [--scenarios baseline,liar_staller,wrong_tokens_greedy,wrong_tokens_sampled,
-                     forged_origins,sybil]
+                     forged_origins,sybil,sampled_steerer]
         [--peer-args "--verify-fraction 1.0"] [--model tiny-random]
 
 Each scenario starts a fresh swarm (3 honest tiny-random `serve` processes and, except
@@ -53,10 +53,10 @@ from peer.processes import (
 SCENARIOS = (
     "baseline", "liar_staller", "wrong_tokens_greedy", "wrong_tokens_sampled",
     "forged_origins", "sybil", "punch_scanner", "reachability_liar", "magnet_staller",
-    "relay_impersonator", "freeloader", "probation_launderer",
+    "relay_impersonator", "freeloader", "probation_launderer", "sampled_steerer",
 )
 LIARS = ("liar_staller", "wrong_tokens_greedy", "wrong_tokens_sampled", "sybil",
-         "probation_launderer")
+         "probation_launderer", "sampled_steerer")
 HONEST_PEERS = 3
 SYBIL_IDENTITIES = 10
 FORGED_IDENTITIES = 40
@@ -64,6 +64,12 @@ READY_TIMEOUT_S = 180.0  # model loading on 2 busy cores
 READY_ROGUE_S = 45.0  # honest peers learn the rogue's summaries within a few intervals
 REQUEST_TIMEOUT_S = 150.0  # one request end to end; a stalled forward alone can cost 30 s
 SAMPLED = {"temperature": 0.8, "top_p": 0.9}
+# The scenarios whose requests are sampled, and how; each request carries the seed
+# index + 1, so its honest answer is exactly the one that seed selects (`references`).
+SAMPLING: dict[str, dict[str, float]] = {
+    "wrong_tokens_sampled": SAMPLED,
+    "sampled_steerer": {"temperature": 1.0, "top_p": 1.0},  # the API's defaults
+}
 
 
 def log(message: str) -> None:
@@ -165,10 +171,12 @@ class Outcome:
     error: str = ""
 
 
-def request_body(request: TokenRequest, index: int, sampled: bool, model: str) -> dict[str, Any]:
+def request_body(
+    request: TokenRequest, index: int, sampling: dict[str, float] | None, model: str
+) -> dict[str, Any]:
     body = completion_body(request, model)
-    if sampled:
-        body.update(SAMPLED, seed=index + 1)
+    if sampling:
+        body.update(sampling, seed=index + 1)
     return body
 
 
@@ -188,7 +196,8 @@ async def _send(
 
 
 async def references(
-    args: argparse.Namespace, workload: Sequence[TokenRequest], sampled: bool
+    args: argparse.Namespace, workload: Sequence[TokenRequest],
+    sampling: dict[str, float] | None,
 ) -> list[str]:
     """The honest model's text for every request (this process, an uncached engine)."""
     from peer.engine.engine import SamplingParams, load_engine
@@ -197,9 +206,9 @@ async def references(
     out = []
     for i, request in enumerate(workload):
         params = SamplingParams(max_new_tokens=request.max_new_tokens)
-        if sampled:
+        if sampling:
             params = SamplingParams(
-                max_new_tokens=request.max_new_tokens, seed=i + 1, **SAMPLED
+                max_new_tokens=request.max_new_tokens, seed=i + 1, **sampling
             )
         completion = await engine.generate(list(request.prefix + request.suffix), params)
         out.append(completion.text)
@@ -218,20 +227,20 @@ def summarise(
     max_tokens: int,
 ) -> dict[str, Any]:
     """One scenario's row. The reference is the honest model's text (`references`):
-    greedy, the exact text; sampled with a seed, honest sampling is deterministic too, so
-    the honest seeded text (stricter than a probability test). An output is wrong when it
-    differs and a rogue identity contributed tokens to it (by the entry's route); one that
-    differs though only honest peers served it (a seeded draw at a near tie over a cached
-    prefix, a re-seeded handover) is counted apart. TTFT is send to first text."""
+    greedy, the argmax at every step; sampled, the tokens the request's seed selects
+    (every peer draws with the one seeded sampler, peer/engine/sampling.py, so this is
+    exact, not a probability test). An output is wrong when it differs and a rogue
+    identity contributed tokens to it (by the entry's route); one that differs though
+    only honest peers served it (a near tie in the last bits of the logits over a cached
+    prefix or another batch shape) is counted apart. TTFT is send to first text."""
     ok = sorted((o for o in outcomes if o.ok), key=lambda o: o.index)
     ttft = [o.ttft_s for o in ok]
     swarm_ids = {p.peer_id for p in honest} | set(rogue.peer_ids if rogue else ())
     fake_ids = set(rogue.peer_ids if rogue else ()) | set(rogue.forged_ids if rogue else ())
     differs = [o for o in ok if o.text != refs[o.index]]
     # Wrong: differs from the honest reference and a rogue identity contributed tokens
-    # (the route is the entry's own account). Honest peers differ too, rarely: a seeded
-    # sample over a cached prefix can draw another token at a near tie, and a handover
-    # re-seeds the sampler; those are counted apart.
+    # (the route is the entry's own account). Honest peers differ too, rarely: at a near
+    # tie the last bits of the logits can pick another token; those are counted apart.
     wrong = [
         o for o in differs
         if any(a["peer_id"] in fake_ids and a.get("tokens", 0) > 0 for a in o.route)
@@ -298,8 +307,8 @@ async def run_scenario(
     """A fresh swarm (`sybil`: the rogue is one process with SYBIL_IDENTITIES identities,
     each its own libp2p host); once the honest peers know each other (and, for up to
     READY_ROGUE_S, the rogue's identities), the requests go to the honest peers in turn,
-    `--concurrency` at a time, streamed; greedy except under `wrong_tokens_sampled`."""
-    sampled = name == "wrong_tokens_sampled"
+    `--concurrency` at a time, streamed; greedy except under the SAMPLING scenarios."""
+    sampling = SAMPLING.get(name)
     async with open_peer_processes() as procs:  # every child stops when this block ends
         honest: list[PeerProcess] = []
         rogue: RogueProcess | None = None
@@ -338,7 +347,7 @@ async def run_scenario(
                         await trio.sleep(0.2)
                 log(f"{name}: relay so far {rogue.relay}")
         async with watch_surface(name, honest, rogue) as surface:
-            outcomes = await _drive(args, honest, workload, sampled)
+            outcomes = await _drive(args, honest, workload, sampling)
         if rogue is not None:
             await rogue.wait_fresh_stats()
         row = summarise(name, outcomes, refs, honest, rogue, args.max_new_tokens)
@@ -403,7 +412,7 @@ async def _drive(
     args: argparse.Namespace,
     honest: list[PeerProcess],
     workload: list[TokenRequest],
-    sampled: bool,
+    sampling: dict[str, float] | None,
 ) -> list[Outcome]:
     outcomes: list[Outcome] = []
     limiter = trio.CapacityLimiter(args.concurrency)
@@ -415,7 +424,7 @@ async def _drive(
         for index, request in enumerate(workload):
             await limiter.acquire_on_behalf_of(index)
             entry = honest[index % len(honest)]
-            body = request_body(request, index, sampled, args.model_name)
+            body = request_body(request, index, sampling, args.model_name)
 
             async def one(entry: PeerProcess = entry, body: dict[str, Any] = body,
                           index: int = index) -> None:
@@ -432,13 +441,14 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     workload, _ = swarm_workload(args)
     workload = workload[: args.requests]
     result: dict[str, Any] = {"params": _params(args, workload), "adversaries": {}}
-    refs: dict[bool, list[str]] = {}
+    refs: dict[str, list[str]] = {}
     for name in args.scenarios:
-        sampled = name == "wrong_tokens_sampled"
-        if sampled not in refs:
-            log(f"computing reference outputs ({'sampled' if sampled else 'greedy'})")
-            refs[sampled] = await references(args, workload, sampled)
-        row = await run_scenario(args, name, workload, refs[sampled])
+        sampling = SAMPLING.get(name)
+        key = json.dumps(sampling, sort_keys=True)
+        if key not in refs:
+            log(f"computing reference outputs ({sampling or 'greedy'})")
+            refs[key] = await references(args, workload, sampling)
+        row = await run_scenario(args, name, workload, refs[key])
         if name == "baseline":
             result["baseline"] = row
         else:

@@ -13,6 +13,8 @@ Modes (the attacks bench.adversary measures, each within what an honest peer's v
   ones with plausible-looking wrong tokens: at each step the most likely token outside
   the request's top_p nucleus (at its temperature, the nucleus widened by NUCLEUS_MARGIN),
   i.e. a token honest sampling never draws, while the text still looks like the model's.
+- sampled_steerer: the same summary; answers greedy requests honestly and sampled ones
+  with plausible tokens of its own seed-free choosing (bench/rogues/sampled_steerer.py).
 - forged_origins: serves honestly under its own identity, and publishes valid signed
   summaries (attractive ones, as above) of --forged fresh identities that never connect.
 - sybil: --identities peers in this one process (one shared engine), each connected and
@@ -105,12 +107,13 @@ class Mode(enum.Enum):
     RELAY_IMPERSONATOR = "relay_impersonator"  # bench/rogues/relay_impersonator.py
     FREELOADER = "freeloader"
     PROBATION_LAUNDERER = "probation_launderer"
+    SAMPLED_STEERER = "sampled_steerer"
 
 
 SURFACE_ATTACKS = {Mode.PUNCH_SCANNER: punch_scanner, Mode.REACHABILITY_LIAR: reachability_liar}
 ATTRACTIVE_MODES = frozenset(
     {Mode.LIAR_STALLER, Mode.WRONG_TOKENS_GREEDY, Mode.WRONG_TOKENS_SAMPLED, Mode.SYBIL,
-     Mode.PROBATION_LAUNDERER}
+     Mode.PROBATION_LAUNDERER, Mode.SAMPLED_STEERER}
 )
 
 
@@ -238,7 +241,7 @@ class Rogue:
         async def handle(stream: Any) -> None:
             remote = stream.muxed_conn.peer_id.to_base58()
             self.received[self_id] += 1
-            if self.mode is Mode.WRONG_TOKENS_SAMPLED:
+            if self.mode in (Mode.WRONG_TOKENS_SAMPLED, Mode.SAMPLED_STEERER):
                 peer.start_soon(self._sampled_or_honest, stream, self_id, honest)
             elif self.mode is Mode.PROBATION_LAUNDERER:
                 peer.start_soon(self._launder, peer, stream, remote)
@@ -334,7 +337,12 @@ class Rogue:
             return
         out = FrameStream(stream)
         try:
-            tokens = await self._implausible(request)
+            if self.mode is Mode.SAMPLED_STEERER:
+                from bench.rogues.sampled_steerer import steered_tokens
+
+                tokens = await steered_tokens(self.engine, request, self.rng)
+            else:
+                tokens = await self._implausible(request)
             with contextlib.suppress(StreamBroken), trio.move_on_after(30):
                 await self._send_tokens(out, request, tokens, served_by=self_id, signer=self_id)
                 self.answered["wrong_sampled"] += 1

@@ -93,7 +93,7 @@ def random_substitute_pass(
     with torch.inference_mode():
         ids = torch.tensor([tokens + answer[:-1]])
         logits = loaded.model(input_ids=ids, logits_to_keep=len(answer)).logits[0]
-    share = accepted_fraction(logits, params)
+    share = accepted_fraction(logits, params, len(tokens))  # row r: the token at n + r
     return {"mean": float(share.mean()), "max": float(share.max())}
 
 

@@ -110,7 +110,11 @@ def _check_vocab(name: str, tokens: tuple[int, ...], vocab_size: int) -> None:
 
 @dataclass(frozen=True)
 class InferRequest:
-    """A prompt to complete. ``deadline_s`` is the time left when sent (clocks differ)."""
+    """A prompt to complete. ``deadline_s`` is the time left when sent (clocks differ).
+
+    A sampled request (temperature > 0) carries the ``seed`` the entry chose: the serving
+    peer draws every token with peer/engine/sampling.py's sampler keyed by it, so the
+    entry can check that each sampled token is the one the seed selects."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
@@ -133,6 +137,8 @@ class InferRequest:
         _check_float("top_p", self.top_p, 0.0, 1.0, open_low=True)
         if self.seed is not None:
             _check_int("seed", self.seed, 0, MAX_SEED)
+        elif self.temperature > 0.0:
+            raise ValueError("a sampled request (temperature > 0) needs a seed")
         if not isinstance(self.stop, tuple):
             raise ValueError(f"stop must be a tuple, got {type(self.stop).__name__}")
         if len(self.stop) > MAX_STOP_STRINGS:

@@ -3,6 +3,7 @@ mistake), and the bench's JSON has the keys docs/security.md reports."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import types
 from typing import Any
@@ -177,6 +178,26 @@ async def test_wrong_tokens_sampled_is_honest_on_greedy_and_implausible_when_sam
             assert token not in nucleus
         nursery.cancel_scope.cancel()
     assert rogue.answered == {"honest_greedy": 1, "wrong_sampled": 1}
+
+
+async def test_sampled_steerer_sends_its_own_draws_which_only_the_seed_check_catches(
+    tiny_engine: Any,
+) -> None:
+    from bench.rogues.sampled_steerer import steered_tokens
+
+    prompt = list(range(1, 40))
+    request = _request(temperature=1.0, top_p=1.0, seed=5)
+    params = SamplingParams(max_new_tokens=4, temperature=1.0, top_p=1.0, seed=5)
+    steered = await steered_tokens(tiny_engine, request, random.Random(0))
+    honest = list((await tiny_engine.generate(prompt, params)).token_ids)
+    assert len(steered) == 4 and steered != honest
+    # Plausible: the old statistical check (no seed) accepts every steered token...
+    unseeded = dataclasses.replace(params, seed=None)
+    assert (await tiny_engine.verify(prompt, steered, unseeded)).ok
+    # ...the seeded check does not, and accepts the honest answer.
+    verdict = await tiny_engine.verify(prompt, steered, params)
+    assert not verdict.ok and "is not the one seed 5 selects" in verdict.detail
+    assert (await tiny_engine.verify(prompt, honest, params)).ok
 
 
 def test_bench_json_rows_have_the_reported_keys() -> None:

@@ -47,9 +47,12 @@ def test_the_digest_binds_prompt_sampling_and_id_but_not_the_deadline() -> None:
     for other in (
         InferRequest("r2", (1, 2, 3, 4), 3, 10.0),
         InferRequest("r1", (1, 2, 3, 5), 3, 10.0),
-        InferRequest("r1", (1, 2, 3, 4), 3, 10.0, temperature=0.5),
+        InferRequest("r1", (1, 2, 3, 4), 3, 10.0, temperature=0.5, seed=7),
     ):
         assert request_digest(other) != request_digest(REQUEST)
+    sampled = InferRequest("r1", (1, 2, 3, 4), 3, 10.0, temperature=0.5, seed=7)
+    reseeded = InferRequest("r1", (1, 2, 3, 4), 3, 10.0, temperature=0.5, seed=8)
+    assert request_digest(sampled) != request_digest(reseeded)  # the seed picks the tokens
 
 
 def test_evidence_round_trips_and_its_signature_checks() -> None:

@@ -45,9 +45,9 @@ def wrong(request):
                                                               request.max_new_tokens)])
 
 
-async def collect(pipeline, params=PARAMS, prompt=PROMPT):
+async def collect(pipeline, params=PARAMS, prompt=PROMPT, salt=None):
     chunks, result = [], None
-    async for item in pipeline.stream(request(prompt, params)):
+    async for item in pipeline.stream(request(prompt, params, cache_salt=salt)):
         if isinstance(item, GenerationChunk):
             chunks.append(item)
         else:
@@ -360,14 +360,26 @@ async def test_a_slow_newcomer_earns_credit_past_a_forwards_first_token_deadline
     assert stats["shadow_matched"] == 1 and stats.get("shadow_stalled", 0) == 0
 
 
-async def test_a_private_or_sampled_request_carries_no_shadow(autojump_clock):
+async def test_a_sampled_request_is_shadowed_with_the_seed_the_entry_chose(autojump_clock):
     swarm = fake_swarm({A: (7, honest())}, PROMPT, trusted=False)
     async with shadows_served(swarm):
-        await collect(swarm.pipeline, params=SamplingParams(max_new_tokens=N, temperature=0.8,
-                                                            seed=1))
+        _, result = await collect(swarm.pipeline,
+                                  params=SamplingParams(max_new_tokens=N, temperature=0.8))
+        assert result.served_by == SELF
+        await trio.sleep(1.0)
+    assert swarm.host.dialed() == [A]
+    (_, _, shadow), = swarm.host.requests
+    assert shadow.temperature == 0.8 and shadow.seed is not None
+    assert swarm.pipeline.statistics()["shadow_matched"] == 1
+
+
+async def test_a_private_request_carries_no_shadow(autojump_clock):
+    swarm = fake_swarm({A: (7, honest())}, PROMPT, trusted=False)
+    async with shadows_served(swarm):
+        await collect(swarm.pipeline, params=SamplingParams(max_new_tokens=N, temperature=0.8),
+                      salt=b"tenant")
         await trio.sleep(1.0)
     assert swarm.host.dialed() == []
-    assert swarm.pipeline.statistics()["shadow_skipped_not_comparable"] == 1
 
 
 async def test_claims_that_overshoot_are_discounted_until_the_peer_is_not_preferred(

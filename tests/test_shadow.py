@@ -33,9 +33,10 @@ def rank_all(router: Router, table, now: float = 0.0):
     return router.rank_all(CHAIN, 40 * BS, NEW, me(), table, now)
 
 
-def test_comparable_answers_are_greedy_ones():
+def test_comparable_answers_are_greedy_or_seeded_ones():
     assert comparable(0.0)
     assert not comparable(0.7) and not comparable(1.0)
+    assert comparable(0.7, seed=3) and comparable(1.0, seed=0)
 
 
 @pytest.mark.parametrize(("a", "b", "at"), [
@@ -78,7 +79,7 @@ def test_a_difference_quarantines_for_good():
     assert ids(ranked.candidates) == [SELF] and ranked.probation == []
 
 
-def test_private_or_sampled_requests_carry_no_shadow_and_a_failed_peer_waits():
+def test_private_or_unseeded_requests_carry_no_shadow_and_a_failed_peer_waits():
     ledger = TrustLedger()
     router, table = swarm(["a", "b"], ledger)
     planner = ShadowPlanner(ledger)
@@ -86,9 +87,10 @@ def test_private_or_sampled_requests_carry_no_shadow_and_a_failed_peer_waits():
     assert ids(probation) == ["b", "a"]  # b claims more of the prompt: cheaper
     assert planner.choose(probation, temperature=0.0, private=True) is None
     assert planner.choose(probation, temperature=0.7, private=False) is None
+    assert planner.choose(probation, temperature=0.7, private=True, seed=5) is None
     router.record_outcome("b", False, 0.0)  # backed off: a is shadowed instead
     probation = rank_all(router, table, 1.0).probation
-    assert planner.choose(probation, temperature=0.0, private=False).peer_id == "a"
+    assert planner.choose(probation, temperature=1.0, private=False, seed=5).peer_id == "a"
     with pytest.raises(ValueError):
         planner.ended(Shadow("b", 99), failed=True)
 

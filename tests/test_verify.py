@@ -1,7 +1,7 @@
 """Teacher-forced verification (Engine.verify) on the tiny-random model: honest outputs
 pass, a changed token fails at its index, another model's output fails, structure lies
-(too long, after EOS, after a stop string, cut short) fail, the cache is reused and the
-output enters it only when it verified."""
+(too long, after EOS, after a stop string, cut short) fail, a sampled token other than
+the one the seed selects fails, the cache is reused and nothing enters it."""
 
 import dataclasses
 
@@ -14,9 +14,11 @@ from peer.engine.engine import Engine, InvalidRequest, SamplingParams
 from peer.engine.verify import (
     GREEDY_MAX_LOGPROB_GAP,
     SAMPLED_MIN_LOGPROB,
+    SEEDED_MAX_SCORE_GAP,
     accepted_fraction,
     check_logits,
     check_structure,
+    seeded_gaps,
 )
 
 
@@ -96,16 +98,39 @@ async def test_a_near_tie_is_tolerated(tiny_engine, tiny_model):
     assert (await tiny_engine.verify(p, [int(top2.indices[0])], params)).ok
 
 
-async def test_an_unlikely_sampled_token_fails(tiny_engine, tiny_model):
+async def test_an_unlikely_token_fails_the_unseeded_check(tiny_engine, tiny_model):
+    """Without a seed (a caller outside the swarm) only the statistical check is left."""
     p = prompt(40)
     params = SamplingParams(max_new_tokens=8, temperature=0.3, seed=1)
     out = list((await tiny_engine.generate(p, params)).token_ids)
     logp = logprobs_at(tiny_model.model, p + out[:3], temperature=0.3)
     out[3] = int(logp.argmin())
     assert float(logp.min()) < SAMPLED_MIN_LOGPROB  # the premise: the floor can catch it
-    verdict = await tiny_engine.verify(p, out, params)
+    verdict = await tiny_engine.verify(p, out, dataclasses.replace(params, seed=None))
     assert (verdict.ok, verdict.first_bad_index) == (False, 3)
     assert "below the floor" in verdict.detail
+
+
+@pytest.mark.parametrize("index", [0, 3])
+async def test_a_likely_token_the_seed_did_not_select_fails(tiny_engine, tiny_model, index):
+    """The steerer's move: a plausible token (here the most likely one, or the runner-up by
+    perturbed score) in place of the seed's. The old nucleus check accepted both."""
+    p = prompt(40)
+    params = SamplingParams(max_new_tokens=8, temperature=1.0, top_p=1.0, seed=11)
+    out = list((await tiny_engine.generate(p, params)).token_ids)
+    with torch.inference_mode():
+        logits = tiny_model.model(input_ids=torch.tensor([p + out[:index]])).logits[0, -1:]
+    gaps, chosen = seeded_gaps(logits, params, len(p) + index)
+    assert int(chosen[0]) == out[index]  # the sampler and the verifier agree on the seed's token
+    runner_up = int(torch.topk(-gaps[0], 2).indices[1])
+    for steered in {runner_up, int(logits[0].argmax())} - {out[index]}:
+        bad = [*out[:index], steered, *out[index + 1:]]
+        verdict = await tiny_engine.verify(p, bad, params)
+        assert verdict.ok == (float(gaps[0, steered]) <= SEEDED_MAX_SCORE_GAP)
+        if not verdict.ok:
+            assert verdict.first_bad_index == index
+            assert "is not the one seed 11 selects" in verdict.detail
+    assert check_logits(logits, out[index:index + 1], params, 0, len(p) + index) is None
 
 
 async def test_a_token_outside_the_nucleus_fails(tiny_engine, tiny_model):
@@ -172,7 +197,7 @@ def test_stop_strings_must_end_the_output(tiny_model):
     assert check_structure([0] * 8, params, 26, (), decode) is None  # length reached
 
 
-async def test_verify_reuses_the_cache_and_caches_only_verified_output(tiny_engine, tiny_model):
+async def test_verify_reuses_the_cache_and_adds_nothing_to_it(tiny_engine, tiny_model):
     p = prompt(40)  # 2 full blocks
     params = SamplingParams(max_new_tokens=24)
     out = list((await tiny_engine.generate(p, params)).token_ids)
@@ -181,27 +206,27 @@ async def test_verify_reuses_the_cache_and_caches_only_verified_output(tiny_engi
     bad = [*out[:2], int(logp.argmin()), *out[3:]]
     verdict = await tiny_engine.verify(p, bad, params)
     assert (verdict.ok, verdict.cached_tokens) == (False, 32)
-    assert tiny_engine.local_match_tokens(p + bad) == 32  # the lie did not enter the cache
     verdict = await tiny_engine.verify(p, out, params)
     assert (verdict.ok, verdict.cached_tokens) == (True, 32)
-    assert tiny_engine.local_match_tokens(p + out) == 48  # (40 + 23 fed) // 16 blocks
+    assert tiny_engine.local_match_tokens(p + out) == 32  # verified output is not cached
     stats = tiny_engine.statistics()
     assert (stats["verifications"], stats["verifications_failed"]) == (2, 1)
 
 
-async def test_verified_blocks_equal_generated_ones(tiny_engine_factory):
-    """The KV a verification caches is a prefill's: later requests reuse it exactly."""
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+async def test_verification_leaves_no_trace_a_summary_could_show(tiny_engine_factory,
+                                                                 temperature):
+    """An entry's summary is its cache: a verified answer must not change it, or the
+    serving peer would learn which of its answers were checked."""
     p = prompt(40)
-    params = SamplingParams(max_new_tokens=24)
-    reference = tiny_engine_factory(cache_bytes=0)
-    out = list((await reference.generate(p, params)).token_ids)
-    engine = tiny_engine_factory()
-    assert (await engine.verify(p, out, params)).ok
-    follow = p + out + prompt(5, 7)
-    params = SamplingParams(max_new_tokens=8)
-    cached = await engine.generate(follow, params)
-    assert cached.usage.cached_tokens == 48
-    assert cached.token_ids == (await reference.generate(follow, params)).token_ids
+    params = SamplingParams(max_new_tokens=24, temperature=temperature, seed=3)
+    out = list((await tiny_engine_factory().generate(p, params)).token_ids)
+    entry = tiny_engine_factory()
+    entry.cache.drain_events()
+    assert (await entry.verify(p, out, params)).ok
+    assert entry.cache.num_blocks == 0
+    assert list(entry.cache.cached_hashes()) == []
+    assert entry.cache.drain_events() == []
 
 
 async def test_long_outputs_verify_in_chunks(tiny_engine, tiny_model):
@@ -246,10 +271,15 @@ def test_bench_verify_runs_and_reports(tmp_path):
     scale=st.sampled_from([0.5, 3.0, 12.0]),
     temperature=st.sampled_from([0.0, 0.5, 1.0]),
     top_p=st.sampled_from([0.5, 0.9, 1.0]),
+    sampler_seed=st.none() | st.integers(0, 2**63 - 1),
+    position=st.integers(0, 10_000),
 )
-def test_accepted_fraction_counts_what_check_logits_accepts(seed, scale, temperature, top_p):
+def test_accepted_fraction_counts_what_check_logits_accepts(seed, scale, temperature, top_p,
+                                                            sampler_seed, position):
     gen = torch.Generator().manual_seed(seed)
     logits = torch.randn(1, 40, generator=gen) * scale
-    params = SamplingParams(temperature=temperature, top_p=top_p)
-    accepted = sum(check_logits(logits, [tok], params) is None for tok in range(40))
-    assert float(accepted_fraction(logits, params)[0]) * 40 == pytest.approx(accepted)
+    params = SamplingParams(temperature=temperature, top_p=top_p, seed=sampler_seed)
+    accepted = sum(check_logits(logits, [tok], params, 0, position) is None for tok in range(40))
+    assert float(accepted_fraction(logits, params, position)[0]) * 40 == pytest.approx(accepted)
+    if temperature > 0 and sampler_seed is not None:
+        assert accepted >= 1  # the seed's own token always passes

@@ -84,19 +84,20 @@ async def test_verification_interleaves_with_decoding_and_never_overlaps_a_step(
     assert "VV" not in sequence and sequence.endswith("S"), sequence
 
 
-async def test_salted_verification_caches_only_under_its_salt(tiny_engine_factory):
+async def test_salted_verification_reads_only_its_salt_and_writes_nothing(tiny_engine_factory):
     engine = tiny_engine_factory()
     p, params = prompt(40), SamplingParams(max_new_tokens=24)
     out = list((await tiny_engine_factory().generate(p, params)).token_ids)
     verdict = await engine.verify(p, out, params, cache_salt=SALT)
     assert verdict.ok and verdict.cached_tokens == 0
-    assert engine.local_match_tokens(p + out, SALT) == 48
-    assert engine.local_match_tokens(p + out) == 0
-    assert list(engine.cache.cached_hashes()) == []  # nothing to announce
+    assert engine.cache.num_blocks == 0  # verification caches nothing, salted or not
+    await engine.generate(p, SamplingParams(max_new_tokens=1), cache_salt=SALT)
     again = await engine.verify(p, out, params, cache_salt=SALT)
     assert (again.ok, again.cached_tokens) == (True, 32)
     public = await engine.verify(p, out, params)
     assert (public.ok, public.cached_tokens) == (True, 0)
+    assert engine.local_match_tokens(p + out, SALT) == 32
+    assert list(engine.cache.cached_hashes()) == []  # nothing to announce
 
 
 async def test_concurrent_requests_share_blocks_only_within_their_salt(tiny_engine):

@@ -14,7 +14,8 @@ event loop (docs/engine.md). Imports nothing above it in peer/.
   runner.py      the packed forward over all scheduled sequences, per-sequence KV buffers
   model.py       loading: aliases smollm2-135m (offline GGUF, converted once) and
                 tiny-random, local checkpoint folders, hub ids; dtype, device, threads
-  requests.py    sampling and stop strings
+  sampling.py    the seeded sampler: Gumbel-max keyed by (seed, position), its hash
+  requests.py    a request's state, prompt checks, the next token (argmax or sampling.py)
   warmup.py      the warm-up run that seeds the advertised speeds
   batch.py       BatchLoop: drives BatchQueue; admit (match, lock) and step (compute in a
                 worker thread, apply, insert)

@@ -35,6 +35,7 @@ __all__ = [
     "MAX_STOP_STRINGS",
     "MAX_TEMPERATURE",
     "QUANT_FORMATS",
+    "SEED_BITS",
     "CacheView",
     "Completion",
     "ContextTooLong",
@@ -54,7 +55,8 @@ MAX_NEW_TOKENS = 4096  # ~5 min of SmolLM2 decode on 2 cores: one request can't 
 MAX_STOP_STRINGS = 8  # OpenAI allows 4; bounds the per-token stop-string check
 MAX_STOP_CHARS = 256  # one stop string longer than this is a mistake, not a delimiter
 MAX_TEMPERATURE = 100.0  # beyond this sampling is uniform noise; also rejects inf
-MAX_SEED = (1 << 63) - 1  # torch.Generator takes a signed 64-bit seed
+MAX_SEED = (1 << 63) - 1  # a signed 64-bit int: what the wire and torch both carry
+SEED_BITS = 63  # a seed drawn for a sampled request that came without one: below MAX_SEED
 MAX_PROMPT_CHARS_PER_TOKEN = 32  # longer text than this x max_context can't fit: don't tokenize
 MAX_CHAT_MESSAGES = 1024  # bounds the chat-template work for one request
 # Weight-only quantized formats (quant.py): CPU only, bfloat16 activations.
@@ -87,7 +89,8 @@ class ContextTooLong(InvalidRequest):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to generate. temperature 0 is greedy; `seed` makes sampling reproducible."""
+    """How to generate. temperature 0 is greedy. A sampled request is always drawn with a
+    seed (sampling.py's keyed sampler): this one, or one the entry or engine chooses."""
 
     max_new_tokens: int = 64
     temperature: float = 0.0

@@ -14,13 +14,15 @@ uncached suffix: its sequence buffer starts as a copy of the matched blocks.
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import AsyncGenerator, Callable, Collection, Sequence
+from dataclasses import replace
 
 import torch
 import trio
 
-from .api import Completion, EngineError, SamplingParams, TokenEvent, Usage
+from .api import SEED_BITS, Completion, EngineError, SamplingParams, TokenEvent, Usage
 from .radix import RadixCache
 from .requests import RequestState, StopTracker, sample_token
 from .runner import Runner, SeqKV
@@ -67,6 +69,8 @@ class BatchLoop:
         # Called with each request's wait before its first step (metrics: queue wait).
         self.queue_wait_observers: list[Callable[[float], None]] = []
         self._next_rid = 0
+        # Draws the seed of a sampled request that came without one (a local client's).
+        self.seed_rng = random.Random()
         self._stepping = False  # a step is running or waits for the model
         # Held by a step and by work outside the batch (a warm-up, a verification chunk):
         # one at a time, and in turn, since trio's Lock hands over in FIFO order.
@@ -103,8 +107,9 @@ class BatchLoop:
         step, advanced by steps (its own task runs them or waits for the running one).
         A `background` request joins the batch and reads its prompt after the others."""
         queued = len(tokens) - self._reusable_tokens(tokens, salt)
-        device = self.runner.device
-        req = RequestState(self._next_rid, tokens, params, queued, tracker, device, salt)
+        if params.temperature > 0.0 and params.seed is None:  # every draw is seeded
+            params = replace(params, seed=self.seed_rng.getrandbits(SEED_BITS))
+        req = RequestState(self._next_rid, tokens, params, queued, tracker, salt)
         req.background = background
         self._next_rid += 1
         self._stats["requests"] += 1
@@ -246,7 +251,8 @@ class BatchLoop:
         row = 0
         for req, _, want in work:
             if want:
-                sampled[req.rid] = sample_token(logits[row], req.params, req.generator)
+                sampled[req.rid] = sample_token(logits[row], req.params, req.seed,
+                                                req.next_position)
                 row += 1
         seconds = time.perf_counter() - start
         blocks: dict[int, list[torch.Tensor]] = {}

@@ -234,8 +234,9 @@ class Engine(BatchLoop):
         *, cache_salt: bytes | None = None,
     ) -> Verdict:
         """Check another peer's `output_ids` for `prompt_ids` by teacher forcing (verify.py),
-        outside the batch, over the prompt's cached prefix; the output's blocks enter the
-        cache only if it verified. InvalidRequest for a bad prompt or params."""
+        outside the batch, over the prompt's cached prefix; it adds nothing to the cache (an
+        entry's summary must not show what it verified). InvalidRequest for a bad prompt
+        or params."""
         tokens = self.validate(prompt_ids, params)
         verdict = await verify_output(self, tokens, output_ids, params, cache_salt)
         self._stats["verifications"] += 1

@@ -22,6 +22,7 @@ from .api import (
 )
 from .radix import Match
 from .runner import SeqKV
+from .sampling import sample_seeded
 from .text import StopTracker
 
 __all__ = [
@@ -82,24 +83,21 @@ def validate_prompt(
     return tokens
 
 
-def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+def sample_token(logits: torch.Tensor, params: SamplingParams, seed: int, position: int) -> int:
+    """The next token: the argmax when greedy, else the seeded sampler's choice for the
+    token at `position` of prompt + output (sampling.py)."""
     if params.temperature == 0.0:
         return int(torch.argmax(logits))
-    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
-    if params.top_p >= 1.0:
-        return int(torch.multinomial(probs, 1, generator=generator))
-    sorted_p, order = torch.sort(probs, descending=True)
-    keep = (torch.cumsum(sorted_p, dim=0) - sorted_p) < params.top_p  # always keeps the first
-    choice = torch.multinomial(sorted_p * keep, 1, generator=generator)
-    return int(order[choice])
+    return sample_seeded(logits, params.temperature, params.top_p, seed, position)
 
 
 class RequestState:
-    """One request inside the engine. Torch fields (kv, generator) are used only in worker
-    steps; the rest only on the event loop."""
+    """One request inside the engine. Torch fields (kv) are used only in worker steps; the
+    rest only on the event loop. A sampled request's params carry its seed (BatchLoop
+    draws one when the caller gave none)."""
 
     def __init__(self, rid: int, tokens: list[int], params: SamplingParams, queued: int,
-                 tracker: StopTracker, device: torch.device, salt: bytes | None = None) -> None:
+                 tracker: StopTracker, salt: bytes | None = None) -> None:
         self.rid = rid
         self.tokens = tokens
         self.salt = salt  # a private request's cache namespace (radix.py)
@@ -117,11 +115,16 @@ class RequestState:
         self.outbox: deque[TokenEvent] = deque()
         self.finish: str | None = None
         self.error: BaseException | None = None
-        self.generator = torch.Generator(device=device)  # where the logits are sampled
-        if params.seed is None:
-            self.generator.seed()
-        else:
-            self.generator.manual_seed(params.seed)
+
+    @property
+    def seed(self) -> int:
+        """The sampler's seed (0 for a greedy request, which draws nothing)."""
+        return self.params.seed or 0
+
+    @property
+    def next_position(self) -> int:
+        """The index in prompt + output of the token the next step samples."""
+        return len(self.tokens) + len(self.generated)
 
     @property
     def prefilling(self) -> bool:

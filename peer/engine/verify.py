@@ -4,9 +4,14 @@ One forward over prompt + output (a prefill, not a decode loop) gives the model'
 distribution at every output position; each token is then checked against it:
 
   greedy (temperature 0)  the token is the argmax, or within GREEDY_MAX_LOGPROB_GAP of it
-  sampled                 the token lies in the request's top_p nucleus (up to
-                          NUCLEUS_TOLERANCE) and its probability at the request's
-                          temperature is at least SAMPLED_MIN_LOGPROB
+  sampled, seeded         the token is the one the seed selects (sampling.py's Gumbel-max
+                          sampler): its perturbed score logit + T * gumbel(seed, position)
+                          is within SEEDED_MAX_SCORE_GAP of the best perturbed score in
+                          the top_p nucleus, and it lies in the nucleus (up to
+                          NUCLEUS_TOLERANCE either way at the cut)
+  sampled, no seed        (only a caller outside the swarm: the entry seeds every sampled
+                          request) the token lies in the nucleus and its probability is
+                          at least SAMPLED_MIN_LOGPROB: a statistical check, far weaker
   structure               no more than max_new_tokens tokens, ids inside the vocabulary,
                           nothing after an end-of-sequence token, and a stop string only
                           at the end (a shorter answer must end at EOS or a stop string)
@@ -14,7 +19,9 @@ distribution at every output position; each token is then checked against it:
 The checks need logits but no engine. verify_output drives them for Engine.verify through
 the engine's public members (VerifyingEngine): the forward runs over the prompt's cached
 prefix in worker-thread chunks outside the batch, each holding the engine's model lock, so
-batch steps run between chunks, never during one.
+batch steps run between chunks, never during one. Verification reads the cache and never
+writes it: what an entry verified must not show in its next summary (a serving peer would
+learn which of its answers were checked).
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import trio
 from .api import EngineError, SamplingParams, Verdict
 from .radix import RadixCache
 from .runner import Runner, SeqKV
+from .sampling import NOISE_ROWS, nucleus_masks, perturbed_scores
 
 __all__ = [
     "Finding",
@@ -41,6 +49,7 @@ __all__ = [
     "check_logits",
     "check_structure",
     "score_chunk",
+    "seeded_gaps",
     "verify_output",
 ]
 
@@ -49,6 +58,12 @@ __all__ = [
 # different argmaxes at a near tie. A token this close to the best one is accepted: a
 # liar gains nothing by choosing among near-equal tokens.
 GREEDY_MAX_LOGPROB_GAP = 0.1
+# The same numerical slack for a seeded sampled token, in the same logit units: its
+# perturbed score (logit + T * gumbel) may sit this far below the best one. Measured by
+# `python -m bench.sampling` across batch shapes and dtypes (docs/security.md): honest
+# tokens sat 0 below in float32, up to 0.076 in bfloat16 and 0.095 in int8 (bf16
+# activations): close to this bound, which the greedy check shares.
+SEEDED_MAX_SCORE_GAP = 0.1
 # A sampled token's log-probability must be at least this (prob 1e-9). An honest sampler
 # draws tokens below it with total probability at most vocab x 1e-9 (5e-5 per token for a
 # 49k vocabulary, in the worst case of every other token sitting just below it), while
@@ -79,9 +94,6 @@ class VerifyingEngine(Protocol):
     def model_lock(self) -> trio.Lock: ...
 
     def decode(self, token_ids: Sequence[int]) -> str: ...
-
-    def insert_blocks(self, tokens: Sequence[int], first_block: int, blocks: list[torch.Tensor],
-                      now: float, salt: bytes | None) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -132,10 +144,12 @@ def check_structure(
 
 
 def check_logits(
-    logits: torch.Tensor, output_ids: Sequence[int], params: SamplingParams, offset: int = 0
+    logits: torch.Tensor, output_ids: Sequence[int], params: SamplingParams, offset: int = 0,
+    prompt_tokens: int = 0,
 ) -> Finding | None:
     """Check output_ids[offset:offset + rows] against `logits` [rows, vocab], where row r
-    is the model's prediction for output token offset + r. The first failure, or None."""
+    is the model's prediction for output token offset + r (at position prompt_tokens +
+    offset + r of prompt + output: the seeded sampler's key). The first failure, or None."""
     rows = logits.shape[0]
     targets = torch.tensor(list(output_ids[offset : offset + rows]), dtype=torch.long)
     if params.temperature == 0.0:
@@ -151,6 +165,66 @@ def check_logits(
                 f"(tolerance {GREEDY_MAX_LOGPROB_GAP})",
             )
         return None
+    if params.seed is not None:
+        for start in range(0, rows, NOISE_ROWS):
+            found = _check_seeded(logits[start : start + NOISE_ROWS],
+                                  targets[start : start + NOISE_ROWS], params,
+                                  prompt_tokens + offset + start)
+            if found is not None:
+                return Finding(offset + start + found.index, found.detail)
+        return None
+    return _check_unseeded(logits, targets, params, offset)
+
+
+def seeded_gaps(
+    logits: torch.Tensor, params: SamplingParams, first_position: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of `logits` [rows, vocab] (row r: the token at first_position + r): how far
+    each token's perturbed score sits below the best one the seed selects among (float64
+    [rows, vocab], inf outside the widened nucleus), and the token the seed selects by
+    these logits (the best of the nucleus itself). A token is accepted where its gap is
+    at most SEEDED_MAX_SCORE_GAP."""
+    assert params.seed is not None
+    positions = range(first_position, first_position + logits.shape[0])
+    scores = perturbed_scores(logits, params.temperature, params.seed, positions)
+    cpu = logits.detach().to("cpu", torch.float32)
+    exact = nucleus_masks(cpu, params.temperature, params.top_p)
+    # The nucleus cut moves with the last bits of the logits: the best score is taken over
+    # the nucleus narrowed by NUCLEUS_TOLERANCE, and a token may lie in the widened one.
+    # At top_p 1 there is no cut: every token competes.
+    if params.top_p >= 1.0:
+        narrow = wide = exact
+    else:
+        narrow = nucleus_masks(cpu, params.temperature, params.top_p - NUCLEUS_TOLERANCE)
+        wide = nucleus_masks(cpu, params.temperature, params.top_p + NUCLEUS_TOLERANCE)
+    best = scores.masked_fill(~narrow, -math.inf).max(dim=-1, keepdim=True).values
+    gaps = (best - scores).masked_fill(~wide, math.inf)
+    chosen = scores.masked_fill(~exact, -math.inf).argmax(dim=-1)
+    return gaps, chosen
+
+
+def _check_seeded(
+    logits: torch.Tensor, targets: torch.Tensor, params: SamplingParams, first_position: int
+) -> Finding | None:
+    gaps, chosen = seeded_gaps(logits, params, first_position)
+    token_gaps = gaps.gather(1, targets[:, None])[:, 0]
+    bad = torch.nonzero(token_gaps > SEEDED_MAX_SCORE_GAP)
+    if not len(bad):
+        return None
+    r = int(bad[0, 0])
+    gap = float(token_gaps[r])
+    where = "outside the top_p nucleus" if math.isinf(gap) else f"{gap:.3f} below the best"
+    return Finding(
+        r,
+        f"token {int(targets[r])} is not the one seed {params.seed} selects at position "
+        f"{first_position + r} (token {int(chosen[r])}): its perturbed score is {where} "
+        f"(tolerance {SEEDED_MAX_SCORE_GAP})",
+    )
+
+
+def _check_unseeded(
+    logits: torch.Tensor, targets: torch.Tensor, params: SamplingParams, offset: int
+) -> Finding | None:
     logp = torch.log_softmax(logits.float() / params.temperature, dim=-1)
     token_logp = logp.gather(1, targets[:, None])[:, 0]
     probs = logp.exp()
@@ -177,13 +251,23 @@ def check_logits(
     return Finding(offset + r, detail)
 
 
-def accepted_fraction(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Per row of `logits` [rows, vocab]: the share of the vocabulary that check_logits
-    would accept there, i.e. the chance that a uniformly random substitute passes."""
+def accepted_fraction(
+    logits: torch.Tensor, params: SamplingParams, first_position: int = 0
+) -> torch.Tensor:
+    """Per row of `logits` [rows, vocab] (row r: the token at first_position + r for a
+    seeded request): the share of the vocabulary that check_logits would accept there,
+    i.e. the chance that a uniformly random substitute passes."""
     if params.temperature == 0.0:
         logp = torch.log_softmax(logits.float(), dim=-1)
         near = logp >= logp.max(dim=-1, keepdim=True).values - GREEDY_MAX_LOGPROB_GAP
         return near.float().mean(dim=-1)
+    if params.seed is not None:
+        shares = [
+            (seeded_gaps(logits[i : i + NOISE_ROWS], params, first_position + i)[0]
+             <= SEEDED_MAX_SCORE_GAP).float().mean(dim=-1)
+            for i in range(0, logits.shape[0], NOISE_ROWS)
+        ]
+        return torch.cat(shares)
     logp = torch.log_softmax(logits.float() / params.temperature, dim=-1)
     sorted_logp, _ = torch.sort(logp, dim=-1, descending=True)
     p = sorted_logp.exp()
@@ -202,16 +286,15 @@ def score_chunk(
     first = max(pos, n - 1)  # rows from the last prompt token on predict output tokens
     keep = max(end - first, 0)
     logits = runner.forward([(kv, full[pos:end])], [keep])
-    return check_logits(logits, output, params, first - (n - 1)) if keep else None
+    return check_logits(logits, output, params, first - (n - 1), n) if keep else None
 
 
 async def verify_output(
     engine: VerifyingEngine, tokens: list[int], output_ids: Sequence[int],
     params: SamplingParams, salt: bytes | None,
 ) -> Verdict:
-    """Teacher-force `output_ids` after the validated prompt `tokens` on `engine`. Caches
-    the prompt's blocks, and the output's only if it verified. EngineError when torch
-    fails."""
+    """Teacher-force `output_ids` after the validated prompt `tokens` on `engine`, over the
+    prompt's cached prefix; nothing enters the cache. EngineError when torch fails."""
     start = time.perf_counter()
     try:
         output = [operator.index(t) for t in output_ids]
@@ -238,10 +321,6 @@ async def verify_output(
                 found = await trio.to_thread.run_sync(
                     score_chunk, engine.runner, kv, full, end, n, output, params
                 )
-        assert kv is not None
-        end_block = (kv.length if found is None else min(kv.length, n)) // size
-        blocks = await trio.to_thread.run_sync(kv.blocks, match.num_blocks, end_block, size)
-        engine.insert_blocks(full, match.num_blocks, blocks, trio.current_time(), salt)
     except Exception as exc:  # torch failure: this verification fails, not the engine
         raise EngineError(f"verification failed: {type(exc).__name__}: {exc}") from exc
     finally:

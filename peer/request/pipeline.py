@@ -21,6 +21,7 @@ the answer the client received.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import random
 from collections import Counter
@@ -29,7 +30,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 import trio
 
 from peer.config import PeerConfig
-from peer.engine.api import GeneratingEngine, SamplingParams
+from peer.engine.api import SEED_BITS, GeneratingEngine, SamplingParams
 from peer.net.wire import StreamOpener
 from peer.request.admission import Admission, Overloaded
 from peer.request.forward import LocalAttempt, RemoteAttempt
@@ -154,6 +155,7 @@ class Pipeline:
             raise
         with slot:
             self.stats["requests"] += 1
+            request = self._seeded(request)
             start = trio.current_time()
             deadline = start + (request.timeout_s or self._config.request_timeout_s)
             run = RequestRun(self._context, request, self._attempt, start=start,
@@ -172,6 +174,16 @@ class Pipeline:
             finally:
                 if shadow is not None:
                     shadow.abandon()  # nothing if delivered already
+
+    def _seeded(self, request: GenerationRequest) -> GenerationRequest:
+        """The request with the seed its sampled tokens are drawn with: the client's, or
+        one chosen here. Every candidate, the shadow and the verifier use this one seed,
+        so each sampled token is the one the seed selects (peer/engine/sampling.py)."""
+        params = request.params
+        if params.temperature == 0.0 or params.seed is not None:
+            return request
+        seed = self._context.rng.getrandbits(SEED_BITS)
+        return dataclasses.replace(request, params=dataclasses.replace(params, seed=seed))
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         async with contextlib.aclosing(self.stream(request)) as items:

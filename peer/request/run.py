@@ -359,7 +359,8 @@ class RequestRun:
         self, racer: Racer, prompt: list[int], params: SamplingParams
     ) -> AsyncGenerator[GenerationChunk | Finished, None]:
         """The winner's tokens to the client (after verification if chosen), then how it
-        finished."""
+        finished. The attempt is closed as soon as its last token is read, verified or not
+        (closing again later does nothing)."""
         attempt, progress = racer.attempt, self.progress
         served_by = self._context.self_id if attempt.is_local else racer.candidate.peer_id
         if not racer.verify:
@@ -370,11 +371,15 @@ class RequestRun:
                 yield self._emit(tokens, served_by)
                 tokens = await attempt.next_tokens()
             finish = tokens
+            await attempt.aclose()  # at once, as below: closing tells nothing of a check
         else:
             output = list(attempt.first)
             while not isinstance(more := await attempt.next_tokens(), Finished):
                 output.extend(more)
             finish = more
+            # The stream ends now, before the verdict: a serving peer that timed its
+            # stream's end would otherwise learn which of its answers are checked.
+            await attempt.aclose()
             good = await self._verified_prefix(prompt, output, params, served_by)
             if good is not None:
                 self._context.accuse(attempt)

@@ -104,7 +104,7 @@ class Shadows:
         if self._nursery is None or not probation:
             return None
         shadow = self.planner.choose(probation, temperature=params.temperature,
-                                     private=private)
+                                     private=private, seed=params.seed)
         if shadow is None:
             return None
         candidate = next(c for c in probation if c.peer_id == shadow.peer_id)

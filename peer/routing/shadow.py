@@ -10,7 +10,8 @@ on other hardware) earns nothing and costs nothing. The newcomer pays for
 its own trust with real compute (or real proxy bandwidth); this peer computes nothing
 extra, and a cold swarm routes as soon as the shadows have matched.
 
-Only answers that must be identical are compared: greedy ones (`comparable`). The work is
+Only answers that must be identical are compared (`comparable`): greedy ones, and sampled
+ones, which the entry always seeds. The work is
 bounded: at most one shadow per request, one in flight per probation peer, and
 ``max_in_flight`` at once. The planner decides; the request path (peer/request/shadow.py)
 sends, reads, compares and reports back.
@@ -47,9 +48,11 @@ class Shadow(NamedTuple):
     number: int  # this planner's count, to tell shadows apart
 
 
-def comparable(temperature: float) -> bool:
-    """Whether two honest answers to a request must be identical (greedy decoding)."""
-    return temperature == 0.0
+def comparable(temperature: float, seed: int | None = None) -> bool:
+    """Whether two honest answers to a request must be identical: greedy decoding, or
+    sampling with a seed (every peer draws with the same keyed sampler,
+    peer/engine/sampling.py)."""
+    return temperature == 0.0 or seed is not None
 
 
 def first_difference(delivered: Sequence[int], shadow: Sequence[int]) -> int | None:
@@ -93,7 +96,8 @@ class ShadowPlanner:
         return peer_id in self._in_flight
 
     def choose(
-        self, probation: Sequence[Candidate], *, temperature: float, private: bool
+        self, probation: Sequence[Candidate], *, temperature: float, private: bool,
+        seed: int | None = None,
     ) -> Shadow | None:
         """A shadow for this request, or None: ``probation`` is the router's probation
         peers for it, best first (`Router.rank_all`). A private request never leaves this
@@ -102,7 +106,7 @@ class ShadowPlanner:
         (among those with a probation peer) may carry one, ``max_in_flight`` at once."""
         if not probation or private:
             return None
-        if not comparable(temperature):
+        if not comparable(temperature, seed):
             self._count("skipped_not_comparable")
             return None
         ready = [
