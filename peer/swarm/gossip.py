@@ -306,7 +306,7 @@ class Gossip:
         events = self._engine.cache.drain_events()
         self._filter.observe(events)
         if for_policy:
-            self._policy.observe(events, self._engine.cache.num_blocks)
+            self._policy.observe(events, self._engine.cache.public_blocks)
 
     def _current_bloom(self) -> BloomFilter:
         """A filter of exactly the cached hashes, in the shape to publish now."""
