@@ -67,6 +67,32 @@ def test_a_flood_of_unreachable_providers_costs_bounded_dials() -> None:
     assert stats["ignored_unreachable"] > 0
 
 
+def test_a_source_of_fakes_loses_its_share() -> None:
+    """One peer names 1,024 fake providers every round for ten minutes: its first 20 are
+    dialled twice each, and then it names nothing we take; an honest newcomer named by
+    another peer is still dialled at once."""
+    book: CandidateBook[str] = CandidateBook()
+    dialled: list[str] = []
+    linked: set[str] = set()
+    now = 0.0
+    while now < UNREACHABLE_S - 1.0:
+        for i in range(1024):
+            book.learn(f"Fake{i}", "addr", ROGUE, now)
+        if now == 300.0:
+            book.learn("Late", "addr", HONEST, now)
+        for dial in book.due(now, linked.__contains__):
+            dialled.append(dial.peer_id)
+            if dial.peer_id != "Late":
+                book.dial_failed(dial.peer_id, now)
+            else:
+                linked.add("Late")
+        now += 0.5
+    fakes = [p for p in dialled if p != "Late"]
+    assert len(fakes) == 2 * MAX_NAMED_PER_SOURCE
+    assert dialled.count("Late") == 1
+    assert book.statistics()["ignored_source_cap"] > 0
+
+
 def test_an_unproven_provider_is_dropped_after_two_failures_and_ignored_a_while() -> None:
     book: CandidateBook[str] = CandidateBook()
     book.learn("Ghost", "addr", HONEST, 0.0)

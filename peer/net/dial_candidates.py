@@ -9,7 +9,9 @@ therefore weighs where a candidate came from and what became of dialling it:
   not taken back for UNREACHABLE_S;
 - a candidate no one names again for CANDIDATE_TTL_S (and not connected) expires;
 - one source may name at most MAX_NAMED_PER_SOURCE unproven candidates that no one else
-  named (an honest reply holds at most k = 20 records, py-libp2p's provider store bound);
+  named (an honest reply holds at most k = 20 records, py-libp2p's provider store bound),
+  less one for each candidate only it named that proved unreachable in the last
+  UNREACHABLE_S: a source of fakes soon names nothing we dial;
 - dials come from a token bucket (DIALS_PER_S, burst DIAL_BURST), proven candidates
   first, then those named by more sources, fewer failures, longest known.
 
@@ -47,6 +49,7 @@ CANDIDATE_TTL_S = 120.0  # records are re-learned every discovery round (<= 15 s
 UNPROVEN_DIAL_FAILURES = 2  # a provider never reached gets two tries (one may be a blip)
 UNREACHABLE_S = 600.0  # ...then is not taken back for 10 minutes, whoever names it again
 MAX_UNREACHABLE = 4096  # unreachable ids remembered; beyond, the oldest is forgotten
+MAX_BLAMED_SOURCES = 1024  # sources with blame remembered; beyond, the oldest is forgotten
 DIAL_BACKOFF_FIRST_S = 1.0  # a candidate that failed once is retried after a second
 DIAL_BACKOFF_MAX_S = 60.0  # ...and at most once a minute once it keeps failing
 # Dials a peer starts: 16 at once (a swarm's providers found in one round), then 4 a
@@ -100,6 +103,8 @@ class CandidateBook(Generic[T]):
         self._candidates: dict[str, _Candidate[T]] = {}
         self._named: dict[str, int] = {}  # source -> unproven candidates only it named
         self._unreachable: OrderedDict[str, float] = OrderedDict()  # peer -> until when
+        # source -> until when each unreachable candidate it alone named counts against it
+        self._blame: OrderedDict[str, list[float]] = OrderedDict()
         self._learned = 0
         self._stats = {
             "learned": 0, "ignored_unreachable": 0, "ignored_source_cap": 0,
@@ -153,7 +158,7 @@ class CandidateBook(Generic[T]):
                 self._stats["ignored_unreachable"] += 1
                 return False
             self._unreachable.pop(peer_id, None)
-            if source != LOCAL_SOURCE and self._named.get(source, 0) >= MAX_NAMED_PER_SOURCE:
+            if source != LOCAL_SOURCE and self._named.get(source, 0) >= self._share(source, now):
                 self._stats["ignored_source_cap"] += 1
                 return False
             if len(self._candidates) >= self._max and not self._make_room(now):
@@ -173,6 +178,23 @@ class CandidateBook(Generic[T]):
             cand.sources.append(source)
             self._name(cand)
         return True
+
+    def _share(self, source: str, now: float) -> int:
+        """Unproven candidates `source` may have named alone, less its recent blame."""
+        blame = self._blame.get(source)
+        if blame is None:
+            return MAX_NAMED_PER_SOURCE
+        blame[:] = [until for until in blame if until > now]
+        if not blame:
+            del self._blame[source]
+        return max(0, MAX_NAMED_PER_SOURCE - len(blame))
+
+    def _blame_source(self, source: str, until: float) -> None:
+        blame = self._blame.pop(source, [])
+        blame.append(until)
+        self._blame[source] = blame[-MAX_NAMED_PER_SOURCE:]  # more cannot lower the share
+        while len(self._blame) > MAX_BLAMED_SOURCES:
+            self._blame.popitem(last=False)
 
     def _make_room(self, now: float) -> bool:
         """Drop an expired candidate, else the unproven one ranked last."""
@@ -250,6 +272,9 @@ class CandidateBook(Generic[T]):
             return 0
         cand.failures += 1
         if not cand.proven and cand.failures >= UNPROVEN_DIAL_FAILURES:
+            source = self._sole_source(cand)
+            if source is not None and source != LOCAL_SOURCE:
+                self._blame_source(source, now + UNREACHABLE_S)
             self._drop(peer_id)
             self._unreachable.pop(peer_id, None)
             self._unreachable[peer_id] = now + UNREACHABLE_S
