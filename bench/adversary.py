@@ -31,6 +31,7 @@ from typing import Any
 import httpx
 import trio
 
+from bench.adversary_tables import CLIENT_ROGUES, open_measurement
 from bench.stats import percentile
 from bench.swarm import (
     completion_body,
@@ -49,7 +50,7 @@ from peer.processes import (
 
 SCENARIOS = (
     "baseline", "liar_staller", "wrong_tokens_greedy", "wrong_tokens_sampled",
-    "forged_origins", "sybil",
+    "forged_origins", "sybil", "private_evictor", "table_filler",
 )
 LIARS = ("liar_staller", "wrong_tokens_greedy", "wrong_tokens_sampled", "sybil")
 HONEST_PEERS = 3
@@ -295,7 +296,7 @@ async def run_scenario(
         with trio.fail_after(READY_TIMEOUT_S):
             while not all(p.known >= ids - {p.peer_id} for p in honest):
                 await trio.sleep(0.2)
-        if name != "baseline":
+        if name != "baseline" and name not in CLIENT_ROGUES:
             log(f"{name}: starting the rogue")
             rogue = await _spawn_rogue(procs, args, name, first.multiaddrs[:1])
             # Until every honest peer lists the rogue's identities (or a while: a
@@ -306,10 +307,17 @@ async def run_scenario(
                     await trio.sleep(0.2)
             known = [len(p.known & wanted) for p in honest]
             log(f"{name}: honest peers list {known} of {len(wanted)} rogue identities")
-        outcomes = await _drive(args, honest, workload, sampled)
-        if rogue is not None:
-            await rogue.wait_fresh_stats()
+        measured = open_measurement(
+            name, args, honest[:HONEST_PEERS],
+            lambda: _spawn_honest(procs, args, first.multiaddrs[:1]),
+            lambda: rogue.answered if rogue is not None else {},
+        )
+        async with measured as extra:
+            outcomes = await _drive(args, honest, workload, sampled)
+            if rogue is not None:
+                await rogue.wait_fresh_stats()
         row = summarise(name, outcomes, refs, honest, rogue, args.max_new_tokens)
+        row.update(extra)
         if args.outcomes:
             with open(args.outcomes, "a") as out:
                 for o in sorted(outcomes, key=lambda o: o.index):
@@ -342,7 +350,7 @@ async def _add_trust_states(
     async with httpx.AsyncClient(timeout=10) as client:
         for peer in honest:
             try:
-                view = (await client.get(f"{peer.api.http}/v1/swarm")).json()
+                view = (await client.get(f"{peer.http}/v1/swarm")).json()
             except (httpx.HTTPError, ValueError):
                 continue
             trusts = [p.get("trust") for p in view.get("peers", ()) if p["peer_id"] in fakes]

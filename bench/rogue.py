@@ -17,6 +17,8 @@ Modes (the attacks bench.adversary measures, each within what an honest peer's v
   summaries (attractive ones, as above) of --forged fresh identities that never connect.
 - sybil: --identities peers in this one process (one shared engine), each connected and
   advertising the attractive summary, each answering like wrong_tokens_greedy.
+- table_filler: serves honestly; 256 ghost identities' signed summaries kept fresh and
+  1,024 fake providers in every GET_PROVIDERS answer (bench/rogues/table_filler.py).
 
 This is a bench tool: production code carries no attack mode. It changes a running
 `Peer` from the outside (its gossip publisher and its inference stream handler).
@@ -86,6 +88,7 @@ class Mode(enum.Enum):
     WRONG_TOKENS_SAMPLED = "wrong_tokens_sampled"
     FORGED_ORIGINS = "forged_origins"
     SYBIL = "sybil"
+    TABLE_FILLER = "table_filler"
 
 
 ATTRACTIVE_MODES = frozenset(
@@ -178,7 +181,7 @@ class Rogue:
     def install(self, peer: Peer) -> None:
         if self.mode in ATTRACTIVE_MODES:
             self._poison_gossip(peer)
-        if self.mode is not Mode.FORGED_ORIGINS:
+        if self.mode not in (Mode.FORGED_ORIGINS, Mode.TABLE_FILLER):
             self._take_inference(peer)
 
     # gossip: publish the poisoned summary instead of the true one
@@ -381,6 +384,10 @@ async def run(args: argparse.Namespace) -> None:
                 nursery.start_soon(
                     _forge_loop, peers[0], engine, keys, args.summary_interval, rng
                 )
+            if mode is Mode.TABLE_FILLER:
+                from bench.rogues import table_filler
+
+                forged_ids = table_filler.install(peers[0], engine, rng, rogue.answered)
             _emit({
                 "event": "up", "pid": os.getpid(), "mode": mode.value,
                 "peer_ids": [p.peer_id for p in peers],

@@ -1,0 +1,1 @@
+"""Attack code of bench.rogue's modes, one module per mode."""
