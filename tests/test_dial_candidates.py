@@ -105,6 +105,17 @@ def test_an_unproven_provider_is_dropped_after_two_failures_and_ignored_a_while(
     assert book.learn("Ghost", "addr", HONEST, 1.0 + UNREACHABLE_S)
 
 
+def test_a_provider_that_announced_itself_is_kept_through_failed_dials() -> None:
+    """A record in our own store was sent by its provider (a swarm starting: dials race
+    and fail): it backs off, it is not dropped like hearsay."""
+    book: CandidateBook[str] = CandidateBook()
+    book.learn("Starting", "addr", LOCAL_SOURCE, 0.0)
+    for now in (0.0, 1.0, 3.0, 7.0):
+        assert [d.peer_id for d in book.due(now, never)] == ["Starting"]
+        book.dial_failed("Starting", now)
+    assert "Starting" in book and book.failures("Starting") == 4
+
+
 def test_a_proven_provider_is_kept_and_backed_off_to_a_minute() -> None:
     book: CandidateBook[str] = CandidateBook()
     book.learn("Peer", "addr", LOCAL_SOURCE, 0.0)

@@ -206,6 +206,12 @@ class _DeadHost:
         if not self.alive:
             raise PeerUnreachable("dial failed: connection refused")
 
+    def is_connected(self, peer_id: Any) -> bool:
+        return False
+
+    def is_relayed(self, peer_id: Any) -> bool:
+        return False
+
 
 async def test_a_departed_peer_is_logged_once_and_backed_off(
     autojump_clock, caplog, monkeypatch

@@ -4,9 +4,10 @@ Provider records are hearsay: any connected peer answers GET_PROVIDERS with what
 likes, so a stranger can name a thousand identities at unreachable addresses. The book
 therefore weighs where a candidate came from and what became of dialling it:
 
-- a *proven* candidate (we were connected to it once) is kept and re-dialled with
-  back-off; an unproven one is dropped after UNPROVEN_DIAL_FAILURES failed dials and
-  not taken back for UNREACHABLE_S;
+- a *proven* candidate (we were connected to it once) or one whose record it sent us
+  itself (LOCAL_SOURCE: the DHT checked the sender) is kept and re-dialled with
+  back-off; one we only heard of from others is dropped after UNPROVEN_DIAL_FAILURES
+  failed dials and not taken back for UNREACHABLE_S;
 - a candidate no one names again for CANDIDATE_TTL_S (and not connected) expires;
 - one source may name at most MAX_NAMED_PER_SOURCE unproven candidates that no one else
   named (an honest reply holds at most k = 20 records, py-libp2p's provider store bound),
@@ -264,14 +265,16 @@ class CandidateBook(Generic[T]):
         cand.next_attempt = 0.0
 
     def dial_failed(self, peer_id: str, now: float) -> int:
-        """A dial of `peer_id` failed: back off, or drop an unproven candidate that
-        failed UNPROVEN_DIAL_FAILURES times. Returns its consecutive failures."""
+        """A dial of `peer_id` failed: back off, or drop a candidate only heard of from
+        others that failed UNPROVEN_DIAL_FAILURES times. Returns its consecutive
+        failures."""
         _check_time(now)
         cand = self._candidates.get(peer_id)
         if cand is None:
             return 0
         cand.failures += 1
-        if not cand.proven and cand.failures >= UNPROVEN_DIAL_FAILURES:
+        hearsay = not cand.proven and LOCAL_SOURCE not in cand.sources
+        if hearsay and cand.failures >= UNPROVEN_DIAL_FAILURES:
             source = self._sole_source(cand)
             if source is not None and source != LOCAL_SOURCE:
                 self._blame_source(source, now + UNREACHABLE_S)

@@ -256,6 +256,9 @@ class Discovery:
             await self._host.connect(dial.info)
         except PeerUnreachable as exc:
             self._stats["dial_failures"] += 1
+            if self._reached(dial.peer_id):  # it dialled us meanwhile: the race is won
+                self._book.connected(dial.peer_id)
+                return
             failures = self._book.dial_failed(dial.peer_id, trio.current_time())
             if failures == 1 and dial.peer_id in self._book:  # once per outage
                 logger.warning("peer %s unreachable (%s); retrying with back-off",
