@@ -10,6 +10,9 @@
   until every first honest peer's table lists it (late_peer_in_tables_s, null if not
   within LATE_JOIN_TIMEOUT_S), its share of samples in every table while the requests
   run, and the dials to fake providers the rogue's sink counted over the run.
+
+Both also sample a control: whether the second honest peer stays in the others' tables
+(control_in_tables_share): what a loaded machine's late summaries cost any peer.
 """
 
 from __future__ import annotations
@@ -85,10 +88,12 @@ async def _private_evictor(
 ) -> AsyncIterator[None]:
     server, others = honest[0], honest[1:]
     presence = _Presence(server.peer_id, others)
+    control = _Presence(honest[1].peer_id, [honest[0], honest[2]])
     results: list[str] = []
     started = trio.current_time()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(presence.run, started)
+        nursery.start_soon(control.run, started)
         attack_done = trio.Event()
 
         async def attack() -> None:
@@ -104,6 +109,7 @@ async def _private_evictor(
     row["private_requests_failed"] = len(results) - results.count("")
     row["private_errors"] = sorted({e[:200] for e in results if e})
     row["server_in_tables_share"] = presence.worst_share()
+    row["control_in_tables_share"] = control.worst_share()
     row["server_in_tables_samples"] = presence.samples
     row["server_dropped_by"] = sum(t is not None for t in presence.first_missing)
     row["server_first_missing_s"] = [
@@ -121,7 +127,7 @@ async def _private_requests(args: Any, server: PeerProcess, results: list[str]) 
                 "model": args.model_name,
                 "prompt": [rng.randrange(100, 5000) for _ in range(PRIVATE_PROMPT_TOKENS)],
                 "max_tokens": args.max_new_tokens, "temperature": 0, "stream": True,
-                "cache_salt": f"private-evictor-{i}",
+                "stream_options": {"include_usage": True}, "cache_salt": f"private-evictor-{i}",
             }
 
             async def one(body: dict[str, Any] = body) -> None:
@@ -151,11 +157,14 @@ async def _late_joiner(
         row["late_peer_in_tables_s"] = round(trio.current_time() - joined, 2)
     row["late_peer_listed_by"] = sum(late.peer_id in p.known for p in honest)
     presence = _Presence(late.peer_id, honest)
+    control = _Presence(honest[1].peer_id, [honest[0], honest[2]])
     async with trio.open_nursery() as nursery:
         nursery.start_soon(presence.run, trio.current_time())
+        nursery.start_soon(control.run, trio.current_time())
         yield
         nursery.cancel_scope.cancel()
     row["late_peer_in_tables_share"] = presence.worst_share()
+    row["control_in_tables_share"] = control.worst_share()
     answered = rogue_answered()
     row["fake_providers"] = answered.get("fake_providers", 0)
     row["fake_provider_dials"] = answered.get("fake_provider_dials", 0)
