@@ -34,6 +34,7 @@ import trio
 
 from bench import adversary_relay
 from bench.adversary_surface import watch_surface
+from bench.adversary_tables import CLIENT_ROGUES, open_measurement
 from bench.stats import percentile
 from bench.swarm import (
     completion_body,
@@ -54,6 +55,7 @@ SCENARIOS = (
     "baseline", "liar_staller", "wrong_tokens_greedy", "wrong_tokens_sampled",
     "forged_origins", "sybil", "punch_scanner", "reachability_liar", "magnet_staller",
     "relay_impersonator", "freeloader", "probation_launderer", "sampled_steerer",
+    "private_evictor", "table_filler",
 )
 LIARS = ("liar_staller", "wrong_tokens_greedy", "wrong_tokens_sampled", "sybil",
          "probation_launderer", "sampled_steerer")
@@ -328,7 +330,7 @@ async def run_scenario(
         with trio.fail_after(READY_TIMEOUT_S):
             while not all(p.known >= ids - {p.peer_id} for p in honest):
                 await trio.sleep(0.2)
-        if name != "baseline":
+        if name != "baseline" and name not in CLIENT_ROGUES:
             log(f"{name}: starting the rogue")
             rogue = await _spawn_rogue(procs, args, name, first.multiaddrs[:1])
             # Until every honest peer lists the rogue's identities (or a while: a
@@ -346,11 +348,18 @@ async def run_scenario(
                                   for p in private):
                         await trio.sleep(0.2)
                 log(f"{name}: relay so far {rogue.relay}")
-        async with watch_surface(name, honest, rogue) as surface:
-            outcomes = await _drive(args, honest, workload, sampling)
-        if rogue is not None:
-            await rogue.wait_fresh_stats()
+        measured = open_measurement(
+            name, args, honest[:HONEST_PEERS],
+            lambda: _spawn_honest(procs, args, first.multiaddrs[:1]),
+            lambda: rogue.answered if rogue is not None else {},
+        )
+        async with measured as extra:
+            async with watch_surface(name, honest, rogue) as surface:
+                outcomes = await _drive(args, honest, workload, sampling)
+            if rogue is not None:
+                await rogue.wait_fresh_stats()
         row = summarise(name, outcomes, refs, honest, rogue, args.max_new_tokens)
+        row.update(extra)
         row.update(surface.row(name, rogue.answered if rogue else None))
         if relayed and rogue is not None:
             row.update(adversary_relay.relay_row(

@@ -29,6 +29,8 @@ Modes (the attacks bench.adversary measures, each within what an honest peer's v
   an honest peer, then lies, signing everything (bench/rogues/probation_launderer.py).
 - freeloader: 8 honest-looking identities, each streaming long requests at the first
   bootstrap peer, one after another (bench/rogues/freeloader.py).
+- table_filler: serves honestly; 256 ghost identities' signed summaries kept fresh and
+  1,024 fake providers in every GET_PROVIDERS answer (bench/rogues/table_filler.py).
 
 This is a bench tool: production code carries no attack mode. It changes a running
 `Peer` from the outside (its gossip publisher and its inference stream handler).
@@ -108,6 +110,7 @@ class Mode(enum.Enum):
     FREELOADER = "freeloader"
     PROBATION_LAUNDERER = "probation_launderer"
     SAMPLED_STEERER = "sampled_steerer"
+    TABLE_FILLER = "table_filler"
 
 
 SURFACE_ATTACKS = {Mode.PUNCH_SCANNER: punch_scanner, Mode.REACHABILITY_LIAR: reachability_liar}
@@ -213,7 +216,8 @@ class Rogue:
             return
         if self.mode in ATTRACTIVE_MODES:
             self._poison_gossip(peer)
-        if self.mode not in (Mode.FORGED_ORIGINS, Mode.RELAY_IMPERSONATOR, Mode.FREELOADER):
+        if self.mode not in (Mode.FORGED_ORIGINS, Mode.RELAY_IMPERSONATOR, Mode.FREELOADER,
+                             Mode.TABLE_FILLER):
             self._take_inference(peer)
 
     # gossip: publish the poisoned summary instead of the true one
@@ -466,6 +470,10 @@ async def run(args: argparse.Namespace) -> None:
                         freeloader.freeload, peer, args.bootstrap[0], engine.vocab_size,
                         rogue.answered, random.Random(args.seed + i), i * freeloader.STAGGER_S,
                     )
+            if mode is Mode.TABLE_FILLER:
+                from bench.rogues import table_filler
+
+                forged_ids = table_filler.install(peers[0], engine, rng, rogue.answered)
             _emit({
                 "event": "up", "pid": os.getpid(), "mode": mode.value,
                 "peer_ids": [p.peer_id for p in peers],

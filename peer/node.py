@@ -306,6 +306,7 @@ async def open_peer(config: PeerConfig, engine: EngineView | None = None) -> Asy
             fp_rate=config.bloom_fp_rate,
             mode=config.gossip_mode,
             neighbours=config.gossip_neighbours,
+            reachable=lambda peer: host.is_connected(peer) or host.is_relayed(peer),
         )
         discovery = Discovery(
             host,

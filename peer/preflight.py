@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import os
 import socket
 from collections.abc import Iterator
@@ -21,6 +22,8 @@ from pathlib import Path
 
 from peer.config import PeerConfig
 from peer.settings import ConfigError, ServeOptions, is_loopback_host, split_host_port
+
+logger = logging.getLogger(__name__)
 
 LOCK_SUFFIX = ".lock"  # identity.key -> identity.key.lock, held while the peer runs
 
@@ -89,7 +92,8 @@ def check_listen_ports(config: PeerConfig) -> None:
 
 def check_http(address: str, *, api_key: str | None = None, insecure: bool = False) -> None:
     """HOST:PORT parses, HOST resolves, a fixed PORT is free, and an address beyond
-    loopback has an API key (unless `insecure`: the operator said so)."""
+    loopback has an API key (unless `insecure`: the operator said so, and one warning
+    line says what that means)."""
     try:
         host, port = split_host_port(address)
     except ValueError as exc:
@@ -104,6 +108,12 @@ def check_http(address: str, *, api_key: str | None = None, insecure: bool = Fal
             f"--http {address} serves beyond this machine ({', '.join(beyond)}) without an "
             "API key: anyone who reaches it could use this peer; set PREFIXSWARM_API_KEY "
             "(or --api-key), or say --insecure-no-api-key"
+        )
+    if beyond and api_key is None:
+        logger.warning(
+            "--http %s serves beyond this machine (%s) without an API key "
+            "(--insecure-no-api-key): anyone who reaches it can use this peer",
+            address, ", ".join(beyond),
         )
     if port == 0:
         return

@@ -18,7 +18,7 @@ class FakeCache:
     def __init__(self, n: int) -> None:
         rng = random.Random(n)
         self.hashes = [rng.getrandbits(64) for _ in range(n)]
-        self.num_blocks = n
+        self.num_blocks = self.public_blocks = n
         self.capacity_blocks = max(n, 1)
 
     def cached_hashes(self) -> list[int]:

@@ -246,3 +246,78 @@ def test_a_non_loopback_http_bind_needs_an_api_key() -> None:
     check_http("0.0.0.0:0", api_key="k")
     check_http("0.0.0.0:0", insecure=True)
     check_http("127.0.0.1:0")
+
+
+@pytest.mark.parametrize(
+    "bind,host,allowed",
+    [
+        ("127.0.0.1", "localhost", True), ("127.0.0.1", "127.0.0.9", True),
+        ("127.0.0.1", "192.0.2.1", False), ("127.0.0.1", "peer.example.org", False),
+        ("0.0.0.0", "192.0.2.1", True), ("0.0.0.0", "2001:db8::1", True),
+        ("0.0.0.0", "localhost", True), ("0.0.0.0", "peer.example.org", True),
+        ("0.0.0.0", "PEER.example.org.", True), ("0.0.0.0", "evil.example", False),
+        ("0.0.0.0", "", False), ("api.example.net", "api.example.net", True),
+        ("api.example.net", "peer.example.org", True), ("api.example.net", "x.net", False),
+    ],
+)
+def test_allowed_hosts_are_the_bound_and_announced_names(bind, host, allowed) -> None:
+    from peer.api.auth import AllowedHosts
+
+    assert AllowedHosts(bind, ["peer.example.org"]).allows(host) is allowed
+
+
+def test_announced_names_come_from_dns_multiaddrs() -> None:
+    from peer.api.auth import multiaddr_names
+
+    addrs = ["/ip4/192.0.2.1/tcp/1", "/dns4/a.example/tcp/1", "/dns/b.example/udp/1/quic-v1",
+             "/dnsaddr/c.example", "/dns6/"]
+    assert multiaddr_names(addrs) == ["a.example", "b.example", "c.example"]
+
+
+async def test_an_api_bound_beyond_loopback_answers_only_its_own_names(
+    nursery, tiny_engine_factory
+):
+    """DNS rebinding against a peer serving on all interfaces: the attacker's name is
+    refused, the peer's announced name, its addresses and loopback are served."""
+    from peer.config import PeerConfig
+    from tests.helpers_swarm import start_peer
+
+    config = PeerConfig(model=MODEL, listen_addrs=("/ip4/127.0.0.1/tcp/0",),
+                        announce_addrs=("/dns4/peer.example.org/tcp/4001",), identity_file=None)
+    running = await start_peer(nursery, config, tiny_engine_factory())
+    url = await running.peer.start_service(
+        functools.partial(serve_http, api_key=KEY), running.peer, "0.0.0.0", 0
+    )
+    port = url.rsplit(":", 1)[1]
+    auth = {"authorization": f"Bearer {KEY}"}
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as http:
+        rebound = await http.get("/v1/swarm", headers={**auth, "host": f"evil.example:{port}"})
+        assert rebound.status_code == 421
+        assert "peer.example.org" in rebound.json()["error"]["message"]
+        for host in (f"peer.example.org:{port}", f"192.0.2.1:{port}", f"localhost:{port}"):
+            assert (await http.get("/v1/swarm", headers={**auth, "host": host})).status_code == 200
+
+
+def test_a_non_loopback_bind_without_a_key_is_refused_in_one_line(capsys, monkeypatch) -> None:
+    """`serve` refuses before loading anything, with one line naming the way out."""
+    from peer import cli
+
+    monkeypatch.delenv("PREFIXSWARM_API_KEY", raising=False)
+    code = cli.main(["serve", "--identity", "none", "--config", "none", "--http", "0.0.0.0:0"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == cli.EXIT_CONFIG
+    assert len(err) == 1 and "without an API key" in err[0]
+    assert "--insecure-no-api-key" in err[0]
+
+
+def test_an_insecure_bind_says_so_in_one_warning_line(caplog) -> None:
+    import logging
+
+    from peer.preflight import check_http
+
+    with caplog.at_level(logging.WARNING, logger="peer.preflight"):
+        check_http("0.0.0.0:0", insecure=True)
+        check_http("0.0.0.0:0", api_key="k")  # a key: nothing to say
+        check_http("127.0.0.1:0", insecure=True)  # loopback: nothing to say
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "without an API key" in lines[0] and "\n" not in lines[0]

@@ -20,6 +20,7 @@ from libp2p.peer.peerinfo import PeerInfo
 from peer import cli
 from peer.config import PeerConfig
 from peer.net import discovery
+from peer.net.dial_candidates import DIAL_BACKOFF_MAX_S
 from peer.net.wire import PeerUnreachable
 from peer.preflight import hold_identity
 
@@ -205,6 +206,12 @@ class _DeadHost:
         if not self.alive:
             raise PeerUnreachable("dial failed: connection refused")
 
+    def is_connected(self, peer_id: Any) -> bool:
+        return False
+
+    def is_relayed(self, peer_id: Any) -> bool:
+        return False
+
 
 async def test_a_departed_peer_is_logged_once_and_backed_off(
     autojump_clock, caplog, monkeypatch
@@ -214,21 +221,25 @@ async def test_a_departed_peer_is_logged_once_and_backed_off(
     d = discovery.Discovery(host, None, b"k", [], liveness_interval_s=1.0,  # type: ignore[arg-type]
                             rng=random.Random(0))
     other = ID.from_base58("QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N")
-    cand = discovery._Candidate(PeerInfo(other, []))
+    d._book.learn(other.to_base58(), PeerInfo(other, []), discovery.LOCAL_SOURCE, 0.0)
+    d._book.connected(other.to_base58())  # it was a member: it departed
     caplog.set_level(logging.DEBUG, logger="peer.net.discovery")
     attempts = []
     while trio.current_time() < 600:  # ten minutes of a dead peer
-        if trio.current_time() >= cand.next_attempt:
+        d._book.learn(other.to_base58(), PeerInfo(other, []), discovery.LOCAL_SOURCE,
+                      trio.current_time())  # its record stays in our store
+        for dial in d._book.due(trio.current_time(), lambda peer: False):
             attempts.append(trio.current_time())
-            await d._dial(cand)
+            await d._dial(dial)
         await trio.sleep(1)
     warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1 and "unreachable" in warnings[0].getMessage()
     assert len(attempts) < 20  # back-off to a minute: not one every 15 s
-    assert attempts[-1] - attempts[-2] >= discovery.DIAL_BACKOFF_MAX_S
+    assert attempts[-1] - attempts[-2] >= DIAL_BACKOFF_MAX_S
     host.alive = True
-    await trio.sleep_until(cand.next_attempt)
-    await d._dial(cand)
+    while not (dials := d._book.due(trio.current_time(), lambda peer: False)):
+        await trio.sleep(1)
+    await d._dial(dials[0])
     assert "reachable again" in caplog.records[-2].getMessage() + caplog.records[-1].getMessage()
 
 

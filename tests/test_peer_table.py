@@ -240,14 +240,16 @@ def test_note_addrs_is_bounded() -> None:
 def test_table_is_bounded_and_frees_slots_of_silent_peers() -> None:
     t = table()
     for i in range(MAX_PEERS):
-        assert t.apply(summary(peer_id=f"Peer{i}"), f"Peer{i}", now=float(i) * 0.001).accepted
-    full = t.apply(summary(peer_id="Late"), "Late", now=1.0)
+        peer = f"Peer{i}"
+        assert t.apply(summary(peer_id=peer), peer, now=float(i) * 0.001, reachable=True).accepted
+    full = t.apply(summary(peer_id="Late"), "Late", now=1.0, reachable=True)
     assert (full.accepted, full.reason) == (False, Verdict.TABLE_FULL)
     assert t.apply(summary(peer_id="Peer0", seq=2), "Peer0", now=1.0).accepted  # known: fine
     later = EXPIRY + 0.0005  # Peer0 refreshed; Peer1 (t=0.001) not yet stale, the rest not
-    assert t.apply(summary(peer_id="Late"), "Late", now=later).reason == Verdict.TABLE_FULL
+    late = t.apply(summary(peer_id="Late"), "Late", now=later, reachable=True)
+    assert late.reason == Verdict.TABLE_FULL
     later = EXPIRY + 0.0015  # Peer1 is stale now: its slot is reused
-    assert t.apply(summary(peer_id="Late"), "Late", now=later).accepted
+    assert t.apply(summary(peer_id="Late"), "Late", now=later, reachable=True).accepted
     assert len(t) <= MAX_PEERS
     assert "Peer1" in t.expire(later)  # reported even though apply() dropped it
 

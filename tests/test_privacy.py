@@ -95,6 +95,7 @@ async def test_engine_private_requests_share_cache_only_per_salt(tiny_engine):
     for salt in (SALT_A, SALT_B):
         assert not any(h in bloom for h in tiny_engine.hasher.chain(prompt, salt))
     assert set(tiny_engine.cache.cached_hashes()) == set(public_hashes)
+    assert summary.cached_blocks == len(public_hashes)  # the count matches the filter
 
 
 async def test_a_private_request_is_served_by_the_entry_even_when_a_peer_holds_its_prefix(
@@ -121,3 +122,64 @@ async def test_a_private_request_is_served_by_the_entry_even_when_a_peer_holds_i
     assert again.cached_tokens == 656  # its own private blocks, on a
     assert not any(h in set(a.peer.engine.cache.cached_hashes())
                    for h in a.peer.engine.hasher.chain(prompt, SALT_A))
+
+
+# -- summaries count only what they announce ----------------------------------------------
+
+_ops = st.lists(
+    st.tuples(
+        st.sampled_from(["insert", "evict"]),
+        st.lists(st.integers(0, 3), min_size=2, max_size=8),
+        st.sampled_from([None, SALT_A, SALT_B]),
+    ),
+    max_size=20,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(_ops, st.integers(1, 12))
+def test_public_blocks_counts_exactly_the_announced_hashes(ops, capacity):
+    """Through any mix of public and salted inserts and evictions, `public_blocks` is the
+    number of `cached_hashes()` (what the summary's filter holds), and the private ones
+    make up the rest of `num_blocks`."""
+    cache = make(capacity)
+    for now, (op, tokens, salt) in enumerate(ops):
+        if op == "insert":
+            cache.insert(tokens, lambda b: b, float(now), salt=salt)
+        else:
+            cache.evict(len(tokens) // BS)
+        assert cache.public_blocks == len(list(cache.cached_hashes()))
+        assert 0 <= cache.public_blocks <= cache.num_blocks <= capacity
+
+
+class _CacheOnly:
+    """The engine view build_summary reads, around a bare RadixCache."""
+
+    def __init__(self, cache: RadixCache[int]) -> None:
+        from peer.engine.api import EngineLoad
+
+        self.cache = cache
+        self.model_id = "test-model"
+        self.block_size = BS
+        self._load = EngineLoad(0, 0, 0.0, 0.0)
+
+    def load(self):
+        return self._load
+
+
+def test_a_peer_serving_private_requests_stays_in_other_tables():
+    """Many private blocks beside a few public ones: the summary counts the public ones
+    only, so its fill matches its count and another peer's table keeps the peer (it used
+    to count every block and be dropped as bloom_inconsistent)."""
+    from peer.swarm.peer_table import PeerTable, Verdict
+
+    cache = make(capacity=4096)
+    cache.insert(list(range(40)), lambda b: b, 0.0)  # 20 public blocks
+    for i in range(8):  # 8 private requests of 600 tokens: 2,400 salted blocks
+        cache.insert([i, *range(1000, 1599)], lambda b: b, 1.0, salt=bytes([i + 1]))
+    assert cache.num_blocks == 20 + 8 * 300 and cache.public_blocks == 20
+    summary = build_summary(_CacheOnly(cache), peer_id="server", seq=1, fp_rate=0.01)
+    assert summary.cached_blocks == 20
+    table = PeerTable("other", "test-model", BS, expiry_s=10.0)
+    result = table.apply(summary, "server", now=0.0)
+    assert result.accepted and result.reason is Verdict.NEW_PEER, result

@@ -51,7 +51,7 @@ class GossipModel:
             bloom_bits=bloom.num_bits,
             bloom_hashes=bloom.num_hashes,
             bloom=bloom.to_bytes(),
-            cached_blocks=peer.cache.num_blocks,
+            cached_blocks=peer.cache.public_blocks,
             capacity_blocks=peer.cache.capacity_blocks,
             queued_prompt_tokens=peer.queued_tokens,
             running_requests=peer.running,

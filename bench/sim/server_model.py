@@ -127,4 +127,4 @@ class ServerModel:
     def _drain(self, peer: SimPeer, now: float) -> None:
         events = peer.cache.drain_events()
         peer.filter.observe(events)
-        peer.publish_policy.observe(events, peer.cache.num_blocks)
+        peer.publish_policy.observe(events, peer.cache.public_blocks)

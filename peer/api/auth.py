@@ -3,14 +3,16 @@
 With a key configured, every path but OPEN_PATHS needs `Authorization: Bearer KEY`.
 `BrowserGuard` stops a page on another site from using a peer through its visitor's
 browser: a POST must be JSON (a cross-site form or `text/plain` POST cannot set that
-content type without a CORS preflight, which this API never grants), and an API bound to
-loopback answers only to a loopback Host (a DNS-rebound name is refused).
+content type without a CORS preflight, which this API never grants), and the Host must
+be a name this API was bound or announced under (`AllowedHosts`): a DNS-rebound name,
+the attacker's own, is refused.
 """
 
 from __future__ import annotations
 
 import hmac
-from collections.abc import Callable
+import ipaddress
+from collections.abc import Callable, Iterable
 
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -77,24 +79,73 @@ def _host_name(value: bytes) -> str:
     return text.rsplit(":", 1)[0] if text.count(":") == 1 else text
 
 
+def _is_ip_literal(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
+class AllowedHosts:
+    """The Host names an API bound at `bind_host` answers to.
+
+    Bound to loopback: loopback names only. Bound beyond it: loopback names, address
+    literals (a browser sends one only when the page's own URL names this address, so
+    no DNS rebinding can produce it), the bound name, and `names` (what the peer
+    announces: DNS names of its multiaddrs, the machine's host name). Anything else is
+    a name that resolves here only because someone made it so."""
+
+    def __init__(self, bind_host: str, names: Iterable[str] = ()) -> None:
+        self.loopback = is_loopback_host(bind_host)
+        self._names = frozenset(
+            n.strip("[]").lower().rstrip(".") for n in (bind_host, *names) if n
+        )
+
+    def allows(self, host_name: str) -> bool:
+        name = host_name.strip("[]").lower().rstrip(".")
+        if is_loopback_host(name):
+            return True
+        if self.loopback:
+            return False
+        return _is_ip_literal(name) or name in self._names
+
+    def describe(self) -> str:
+        if self.loopback:
+            return "this API serves loopback only"
+        return f"this API answers to its addresses and {', '.join(sorted(self._names))} only"
+
+
+def multiaddr_names(addrs: Iterable[str]) -> list[str]:
+    """The DNS names in multiaddrs ('/dns4/peer.example.org/tcp/4001' -> that name)."""
+    out: list[str] = []
+    for addr in addrs:
+        parts = addr.split("/")
+        for i, proto in enumerate(parts[:-1]):
+            if proto in ("dns", "dns4", "dns6", "dnsaddr") and parts[i + 1]:
+                out.append(parts[i + 1])
+    return out
+
+
 class BrowserGuard:
-    """ASGI middleware: 415 for a POST whose body is not declared JSON; with `loopback`,
-    421 for a request whose Host is not a loopback name (``on_refused`` counts both)."""
+    """ASGI middleware: 415 for a POST whose body is not declared JSON; with `hosts`,
+    421 for a request whose Host it does not allow (``on_refused`` counts both).
+    Without `hosts` (an app not bound by serve_http) the Host is not checked."""
 
     def __init__(
-        self, app: ASGIApp, loopback: bool, on_refused: Callable[[str, int], None]
+        self, app: ASGIApp, hosts: AllowedHosts | None, on_refused: Callable[[str, int], None]
     ) -> None:
         self._app = app
-        self._loopback = loopback
+        self._hosts = hosts
         self._on_refused = on_refused
 
     def _refusal(self, scope: Scope) -> ApiError | None:
-        if self._loopback:
+        if self._hosts is not None:
             host = _header(scope, b"host")
-            if host is None or not is_loopback_host(_host_name(host)):
+            if host is None or not self._hosts.allows(_host_name(host)):
                 shown = (host or b"").decode("latin-1")[:100]
                 return ApiError(
-                    421, f"this API serves loopback only; Host {shown!r} is not this machine "
+                    421, f"{self._hosts.describe()}; Host {shown!r} is not one of them "
                     "(a page on another site may not reach it through your browser)",
                     code="misdirected_request",
                 )

@@ -14,6 +14,7 @@ route). A client that disconnects cancels its request everywhere along the route
 from __future__ import annotations
 
 import logging
+import socket
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -30,9 +31,11 @@ from starlette.types import ASGIApp
 from peer.api.auth import (
     MAX_API_KEY_CHARS,
     OPEN_PATHS,
+    AllowedHosts,
     ApiKey,
     BrowserGuard,
     CheckKey,
+    multiaddr_names,
 )
 from peer.api.face import FacePeer
 from peer.api.metrics import CONTENT_TYPE, Metrics
@@ -57,7 +60,6 @@ from peer.api.responses import (
 from peer.api.web.routes import Page
 from peer.engine.api import ContextTooLong
 from peer.request.generation import GenerationService
-from peer.settings import is_loopback_host
 from peer.version import version
 
 __all__ = [  # names tests and embedders import from here
@@ -108,10 +110,10 @@ class HttpApi:
 
     def __init__(
         self, peer: FacePeer, *, model_alias: str | None = None, api_key: str | None = None,
-        loopback: bool = False,
+        allowed_hosts: AllowedHosts | None = None,
     ) -> None:
-        """`loopback`: the API is bound to a loopback address, so it answers only to a
-        loopback Host (BrowserGuard)."""
+        """`allowed_hosts`: the Host names it answers to (BrowserGuard); None: any (an
+        app served by something other than serve_http, which knows its own names)."""
         key = ApiKey(api_key)
         self.peer = peer
         self.model_id = peer.model_id
@@ -143,7 +145,7 @@ class HttpApi:
             on_refused=lambda: self.metrics.record_request("unauthorized", 401),
         )
         self.app.add_middleware(  # added last: it runs first
-            BrowserGuard, loopback=loopback,
+            BrowserGuard, hosts=allowed_hosts,
             on_refused=lambda code, status: self.metrics.record_request(code, status),
         )
 
@@ -289,8 +291,10 @@ async def serve_http(
     `drain` is set the API stops accepting connections and gives the requests in flight
     up to `drain_timeout_s` to finish, then returns."""
     config = hypercorn_config(host, port, drain_timeout_s)
+    config_addrs = (*peer.config.listen_addrs, *peer.config.announce_addrs)
+    names = [*multiaddr_names(config_addrs), socket.gethostname()]  # no DNS lookup here
     api = HttpApi(peer, model_alias=model_alias, api_key=api_key,
-                  loopback=is_loopback_host(host))
+                  allowed_hosts=AllowedHosts(host, names))
     trigger = drain.wait if drain is not None else None
 
     async with trio.open_nursery() as nursery:

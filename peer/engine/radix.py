@@ -117,6 +117,7 @@ class RadixCache(Generic[V]):
         # there are never more salted roots than blocks.
         self._salted: dict[bytes, _Node[V]] = {}
         self._num_blocks = 0
+        self._private_blocks = 0  # of _num_blocks, under salted roots
         self._locked_blocks = 0  # nodes with lock_ref > 0
         self._events: deque[CacheEvent] = deque()
         self._events_dropped = 0
@@ -146,6 +147,12 @@ class RadixCache(Generic[V]):
     def num_blocks(self) -> int:
         """Blocks held now."""
         return self._num_blocks
+
+    @property
+    def public_blocks(self) -> int:
+        """Blocks held now that a summary announces: `num_blocks` less the private ones
+        (exactly the count of `cached_hashes()`)."""
+        return self._num_blocks - self._private_blocks
 
     @property
     def hasher(self) -> BlockHasher:
@@ -311,6 +318,8 @@ class RadixCache(Generic[V]):
             if salt is None:
                 self._emit(CacheEvent(EventKind.STORED, block_hash))
         self._num_blocks += to_store
+        if salt is not None:
+            self._private_blocks += to_store
         self._stats["inserted_blocks"] += to_store
         self._stats["dropped_blocks"] += wanted - to_store if wanted > 0 else 0
         return InsertResult(
@@ -348,7 +357,9 @@ class RadixCache(Generic[V]):
             node.value = None  # release the stored tensor now
             self._num_blocks -= 1
             evicted.append(node.block_hash)
-            if not node.private:
+            if node.private:
+                self._private_blocks -= 1
+            else:
                 self._emit(CacheEvent(EventKind.REMOVED, node.block_hash))
             if parent.parent is None:  # a root: the public one stays, a salted one goes
                 self._drop_if_empty(parent)
@@ -383,6 +394,7 @@ class RadixCache(Generic[V]):
         """Counters and sizes, for metrics and summaries."""
         return {
             "num_blocks": self._num_blocks,
+            "public_blocks": self.public_blocks,
             "capacity_blocks": self._capacity,
             "locked_blocks": self._locked_blocks,
             "pending_events": len(self._events),

@@ -2,9 +2,10 @@
 
 Three loops in one nursery: bootstrap (dial the configured addresses with back-off),
 providers (announce the model's key, ask connected peers for the others, dial the new
-ones) and liveness (ping known peers, report round trips, forget those that stop
-answering). A new peer is pinged every second until its first round trips are kept, so
-routing has a measured delay within seconds; docs/protocol.md section 8 has the timings.
+ones within a budget: peer/net/dial_candidates.py decides which) and liveness (ping
+known peers, report round trips, forget those that stop answering). A new peer is
+pinged every second until its first round trips are kept, so routing has a measured
+delay within seconds; docs/protocol.md section 8 has the timings.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import trio
@@ -21,6 +21,7 @@ from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 
 from peer.logs import root_cause
+from peer.net.dial_candidates import LOCAL_SOURCE, CandidateBook, Dial
 from peer.net.host import SwarmHost, parse_peer_addr
 from peer.net.host_services import (
     dht_add_peer,
@@ -35,8 +36,6 @@ logger = logging.getLogger(__name__)
 
 BOOTSTRAP_BACKOFF_FIRST_S = 0.25  # first retry soon: the bootstrap peer may be starting too
 BOOTSTRAP_BACKOFF_MAX_S = 30.0  # keep trying, but at most twice a minute per address
-DIAL_BACKOFF_FIRST_S = 1.0  # a provider that failed once is retried after a second
-DIAL_BACKOFF_MAX_S = 60.0  # ...and at most once a minute once it keeps failing
 # A member reachable only through relays that does not answer (gone, or an identity that
 # never connected anywhere) is pinged ever more rarely: doubling up to every 5 minutes.
 RELAY_PING_BACKOFF_MAX_S = 300.0
@@ -49,7 +48,6 @@ DISCOVERY_INTERVAL_MISSING_S = 2.0
 PROVIDE_INTERVAL_S = 30.0  # re-announce: peers that joined since may now be closest
 PROVIDE_TIMEOUT_S = 15.0  # a provide walks the DHT: a few round trips to up to 20 peers
 QUERY_FANOUT = 3  # connected peers asked for providers per round (k=20 hold the record)
-MAX_CANDIDATES = 1024  # providers remembered; bounds memory against a flood of records
 LIVENESS_TIMEOUT_S = 5.0  # a ping takes milliseconds; seconds only on a starved CPU
 # Consecutive failed pings before a connection is dropped as a zombie. One is not
 # enough: on an overloaded machine single pings time out, and dropping live connections
@@ -62,15 +60,6 @@ RTT_WARMUP_SAMPLES = 3  # ...until this many were kept: a minimum over 3 is alre
 # interval up to this many liveness intervals: its first summary still gets an RTT within
 # seconds, but a swarm of N peers does not cost each one N pings a second forever.
 UNKEPT_PING_MAX_INTERVALS = 4
-
-
-@dataclass
-class _Candidate:
-    """A provider we heard of, with its dial back-off state."""
-
-    info: PeerInfo
-    failures: int = 0
-    next_attempt: float = 0.0
 
 
 class Discovery:
@@ -98,7 +87,7 @@ class Discovery:
         self._on_rtt = on_rtt
         self._on_forget = on_forget
         self._members = members  # peer ids gossip knows: a hint that discovery is not done
-        self._candidates: dict[ID, _Candidate] = {}
+        self._book: CandidateBook[PeerInfo] = CandidateBook()
         self._ping_failures: dict[ID, int] = {}
         self._relay_ping_failures: dict[ID, int] = {}  # members reachable only via relays
         self._rtts_kept: dict[ID, int] = {}  # per connected peer, for the warm-up cadence
@@ -158,7 +147,8 @@ class Discovery:
     def statistics(self) -> dict[str, int]:
         return {
             **self._stats,
-            "candidates": len(self._candidates),
+            **{f"candidates_{k}": v for k, v in self._book.statistics().items()},
+            "candidates": len(self._book),
             "connected": len(self._host.connected_peers()),
             "routing_table": self._dht.get_routing_table_size(),
         }
@@ -231,66 +221,71 @@ class Discovery:
         for peer_id in connected:
             await dht_add_peer(self._dht, peer_id)
 
-        learned = dht_local_providers(self._dht, self._key)
+        # Our own store's records were announced by their providers themselves (the DHT
+        # checks the sender); a connected peer's reply is hearsay, weighed by its source.
+        learned = [(info, LOCAL_SOURCE) for info in dht_local_providers(self._dht, self._key)]
         asked = self._rng.sample(connected, min(QUERY_FANOUT, len(connected)))
         for peer_id in asked:
             self._stats["provider_queries"] += 1
             try:
-                learned.extend(await dht_query_providers(self._dht, peer_id, self._key))
+                replied = await dht_query_providers(self._dht, peer_id, self._key)
             except PeerUnreachable as exc:
                 logger.debug("provider query: %s", exc)
-        for info in learned:
-            if info.peer_id == me:
                 continue
-            known = self._candidates.get(info.peer_id)
-            if known is not None:
-                if info.addrs:
-                    known.info = info  # a restarted peer may listen elsewhere now
-            elif len(self._candidates) < MAX_CANDIDATES:
-                self._candidates[info.peer_id] = _Candidate(info)
-
-        found_new = False
+            learned.extend((info, peer_id.to_base58()) for info in replied)
         now = trio.current_time()
-        async with trio.open_nursery() as nursery:
-            for peer_id, cand in list(self._candidates.items()):
-                if self._host.is_connected(peer_id) or self._host.is_relayed(peer_id):
-                    cand.failures = 0
-                elif now >= cand.next_attempt:
-                    found_new = True  # a dial is news either way: look again soon
-                    nursery.start_soon(self._dial, cand)
-        return found_new
+        for info, source in learned:
+            if info.peer_id != me:  # an empty address list keeps the known addresses
+                self._book.learn(info.peer_id.to_base58(), info, source, now,
+                                 replace_info=bool(info.addrs))
 
-    async def _dial(self, cand: _Candidate) -> None:
-        peer_id = cand.info.peer_id
+        dials = self._book.due(now, self._reached)
+        async with trio.open_nursery() as nursery:
+            for dial in dials:
+                nursery.start_soon(self._dial, dial)
+        return bool(dials)  # a dial is news either way: look again soon
+
+    def _reached(self, peer: str) -> bool:
+        peer_id = ID.from_base58(peer)
+        return self._host.is_connected(peer_id) or self._host.is_relayed(peer_id)
+
+    async def _dial(self, dial: Dial[PeerInfo]) -> None:
+        peer_id = dial.info.peer_id
         self._stats["dials"] += 1
         try:
-            await self._host.connect(cand.info)
+            await self._host.connect(dial.info)
         except PeerUnreachable as exc:
             self._stats["dial_failures"] += 1
-            if cand.failures == 0:  # once per outage: retries back off up to a minute
+            if self._reached(dial.peer_id):  # it dialled us meanwhile: the race is won
+                self._book.connected(dial.peer_id)
+                return
+            failures = self._book.dial_failed(dial.peer_id, trio.current_time())
+            if failures == 1 and dial.peer_id in self._book:  # once per outage
                 logger.warning("peer %s unreachable (%s); retrying with back-off",
                                peer_id, root_cause(exc))
             else:
                 logger.debug("dial provider: %s", exc)
-            self._record_failure(cand)
+            self._after_failure(peer_id, failures)
             return
-        if cand.failures:
+        if self._book.failures(dial.peer_id):
             logger.warning("peer %s reachable again", peer_id)
-        cand.failures = 0
+        self._book.connected(dial.peer_id)
         await dht_add_peer(self._dht, peer_id)
         logger.debug("connected to provider %s", peer_id)
 
-    def _record_failure(self, cand: _Candidate) -> None:
-        cand.failures += 1
-        delay = min(DIAL_BACKOFF_MAX_S, DIAL_BACKOFF_FIRST_S * 2 ** (cand.failures - 1))
-        cand.next_attempt = trio.current_time() + delay
-        if cand.failures == FORGET_AFTER_FAILURES:
-            self._forget(cand.info.peer_id)
+    def _after_failure(self, peer_id: ID, failures: int) -> None:
+        """Forget a peer that keeps failing, and at once one the book gave up on (a
+        provider never reached: its record must not come back from our own store)."""
+        if failures and peer_id.to_base58() not in self._book:
+            self._forget(peer_id, quietly=True)
+        elif failures == FORGET_AFTER_FAILURES:
+            self._forget(peer_id)
 
-    def _forget(self, peer_id: ID) -> None:
+    def _forget(self, peer_id: ID, *, quietly: bool = False) -> None:
         """Stop routing to a peer that stopped answering; dials continue with back-off."""
         self._stats["forgotten"] += 1
-        logger.info("forgetting unresponsive peer %s", peer_id)
+        level = logging.DEBUG if quietly else logging.INFO
+        logger.log(level, "forgetting unresponsive peer %s", peer_id)
         dht_forget_peer(self._dht, self._key, peer_id)
         self._on_forget(str(peer_id))
 
@@ -357,9 +352,8 @@ class Discovery:
             # next discovery round re-dials (or finds the peer really gone).
             del self._ping_failures[peer_id]
             self._stats["zombies_dropped"] += 1
-            cand = self._candidates.get(peer_id)
-            if cand is not None:
-                self._record_failure(cand)
+            failures = self._book.dial_failed(peer_id.to_base58(), trio.current_time())
+            self._after_failure(peer_id, failures)
             await self._host.disconnect(peer_id)
             self.poke()
             return

@@ -59,7 +59,7 @@ SOFTWARE = f"prefixswarm/{version()}"  # in every summary: peers flag older soft
 PUBLISH_TIMEOUT_S = 5.0  # publishing queues to mesh peers; a stall must not stop the loop
 MAX_LOGGED_REJECTIONS = 256  # (sender, reason) pairs logged at WARNING; later ones at DEBUG
 # Table verdicts that say nothing bad about the message: relayed, not applied.
-_NOT_THE_SENDERS_FAULT = frozenset({Verdict.STALE_SEQ, Verdict.TABLE_FULL})
+_NOT_THE_SENDERS_FAULT = frozenset({Verdict.STALE_SEQ, Verdict.TABLE_FULL, Verdict.UNPROVEN_FULL})
 
 
 class Gossip:
@@ -77,8 +77,12 @@ class Gossip:
         on_expired: Callable[[list[str]], None] = lambda peers: None,
         mode: GossipMode = GossipMode.FULL,
         neighbours: int = DEFAULT_GOSSIP_NEIGHBOURS,
+        reachable: Callable[[ID], bool] = lambda peer: False,
     ) -> None:
+        """`reachable`: whether this peer holds a connection (direct or relayed) to a
+        summary's origin; the table admits origins never reached only to a share of it."""
         self._pubsub = pubsub
+        self._reachable = reachable
         self._table = table
         self._engine = engine
         self._peer_id = peer_id
@@ -306,7 +310,7 @@ class Gossip:
         events = self._engine.cache.drain_events()
         self._filter.observe(events)
         if for_policy:
-            self._policy.observe(events, self._engine.cache.num_blocks)
+            self._policy.observe(events, self._engine.cache.public_blocks)
 
     def _current_bloom(self) -> BloomFilter:
         """A filter of exactly the cached hashes, in the shape to publish now."""
@@ -403,7 +407,9 @@ class Gossip:
             return self._reject(source_str, "malformed", str(exc))
         # The table checks identity (summary.peer_id == the signed gossip source),
         # model, block size, increasing seq and Bloom plausibility.
-        result = self._table.apply(summary, source_str, trio.current_time())
+        result = self._table.apply(
+            summary, source_str, trio.current_time(), reachable=self._reachable(source)
+        )
         if not result.accepted and result.reason in _NOT_THE_SENDERS_FAULT:
             # A summary overtaken by a newer one (paths differ in delay) is valid, just
             # not news: relay it and let pubsub mark it seen. Rejecting it would make

@@ -34,7 +34,7 @@ class _EventLike(Protocol):
 
 class _CacheLike(Protocol):
     @property
-    def num_blocks(self) -> int: ...
+    def public_blocks(self) -> int: ...
     def cached_hashes(self) -> Iterable[int]: ...
 
 
@@ -174,9 +174,9 @@ class CacheFilter:
     def current(self, cache: _CacheLike) -> IncrementalBloom:
         """The filter of exactly `cache`'s blocks, in the shape to publish now (every
         event drained so far must have been observed)."""
-        num_blocks = cache.num_blocks
-        shape = self._shape_for(num_blocks)
-        if self._stale or shape != self._bloom.shape or len(self._bloom) != num_blocks:
+        public_blocks = cache.public_blocks  # the count of cached_hashes()
+        shape = self._shape_for(public_blocks)
+        if self._stale or shape != self._bloom.shape or len(self._bloom) != public_blocks:
             bloom = self._empty(shape)
             for key in cache.cached_hashes():
                 bloom.add(key)

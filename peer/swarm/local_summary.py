@@ -24,12 +24,15 @@ def build_summary(
     software: str = "",
     leaving: bool = False,
 ) -> CacheSummary:
-    """This peer's summary now: a Bloom filter of every cached block hash, plus load.
+    """This peer's summary now: a Bloom filter of every cached public block hash, plus load.
 
-    `bloom`, if given, must already hold exactly the cached hashes (see Gossip)."""
+    `cached_blocks` counts exactly the blocks in the filter: private (salted) blocks are
+    in neither, or receivers would find the fill too low for the count and drop this peer
+    as inconsistent. `bloom`, if given, must already hold exactly the public cached
+    hashes (see Gossip)."""
     cache = engine.cache
     if bloom is None:
-        bloom = summary_bloom(cache.num_blocks, fp_rate)
+        bloom = summary_bloom(cache.public_blocks, fp_rate)
         bloom.update(cache.cached_hashes())
     load = engine.load()
     return CacheSummary(
@@ -40,7 +43,7 @@ def build_summary(
         bloom_bits=bloom.num_bits,
         bloom_hashes=bloom.num_hashes,
         bloom=bloom.to_bytes(),
-        cached_blocks=cache.num_blocks,
+        cached_blocks=cache.public_blocks,
         capacity_blocks=cache.capacity_blocks,
         queued_prompt_tokens=load.queued_prompt_tokens,
         running_requests=load.running_requests,

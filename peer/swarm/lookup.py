@@ -317,7 +317,7 @@ class RootLookup:
         if summary is None:
             return
         now = trio.current_time()
-        result = self._table.apply(summary, peer_id, now)
+        result = self._table.apply(summary, peer_id, now, reachable=True)  # it answered
         if not (result.accepted or result.reason is Verdict.STALE_SEQ):
             self.stats[f"summaries_rejected_{result.reason}"] += 1
             return

@@ -1,7 +1,9 @@
 """PeerTable: what this peer believes about every other peer, with ages and expiry (pure).
 
 Fed by method calls with `now`, it validates gossiped summaries (`apply` answers an
-`ApplyResult` with a stable reason code), expires silent peers, estimates each peer's
+`ApplyResult` with a stable reason code), admits newcomers to a full table proven peers
+first (peer/swarm/admission.py: an entry stays unproven until the peer was reached),
+expires silent peers, estimates each peer's
 match for a block-hash chain from its Bloom filter (`routing_rows`: all peers at once,
 through a numpy `BloomBank`), keeps round trips and counts this peer's own forwards on
 top of each summary's load. It never does I/O.
@@ -16,6 +18,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from peer.swarm.admission import UNPROVEN_SHARE, Admission, decide
 from protocols.bloom import BloomFilter, ProbeCache, Probes
 from protocols.bloom_bank import BloomBank, KeyChain
 from protocols.summary import CacheSummary
@@ -71,6 +74,7 @@ class Verdict(enum.StrEnum):
     BLOOM_TOO_FULL = "bloom_too_full"
     BLOOM_INCONSISTENT = "bloom_inconsistent"  # fill disagrees with cached_blocks
     TABLE_FULL = "table_full"
+    UNPROVEN_FULL = "unproven_full"  # never reached, and unproven peers hold their share
     LEFT = "left"  # the peer said it stops: dropped now
 
 
@@ -130,6 +134,7 @@ class _Entry:
     forwarded_tokens: int = 0
     addrs: tuple[str, ...] = field(default=())
     decoded: BloomFilter | None = None  # summary.bloom_filter(), made on first use
+    proven: bool = False  # reached: a connection seen by the shell, or a round trip
 
     @property
     def bloom(self) -> BloomFilter:
@@ -155,13 +160,28 @@ class PeerTable:
         probe_cache: ProbeCache | None = None,
         *,
         max_bank_bytes: int = MAX_BANK_BYTES,
+        max_peers: int = MAX_PEERS,
+        max_unproven: int | None = None,
     ) -> None:
+        """`max_unproven`: entries of peers never reached that the table holds at once
+        (default UNPROVEN_SHARE of `max_peers`)."""
         if not self_id:
             raise ValueError("self_id must be this peer's id")
         if not (math.isfinite(expiry_s) and expiry_s > 0):
             raise ValueError(f"expiry_s must be finite and > 0, got {expiry_s}")
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if not 1 <= max_peers <= MAX_PEERS:
+            raise ValueError(f"max_peers must be in [1, {MAX_PEERS}], got {max_peers}")
+        if max_unproven is None:
+            max_unproven = int(max_peers * UNPROVEN_SHARE)
+        if not 0 <= max_unproven <= max_peers:
+            raise ValueError(f"max_unproven must be in [0, {max_peers}], got {max_unproven}")
+        self._max_peers = max_peers
+        self._max_unproven = max_unproven
+        # Entries of peers not reached yet -> when their last summary arrived
+        self._unproven: dict[str, float] = {}
+        self._evicted_unproven = 0
         self._self_id = self_id
         self._model_id = model_id
         self._block_size = block_size
@@ -198,8 +218,14 @@ class PeerTable:
 
     # -- summaries ---------------------------------------------------------------------
 
-    def apply(self, summary: CacheSummary, source_peer_id: str, now: float) -> ApplyResult:
-        """Validate `summary`, received from `source_peer_id`, and keep it if acceptable."""
+    def apply(
+        self, summary: CacheSummary, source_peer_id: str, now: float, *, reachable: bool = False
+    ) -> ApplyResult:
+        """Validate `summary`, received from `source_peer_id`, and keep it if acceptable.
+
+        `reachable`: the shell holds a connection to the peer (or just got the summary
+        from it over a stream), which proves the entry; otherwise only a round trip
+        (`record_rtt`) does. A newcomer is admitted by `admission.decide`."""
         _check_time(now)
         peer_id = summary.peer_id
         if peer_id != source_peer_id:
@@ -231,10 +257,11 @@ class PeerTable:
         verdict = self._check_bloom(summary)
         if verdict is not None:
             return verdict
-        if old is None and len(self._entries) >= MAX_PEERS:
-            self._reap(now)
-            if len(self._entries) >= MAX_PEERS:
-                return self._result(False, Verdict.TABLE_FULL, f"{MAX_PEERS} live peers")
+        proven = reachable or (old is not None and old.proven)
+        if old is None:
+            refused = self._admit(peer_id, proven, now)
+            if refused is not None:
+                return refused
         shape = (summary.bloom_bits, summary.bloom_hashes)
         if old is not None and old.shape == shape and old.slot >= 0:
             slot = old.slot
@@ -251,12 +278,40 @@ class PeerTable:
             entry.addrs = old.addrs
         else:
             self._order = None
+        entry.proven = proven
+        if proven:
+            self._unproven.pop(peer_id, None)
+        else:
+            self._unproven[peer_id] = now
         self._entries[peer_id] = entry
         self._oldest = min(self._oldest, now)
         self._reaped.pop(peer_id, None)
         if live_old:
             return self._result(True, Verdict.UPDATED, f"seq {summary.seq}")
         return self._result(True, Verdict.NEW_PEER, f"seq {summary.seq}")
+
+    def _admit(self, peer_id: str, proven: bool, now: float) -> ApplyResult | None:
+        """Make room for a newcomer (None) or say why not (the refusal)."""
+        if len(self._entries) >= self._max_peers or (
+            not proven and len(self._unproven) >= self._max_unproven
+        ):
+            self._reap(now)  # silent entries go first
+        decision = decide(
+            proven=proven, size=len(self._entries), max_peers=self._max_peers,
+            unproven=self._unproven, max_unproven=self._max_unproven,
+        )
+        if decision.action is Admission.TABLE_FULL:
+            return self._result(False, Verdict.TABLE_FULL, f"{len(self._entries)} live peers")
+        if decision.action is Admission.UNPROVEN_FULL:
+            return self._result(
+                False, Verdict.UNPROVEN_FULL,
+                f"{len(self._unproven)} peers never reached hold the unproven share",
+            )
+        if decision.victim is not None:  # the stalest unproven entry makes way
+            self._drop(decision.victim)
+            self._reaped[decision.victim] = None  # reported by expire()
+            self._evicted_unproven += 1
+        return None
 
     def _check_bloom(self, summary: CacheSummary) -> ApplyResult | None:
         # BloomFilter.fill_ratio and expected_fill, on the summary's bytes (one popcount
@@ -302,6 +357,7 @@ class PeerTable:
 
     def _drop(self, peer_id: str) -> None:
         self._release(self._entries.pop(peer_id))
+        self._unproven.pop(peer_id, None)
         self._order = None
 
     def _reap(self, now: float) -> None:
@@ -315,7 +371,8 @@ class PeerTable:
         self._oldest = min((e.received_at for e in self._entries.values()), default=math.inf)
 
     def expire(self, now: float) -> list[str]:
-        """Drop peers silent for `expiry_s` or longer; return their ids (sorted)."""
+        """Drop peers silent for `expiry_s` or longer; return their ids (sorted), with
+        those whose unproven entries made way for proven peers since the last call."""
         _check_time(now)
         self._reap(now)
         expired = sorted(self._reaped)
@@ -343,6 +400,8 @@ class PeerTable:
             return False
         entry.rtt_samples.append(rtt_s)
         entry.rtt_s = min(entry.rtt_samples)
+        entry.proven = True
+        self._unproven.pop(peer_id, None)
         return True
 
     def record_forward(self, peer_id: str, prompt_tokens: int, now: float) -> ForwardCharge | None:
@@ -482,8 +541,13 @@ class PeerTable:
         return out
 
     def statistics(self) -> dict[str, int]:
-        """Entries held, outcomes of `apply` by verdict, probe cache counters."""
-        stats = {"peers": len(self._entries)}
+        """Entries held (unproven ones apart), outcomes of `apply` by verdict, unproven
+        entries evicted for proven ones, probe cache counters."""
+        stats = {
+            "peers": len(self._entries),
+            "unproven": len(self._unproven),
+            "evicted_unproven": self._evicted_unproven,
+        }
         stats.update({f"apply_{reason}": count for reason, count in sorted(self._counts.items())})
         stats.update({f"probe_cache_{k}": v for k, v in self._probe_cache.statistics().items()})
         return stats
