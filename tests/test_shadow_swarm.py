@@ -5,10 +5,12 @@ never reaches a client and is quarantined."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import AsyncGenerator
 from typing import Any
 
 from peer.config import Policy
+from peer.engine.api import Completion
 from peer.engine.engine import SamplingParams, TokenEvent
 from peer.routing.trust import DEFAULT_PROBATION_REQUESTS, TrustState
 from tests.helpers_swarm import wait_until
@@ -34,7 +36,8 @@ class WithoutVerifier:
 
 
 class LyingEngine:
-    """An engine that answers every request with wrong tokens (each id shifted by one)."""
+    """An engine that answers every request with wrong tokens (each id shifted by one),
+    consistently: the final Completion (which the serving peer signs) says the same."""
 
     def __init__(self, inner: Any) -> None:
         self._inner = inner
@@ -54,6 +57,9 @@ class LyingEngine:
                 async for item in agen:
                     if isinstance(item, TokenEvent):
                         item = TokenEvent(item.index, (item.token_id + 1) % vocab, "")
+                    elif isinstance(item, Completion):
+                        shifted = tuple((t + 1) % vocab for t in item.token_ids)
+                        item = dataclasses.replace(item, token_ids=shifted)
                     yield item
 
         return lying()
