@@ -171,10 +171,10 @@ class RunContext:
         view = self.table.get(peer_id, trio.current_time())
         if view is None or decode is None:
             return 0.0
-        claimed = claimed_decode(
+        claimed_speed = claimed_decode(
             view.summary.decode_tokens_per_s, view.summary.batch_decode_tokens_per_s
         )
-        charged = self.trust.record_delivery(peer_id, claimed, decode, trio.current_time())
+        charged = self.trust.record_delivery(peer_id, claimed_speed, decode, trio.current_time())
         if charged:
             self.stats["charged_underdelivered"] += 1
         return charged
