@@ -216,7 +216,7 @@ class Rogue:
             return
         if self.mode in ATTRACTIVE_MODES:
             self._poison_gossip(peer)
-        if self.mode not in (Mode.FORGED_ORIGINS, Mode.RELAY_IMPERSONATOR, Mode.FREELOADER,
+        if self.mode not in (Mode.FORGED_ORIGINS, Mode.RELAY_IMPERSONATOR,
                              Mode.TABLE_FILLER):
             self._take_inference(peer)
 
@@ -447,12 +447,19 @@ async def run(args: argparse.Namespace) -> None:
 
             nursery.start_soon(stop_on_signal)
             nursery.start_soon(stop_on_stdin)
-            peers = [
-                await stack.enter_async_context(open_peer(config, engine=engine))
-                for _ in range(identities)
-            ]
-            for peer in peers:
-                rogue.install(peer)
+            peers: list[Any] = []
+            if mode is Mode.FREELOADER:  # strangers who want compute need no peer
+                peers = [
+                    await stack.enter_async_context(freeloader.open_client(config))
+                    for _ in range(identities)
+                ]
+            else:
+                peers = [
+                    await stack.enter_async_context(open_peer(config, engine=engine))
+                    for _ in range(identities)
+                ]
+                for peer in peers:
+                    rogue.install(peer)
             relay = None
             if mode is Mode.RELAY_IMPERSONATOR:
                 from bench.rogues import relay_impersonator

@@ -246,3 +246,37 @@ def test_quarantine_trials_catch_both_liars_through_the_pipeline() -> None:
     # A new identity lies on its first shadow (probation), which is always compared.
     assert out["pipeline"]["always"]["forwards_until_quarantine_max"] == 1
     assert out["pipeline"]["always"]["wrong_outputs_delivered_before_quarantine_max"] == 0
+
+
+async def test_freeloader_is_a_bare_host_whose_long_requests_the_target_serves(
+    tiny_engine: Any,
+) -> None:
+    from collections import Counter
+
+    from bench.rogues import freeloader
+    from peer.config import PeerConfig
+    from tests.helpers_swarm import LOOPBACK, start_peer
+
+    base = PeerConfig(model=MODEL, listen_addrs=LOOPBACK, identity_file=None)
+    outcomes: Counter[str] = Counter()
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            target = await start_peer(nursery, base, tiny_engine)
+            async with freeloader.open_client(base) as client:
+                assert client.peer_id != target.peer.peer_id
+                assert not hasattr(client, "gossip")  # no peer: a host that dials and asks
+                loop = trio.CancelScope()
+
+                async def freeload() -> None:
+                    with loop:
+                        await freeloader.freeload(
+                            client, target.peer.multiaddrs[0], tiny_engine.vocab_size,
+                            outcomes, random.Random(0),
+                        )
+
+                nursery.start_soon(freeload)
+                while outcomes["served"] < 2:
+                    await trio.sleep(0.1)
+                loop.cancel()
+            nursery.cancel_scope.cancel()
+    assert set(outcomes) == {"served"}  # alone, it finds the engine idle: nothing refused

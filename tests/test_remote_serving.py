@@ -53,6 +53,27 @@ def test_background_sequences_join_and_prefill_after_the_peers_own() -> None:
     assert list(unranked.batch) == [0, 1]
 
 
+def test_our_prompt_steps_hold_the_others_decodes_back_every_other_step() -> None:
+    queue: BatchQueue[_Seq] = BatchQueue(rank=lambda s: int(s.background))
+    remote = [_Seq(i, [1] * 4, pos=4, background=True) for i in range(3)]  # decoding
+    mine = _Seq(3, [3] * 8, pos=8)  # one of ours, decoding too
+    own = _Seq(4, [2] * 2000)  # ours, reading a long prompt
+    for seq in (*remote, mine, own):
+        queue.submit(seq)
+    queue.admit(8, lambda s: None)
+    decodes = []
+    for _ in range(4):
+        plan = queue.plan(256)
+        assert plan.prefill == ((4, 255),) or plan.prefill == ((4, 252),)
+        decodes.append(plan.decode)
+        own.pos += plan.prefill[0][1]
+    # ours every step; the others' every other step, so they wait one step at most
+    assert decodes == [(3,), (3, 0, 1, 2), (3,), (3, 0, 1, 2)]
+    own.pos = len(own.tokens)  # read: everyone decodes in every step again
+    assert queue.plan(256).decode == (3, 4, 0, 1, 2)
+    assert queue.plan(256).decode == (3, 4, 0, 1, 2)
+
+
 class _Pipe:
     """One end of a trio memory stream with the libp2p stream methods FrameStream uses."""
 

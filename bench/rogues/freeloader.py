@@ -1,11 +1,13 @@
 """freeloader: stranger identities that stream long requests at one honest peer.
 
-Each identity (a libp2p host of the rogue process) asks the target peer, over the
-inference protocol, for one long completion after another: a prompt of PROMPT_TOKENS
-random token ids (never cached) and ANSWER_TOKENS to generate, one stream at a time, as
-fast as the target answers. A refusal is honoured as a patient client would (it waits
-the retry time the error names, or RETRY_S). What each identity got is counted by
-outcome ("served", or the error code) for the bench's row.
+Each identity is a bare libp2p host of the rogue process (`open_client`: no gossip, DHT
+or discovery, as a stranger who only wants compute runs; eight whole peers in one
+process spent the shared test machine's CPU and starved their own streams). It asks the
+target peer, over the inference protocol, for one long completion after another: a
+prompt of PROMPT_TOKENS random token ids (never cached) and ANSWER_TOKENS to generate,
+one stream at a time, as fast as the target answers. A refusal is honoured as a patient
+client would (it waits the retry time the error names, or RETRY_S). What each identity
+got is counted by outcome ("served", or the error code) for the bench's row.
 """
 
 from __future__ import annotations
@@ -14,11 +16,16 @@ import logging
 import random
 import re
 from collections import Counter
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import trio
 from libp2p.peer.id import ID
 
+from peer.config import PeerConfig
+from peer.net.host import SwarmHost, open_host
 from peer.net.wire import FrameStream
 from protocols.ids import INFER_PROTOCOL
 from protocols.infer import InferError, InferRequest, InferResult, parse_response
@@ -33,6 +40,28 @@ RETRY_S = 1.0  # after a refusal that names no retry time, or a broken stream
 MAX_RETRY_S = 10.0
 logger = logging.getLogger("bench.rogue")
 _RETRY_AFTER = re.compile(r"retry after ([0-9.]+) s")
+
+
+@dataclass(frozen=True)
+class Client:
+    """One stranger identity: a host that dials and streams, and nothing else."""
+
+    host: SwarmHost
+
+    @property
+    def peer_id(self) -> str:
+        return self.host.peer_id.to_base58()
+
+    @property
+    def multiaddrs(self) -> list[str]:
+        return self.host.multiaddrs
+
+
+@asynccontextmanager
+async def open_client(config: PeerConfig) -> AsyncIterator[Client]:
+    """A bare host on ``config``'s listen addresses, with a fresh identity."""
+    async with open_host(config) as host:
+        yield Client(host)
 
 
 def target_of(bootstrap: str) -> ID:

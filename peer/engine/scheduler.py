@@ -133,6 +133,7 @@ class BatchQueue(Generic[S]):
         self.waiting: deque[S] = deque()
         self.batch: dict[int, S] = {}  # admitted, unfinished; insertion order = age
         self._rank = rank
+        self._held_back = False  # the last step left the others' decodes out
 
     def submit(self, seq: S) -> None:
         self.waiting.append(seq)
@@ -174,8 +175,12 @@ class BatchQueue(Generic[S]):
         With a rank, prompts ranked above 0 (served for others) are read only in steps
         where no rank-0 prompt is read, and then at most step_tokens // BACKGROUND_SHARE
         tokens of them: a step's time grows with its tokens, so a long remote prompt
-        neither shares our prompts' steps nor makes the step one of ours waits for long."""
-        decoding = [s.rid for s in self.batch.values() if s.pos >= len(s.tokens)]
+        neither shares our prompts' steps nor makes the step one of ours waits for long.
+        A step that reads one of our prompts decodes only our streams, unless the step
+        before it held the others back too: their decodes (long contexts, up to the remote
+        slots) lengthen the step our first token waits for, and they lose at most every
+        other step while our prompts are read, never their place."""
+        decoding = [s for s in self.batch.values() if s.pos >= len(s.tokens)]
         reading = [s for s in self.batch.values() if s.pos < len(s.tokens)]
         budget = step_tokens
         if self._rank is not None:
@@ -183,11 +188,17 @@ class BatchQueue(Generic[S]):
             ours = [s for s in reading if rank(s) <= 0]
             if ours:
                 reading = ours
+                mine = [s for s in decoding if rank(s) <= 0]
+                if self._held_back or len(mine) == len(decoding):
+                    self._held_back = False
+                else:
+                    decoding, self._held_back = mine, True
             else:
+                self._held_back = False
                 reading.sort(key=rank)  # stable: oldest first within a rank
                 budget = len(decoding) + max(1, step_tokens // BACKGROUND_SHARE)
         prefilling = [(s.rid, len(s.tokens) - s.pos) for s in reading]
-        return plan_step(decoding, prefilling, budget)
+        return plan_step([s.rid for s in decoding], prefilling, budget)
 
 
 def _age(seq: Scheduled) -> int:
