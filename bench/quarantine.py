@@ -48,9 +48,12 @@ def forwards_until_quarantine(liar: str, verify_fraction: float, rng: random.Ran
             ledger.record_shadow_match(PEER)
             continue
         verify = ledger.should_verify(PEER, rng)
+        audit = not verify and ledger.should_audit(PEER)  # re-scored after delivery
+        if audit:
+            ledger.record_audit(PEER)
         if lying:
             lies += 1
-            if verify:
+            if verify or audit:
                 ledger.quarantine(PEER, "verification failed", 0.0)
                 assert not ledger.routable(PEER)
                 return lies
@@ -108,14 +111,30 @@ async def pipeline_trial(liar: str, verify_fraction: float, seed: str) -> tuple[
     )
     router = Router(cfg.policy, random.Random(seed), block_size=BLOCK, trust=trust,
                     require_rtt=True)
+    import trio
+
+    audits: list[Any] = []  # delivered answers to re-score (EvidenceService's audits)
+
+    def audit(evidence: Any) -> bool:
+        audits.append(evidence)
+        return True
+
+    async def run_audits() -> None:
+        while audits:
+            evidence = audits.pop(0)
+            verdict = await engine.verify(
+                list(evidence.request.prompt_token_ids), list(evidence.answer), params
+            )
+            if not verdict.ok:
+                pipeline.quarantine(evidence.accused, f"audit: {verdict.detail}")
+
     pipeline = Pipeline(
         config=cfg, engine=engine, router=router, table=table, host=host,
         admission=Admission(cfg.max_queue), self_id=SELF, trust=trust,
-        rng=random.Random(f"{seed}/pipeline"),
+        rng=random.Random(f"{seed}/pipeline"), on_audit=audit,
     )
     params = SamplingParams(max_new_tokens=6)
     good = reference(prompt, 6)
-    import trio
 
     wrong = 0
     async with trio.open_nursery() as nursery:
@@ -124,6 +143,7 @@ async def pipeline_trial(liar: str, verify_fraction: float, seed: str) -> tuple[
             request = GenerationRequest(f"request-{n}", tuple(prompt), params)
             result = await pipeline.generate(request)
             await trio.sleep(1.0)  # a shadow of this request ends meanwhile
+            await run_audits()
             wrong += list(result.token_ids) != good
             if not trust.routable(liar_id):
                 nursery.cancel_scope.cancel()

@@ -189,3 +189,37 @@ async def test_evidence_arrives_over_a_stream_and_a_garbage_frame_is_counted() -
         await service._receive_one(_Pipe(theirs), "sender")  # type: ignore[arg-type]
     assert [p for p, _ in quarantined] == [evidence.accused]
     assert service.statistics()["evidence_invalid"] == 1
+
+
+async def test_an_audit_rescores_a_delivered_answer_and_a_wrong_one_is_a_confirmed_lie() -> None:
+    from peer.request.evidence import AUDITS
+
+    quarantined: list[tuple[str, str]] = []
+    service, checked = _service(False, quarantined)
+    lie = signed_evidence(1, (7, 8, 9))
+    assert service.audit(lie)
+    for n in range(AUDITS - 1):
+        assert service.audit(signed_evidence(1, (n,)))
+    assert not service.audit(signed_evidence(1, (5,)))  # bounded: dropped and counted
+    assert service.statistics()["audits_dropped"] == 1
+    service._audit_send.close()
+    await service._audits()  # the audit task, as serve() runs it, until none wait
+    assert len(checked) == AUDITS
+    assert quarantined[0][0] == lie.accused and "audited after delivery" in quarantined[0][1]
+    assert service._receive.receive_nowait() == (lie, None)  # told to the table
+    assert service.statistics()["audits_failed"] == AUDITS
+
+
+async def test_a_newly_trusted_peers_answer_is_delivered_then_handed_to_an_audit(
+    autojump_clock: Any,
+) -> None:
+    swarm = fake_swarm({A: (7, wrong), B: (6, honest())}, PROMPT, verify_fraction=1e-12)
+    audits: list[Evidence] = []
+    swarm.pipeline._context._on_audit = lambda evidence: audits.append(evidence) or True
+    _, result = await collect(swarm.pipeline)
+    assert route(result) == [(A, Outcome.OK)]  # not held back: the client has it at once
+    assert [e.accused for e in audits] == [A] and evidence_signed(audits[0])
+    assert swarm.trust.statistics()["audited"] == 1
+    for _ in range(2):
+        await collect(swarm.pipeline)
+    assert len(audits) == 3 and not swarm.trust.should_audit(A)  # the first three only

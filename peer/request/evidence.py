@@ -8,6 +8,11 @@ accused's signature, then re-scores the answer with its own engine's verifier; o
 signed answer its own verifier rejects quarantines the accused here, and then it tells
 its own table in turn. One entry's discovery thus protects the swarm, and nobody can be
 accused with an answer it did not sign or that is right.
+
+Audits are this peer's own checks after delivery (peer/routing/trust.py `should_audit`):
+a newly trusted peer's signed answer, already streamed to the client, is re-scored here
+one at a time (at most AUDITS waiting; more are dropped and counted), and a wrong one is
+handled as a confirmed lie: quarantine, then evidence to the table.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import trio
 from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
 
-from peer.engine.api import EngineError, SamplingParams, Verify
+from peer.engine.api import EngineError, SamplingParams, Verdict, Verify
 from peer.net.wire import FrameStream, HandlerHost, InboundStream, StreamOpener, WireError
 from peer.request.signed import evidence_signed
 from peer.routing.evidence import Consider, EvidenceDesk, spread_targets
@@ -38,6 +43,7 @@ logger = logging.getLogger(__name__)
 READ_TIMEOUT_S = 10.0  # a sender writes its one frame right after opening
 SEND_TIMEOUT_S = 10.0  # per peer told: open, write, close
 OUTBOX = 16  # confirmed lies waiting to be told; beyond it the oldest news is dropped
+AUDITS = 4  # delivered answers waiting for their audit; beyond it an audit is dropped
 
 
 class EvidenceService:
@@ -66,7 +72,17 @@ class EvidenceService:
         self._send, self._receive = trio.open_memory_channel[tuple[Evidence, str | None]](
             OUTBOX
         )
+        self._audit_send, self._audit_receive = trio.open_memory_channel[Evidence](AUDITS)
         self.stats: Counter[str] = Counter()
+
+    def audit(self, evidence: Evidence) -> bool:
+        """Re-score this delivered, signed answer soon (False: too many waiting)."""
+        try:
+            self._audit_send.send_nowait(evidence)
+        except (trio.WouldBlock, trio.ClosedResourceError):
+            self.stats["audits_dropped"] += 1
+            return False
+        return True
 
     def spread(self, evidence: Evidence, source: str | None = None) -> None:
         """Tell the peers in our table of this lie (not `source`, who told us)."""
@@ -86,6 +102,7 @@ class EvidenceService:
                 nursery.start_soon(self._receive_one, stream, sender)
 
             host.set_stream_handler(TProtocol(EVIDENCE_PROTOCOL), handle)
+            nursery.start_soon(self._audits)
             task_status.started()
             async for evidence, source in self._receive:
                 targets = spread_targets(
@@ -94,6 +111,38 @@ class EvidenceService:
                 )
                 for peer in targets:
                     nursery.start_soon(self._tell, peer, evidence)
+
+    async def _audits(self) -> None:
+        async with self._audit_receive:
+            async for evidence in self._audit_receive:
+                verdict = await self._rescore(evidence, "audit")
+                if verdict is None:
+                    continue
+                self.stats["audits_passed" if verdict.ok else "audits_failed"] += 1
+                if not verdict.ok:
+                    self._quarantine(evidence.accused,
+                                     f"wrong output (audited after delivery): {verdict.detail}")
+                    self.spread(evidence)
+
+    async def _rescore(self, evidence: Evidence, what: str) -> Verdict | None:
+        """Our own verifier's verdict on the signed answer (None: no verifier, or it
+        failed)."""
+        if self._verify is None:  # nothing to re-score with: believe no one
+            self.stats[f"{what}_unverifiable"] += 1
+            return None
+        request = evidence.request
+        params = SamplingParams(
+            max_new_tokens=request.max_new_tokens, temperature=request.temperature,
+            top_p=request.top_p, seed=request.seed, stop=request.stop,
+        )
+        try:
+            return await self._verify(
+                list(request.prompt_token_ids), list(evidence.answer), params
+            )
+        except (EngineError, ValueError, RuntimeError) as exc:
+            self.stats[f"{what}_check_failed"] += 1
+            logger.info("could not re-score an answer of %s: %s", evidence.accused, exc)
+            return None
 
     async def _tell(self, peer: str, evidence: Evidence) -> None:
         with trio.move_on_after(SEND_TIMEOUT_S):
@@ -138,21 +187,8 @@ class EvidenceService:
             if not evidence_signed(evidence):
                 self.stats["evidence_unsigned"] += 1
                 return False
-            if self._verify is None:  # nothing to re-score with: believe no one
-                self.stats["evidence_unverifiable"] += 1
-                return False
-            request = evidence.request
-            params = SamplingParams(
-                max_new_tokens=request.max_new_tokens, temperature=request.temperature,
-                top_p=request.top_p, seed=request.seed, stop=request.stop,
-            )
-            try:
-                verdict = await self._verify(
-                    list(request.prompt_token_ids), list(evidence.answer), params
-                )
-            except (EngineError, ValueError, RuntimeError) as exc:
-                self.stats["evidence_check_failed"] += 1
-                logger.info("could not re-score evidence against %s: %s", accused, exc)
+            verdict = await self._rescore(evidence, "evidence")
+            if verdict is None:
                 return False
             if verdict.ok:
                 self.stats["evidence_rejected"] += 1

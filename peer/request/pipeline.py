@@ -86,6 +86,7 @@ class Pipeline:
         rng: random.Random | None = None,
         on_quarantine: Callable[[Quarantine], None] | None = None,
         on_evidence: Callable[[Evidence], None] | None = None,
+        on_audit: Callable[[Evidence], bool] | None = None,
         before_route: Callable[[Sequence[int], Sequence[int], float], Awaitable[None]]
         | None = None,
     ) -> None:
@@ -110,7 +111,7 @@ class Pipeline:
         self._context = RunContext(
             config=config, engine=engine, router=router, table=table, trust=trust,
             rng=rng, stats=self.stats, self_id=self_id,
-            on_quarantine=on_quarantine, on_evidence=on_evidence,
+            on_quarantine=on_quarantine, on_evidence=on_evidence, on_audit=on_audit,
         )
         self.shadows = Shadows(
             planner=ShadowPlanner(trust, share=config.probation_share,

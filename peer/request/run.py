@@ -110,6 +110,7 @@ class RunContext:
         self_id: str,
         on_quarantine: Callable[[Quarantine], None] | None = None,
         on_evidence: Callable[[Evidence], None] | None = None,
+        on_audit: Callable[[Evidence], bool] | None = None,
     ) -> None:
         self.config = config
         self.engine = engine
@@ -123,6 +124,7 @@ class RunContext:
         self.waiters = Waiters()
         self._on_quarantine = on_quarantine
         self._on_evidence = on_evidence
+        self._on_audit = on_audit
 
     def accuse(self, attempt: object) -> None:
         """Tell other peers of a verified lie: the attempt's signed answer (none: a local
@@ -132,6 +134,23 @@ class RunContext:
             if evidence is not None:
                 self.stats["evidence_found"] += 1
                 self._on_evidence(evidence)
+
+    def audit(self, attempt: object) -> None:
+        """Hand a remote answer delivered unverified to an audit, if the ledger wants one
+        (peer/routing/trust.py `should_audit`): it is re-scored off the client's path and
+        a wrong one quarantines its server here and is told to others as evidence."""
+        if not isinstance(attempt, RemoteAttempt) or self._on_audit is None:
+            return
+        if not self.trust.should_audit(attempt.peer_id):
+            return
+        evidence = attempt.evidence()
+        if evidence is None:
+            return
+        if self._on_audit(evidence):
+            self.trust.record_audit(attempt.peer_id)
+            self.stats["responses_audited"] += 1
+        else:
+            self.stats["audits_dropped"] += 1
 
     def served(self, racer: Racer, prompt: list[int], produced: int) -> float:
         """The winner delivered ``produced`` tokens and finished; what it was charged for
@@ -372,6 +391,7 @@ class RequestRun:
                 tokens = await attempt.next_tokens()
             finish = tokens
             await attempt.aclose()  # at once, as below: closing tells nothing of a check
+            self._context.audit(attempt)
         else:
             output = list(attempt.first)
             while not isinstance(more := await attempt.next_tokens(), Finished):

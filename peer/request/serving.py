@@ -114,6 +114,7 @@ class Serving:
             rng=rng,
             on_quarantine=self._persist_quarantine,
             on_evidence=lambda evidence: self.evidence.spread(evidence),
+            on_audit=lambda evidence: self.evidence.audit(evidence),
             before_route=before_route,
         )
         # Told of lies other peers verified; tells them of ours (peer/request/evidence.py).

@@ -3,10 +3,11 @@
 Fed by method calls (time and randomness are parameters), it decides and returns actions
 (`Promote`, `Quarantine`) that the pipeline carries out: new identities are on probation
 (they serve no client; copies of requests served anyway check them: peer/routing/shadow.py)
-until ``probation_requests`` answers matched, trusted peers are verified at
-`verify_fraction` once their record is long (more often before: `verify_probability`), a
-failed verification quarantines for good, overshooting Bloom claims discount a peer's
-claims, observed speeds bound advertised ones (peer/routing/claims.py), and every lapse
+until ``probation_requests`` answers matched, their first answers to clients once trusted
+are audited (re-scored after delivery: `should_audit`), trusted peers' answers are
+verified before delivery at `verify_fraction`, a failed check quarantines for good,
+overshooting Bloom claims discount a peer's claims, observed speeds bound advertised
+ones (peer/routing/claims.py), and every lapse
 that cost a client time (a failure, a stall, a hedge race lost, a decode far slower than
 claimed) is charged to a reliability debt that ranks the peer after the entry peer while
 it lasts (peer/routing/reliability.py). docs/security.md says what each rule stops.
@@ -124,6 +125,7 @@ class PeerTrust(NamedTuple):
 class _Peer:
     verified: int = 0
     served: int = 0
+    audited: int = 0  # answers to clients re-scored after delivery (should_audit)
     trusted: bool = False
     claims_checked: int = 0
     overshoots: int = 0
@@ -209,21 +211,34 @@ class TrustLedger:
         return rng.random() < self.verify_probability(peer_id)
 
     def verify_probability(self, peer_id: str) -> float:
-        """How likely a trusted peer's next response is verified: probation goes on
-        into service. With k = probation_requests, its first k answers to clients after
-        promotion are all verified, then the j-th more with probability k / (j + 1), down
-        to verify_fraction. Passing probation proves answers the peer may have obtained
-        elsewhere (proxied to an honest peer); what it delivers to clients is checked
-        until its record is long. A fraction of 0 (verify no trusted peer) turns this
-        off too."""
-        if self.verify_fraction == 0.0:
-            return 0.0
+        """How likely a trusted peer's next response is verified before delivery:
+        ``verify_fraction``. (Holding an answer back until it is re-scored costs its
+        client the whole answer's time to first token, so the first answers after
+        promotion are audited instead: `should_audit`.)"""
+        del peer_id
+        return self.verify_fraction
+
+    def should_audit(self, peer_id: str) -> bool:
+        """Whether a response of ``peer_id`` delivered unverified is re-scored after
+        delivery: probation goes on into service. Its first ``probation_requests``
+        answers to clients after promotion are audited, since passing probation proves
+        only answers the peer may have obtained elsewhere (proxied to an honest peer). A
+        launderer that lies once trusted delivers one lie, is quarantined by the audit,
+        and its signed answer is evidence for every other peer. A fraction of 0 (verify no
+        trusted peer) turns this off too."""
+        if not self.can_verify or self.verify_fraction == 0.0:
+            return False
         peer = self._peers.get(peer_id)
-        verified = peer.verified if peer is not None else 0
-        k = self.probation_requests
-        beyond = max(0, verified - 2 * k)  # verified answers past the first k in service
-        ramp = k / (beyond + 1) if k else 0.0
-        return min(1.0, max(self.verify_fraction, ramp))
+        if peer is None or not peer.trusted or peer_id in self._quarantined:
+            return False
+        return peer.audited < self.probation_requests
+
+    def record_audit(self, peer_id: str) -> None:
+        """An answer of ``peer_id`` was handed to an audit (`should_audit`)."""
+        peer = self._peers.get(peer_id)
+        if peer is not None:
+            peer.audited += 1
+            self._count("audited")
 
     # -- what happened -----------------------------------------------------------------------
 
