@@ -147,6 +147,21 @@ async def test_a_quarantined_peer_is_refused_with_a_typed_error(autojump_clock: 
     assert engine.background == [True]  # served, behind this peer's own requests
 
 
+async def test_a_trusted_peers_forwards_queue_beside_our_own_clients(autojump_clock: Any) -> None:
+    engine = _RecordingEngine()
+    trusted: set[str] = set()
+    service = InferenceService(
+        engine, Admission(4), self_id="me", max_inbound_per_peer=4,
+        trusted=lambda peer_id: peer_id in trusted,
+    )
+    assert isinstance((await _ask(service, _request()))[-1], InferResult)
+    trusted.add(STRANGER.to_base58())  # it served us honestly: its clients are ours too
+    assert isinstance((await _ask(service, _request()))[-1], InferResult)
+    assert engine.background == [True, False]
+    assert service.statistics()["served_background"] == 1
+    assert service.statistics()["served_trusted"] == 1
+
+
 async def test_a_stranger_over_its_budget_is_refused_until_it_refills(autojump_clock: Any) -> None:
     engine = _RecordingEngine(busy=True)  # prefill 1000 tokens/s, decode 100 tokens/s
     budget = RemoteBudget(BudgetPolicy(identity_share=0.25, remote_share=0.5, burst_s=8.0))

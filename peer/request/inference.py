@@ -4,9 +4,11 @@
 nursery (libp2p's handler only hands the stream over), refuses peers this one quarantined
 (`refused`), bounds the requests in flight per remote peer and charges each to the remote
 budget (peer/request/budget.py: `over_budget` when a share is spent), runs them on the
-local engine through the shared `Admission` behind this peer's own clients' requests
-(`background`), streams tokens back, and stops generating as soon as the entry peer goes
-away (a reader watches the stream while the engine runs).
+local engine through the shared `Admission` (a stranger's, from a peer this one does not
+trust yet, behind this peer's own clients' requests: `background`; a trusted peer's
+forwards are its clients' requests too, and queue beside ours), streams tokens back,
+and stops generating as soon as the entry peer goes away (a reader watches the stream
+while the engine runs).
 """
 
 from __future__ import annotations
@@ -80,6 +82,7 @@ class InferenceService:
         max_inbound_per_peer: int,
         budget: RemoteBudget | None = None,
         refuses: Callable[[str], bool] = lambda peer_id: False,
+        trusted: Callable[[str], bool] = lambda peer_id: False,
         sign: Signer | None = None,
     ) -> None:
         self._engine = engine
@@ -88,6 +91,7 @@ class InferenceService:
         self._max_per_peer = max_inbound_per_peer
         self.budget = budget or RemoteBudget()
         self._refuses = refuses  # whether a peer is served no more (quarantined here)
+        self._trusted = trusted  # whether a peer's requests queue beside our clients'
         self._sign = sign  # signs every answer (None: unsigned, which entries refuse)
         self._per_peer: Counter[str] = Counter()
         self._leaving = False
@@ -177,7 +181,7 @@ class InferenceService:
             return
         self._per_peer[remote] += 1
         try:
-            await self._run(frames, request)
+            await self._run(frames, request, background=not self._trusted(remote))
         finally:
             self.budget.release(charge)
             self._per_peer[remote] -= 1
@@ -185,7 +189,7 @@ class InferenceService:
                 del self._per_peer[remote]
             await frames.close()
 
-    async def _run(self, frames: FrameStream, request: InferRequest) -> None:
+    async def _run(self, frames: FrameStream, request: InferRequest, *, background: bool) -> None:
         params = SamplingParams(
             max_new_tokens=request.max_new_tokens,
             temperature=request.temperature,
@@ -200,14 +204,16 @@ class InferenceService:
             await self._reply_error(frames, ErrorCode.OVERLOADED, str(exc))
             return
         with slot, trio.move_on_after(request.deadline_s) as deadline:
-            status = await self._stream_tokens(frames, request, params)
+            status = await self._stream_tokens(frames, request, params, background)
+            self.stats["served_background" if background else "served_trusted"] += 1
             self.stats[status.value] += 1
         if deadline.cancelled_caught:
             self.stats["deadline"] += 1
             await self._reply_error(frames, ErrorCode.DEADLINE, "deadline passed while serving")
 
     async def _stream_tokens(
-        self, frames: FrameStream, request: InferRequest, params: SamplingParams
+        self, frames: FrameStream, request: InferRequest, params: SamplingParams,
+        background: bool,
     ) -> Served:
         """Stream the generation back; every failure becomes a status and, where the entry
         peer can still hear it, an error frame. Nothing escapes to the service."""
@@ -215,7 +221,7 @@ class InferenceService:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._watch_entry, frames, nursery.cancel_scope)
             try:
-                await self._send_generation(frames, request, params)
+                await self._send_generation(frames, request, params, background)
                 status = Served.SERVED
             except InvalidRequest as exc:  # valid on the wire, not for this model
                 status = Served.INVALID
@@ -230,9 +236,10 @@ class InferenceService:
         return status
 
     async def _send_generation(
-        self, frames: FrameStream, request: InferRequest, params: SamplingParams
+        self, frames: FrameStream, request: InferRequest, params: SamplingParams,
+        background: bool,
     ) -> None:
-        agen = self._engine.stream(request.prompt_token_ids, params, background=True)
+        agen = self._engine.stream(request.prompt_token_ids, params, background=background)
         async with contextlib.aclosing(agen):
             async for item in agen:
                 if isinstance(item, TokenEvent):

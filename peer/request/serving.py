@@ -99,6 +99,9 @@ class Serving:
                 )
             ),
             refuses=lambda peer_id: not self.trust.routable(peer_id),
+            trusted=lambda peer_id: (
+                self.trust.routable(peer_id) and not self.trust.on_probation(peer_id)
+            ),
             sign=sign,
         )
         self.load = LoadService(engine)  # answers other entry peers' load probes
