@@ -394,7 +394,8 @@ async def _add_trust_states(
     null when none did."""
     states: Counter[str] = Counter()
     reasons: set[str] = set()
-    quarantined_by = 0
+    quarantined_by = verified = lapses = 0
+    debt = 0.0
     async with httpx.AsyncClient(timeout=10) as client:
         for peer in honest:
             try:
@@ -405,9 +406,16 @@ async def _add_trust_states(
             quarantined_by += any(t and t["state"] == "quarantined" for t in trusts)
             for t in filter(None, trusts):
                 states[t["state"]] += 1
+                verified += int(t.get("verified", 0))
+                lapses += int(t.get("lapses", 0))
+                debt = max(debt, float(t.get("debt", 0.0)))
                 if t["state"] == "quarantined":
                     reasons.add(t["reason"][:100])
     row["rogue_trust_states"] = dict(states)
+    # Why a rogue stayed on probation: its matched answers, and lapses charged to it.
+    row["rogue_verified_answers"] = verified
+    row["rogue_lapses"] = lapses
+    row["rogue_debt_max"] = round(debt, 3)
     row["quarantine_reasons"] = sorted(reasons)
     row["quarantined_by_honest_peers"] = quarantined_by
     if "requests_until_quarantine" in row:
