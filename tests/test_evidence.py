@@ -223,3 +223,28 @@ async def test_a_newly_trusted_peers_answer_is_delivered_then_handed_to_an_audit
     for _ in range(2):
         await collect(swarm.pipeline)
     assert len(audits) == 3 and not swarm.trust.should_audit(A)  # the first three only
+
+
+async def test_an_audit_waits_for_the_engine_to_be_idle_but_not_forever(
+    autojump_clock: Any,
+) -> None:
+    from peer.request.evidence import AUDIT_IDLE_WAIT_S
+
+    quarantined: list[tuple[str, str]] = []
+    service, checked = _service(True, quarantined)
+    busy_until = 5.0
+    service._idle = lambda: trio.current_time() >= busy_until
+    assert service.audit(signed_evidence(1, (7, 8, 9)))
+    service._audit_send.close()
+    start = trio.current_time()
+    await service._audits()
+    assert checked and trio.current_time() >= busy_until  # ran once idle
+    service2, checked2 = _service(True, quarantined)
+    service2._idle = lambda: False  # never idle: the audit still runs, late
+    assert service2.audit(signed_evidence(1, (7,)))
+    service2._audit_send.close()
+    start = trio.current_time()
+    await service2._audits()
+    assert checked2 and trio.current_time() - start >= AUDIT_IDLE_WAIT_S - 1e-6
+    assert service2.statistics()["audits_run_busy"] == 1
+    assert quarantined == []  # both answers re-scored right

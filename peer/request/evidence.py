@@ -11,8 +11,9 @@ accused with an answer it did not sign or that is right.
 
 Audits are this peer's own checks after delivery (peer/routing/trust.py `should_audit`):
 a newly trusted peer's signed answer, already streamed to the client, is re-scored here
-one at a time (at most AUDITS waiting; more are dropped and counted), and a wrong one is
-handled as a confirmed lie: quarantine, then evidence to the table.
+one at a time, when the engine is idle (or after AUDIT_IDLE_WAIT_S), at most AUDITS
+waiting (more are dropped and counted), and a wrong one is handled as a confirmed lie:
+quarantine, then evidence to the table.
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ READ_TIMEOUT_S = 10.0  # a sender writes its one frame right after opening
 SEND_TIMEOUT_S = 10.0  # per peer told: open, write, close
 OUTBOX = 16  # confirmed lies waiting to be told; beyond it the oldest news is dropped
 AUDITS = 4  # delivered answers waiting for their audit; beyond it an audit is dropped
+AUDIT_IDLE_WAIT_S = 30.0  # an audit waits this long at most for the engine to be idle
+AUDIT_IDLE_POLL_S = 0.1
 
 
 class EvidenceService:
@@ -60,6 +63,7 @@ class EvidenceService:
         quarantine: Callable[[str, str], None],
         peers: Callable[[], Iterable[str]],
         desk: EvidenceDesk | None = None,
+        idle: Callable[[], bool] = lambda: True,
     ) -> None:
         self._host = host
         self._self_id = self_id
@@ -69,6 +73,7 @@ class EvidenceService:
         self._quarantine = quarantine
         self._peers = peers
         self.desk = desk or EvidenceDesk(self_id=self_id)
+        self._idle = idle  # whether the engine serves nothing now (audits wait for it)
         self._send, self._receive = trio.open_memory_channel[tuple[Evidence, str | None]](
             OUTBOX
         )
@@ -115,6 +120,7 @@ class EvidenceService:
     async def _audits(self) -> None:
         async with self._audit_receive:
             async for evidence in self._audit_receive:
+                await self._wait_idle()
                 verdict = await self._rescore(evidence, "audit")
                 if verdict is None:
                     continue
@@ -123,6 +129,16 @@ class EvidenceService:
                     self._quarantine(evidence.accused,
                                      f"wrong output (audited after delivery): {verdict.detail}")
                     self.spread(evidence)
+
+    async def _wait_idle(self) -> None:
+        """Until the engine serves nothing, for AUDIT_IDLE_WAIT_S at most: an audit is
+        nobody's request, so it takes the engine's idle time where there is some (a busy
+        entry still audits, late, rather than never)."""
+        with trio.move_on_after(AUDIT_IDLE_WAIT_S) as waited:
+            while not self._idle():
+                await trio.sleep(AUDIT_IDLE_POLL_S)
+        if waited.cancelled_caught:
+            self.stats["audits_run_busy"] += 1
 
     async def _rescore(self, evidence: Evidence, what: str) -> Verdict | None:
         """Our own verifier's verdict on the signed answer (None: no verifier, or it

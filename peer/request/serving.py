@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from peer.config import PeerConfig
-from peer.engine.api import GeneratingEngine, SamplingParams
+from peer.engine.api import EngineLoad, GeneratingEngine, SamplingParams
 from peer.net.wire import HandlerHost, StreamOpener
 from peer.request.admission import Admission, Overloaded
 from peer.request.budget import BudgetPolicy, RemoteBudget
@@ -126,6 +126,7 @@ class Serving:
             is_quarantined=lambda peer_id: not self.trust.routable(peer_id),
             quarantine=self.pipeline.quarantine,
             peers=lambda: [v.peer_id for v in table.views(trio.current_time())],
+            idle=lambda: _idle(engine.load()),
         )
         self.requests = RequestLog()
 
@@ -323,3 +324,7 @@ def _ok_record(result: GenerationResult, now: float) -> RequestRecord:
         served_by=result.served_by,
         route=route_of(result.route),
     )
+
+
+def _idle(load: EngineLoad) -> bool:
+    return load.running_requests == 0 and load.waiting_requests == 0
