@@ -19,6 +19,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import shlex
 import shutil
 import statistics
@@ -385,6 +386,27 @@ async def run_scenario(
         return row
 
 
+async def _add_gate_counts(row: dict[str, Any], honest: list[PeerProcess]) -> None:
+    """The honest peers' gossip gate verdicts, summed (/metrics), and how many of them
+    graylisted a forwarder."""
+    verdicts: Counter[str] = Counter()
+    graylisting = 0
+    async with httpx.AsyncClient(timeout=10) as client:
+        for peer in honest:
+            try:
+                text = (await client.get(f"{peer.http}/metrics")).text
+            except httpx.HTTPError:
+                continue
+            for verdict, count in re.findall(
+                r'^prefixswarm_gossip_gate_total\{verdict="(\w+)"\} (\S+)$', text, re.M
+            ):
+                verdicts[verdict] += int(float(count))
+            graylisted = re.search(r"^prefixswarm_gossip_graylisted (\S+)$", text, re.M)
+            graylisting += bool(graylisted and float(graylisted.group(1)) > 0)
+    row["honest_gate_verdicts"] = dict(verdicts)
+    row["honest_peers_graylisting"] = graylisting
+
+
 async def _add_trust_states(
     row: dict[str, Any], honest: list[PeerProcess], fakes: set[str]
 ) -> None:
@@ -412,6 +434,7 @@ async def _add_trust_states(
                 if t["state"] == "quarantined":
                     reasons.add(t["reason"][:100])
     row["rogue_trust_states"] = dict(states)
+    await _add_gate_counts(row, honest)
     # Why a rogue stayed on probation: its matched answers, and lapses charged to it.
     row["rogue_verified_answers"] = verified
     row["rogue_lapses"] = lapses

@@ -307,6 +307,7 @@ async def open_peer(config: PeerConfig, engine: EngineView | None = None) -> Asy
             mode=config.gossip_mode,
             neighbours=config.gossip_neighbours,
             reachable=lambda peer: host.is_connected(peer) or host.is_relayed(peer),
+            disconnect=host.disconnect,
         )
         discovery = Discovery(
             host,

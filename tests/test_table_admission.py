@@ -83,8 +83,9 @@ _event = st.tuples(
 def test_proven_peers_always_get_a_slot(events, max_peers, max_unproven) -> None:
     """Through any mix of summaries from peers reached or not, round trips and silences:
     the table never holds more than max_peers entries nor more than max_unproven
-    unproven ones, and a reached newcomer is refused only by a table full of peers that
-    were all reached."""
+    unproven ones, a reached newcomer is refused only by a table full of peers that
+    were all reached, and room_for_unproven is False only when the table would refuse a
+    new unproven peer (what the gossip gate drops unchecked)."""
     max_unproven = min(max_unproven, max_peers)
     t = PeerTable(SELF, MODEL, 16, EXPIRY, max_peers=max_peers, max_unproven=max_unproven)
     seqs: dict[str, int] = {}
@@ -100,6 +101,9 @@ def test_proven_peers_always_get_a_slot(events, max_peers, max_unproven) -> None
         else:
             seqs[peer] = seqs.get(peer, 0) + 1
             known = t.get(peer, now) is not None
+            held = t.holds(peer)
+            assert held or not known
+            room = t.room_for_unproven(now)
             proven_before = len(t.views(now)) - t.statistics()["unproven"]
             result = t.apply(summary(peer, seqs[peer]), peer, now, reachable=kind == "reachable")
             if kind == "reachable" and not known:
@@ -108,6 +112,8 @@ def test_proven_peers_always_get_a_slot(events, max_peers, max_unproven) -> None
                 ), result
             if kind == "unproven" and not known and result.accepted:
                 assert t.statistics()["unproven"] <= max_unproven
+            if kind == "unproven" and not held and not room:  # the gossip gate drops it
+                assert result.reason in (Verdict.UNPROVEN_FULL, Verdict.TABLE_FULL), result
         assert len(t) <= max_peers
         assert t.statistics()["unproven"] <= max_unproven
         now += 0.1

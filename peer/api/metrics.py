@@ -75,6 +75,19 @@ class _PeerCollector(Collector):
         for fate in ("published", "accepted", "rejected"):
             summaries.add_metric([fate], _total(stats[f"summaries_{fate}"]))
         yield summaries
+        gate = CounterMetricFamily(
+            "prefixswarm_gossip_gate",
+            "Received summaries by the gossip gate's verdict, before their signature is checked",
+            labels=["verdict"],
+        )
+        for verdict, count in (stats.get("gossip") or {}).get("gate", {}).items():
+            gate.add_metric([verdict], count)
+        yield gate
+        yield GaugeMetricFamily(
+            "prefixswarm_gossip_graylisted",
+            "Gossip forwarders graylisted now (their summaries kept being refused)",
+            value=(stats.get("gossip") or {}).get("graylisted", 0),
+        )
         engine = stats.get("engine") or {}
         # As vLLM's prefix_cache_queries/hits: rate(hits) / rate(queries) is the hit
         # ratio over any window, which a lifetime ratio gauge cannot give.

@@ -477,6 +477,12 @@ def _remember_signed_records(consume: Any, clock: Any = time.monotonic) -> Any:
 
 def _guard_pubsub_reader(read_stream: Any) -> Any:
     async def guarded(self: Pubsub, stream: INetStream) -> None:
+        # py-libp2p refuses to open streams to a blacklisted peer but reads the streams
+        # it opens to us: refuse those too (peer/swarm/gossip_gate.py graylists)
+        if self.is_peer_blacklisted(stream.muxed_conn.peer_id):
+            with trio.move_on_after(RESET_TIMEOUT_S):
+                await _reset_quietly(stream)
+            return
         try:
             await read_stream(self, stream)
         except (DecodeError, ValueError) as exc:

@@ -15,10 +15,11 @@ No I/O and no clock: time is a parameter; peer/net/punch_service.py is the trio 
 from __future__ import annotations
 
 import ipaddress
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from peer.net.keyed_budget import KeyedBudget
 from peer.net.punch import dialable_tcp
 
 __all__ = [
@@ -115,45 +116,10 @@ def plan_dials(
     return DialPlan(tuple(targets), refused)
 
 
-@dataclass
-class _Bucket:
-    tokens: float
-    at: float
-
-
-class PunchBudget:
+class PunchBudget(KeyedBudget):
     """Punches served per authenticated peer id: a token bucket of BUDGET_BURST, refilled
-    one per BUDGET_REFILL_S. At most MAX_BUDGET_KEYS ids are tracked; the least recently
-    used is dropped first, and a dropped id comes back with a bucket that is empty, not
-    full, so that cycling through ids never refills anyone's budget early."""
+    one per BUDGET_REFILL_S, MAX_BUDGET_KEYS ids tracked (see KeyedBudget)."""
 
     def __init__(self, *, burst: int = BUDGET_BURST, refill_s: float = BUDGET_REFILL_S,
                  max_keys: int = MAX_BUDGET_KEYS) -> None:
-        if burst < 1 or max_keys < 1 or not refill_s > 0:
-            raise ValueError("burst and max_keys must be >= 1 and refill_s > 0")
-        self._burst = burst
-        self._refill_s = refill_s
-        self._max_keys = max_keys
-        self._buckets: OrderedDict[str, _Bucket] = OrderedDict()
-        self._evicted = False  # once ids were dropped, unknown ids start empty
-
-    def try_take(self, peer_id: str, now: float) -> bool:
-        """Spend one punch of `peer_id`'s budget if it has one; False when spent."""
-        bucket = self._buckets.get(peer_id)
-        if bucket is None:
-            bucket = _Bucket(0.0 if self._evicted else float(self._burst), now)
-            self._buckets[peer_id] = bucket
-            while len(self._buckets) > self._max_keys:
-                self._buckets.popitem(last=False)
-                self._evicted = True
-        self._buckets.move_to_end(peer_id)
-        elapsed = max(0.0, now - bucket.at)
-        bucket.tokens = min(float(self._burst), bucket.tokens + elapsed / self._refill_s)
-        bucket.at = max(bucket.at, now)
-        if bucket.tokens < 1.0:
-            return False
-        bucket.tokens -= 1.0
-        return True
-
-    def __len__(self) -> int:
-        return len(self._buckets)
+        super().__init__(burst=burst, refill_s=refill_s, max_keys=max_keys)

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
@@ -42,6 +42,7 @@ from libp2p.pubsub.pubsub import Pubsub
 
 from peer.config import DEFAULT_GOSSIP_NEIGHBOURS, GossipMode
 from peer.engine.api import EngineView
+from peer.swarm.gossip_gate import GRAYLIST_S, GateVerdict, GossipGate
 from peer.swarm.incremental_bloom import CacheFilter
 from peer.swarm.local_summary import build_summary
 from peer.swarm.neighbourhood import Neighbourhood
@@ -78,11 +79,14 @@ class Gossip:
         mode: GossipMode = GossipMode.FULL,
         neighbours: int = DEFAULT_GOSSIP_NEIGHBOURS,
         reachable: Callable[[ID], bool] = lambda peer: False,
+        disconnect: Callable[[ID], Awaitable[None]] | None = None,
     ) -> None:
         """`reachable`: whether this peer holds a connection (direct or relayed) to a
-        summary's origin; the table admits origins never reached only to a share of it."""
+        summary's origin; the table admits origins never reached only to a share of it.
+        `disconnect`: close the connection to a graylisted forwarder."""
         self._pubsub = pubsub
         self._reachable = reachable
+        self._disconnect_peer = disconnect
         self._table = table
         self._engine = engine
         self._peer_id = peer_id
@@ -123,6 +127,7 @@ class Gossip:
         # summaries accepted per sender, for as many senders as the table holds peers
         self._accepted_from: dict[str, int] = {}
         self._cpu_s = 0.0
+        self._gate = GossipGate()
         self._stats = {
             "published": 0,
             "published_early": 0,
@@ -211,6 +216,8 @@ class Gossip:
             "topic_peers": len(self._pubsub.peer_topics.get(self._topic, ())),
             "rejected": dict(self._rejected),
             "rejected_total": sum(self._rejected.values()),
+            "gate": {str(v): n for v, n in self._gate.counts.items()},
+            "graylisted": self._gate.graylisted,
             "seq": self._seq,
             "cpu_s": self._cpu_s,
         }
@@ -234,6 +241,8 @@ class Gossip:
         topics = [self._legacy_topic]
         if self._mode is GossipMode.RING:
             topics.append(self._topic)  # our own: its mesh carries our summaries
+        push_msg = self._pubsub.push_msg
+        self._pubsub.push_msg = self._gated(push_msg)  # type: ignore[method-assign,assignment]
         try:
             async with trio.open_nursery() as nursery:
                 for topic in topics:
@@ -245,8 +254,57 @@ class Gossip:
                     nursery.start_soon(self._extra_loop, nursery)
                 task_status.started()
         finally:
+            self._pubsub.push_msg = push_msg  # type: ignore[method-assign]
             for topic in [*topics, *(self._ring_topic(p) for p in self._listening)]:
                 self._pubsub.remove_topic_validator(topic)
+
+    def _gated(
+        self, push_msg: Callable[[ID, rpc_pb2.Message], Awaitable[None]]
+    ) -> Callable[[ID, rpc_pb2.Message], Awaitable[None]]:
+        """pubsub's push_msg behind the gossip gate (peer/swarm/gossip_gate.py): a
+        summary from an unproven identity is looked at before its signature is checked."""
+
+        async def gated(forwarder: ID, msg: rpc_pb2.Message) -> None:
+            verdict = self._gate_verdict(forwarder, msg)
+            if verdict is GateVerdict.CHECK:
+                await push_msg(forwarder, msg)
+            elif verdict is GateVerdict.NO_ROOM:  # not relayed, and not fetched again
+                self._pubsub.seen_messages.add(self._pubsub.get_message_id(msg))
+            elif verdict is GateVerdict.GRAYLIST and not self._pubsub.is_peer_blacklisted(
+                forwarder
+            ):
+                logger.warning("graylisting %s for %.0f s: it keeps sending summaries of "
+                               "identities this peer cannot take", forwarder, GRAYLIST_S)
+                self._pubsub.add_to_blacklist(forwarder)  # no stream of ours to it...
+                with trio.move_on_after(PUBLISH_TIMEOUT_S):  # ...nor of its to us: the
+                    await self._disconnect(forwarder)  # next one is refused when opened
+
+        return gated
+
+    def _gate_verdict(self, forwarder: ID, msg: rpc_pb2.Message) -> GateVerdict:
+        try:
+            origin = ID(msg.from_id)
+        except Exception:  # not an id: pubsub's own checks drop it
+            return GateVerdict.CHECK
+        if origin == self._peer_id:
+            return GateVerdict.CHECK
+        now = trio.current_time()
+        origin_str = origin.to_base58()
+        return self._gate.decide(
+            forwarder.to_base58(),
+            proven=self._table.is_proven(origin_str) or self._reachable(origin),
+            held=self._table.holds(origin_str),
+            room=self._table.room_for_unproven(now),
+            now=now,
+        )
+
+    async def _disconnect(self, peer: ID) -> None:
+        if self._disconnect_peer is not None:
+            await self._disconnect_peer(peer)
+
+    def _end_graylists(self, now: float) -> None:
+        for forwarder in self._gate.graylist_ended(now):
+            self._pubsub.remove_from_blacklist(ID.from_base58(forwarder))
 
     def _ring_topic(self, peer_id: str) -> str:
         return ring_topic(self._engine.model_id, peer_id)
@@ -326,6 +384,7 @@ class Gossip:
                 if self._mode is GossipMode.RING and not decision.early:
                     await self._update_neighbours(nursery)
                 await self._publish(early=decision.early)
+            self._end_graylists(now)
             expired = self._table.expire(now)
             if expired:
                 self._stats["expired"] += len(expired)

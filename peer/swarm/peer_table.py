@@ -209,6 +209,25 @@ class PeerTable:
         """Entries held, including silent ones that `expire` has not dropped yet."""
         return len(self._entries)
 
+    def holds(self, peer_id: str) -> bool:
+        """Whether `peer_id` has an entry, live or silent but not dropped yet: its next
+        summary is applied without asking for a slot."""
+        return peer_id in self._entries
+
+    def is_proven(self, peer_id: str) -> bool:
+        """Whether `peer_id` has an entry that was reached (a connection or a round trip)."""
+        entry = self._entries.get(peer_id)
+        return entry is not None and entry.proven
+
+    def room_for_unproven(self, now: float) -> bool:
+        """Whether a first summary from a peer never reached could be admitted now: False
+        only when the unproven share or the whole table is taken by live entries (what
+        `apply` would refuse as UNPROVEN_FULL or TABLE_FULL). Asked by the gossip gate
+        before a summary's signature is checked."""
+        if len(self._entries) < self._max_peers and len(self._unproven) < self._max_unproven:
+            return True
+        return now - self._oldest >= self._expiry_s  # a silent entry could be reaped
+
     def _live(self, entry: _Entry, now: float) -> bool:
         return now - entry.received_at < self._expiry_s
 
