@@ -64,7 +64,7 @@ def category(op_name: str) -> str:
     return "other_ops"
 
 
-def _runner(loaded: LoadedModel) -> Runner:
+def make_runner(loaded: LoadedModel) -> Runner:
     itemsize = next(loaded.model.parameters()).element_size()
     layout = KVLayout(loaded.num_layers, loaded.num_kv_heads, loaded.head_dim, 16, itemsize)
     return Runner(loaded.model, layout)
@@ -73,7 +73,7 @@ def _runner(loaded: LoadedModel) -> Runner:
 def prefill(loaded: LoadedModel, tokens: int) -> dict[str, Any]:
     """A cold prompt of `tokens` tokens read in the engine's step-sized chunks: wall and
     CPU seconds, tokens/s (the best of two, the first paying one-time costs)."""
-    runner = _runner(loaded)
+    runner = make_runner(loaded)
     prompt = [(100 + 7 * i) % loaded.vocab_size for i in range(tokens)]
     best = (float("inf"), float("inf"))
     for _ in range(2):
@@ -92,7 +92,7 @@ def measure(loaded: LoadedModel, context: int, steps: int, batch: int,
             profiled: bool = True) -> dict[str, Any]:
     """Decode `steps` tokens on `batch` sequences after `context` prompt tokens each:
     step times, then (if `profiled`) a profiled stretch of the same steps."""
-    runner = _runner(loaded)
+    runner = make_runner(loaded)
     seqs = []
     for b in range(batch):
         kv = runner.new_kv([], context + 2 * steps + 4)

@@ -96,6 +96,7 @@ class Outcome:
     cached_tokens: int = 0
     forwarded: bool = False
     error: str = ""
+    route: list[dict[str, Any]] = field(default_factory=list)  # x_prefixswarm's attempts
 
 
 @dataclass
@@ -174,6 +175,7 @@ async def _send(
         prompt_tokens=usage["prompt_tokens"],
         cached_tokens=usage["prompt_tokens_details"]["cached_tokens"],
         forwarded=served_by != peer.peer_id,
+        route=list(got.extension.get("route", ())),
     )
 
 
