@@ -3,7 +3,7 @@
     python -m bench.adversary --json PATH [--requests 24] [--concurrency 4]
         [--scenarios baseline,liar_staller,wrong_tokens_greedy,wrong_tokens_sampled,
                      forged_origins,sybil,sampled_steerer]
-        [--peer-args "--verify-fraction 1.0"] [--model tiny-random]
+        [--peer-args "--verify-fraction 1.0"] [--model tiny-random] [--dtype auto]
 
 Each scenario starts a fresh swarm (3 honest tiny-random `serve` processes and, except
 for `baseline`, one rogue), sends the same seeded MMLU requests over HTTP to the honest
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -44,6 +45,7 @@ from bench.swarm import (
     swarm_workload,
 )
 from bench.workloads import TokenRequest
+from peer.engine.model import DTYPES
 from peer.processes import (
     PeerProcess,
     PeerProcessError,
@@ -119,7 +121,7 @@ async def _spawn_honest(
 ) -> PeerProcess:
     cmd = [
         sys.executable, "-m", "peer.cli", "serve",
-        "--model", args.model, "--identity", "none",
+        "--model", args.model, "--dtype", args.dtype, "--identity", "none",
         "--listen", listen, "--http", "127.0.0.1:0", *extra,
         "--cache-bytes", str(args.cache_bytes), "--summary-interval", "1",
         "--report", "json", "--exit-with-stdin", "--log-level", args.peer_log_level,
@@ -137,6 +139,7 @@ async def _spawn_rogue(
 ) -> RogueProcess:
     cmd = [
         sys.executable, "-m", "bench.rogue", "--mode", mode, "--model", args.model,
+        "--dtype", args.dtype,
         "--cache-bytes", str(args.cache_bytes), "--identities", str(SYBIL_IDENTITIES),
         "--forged", str(FORGED_IDENTITIES), "--bootstrap", *bootstrap,
         "--relay-dump", str(_relay_dump(args)),
@@ -205,7 +208,9 @@ async def references(
     """The honest model's text for every request (this process, an uncached engine)."""
     from peer.engine.engine import SamplingParams, load_engine
 
-    engine = await trio.to_thread.run_sync(load_engine, args.model, 0, 16)
+    engine = await trio.to_thread.run_sync(
+        functools.partial(load_engine, args.model, 0, 16, dtype=args.dtype)
+    )
     out = []
     for i, request in enumerate(workload):
         params = SamplingParams(max_new_tokens=request.max_new_tokens)
@@ -519,6 +524,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 description=__doc__.split("\n")[0])
     p.add_argument("--json", required=True, help="write the results here")
     p.add_argument("--model", default="tiny-random")
+    p.add_argument("--dtype", default="auto", choices=DTYPES,
+                   help="every peer's weight format, the rogue's and the reference's")
     p.add_argument("--scenarios", default=",".join(SCENARIOS))
     p.add_argument("--requests", type=int, default=24)
     p.add_argument("--concurrency", type=int, default=4)

@@ -45,8 +45,12 @@ class LlamaCpp:
         self.version = __import__("llama_cpp").__version__
 
     def _argmax(self) -> int:
-        scores = self.llm.scores[self.llm.n_tokens - 1]
-        return int(self._np.argmax(scores))
+        """The argmax of the last evaluated token's logits, read from the context: the
+        binding's `scores` stay zero unless every position's logits are kept (its
+        `logits_all`, which would add the output head over the whole prompt)."""
+        logits = self._np.ctypeslib.as_array(self.llm._ctx.get_logits_ith(-1),
+                                             shape=(self.llm.n_vocab(),))
+        return int(self._np.argmax(logits))
 
     def generate(self, tokens: list[int], new_tokens: int) -> tuple[float, float, list[int]]:
         """(seconds to the first token, seconds for the rest, the greedy tokens), cold."""

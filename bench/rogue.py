@@ -66,6 +66,7 @@ from libp2p.pubsub.pubsub import PUBSUB_SIGNING_PREFIX
 
 from bench.rogues import freeloader, probation_launderer, punch_scanner, reachability_liar
 from peer.config import PeerConfig
+from peer.engine.model import DTYPES
 from peer.net.wire import FrameStream, StreamBroken
 from peer.node import Peer, open_peer
 from protocols.answers import signed_bytes
@@ -420,7 +421,9 @@ async def run(args: argparse.Namespace) -> None:
 
     mode = Mode(args.mode)
     rng = random.Random(args.seed)
-    engine = await trio.to_thread.run_sync(load_engine, args.model, args.cache_bytes, 16)
+    engine = await trio.to_thread.run_sync(
+        functools.partial(load_engine, args.model, args.cache_bytes, 16, dtype=args.dtype)
+    )
     rogue = Rogue(mode, engine, rng)
     identities = args.identities if mode is Mode.SYBIL else 1
     if mode is Mode.FREELOADER:
@@ -503,6 +506,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mode", required=True, choices=[m.value for m in Mode])
     p.add_argument("--bootstrap", nargs="+", default=[], metavar="MULTIADDR")
     p.add_argument("--model", default="tiny-random")
+    p.add_argument("--dtype", default="auto", choices=DTYPES,
+                   help="the weight format (the model id names it: peers on another one "
+                        "are another swarm)")
     p.add_argument("--cache-bytes", type=int, default=1_000_000)
     p.add_argument("--identities", type=int, default=10, help="sybil: peers in this process")
     p.add_argument("--forged", type=int, default=40, help="forged_origins: fresh identities")

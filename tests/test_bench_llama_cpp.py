@@ -30,3 +30,25 @@ def test_llama_cpp_compares_the_embedded_model_at_concurrency_8(tmp_path):
 def test_common_prefix():
     assert bench_engine.common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
     assert bench_engine.common_prefix([], [1]) == 0
+
+
+@pytest.mark.skipif(not llama_cpp.available(),
+                    reason="llama-cpp-python is the optional bench extra ('.[llama]')")
+def test_greedy_tokens_are_the_argmax_of_the_last_logits():
+    """The binding keeps `scores` only with logits_all; the bench reads the context's last
+    logits instead, and they must be what a logits_all context scores."""
+    from llama_cpp import Llama
+
+    from peer.engine.model import SMOLLM2_GGUF, smollm2_gguf_dir
+
+    gguf = smollm2_gguf_dir() / SMOLLM2_GGUF
+    prompt = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 314, 2]
+    _, _, tokens = llama_cpp.LlamaCpp(gguf, 1).generate(prompt, 3)
+    ref = Llama(model_path=str(gguf), n_threads=1, n_ctx=256, logits_all=True, verbose=False)
+    expected = []
+    ref.eval(prompt)
+    for _ in range(3):
+        expected.append(int(ref.scores[ref.n_tokens - 1].argmax()))
+        ref.eval([expected[-1]])
+    assert tokens == expected
+    assert len(set(tokens)) > 1 or tokens[0] != 0

@@ -12,13 +12,17 @@ from hypothesis import strategies as st
 
 from peer.engine.engine import Engine, InvalidRequest, SamplingParams
 from peer.engine.verify import (
+    GREEDY_BF16_LOGITS_GAP,
     GREEDY_MAX_LOGPROB_GAP,
     SAMPLED_MIN_LOGPROB,
     SEEDED_MAX_SCORE_GAP,
     accepted_fraction,
     check_logits,
     check_structure,
+    greedy_gaps,
+    greedy_tolerance,
     seeded_gaps,
+    seeded_tolerance,
 )
 
 
@@ -84,6 +88,37 @@ async def test_a_changed_greedy_token_fails_at_its_index(tiny_engine, tiny_model
     assert verdict.first_bad_index == index
     assert "greedy" in verdict.detail
     assert verdict.checked_tokens == index + 1
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    rows=st.lists(st.lists(st.floats(-30, 30), min_size=5, max_size=5), min_size=1,
+                  max_size=4),
+    data=st.data(),
+)
+def test_greedy_gaps_are_the_log_probability_below_the_best(rows, data):
+    logits = torch.tensor(rows)
+    targets = [data.draw(st.integers(0, 4)) for _ in rows]
+    gaps = greedy_gaps(logits, targets)
+    logp = torch.log_softmax(logits.double(), dim=-1)
+    for r, t in enumerate(targets):
+        assert gaps[r] >= 0
+        assert abs(float(gaps[r]) - float(logp[r].max() - logp[r, t])) < 1e-4
+        if float(logits[r, t]) == float(logits[r].max()):
+            assert gaps[r] == 0
+
+
+def test_formats_with_bfloat16_logits_get_the_wider_tolerances():
+    assert greedy_tolerance("float32") == GREEDY_MAX_LOGPROB_GAP
+    assert seeded_tolerance("float32") == SEEDED_MAX_SCORE_GAP
+    for fmt in ("bfloat16", "int8", "int4"):
+        assert greedy_tolerance(fmt) == GREEDY_BF16_LOGITS_GAP > GREEDY_MAX_LOGPROB_GAP
+        assert seeded_tolerance(fmt) == GREEDY_BF16_LOGITS_GAP > SEEDED_MAX_SCORE_GAP
+    logits = torch.tensor([[10.0, 10.0 - 0.3, 0.0]])
+    params = SamplingParams(max_new_tokens=1)
+    assert check_logits(logits, [1], params) is not None  # 0.3 below: past 0.1
+    assert check_logits(logits, [1], params, greedy_gap=greedy_tolerance("int4")) is None
+    assert check_logits(logits, [2], params, greedy_gap=greedy_tolerance("int4")) is not None
 
 
 async def test_a_near_tie_is_tolerated(tiny_engine, tiny_model):

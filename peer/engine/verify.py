@@ -36,28 +36,44 @@ from typing import Protocol
 import torch
 import trio
 
+from protocols.ids import split_model_id
+
 from .api import EngineError, SamplingParams, Verdict
 from .radix import RadixCache
 from .runner import Runner, SeqKV
 from .sampling import NOISE_ROWS, nucleus_masks, perturbed_scores
 
 __all__ = [
+    "BF16_LOGIT_FORMATS",
+    "GREEDY_BF16_LOGITS_GAP",
     "Finding",
     "Verdict",
     "VerifyingEngine",
     "accepted_fraction",
     "check_logits",
     "check_structure",
+    "greedy_gaps",
+    "greedy_tolerance",
     "score_chunk",
     "seeded_gaps",
+    "seeded_tolerance",
     "verify_output",
 ]
 
-# Hardware, kernels, batch shapes and dtypes change logits in the last bits (fp32 ~1e-5,
-# bf16 up to ~0.05 nats on logits of magnitude ~10-20), so two honest peers can pick
-# different argmaxes at a near tie. A token this close to the best one is accepted: a
-# liar gains nothing by choosing among near-equal tokens.
+# Hardware, kernels, batch shapes and dtypes change logits in the last bits (fp32 ~1e-5),
+# so two honest peers can pick different argmaxes at a near tie. A token this close to the
+# best one is accepted: a liar gains nothing by choosing among near-equal tokens.
 GREEDY_MAX_LOGPROB_GAP = 0.1
+# Where the logits themselves are bfloat16 they are spaced 0.125 apart between 16 and 32 and
+# 0.25 between 32 and 64 (8 significant bits), and the teacher-forced prefill rounds them
+# differently from the decode steps, the prefix cache's chunks and the batch that produced
+# the answer: `python -m bench.greedy_gaps` measured honest SmolLM2 tokens up to 0.25 below
+# the verifier's argmax in bfloat16, int8 and int4 (60 answers each, workload seed 0), so 5-7
+# of 60 honest answers failed the 0.1 check. Twice the largest gap measured. The seeded
+# check gets the same in these formats (`seeded_tolerance`): `bench.sampling` measured honest
+# int4 perturbed scores up to 0.24 below the seed's token (one sampled answer in 8 failed 0.1).
+GREEDY_BF16_LOGITS_GAP = 0.5
+BF16_LOGIT_FORMATS = frozenset({"bfloat16", "int8", "int4"})
 # The same numerical slack for a seeded sampled token, in the same logit units: its
 # perturbed score (logit + T * gumbel) may sit this far below the best one. Measured by
 # `python -m bench.sampling` across batch shapes and dtypes (docs/security.md): honest
@@ -92,6 +108,8 @@ class VerifyingEngine(Protocol):
     def runner(self) -> Runner: ...
     @property
     def model_lock(self) -> trio.Lock: ...
+    @property
+    def model_id(self) -> str: ...
 
     def decode(self, token_ids: Sequence[int]) -> str: ...
 
@@ -145,35 +163,65 @@ def check_structure(
 
 def check_logits(
     logits: torch.Tensor, output_ids: Sequence[int], params: SamplingParams, offset: int = 0,
-    prompt_tokens: int = 0,
+    prompt_tokens: int = 0, greedy_gap: float = GREEDY_MAX_LOGPROB_GAP,
+    seeded_gap: float = SEEDED_MAX_SCORE_GAP,
 ) -> Finding | None:
     """Check output_ids[offset:offset + rows] against `logits` [rows, vocab], where row r
     is the model's prediction for output token offset + r (at position prompt_tokens +
-    offset + r of prompt + output: the seeded sampler's key). The first failure, or None."""
+    offset + r of prompt + output: the seeded sampler's key). A greedy token may sit up to
+    ``greedy_gap`` below the best, a seeded one's perturbed score ``seeded_gap`` below
+    (`greedy_tolerance`, `seeded_tolerance` of the format). The first failure, or None."""
     rows = logits.shape[0]
     targets = torch.tensor(list(output_ids[offset : offset + rows]), dtype=torch.long)
     if params.temperature == 0.0:
         logp = torch.log_softmax(logits.float(), dim=-1)
-        gaps = logp.max(dim=-1).values - logp.gather(1, targets[:, None])[:, 0]
-        bad = torch.nonzero(gaps > GREEDY_MAX_LOGPROB_GAP)
+        gaps = greedy_gaps(logits, targets)
+        bad = torch.nonzero(gaps > greedy_gap)
         if len(bad):
             r = int(bad[0, 0])
             return Finding(
                 offset + r,
                 f"token {int(targets[r])} is not the greedy choice: its log-probability is "
                 f"{float(gaps[r]):.3f} below the best token {int(logp[r].argmax())} "
-                f"(tolerance {GREEDY_MAX_LOGPROB_GAP})",
+                f"(tolerance {greedy_gap})",
             )
         return None
     if params.seed is not None:
         for start in range(0, rows, NOISE_ROWS):
             found = _check_seeded(logits[start : start + NOISE_ROWS],
                                   targets[start : start + NOISE_ROWS], params,
-                                  prompt_tokens + offset + start)
+                                  prompt_tokens + offset + start, seeded_gap)
             if found is not None:
                 return Finding(offset + start + found.index, found.detail)
         return None
     return _check_unseeded(logits, targets, params, offset)
+
+
+def greedy_gaps(logits: torch.Tensor, targets: Sequence[int] | torch.Tensor) -> torch.Tensor:
+    """Per row of ``logits`` [rows, vocab], how far the target token's log-probability sits
+    below the best token's (0 where the target is the argmax): the greedy check's quantity."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    index = torch.as_tensor(targets, dtype=torch.long)[:, None]
+    gaps: torch.Tensor = logp.max(dim=-1).values - logp.gather(1, index)[:, 0]
+    return gaps
+
+
+def seeded_tolerance(fmt: str) -> float:
+    """The seeded check's tolerance for a weight format: SEEDED_MAX_SCORE_GAP, or
+    GREEDY_BF16_LOGITS_GAP where the logits are bfloat16 (the same spacing of the logits
+    moves a perturbed score as far as a log-probability)."""
+    if fmt in BF16_LOGIT_FORMATS:
+        return GREEDY_BF16_LOGITS_GAP
+    return SEEDED_MAX_SCORE_GAP
+
+
+def greedy_tolerance(fmt: str) -> float:
+    """The greedy check's tolerance for a weight format (a model id's format,
+    protocols.ids): GREEDY_MAX_LOGPROB_GAP, or the wider GREEDY_BF16_LOGITS_GAP where the
+    logits are bfloat16 (bfloat16, and int8 / int4, whose activations are bfloat16)."""
+    if fmt in BF16_LOGIT_FORMATS:
+        return GREEDY_BF16_LOGITS_GAP
+    return GREEDY_MAX_LOGPROB_GAP
 
 
 def seeded_gaps(
@@ -204,11 +252,12 @@ def seeded_gaps(
 
 
 def _check_seeded(
-    logits: torch.Tensor, targets: torch.Tensor, params: SamplingParams, first_position: int
+    logits: torch.Tensor, targets: torch.Tensor, params: SamplingParams, first_position: int,
+    tolerance: float = SEEDED_MAX_SCORE_GAP,
 ) -> Finding | None:
     gaps, chosen = seeded_gaps(logits, params, first_position)
     token_gaps = gaps.gather(1, targets[:, None])[:, 0]
-    bad = torch.nonzero(token_gaps > SEEDED_MAX_SCORE_GAP)
+    bad = torch.nonzero(token_gaps > tolerance)
     if not len(bad):
         return None
     r = int(bad[0, 0])
@@ -218,7 +267,7 @@ def _check_seeded(
         r,
         f"token {int(targets[r])} is not the one seed {params.seed} selects at position "
         f"{first_position + r} (token {int(chosen[r])}): its perturbed score is {where} "
-        f"(tolerance {SEEDED_MAX_SCORE_GAP})",
+        f"(tolerance {tolerance})",
     )
 
 
@@ -278,7 +327,8 @@ def accepted_fraction(
 
 def score_chunk(
     runner: Runner, kv: SeqKV, full: list[int], end: int, n: int, output: list[int],
-    params: SamplingParams,
+    params: SamplingParams, greedy_gap: float = GREEDY_MAX_LOGPROB_GAP,
+    seeded_gap: float = SEEDED_MAX_SCORE_GAP,
 ) -> Finding | None:
     """Worker thread: feed full[kv.length:end], where full is prompt (n tokens) + output
     but its last token; check the output tokens that the chunk's rows predict."""
@@ -286,7 +336,9 @@ def score_chunk(
     first = max(pos, n - 1)  # rows from the last prompt token on predict output tokens
     keep = max(end - first, 0)
     logits = runner.forward([(kv, full[pos:end])], [keep])
-    return check_logits(logits, output, params, first - (n - 1), n) if keep else None
+    if not keep:
+        return None
+    return check_logits(logits, output, params, first - (n - 1), n, greedy_gap, seeded_gap)
 
 
 async def verify_output(
@@ -306,6 +358,8 @@ async def verify_output(
     if found is not None:
         return Verdict(False, found.index, found.detail, 0)
     n, size = len(tokens), engine.block_size
+    fmt = split_model_id(engine.model_id)[1]
+    greedy_gap, seeded_gap = greedy_tolerance(fmt), seeded_tolerance(fmt)
     full = tokens + output[:-1]  # the last output token is predicted, never fed
     max_blocks = (n - 1) // size  # the last prompt token is always fed: it predicts output[0]
     match = engine.cache.match(tokens, trio.current_time(), max_blocks, salt=salt)
@@ -319,7 +373,8 @@ async def verify_output(
                                                        len(full))
                 end = min(len(full), kv.length + VERIFY_CHUNK_TOKENS)
                 found = await trio.to_thread.run_sync(
-                    score_chunk, engine.runner, kv, full, end, n, output, params
+                    score_chunk, engine.runner, kv, full, end, n, output, params,
+                    greedy_gap, seeded_gap,
                 )
     except Exception as exc:  # torch failure: this verification fails, not the engine
         raise EngineError(f"verification failed: {type(exc).__name__}: {exc}") from exc
