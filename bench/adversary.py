@@ -383,12 +383,34 @@ async def run_scenario(
             fakes = set(rogue.peer_ids) | set(rogue.forged_ids)
             row["rogue_listed_by_honest_peers"] = [len(p.known & fakes) for p in honest]
             await _add_trust_states(row, honest, fakes)
+        await _add_false_accusations(row, honest)
         log(
             f"{name}: ok {row['requests_ok']} failed {row['requests_failed']} wrong "
             f"{row['wrong_outputs_delivered']} ttft p50 {row['ttft_p50_s']:.3f} s "
             f"p99 {row['ttft_p99_s']:.3f} s errors {row['errors']}"
         )
         return row
+
+
+async def _add_false_accusations(row: dict[str, Any], honest: list[PeerProcess]) -> None:
+    """Honest peers that another honest peer's ledger quarantined (/v1/swarm): a verifier
+    calling an honest answer a lie. Pairs (accuser, accused), and their reasons."""
+    ids = {p.peer_id for p in honest}
+    pairs = 0
+    reasons: set[str] = set()
+    async with httpx.AsyncClient(timeout=10) as client:
+        for peer in honest:
+            try:
+                view = (await client.get(f"{peer.http}/v1/swarm")).json()
+            except (httpx.HTTPError, ValueError):
+                continue
+            for p in view.get("peers", ()):
+                trust = p.get("trust")
+                if p["peer_id"] in ids and trust and trust["state"] == "quarantined":
+                    pairs += 1
+                    reasons.add(str(trust.get("reason", ""))[:100])
+    row["honest_quarantined_by_honest"] = pairs
+    row["honest_quarantine_reasons"] = sorted(reasons)
 
 
 async def _add_gate_counts(row: dict[str, Any], honest: list[PeerProcess]) -> None:
