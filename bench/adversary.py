@@ -392,23 +392,30 @@ async def run_scenario(
         return row
 
 
+async def _swarm_views(honest: list[PeerProcess]) -> list[dict[str, Any]]:
+    """Each honest peer's /v1/swarm that answered (a peer that did not is left out)."""
+    views = []
+    async with httpx.AsyncClient(timeout=10) as client:
+        for peer in honest:
+            try:
+                views.append((await client.get(f"{peer.http}/v1/swarm")).json())
+            except (httpx.HTTPError, ValueError):
+                continue
+    return views
+
+
 async def _add_false_accusations(row: dict[str, Any], honest: list[PeerProcess]) -> None:
     """Honest peers that another honest peer's ledger quarantined (/v1/swarm): a verifier
     calling an honest answer a lie. Pairs (accuser, accused), and their reasons."""
     ids = {p.peer_id for p in honest}
     pairs = 0
     reasons: set[str] = set()
-    async with httpx.AsyncClient(timeout=10) as client:
-        for peer in honest:
-            try:
-                view = (await client.get(f"{peer.http}/v1/swarm")).json()
-            except (httpx.HTTPError, ValueError):
-                continue
-            for p in view.get("peers", ()):
-                trust = p.get("trust")
-                if p["peer_id"] in ids and trust and trust["state"] == "quarantined":
-                    pairs += 1
-                    reasons.add(str(trust.get("reason", ""))[:100])
+    for view in await _swarm_views(honest):
+        for p in view.get("peers", ()):
+            trust = p.get("trust")
+            if p["peer_id"] in ids and trust and trust["state"] == "quarantined":
+                pairs += 1
+                reasons.add(str(trust.get("reason", ""))[:100])
     row["honest_quarantined_by_honest"] = pairs
     row["honest_quarantine_reasons"] = sorted(reasons)
 
@@ -445,21 +452,16 @@ async def _add_trust_states(
     reasons: set[str] = set()
     quarantined_by = verified = lapses = 0
     debt = 0.0
-    async with httpx.AsyncClient(timeout=10) as client:
-        for peer in honest:
-            try:
-                view = (await client.get(f"{peer.http}/v1/swarm")).json()
-            except (httpx.HTTPError, ValueError):
-                continue
-            trusts = [p.get("trust") for p in view.get("peers", ()) if p["peer_id"] in fakes]
-            quarantined_by += any(t and t["state"] == "quarantined" for t in trusts)
-            for t in filter(None, trusts):
-                states[t["state"]] += 1
-                verified += int(t.get("verified", 0))
-                lapses += int(t.get("lapses", 0))
-                debt = max(debt, float(t.get("debt", 0.0)))
-                if t["state"] == "quarantined":
-                    reasons.add(t["reason"][:100])
+    for view in await _swarm_views(honest):
+        trusts = [p.get("trust") for p in view.get("peers", ()) if p["peer_id"] in fakes]
+        quarantined_by += any(t and t["state"] == "quarantined" for t in trusts)
+        for t in filter(None, trusts):
+            states[t["state"]] += 1
+            verified += int(t.get("verified", 0))
+            lapses += int(t.get("lapses", 0))
+            debt = max(debt, float(t.get("debt", 0.0)))
+            if t["state"] == "quarantined":
+                reasons.add(t["reason"][:100])
     row["rogue_trust_states"] = dict(states)
     await _add_gate_counts(row, honest)
     # Why a rogue stayed on probation: its matched answers, and lapses charged to it.
