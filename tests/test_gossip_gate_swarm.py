@@ -12,7 +12,7 @@ from libp2p.peer.id import ID
 
 from bench.rogue import forged_message
 from bench.rogues.table_filler import ghost_summary
-from peer.swarm.gossip_gate import GossipGate
+from peer.swarm.gossip_gate import UNPROVEN_BURST, UNPROVEN_PER_S, GossipGate
 from protocols.ids import gossip_topic
 from protocols.summary import encode_summary
 from tests.helpers_swarm import start_peer, swarm_config, wait_until
@@ -38,6 +38,7 @@ async def test_a_flooding_stranger_is_graylisted_and_honest_gossip_goes_on(
         rng = random.Random(7)
         topic = gossip_topic(target.engine.model_id)
         ghosts = [create_new_key_pair(rng.randbytes(32)) for _ in range(300)]
+        flood_start = trio.current_time()
         for seq, key in enumerate(ghosts, start=1):  # 300 fresh identities at ~100 a second
             origin = ID.from_pubkey(key.public_key).to_base58()
             summary = ghost_summary(origin, target.engine.model_id, target.engine.block_size, seq)
@@ -52,10 +53,14 @@ async def test_a_flooding_stranger_is_graylisted_and_honest_gossip_goes_on(
         await wait_until(lambda: flooder.host.peer_id not in target.pubsub.peers, timeout_s=10,
                          what="the flooder's gossip stream closed")
         stats = target.gossip.statistics()
+        flood_s = trio.current_time() - flood_start
         ghost_ids = {ID.from_pubkey(k.public_key).to_base58() for k in ghosts}
         held = ghost_ids & {v.peer_id for v in target.table.views(trio.current_time())}
         assert len(held) <= 64  # the unproven share, at most
-        assert stats["gate"]["check"] < 100  # most were dropped before their signature
+        # Only the budget's ghosts reached their signature check (the honest peer forwards
+        # the flood too, so the budget of all forwarders together binds): 64 at once, then
+        # 16 a second for as long as the flood lasted (longer on a loaded machine)
+        assert stats["gate"]["check"] <= UNPROVEN_BURST + UNPROVEN_PER_S * flood_s + 1
         assert stats["gate"]["over_budget"] + stats["gate"]["graylist"] > 32
         # Honest gossip still arrives: the other peer's entry is refreshed
         now = trio.current_time()
