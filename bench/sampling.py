@@ -16,7 +16,7 @@ answer by one teacher-forced prefill, as Engine.verify does. Per row:
                             difference (after it the contexts differ)
   exact_agreement           honest tokens that the verifier's own logits select too
   gap_max, gap_p99          how far below the best perturbed score honest tokens sit in the
-                            verifier's logits (logit units; `tolerance`: seeded_tolerance)
+                            verifier's logits (logit units; `tolerance`: verify.tolerance's)
   honest_accepted           honest answers the check accepts as a whole
   accepted_tokens_mean      tokens per position the seeded check accepts (a steerer's
                             choice; 1 is the seed's own)
@@ -49,7 +49,7 @@ from bench.verify import machine
 from peer.engine.engine import Engine, SamplingParams
 from peer.engine.model import DEFAULT_MODEL, LoadedModel, load_model
 from peer.engine.sampling import sample_seeded
-from peer.engine.verify import accepted_fraction, seeded_gaps, seeded_tolerance
+from peer.engine.verify import accepted_fraction, seeded_gaps, tolerance
 from protocols.ids import split_model_id
 
 SETTINGS = ((1.0, 1.0), (0.7, 0.9))
@@ -97,7 +97,7 @@ def score_answers(
     accepted_counts: list[float] = []
     unseeded: list[float] = []
     steered = steered_accepted = honest_ok = 0
-    tolerance = seeded_tolerance(split_model_id(loaded.model_id)[1])
+    slack = tolerance(split_model_id(loaded.model_id)[1]).seeded
     for answer, p in zip(answers, params, strict=True):
         logits = rescore(loaded, tokens, answer)
         row_gaps, chosen = seeded_gaps(logits, p, len(tokens))
@@ -105,8 +105,8 @@ def score_answers(
         target = torch.tensor(answer)[:, None]
         token_gaps = row_gaps.gather(1, target)[:, 0]
         gaps.extend(float(g) for g in token_gaps)
-        honest_ok += bool((token_gaps <= tolerance).all())
-        accepted_counts.extend((row_gaps <= tolerance).sum(dim=-1).tolist())
+        honest_ok += bool((token_gaps <= slack).all())
+        accepted_counts.extend((row_gaps <= slack).sum(dim=-1).tolist())
         plain = dataclasses.replace(p, seed=None)
         unseeded.extend(accepted_fraction(logits, plain).tolist())
         for r, honest in enumerate(answer):
@@ -115,10 +115,10 @@ def score_answers(
                                 p.seed + STEERER_SEED_OFFSET, len(tokens) + r)
             for choice in {int(logits[r].argmax()), own} - {honest}:
                 steered += 1
-                steered_accepted += float(row_gaps[r, choice]) <= tolerance
+                steered_accepted += float(row_gaps[r, choice]) <= slack
     finite = sorted(g for g in gaps if g != float("inf"))
     return {
-        "tolerance": tolerance,
+        "tolerance": slack,
         "positions": len(gaps),
         "exact_agreement": exact / len(gaps),
         "gap_max": max(gaps),

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from bench import greedy_gaps
-from peer.engine.verify import greedy_tolerance
+from peer.engine.verify import tolerance
 
 
 def test_a_run_scores_every_answer_per_format(tmp_path):
@@ -22,7 +22,7 @@ def test_a_run_scores_every_answer_per_format(tmp_path):
     assert exact["gap_max"] < 1e-4 and exact["over_tolerance"] == 0
     for fmt, row in rows.items():
         assert row["tokens_scored"] > 0 and row["gap_max"] >= 0
-        assert row["greedy_tolerance"] == greedy_tolerance(fmt)
+        assert row["greedy_tolerance"] == tolerance(fmt).greedy
 
 
 def test_auto_is_refused():

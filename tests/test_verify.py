@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from peer.engine.engine import Engine, InvalidRequest, SamplingParams
 from peer.engine.verify import (
-    GREEDY_BF16_LOGITS_GAP,
+    BF16_LOGITS_GAP,
     GREEDY_MAX_LOGPROB_GAP,
     SAMPLED_MIN_LOGPROB,
     SEEDED_MAX_SCORE_GAP,
@@ -20,9 +20,8 @@ from peer.engine.verify import (
     check_logits,
     check_structure,
     greedy_gaps,
-    greedy_tolerance,
     seeded_gaps,
-    seeded_tolerance,
+    tolerance,
 )
 
 
@@ -109,16 +108,16 @@ def test_greedy_gaps_are_the_log_probability_below_the_best(rows, data):
 
 
 def test_formats_with_bfloat16_logits_get_the_wider_tolerances():
-    assert greedy_tolerance("float32") == GREEDY_MAX_LOGPROB_GAP
-    assert seeded_tolerance("float32") == SEEDED_MAX_SCORE_GAP
+    assert tolerance("float32") == (GREEDY_MAX_LOGPROB_GAP, SEEDED_MAX_SCORE_GAP)
     for fmt in ("bfloat16", "int8", "int4"):
-        assert greedy_tolerance(fmt) == GREEDY_BF16_LOGITS_GAP > GREEDY_MAX_LOGPROB_GAP
-        assert seeded_tolerance(fmt) == GREEDY_BF16_LOGITS_GAP > SEEDED_MAX_SCORE_GAP
+        slack = tolerance(fmt)
+        assert slack.greedy == slack.seeded == BF16_LOGITS_GAP > GREEDY_MAX_LOGPROB_GAP
+        assert BF16_LOGITS_GAP > SEEDED_MAX_SCORE_GAP
     logits = torch.tensor([[10.0, 10.0 - 0.3, 0.0]])
     params = SamplingParams(max_new_tokens=1)
     assert check_logits(logits, [1], params) is not None  # 0.3 below: past 0.1
-    assert check_logits(logits, [1], params, greedy_gap=greedy_tolerance("int4")) is None
-    assert check_logits(logits, [2], params, greedy_gap=greedy_tolerance("int4")) is not None
+    assert check_logits(logits, [1], params, slack=tolerance("int4")) is None
+    assert check_logits(logits, [2], params, slack=tolerance("int4")) is not None
 
 
 async def test_a_near_tie_is_tolerated(tiny_engine, tiny_model):

@@ -31,7 +31,7 @@ import operator
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 import trio
@@ -44,19 +44,21 @@ from .runner import Runner, SeqKV
 from .sampling import NOISE_ROWS, nucleus_masks, perturbed_scores
 
 __all__ = [
+    "BF16_LOGITS_GAP",
     "BF16_LOGIT_FORMATS",
-    "GREEDY_BF16_LOGITS_GAP",
+    "DEFAULT_TOLERANCE",
     "Finding",
+    "Tolerance",
     "Verdict",
     "VerifyingEngine",
     "accepted_fraction",
     "check_logits",
     "check_structure",
+    "forward_chunk",
     "greedy_gaps",
-    "greedy_tolerance",
     "score_chunk",
     "seeded_gaps",
-    "seeded_tolerance",
+    "tolerance",
     "verify_output",
 ]
 
@@ -70,9 +72,9 @@ GREEDY_MAX_LOGPROB_GAP = 0.1
 # the answer: `python -m bench.greedy_gaps` measured honest SmolLM2 tokens up to 0.25 below
 # the verifier's argmax in bfloat16, int8 and int4 (60 answers each, workload seed 0), so 5-7
 # of 60 honest answers failed the 0.1 check. Twice the largest gap measured. The seeded
-# check gets the same in these formats (`seeded_tolerance`): `bench.sampling` measured honest
-# int4 perturbed scores up to 0.24 below the seed's token (one sampled answer in 8 failed 0.1).
-GREEDY_BF16_LOGITS_GAP = 0.5
+# check gets the same in these formats: `bench.sampling` measured honest int4 perturbed
+# scores up to 0.24 below the seed's token (one sampled answer in 8 failed 0.1).
+BF16_LOGITS_GAP = 0.5
 BF16_LOGIT_FORMATS = frozenset({"bfloat16", "int8", "int4"})
 # The same numerical slack for a seeded sampled token, in the same logit units: its
 # perturbed score (logit + T * gumbel) may sit this far below the best one. Measured by
@@ -80,6 +82,17 @@ BF16_LOGIT_FORMATS = frozenset({"bfloat16", "int8", "int4"})
 # tokens sat 0 below in float32, up to 0.076 in bfloat16 and 0.095 in int8 (bf16
 # activations): close to this bound, which the greedy check shares.
 SEEDED_MAX_SCORE_GAP = 0.1
+
+
+class Tolerance(NamedTuple):
+    """How far an honest token may sit below the best one: greedy in log-probability,
+    seeded in perturbed score (logit units)."""
+
+    greedy: float
+    seeded: float
+
+
+DEFAULT_TOLERANCE = Tolerance(GREEDY_MAX_LOGPROB_GAP, SEEDED_MAX_SCORE_GAP)
 # A sampled token's log-probability must be at least this (prob 1e-9). An honest sampler
 # draws tokens below it with total probability at most vocab x 1e-9 (5e-5 per token for a
 # 49k vocabulary, in the worst case of every other token sitting just below it), while
@@ -163,34 +176,32 @@ def check_structure(
 
 def check_logits(
     logits: torch.Tensor, output_ids: Sequence[int], params: SamplingParams, offset: int = 0,
-    prompt_tokens: int = 0, greedy_gap: float = GREEDY_MAX_LOGPROB_GAP,
-    seeded_gap: float = SEEDED_MAX_SCORE_GAP,
+    prompt_tokens: int = 0, slack: Tolerance | None = None,
 ) -> Finding | None:
     """Check output_ids[offset:offset + rows] against `logits` [rows, vocab], where row r
     is the model's prediction for output token offset + r (at position prompt_tokens +
-    offset + r of prompt + output: the seeded sampler's key). A greedy token may sit up to
-    ``greedy_gap`` below the best, a seeded one's perturbed score ``seeded_gap`` below
-    (`greedy_tolerance`, `seeded_tolerance` of the format). The first failure, or None."""
+    offset + r of prompt + output: the seeded sampler's key), within ``slack`` (the
+    format's `tolerance`; DEFAULT_TOLERANCE if None). The first failure, or None."""
+    slack = slack or DEFAULT_TOLERANCE
     rows = logits.shape[0]
     targets = torch.tensor(list(output_ids[offset : offset + rows]), dtype=torch.long)
     if params.temperature == 0.0:
-        logp = torch.log_softmax(logits.float(), dim=-1)
         gaps = greedy_gaps(logits, targets)
-        bad = torch.nonzero(gaps > greedy_gap)
+        bad = torch.nonzero(gaps > slack.greedy)
         if len(bad):
             r = int(bad[0, 0])
             return Finding(
                 offset + r,
                 f"token {int(targets[r])} is not the greedy choice: its log-probability is "
-                f"{float(gaps[r]):.3f} below the best token {int(logp[r].argmax())} "
-                f"(tolerance {greedy_gap})",
+                f"{float(gaps[r]):.3f} below the best token {int(logits[r].argmax())} "
+                f"(tolerance {slack.greedy})",
             )
         return None
     if params.seed is not None:
         for start in range(0, rows, NOISE_ROWS):
             found = _check_seeded(logits[start : start + NOISE_ROWS],
                                   targets[start : start + NOISE_ROWS], params,
-                                  prompt_tokens + offset + start, seeded_gap)
+                                  prompt_tokens + offset + start, slack.seeded)
             if found is not None:
                 return Finding(offset + start + found.index, found.detail)
         return None
@@ -206,22 +217,14 @@ def greedy_gaps(logits: torch.Tensor, targets: Sequence[int] | torch.Tensor) -> 
     return gaps
 
 
-def seeded_tolerance(fmt: str) -> float:
-    """The seeded check's tolerance for a weight format: SEEDED_MAX_SCORE_GAP, or
-    GREEDY_BF16_LOGITS_GAP where the logits are bfloat16 (the same spacing of the logits
-    moves a perturbed score as far as a log-probability)."""
+def tolerance(fmt: str) -> Tolerance:
+    """The checks' slack for a weight format (a model id's format, protocols.ids):
+    DEFAULT_TOLERANCE, or BF16_LOGITS_GAP for both checks where the logits are bfloat16
+    (bfloat16, and int8 / int4, whose activations are bfloat16): their spacing moves a
+    perturbed score as far as a log-probability."""
     if fmt in BF16_LOGIT_FORMATS:
-        return GREEDY_BF16_LOGITS_GAP
-    return SEEDED_MAX_SCORE_GAP
-
-
-def greedy_tolerance(fmt: str) -> float:
-    """The greedy check's tolerance for a weight format (a model id's format,
-    protocols.ids): GREEDY_MAX_LOGPROB_GAP, or the wider GREEDY_BF16_LOGITS_GAP where the
-    logits are bfloat16 (bfloat16, and int8 / int4, whose activations are bfloat16)."""
-    if fmt in BF16_LOGIT_FORMATS:
-        return GREEDY_BF16_LOGITS_GAP
-    return GREEDY_MAX_LOGPROB_GAP
+        return Tolerance(BF16_LOGITS_GAP, BF16_LOGITS_GAP)
+    return DEFAULT_TOLERANCE
 
 
 def seeded_gaps(
@@ -325,20 +328,27 @@ def accepted_fraction(
     return ok.float().mean(dim=-1)
 
 
-def score_chunk(
-    runner: Runner, kv: SeqKV, full: list[int], end: int, n: int, output: list[int],
-    params: SamplingParams, greedy_gap: float = GREEDY_MAX_LOGPROB_GAP,
-    seeded_gap: float = SEEDED_MAX_SCORE_GAP,
-) -> Finding | None:
+def forward_chunk(
+    runner: Runner, kv: SeqKV, full: list[int], end: int, n: int
+) -> tuple[torch.Tensor, int]:
     """Worker thread: feed full[kv.length:end], where full is prompt (n tokens) + output
-    but its last token; check the output tokens that the chunk's rows predict."""
+    but its last token. The logits of the chunk's rows that predict output tokens (none
+    before the last prompt token), and the index of the first output token they predict."""
     pos = kv.length
     first = max(pos, n - 1)  # rows from the last prompt token on predict output tokens
-    keep = max(end - first, 0)
-    logits = runner.forward([(kv, full[pos:end])], [keep])
-    if not keep:
+    logits = runner.forward([(kv, full[pos:end])], [max(end - first, 0)])
+    return logits, first - (n - 1)
+
+
+def score_chunk(
+    runner: Runner, kv: SeqKV, full: list[int], end: int, n: int, output: list[int],
+    params: SamplingParams, slack: Tolerance | None = None,
+) -> Finding | None:
+    """Worker thread: `forward_chunk`, then check the output tokens its rows predict."""
+    logits, offset = forward_chunk(runner, kv, full, end, n)
+    if not logits.shape[0]:
         return None
-    return check_logits(logits, output, params, first - (n - 1), n, greedy_gap, seeded_gap)
+    return check_logits(logits, output, params, offset, n, slack)
 
 
 async def verify_output(
@@ -358,8 +368,7 @@ async def verify_output(
     if found is not None:
         return Verdict(False, found.index, found.detail, 0)
     n, size = len(tokens), engine.block_size
-    fmt = split_model_id(engine.model_id)[1]
-    greedy_gap, seeded_gap = greedy_tolerance(fmt), seeded_tolerance(fmt)
+    slack = tolerance(split_model_id(engine.model_id)[1])
     full = tokens + output[:-1]  # the last output token is predicted, never fed
     max_blocks = (n - 1) // size  # the last prompt token is always fed: it predicts output[0]
     match = engine.cache.match(tokens, trio.current_time(), max_blocks, salt=salt)
@@ -373,8 +382,7 @@ async def verify_output(
                                                        len(full))
                 end = min(len(full), kv.length + VERIFY_CHUNK_TOKENS)
                 found = await trio.to_thread.run_sync(
-                    score_chunk, engine.runner, kv, full, end, n, output, params,
-                    greedy_gap, seeded_gap,
+                    score_chunk, engine.runner, kv, full, end, n, output, params, slack
                 )
     except Exception as exc:  # torch failure: this verification fails, not the engine
         raise EngineError(f"verification failed: {type(exc).__name__}: {exc}") from exc
