@@ -246,6 +246,31 @@ def test_forwarding_pays_stream_setup_and_both_ways() -> None:
     assert set(ttfts) == {0.1, 0.5}  # prefill alone, or 4 x 100 ms more
 
 
+def test_overheads_outside_the_engine_take_the_peers_cpu() -> None:
+    """A whole peer's CPU per request outside its engine's steps: the serving peer's
+    `request_overhead_s` comes before the request's step (TTFT and busy time grow by
+    it), the entry's `forward_overhead_s` per request it forwards; the engine's
+    measured speeds leave both out."""
+    cal = Calibration("flat", 0.0, 1e-3, 0.0, 0.01, "test", batch_step_slope=1.0)
+    reqs = [TokenRequest(float(i), i, tuple(range(i, i + 100)), (), 1) for i in range(40)]
+    params = SimParams(policy="round_robin", peers=2, delay_ms=100.0, jitter=0.0,
+                       calibration=cal, warmup_fraction=0.0)
+    paid = dataclasses.replace(params, calibration=dataclasses.replace(
+        cal, request_overhead_s=0.02, forward_overhead_s=0.03))
+    plain, charged = Simulator(params, reqs), Simulator(paid, reqs)
+    base, over = plain.run(), charged.run()
+    # each request alone: 20 ms more before its step, served locally or forwarded
+    assert sorted({round(t, 6) for t in over.ttft_s}) == [0.12, 0.52]
+    forwards = [sum(1 for j in charged.jobs if j.entry == p.idx != j.target)
+                for p in charged.peers]
+    assert all(forwards)
+    for before, after, sent in zip(plain.peers, charged.peers, forwards, strict=True):
+        assert after.busy_s - before.busy_s == pytest.approx(0.02 * after.served + 0.03 * sent)
+        # steps of the same work, measured alike
+        assert tuple(after.speeds) == pytest.approx(tuple(before.speeds))
+    assert over.metrics["hit_ratio"] == base.metrics["hit_ratio"]
+
+
 def test_summary_interval_and_early_publish() -> None:
     wl = workload(300)
     slow = simulate(dataclasses.replace(SMALL, summary_interval_s=30.0, early_publish=False), wl)

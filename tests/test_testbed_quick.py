@@ -162,3 +162,26 @@ def test_the_prediction_leaves_out_the_warm_up() -> None:
     assert measured == pytest.approx(0.3, rel=0.05)
     with pytest.raises(ValueError, match="warm-up"):
         predict(SimSetup((cal,), 256, 0.5, warmup_requests=20), "local", 0.0, reqs, seed=1)
+
+
+def test_overheads_and_utilisation_as_the_testbed_reads_them() -> None:
+    """The calibration's per-request overhead is its fixed term less a lone simulated
+    step's fixed cost; a forward's CPU at the entry is paid at each peer's usable share;
+    and the predicted utilisation adds the idle peer's own CPU, as the cgroup counts it."""
+    from bench.sim.calibration import Calibration
+    from bench.testbed.calibrate import PeerSpeed, with_overheads
+    from bench.testbed.predict import SimSetup, predict
+    from bench.workloads import TokenRequest
+
+    fitted = Calibration("p", 0.05, 1e-3, 0.0, 0.02, "test", batch_step_slope=0.5)
+    speed = PeerSpeed((), 0.02, fitted, background_cores=0.1)
+    cal = with_overheads(speed, share=0.3, forward_cpu_s=0.004)
+    assert cal.request_overhead_s == pytest.approx(0.05 - 0.02 * 0.5)
+    assert cal.forward_overhead_s == pytest.approx(0.004 / 0.2)
+    flat = Calibration("flat", 0.0, 1e-3, 0.0, 0.01, "test", batch_step_slope=1.0)
+    reqs = [TokenRequest(float(i), i, tuple(range(i * 1000, i * 1000 + 100)), (), 1)
+            for i in range(11)]  # one a second, 100 ms each: 10% busy
+    idle = predict(SimSetup((flat,), 256, 0.5), "local", 0.0, reqs, seed=1)
+    busy = predict(SimSetup((flat,), 256, 0.5, backgrounds=(0.4,)), "local", 0.0, reqs, seed=1)
+    assert idle.busiest_peer_utilization == pytest.approx(0.1)
+    assert busy.busiest_peer_utilization == pytest.approx(0.4 + 0.6 * 0.1)

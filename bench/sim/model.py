@@ -284,6 +284,7 @@ class Simulator(ServerModel, RoutingModel, GossipModel):
         n = len(job.tokens)
         counted = n - match_tokens if self.params.forward_counts_uncached else n
         job.charge = entry.table.record_forward(self.peers[job.target].peer_id, counted, now)
+        self._owe_cpu(entry, entry.cal.forward_overhead_s, now)
         legs = [self._one_way() for _ in range(2 * self.params.stream_setup_rtts + 1)]
         job.sent = now + wait + sum(legs[:-1])  # the stream is open; the request goes
         self._push(now + wait + sum(legs), DELIVER, job.target, job)

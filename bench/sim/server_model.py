@@ -10,6 +10,11 @@ scheduler.waits_for_shared_prefill). A prompt's first token comes at the end of
 the step that reads its last chunk, when its blocks are inserted (RadixCache.insert
 evicts exactly what it needs); the lock is released when the request completes. Load is
 what Engine.load reports; speeds are measured per step (speeds.observe_step).
+
+CPU a peer spends outside its engine's steps (the calibration's `request_overhead_s` per
+request served, `forward_overhead_s` per request it forwards) is owed and paid before its
+next step, which it lengthens (a step of overhead alone when the engine is idle): the
+peer's one CPU share serves both, and the engine's measured speeds leave it out.
 """
 
 from __future__ import annotations
@@ -31,6 +36,15 @@ class ServerModel:
         peer.queued_tokens += job.queued
         peer.running += 1
         peer.queue.submit(job)
+        peer.overhead_s += peer.cal.request_overhead_s
+        if peer.step_started < 0:
+            self._step(peer, now)
+
+    def _owe_cpu(self, peer: SimPeer, seconds: float, now: float) -> None:
+        """`peer` owes `seconds` of CPU outside its engine (module docstring)."""
+        if seconds <= 0:
+            return
+        peer.overhead_s += seconds
         if peer.step_started < 0:
             self._step(peer, now)
 
@@ -53,12 +67,14 @@ class ServerModel:
 
         peer.queue.admit(self.params.max_running, join, hold)
         plan = peer.queue.plan(self.params.step_tokens)
-        if not plan:
+        if not plan and peer.overhead_s <= 0:
             peer.step_started = -1.0
             return
         chunks = [(n, peer.queue.batch[rid].pos) for rid, n in plan.prefill]
+        seconds = peer.cal.step_s(len(plan.decode), chunks) if plan else 0.0
+        peer.step_overhead_s, peer.overhead_s = peer.overhead_s, 0.0
         peer.step_started = now
-        self._push(now + peer.cal.step_s(len(plan.decode), chunks), PHASE, peer.idx, plan)
+        self._push(now + seconds + peer.step_overhead_s, PHASE, peer.idx, plan)
 
     def _phase(self, peer: SimPeer, plan: StepPlan, now: float) -> int:
         """A step ended on `peer`: advance its requests; returns the client requests
@@ -67,8 +83,10 @@ class ServerModel:
         peer.busy_s += seconds
         start, end = self.busy_window
         peer.busy_in_window_s += max(0.0, min(now, end) - max(peer.step_started, start))
-        prefill_tokens = sum(n for _, n in plan.prefill)
-        peer.speeds, _ = observe_step(peer.speeds, prefill_tokens, len(plan.decode), seconds)
+        if plan:
+            prefill_tokens = sum(n for _, n in plan.prefill)
+            peer.speeds, _ = observe_step(peer.speeds, prefill_tokens, len(plan.decode),
+                                          seconds - peer.step_overhead_s)
         done = 0
         for rid in plan.decode:
             job = peer.queue.batch[rid]

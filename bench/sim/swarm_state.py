@@ -153,6 +153,8 @@ class SimPeer:
         self.running = 0  # requests between arrival and completion, waiting ones included
         self.queue: BatchQueue[Job] = BatchQueue()  # who waits, who is in the batch
         self.step_started = -1.0  # < 0: no step in flight
+        self.overhead_s = 0.0  # CPU owed outside engine steps, paid before the next step
+        self.step_overhead_s = 0.0  # of the step in flight, the part that was overhead
         self.busy_s = 0.0
         self.busy_in_window_s = 0.0  # of busy_s, within Simulator.busy_window
         # gossip

@@ -20,7 +20,7 @@ import trio
 from bench.report import emit_json
 from bench.stats import mean_ci95
 from bench.testbed.beds import Bed, PeerSettings, log, open_bed
-from bench.testbed.calibrate import measure_peers
+from bench.testbed.calibrate import ForwardCost, measure_forward, measure_peers, with_overheads
 from bench.testbed.predict import SimSetup, predict, rate_for_utilization
 from bench.testbed.runner import run_policy, summarise
 from bench.testbed.workload import WorkloadSpec, describe, mixed_requests
@@ -109,7 +109,8 @@ def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-async def calibrate(bed: Bed, args: argparse.Namespace) -> tuple[SimSetup, list[Any]]:
+async def calibrate(bed: Bed, args: argparse.Namespace) -> tuple[SimSetup, list[Any],
+                                                                 ForwardCost]:
     log("calibrating: a swarm of `local` peers, each measured alone")
     import httpx
 
@@ -123,15 +124,31 @@ async def calibrate(bed: Bed, args: argparse.Namespace) -> tuple[SimSetup, list[
         async with httpx.AsyncClient() as client:
             view = (await client.get(f"{urls[0]}/v1/swarm", timeout=10.0)).json()
     capacity = int(view["self"]["capacity_blocks"])
-    for i, s in enumerate(speeds):
-        c = s.calibration
-        log(f"peer {i} ({args.shares[i]:g} core): fixed {c.prefill_fixed_s * 1e3:.1f} ms, "
-            f"prefill {c.prefill_s_per_token * 1e3:.3f} ms/token, decode "
+    # the largest share: its quota throttles the entry's own work least
+    entry = max(range(len(args.shares)), key=lambda i: args.shares[i])
+    log(f"calibrating: a forward's CPU at its entry (peer {entry} of a `random` swarm)")
+    async with bed.swarm("random") as swarm:
+        forward = await measure_forward(swarm.peers[entry].http or "", args.model,
+                                        swarm.peers[entry].peer_id, args.seed,
+                                        functools.partial(swarm.cpu_seconds, entry))
+    log(f"a forward costs its entry {forward.forwarded_cpu_s * 1e3:.1f} ms CPU "
+        f"({forward.forwarded} of {forward.requests} forwarded; "
+        f"{forward.local_cpu_s * 1e3:.1f} ms for those it served)")
+    shares = [s if bed.isolated else 1.0 for s in args.shares]
+    calibrations = tuple(with_overheads(s, share, forward.forwarded_cpu_s)
+                         for s, share in zip(speeds, shares, strict=True))
+    for i, c in enumerate(calibrations):
+        log(f"peer {i} ({args.shares[i]:g} core): fixed {c.prefill_fixed_s * 1e3:.1f} ms "
+            f"(request overhead {c.request_overhead_s * 1e3:.1f} ms, forward "
+            f"{c.forward_overhead_s * 1e3:.1f} ms), prefill "
+            f"{c.prefill_s_per_token * 1e3:.3f} ms/token, decode "
             f"{c.decode_s_per_token * 1e3:.1f} ms/token; cold 512: "
             f"{c.prefill_s(512, 0) * 1e3:.0f} ms")
-    setup = SimSetup(tuple(s.calibration for s in speeds), capacity, args.summary_interval,
-                     warmup_requests=args.warmup)
-    return setup, speeds
+    backgrounds = tuple(min(1.0, s.background_cores / share)
+                        for s, share in zip(speeds, shares, strict=True))
+    setup = SimSetup(calibrations, capacity, args.summary_interval,
+                     warmup_requests=args.warmup, backgrounds=backgrounds)
+    return setup, speeds, forward
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
@@ -151,8 +168,11 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="testbed-") as workdir:
         async with open_bed(not args.no_isolation, args.shares, settings,
                             args.bandwidth_mbit * 1e6, Path(workdir)) as bed:
-            setup, speeds = await calibrate(bed, args)
-            result["calibration"] = [s.as_dict() for s in speeds]
+            setup, speeds, forward = await calibrate(bed, args)
+            result["calibration"] = [
+                {**s.as_dict(), "calibration": c.as_dict()}
+                for s, c in zip(speeds, setup.calibrations, strict=True)]
+            result["forward_cost"] = forward.as_dict()
             if args.calibration_json:
                 Path(args.calibration_json).write_text(
                     json.dumps(result["calibration"], indent=2) + "\n")

@@ -17,14 +17,22 @@ A peer also spends CPU with no request at all (gossip, pings, the DHT): `IDLE_S`
 idleness first measure that rate, and requests get the share less it (their CPU less
 that rate over their wall time, over share - rate), since the simulator gives a peer's
 whole share to requests.
+
+What a request costs besides the engine's forward steps (HTTP, routing, the stream) is
+the fit's fixed term less a lone step's fixed cost in the simulator (its
+`request_overhead_s`). A forward costs its entry too: `measure_forward` sends requests one
+at a time to one entry of a `random` swarm and takes the entry's CPU per request that
+another peer served (the simulator's `forward_overhead_s`, the same CPU seconds over each
+peer's share).
 """
 
 from __future__ import annotations
 
+import math
 import random
 import statistics
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import httpx
@@ -42,6 +50,9 @@ TIMEOUT_S = 60.0
 MIN_S_PER_TOKEN = 1e-6  # a floor where noise hides the per-token cost
 IDLE_S = 3.0  # how long a peer is watched doing nothing: its background CPU rate
 MAX_BACKGROUND = 0.5  # of the share: more says the measurement broke, not the peer
+FORWARD_REQUESTS = 40  # one after another at one entry of a `random` swarm
+FORWARD_PROMPT_TOKENS = 32
+SETTLE_S = 0.3  # after each: the entry's work after the stream (verdicts, shadows) ends
 
 
 @dataclass(frozen=True)
@@ -130,6 +141,59 @@ async def measure_peer(url: str, model: str, name: str, seed: int, cpu: Clock | 
            else "client-side TTFT")
     source = f"bench.testbed.calibrate: {how} at {url}, median of {REPEATS}"
     return PeerSpeed(points, decode, fit(points, decode, name, source), background)
+
+
+@dataclass(frozen=True)
+class ForwardCost:
+    """An entry's CPU seconds per request, by whether another peer served it."""
+
+    forwarded_cpu_s: float
+    local_cpu_s: float
+    forwarded: int
+    requests: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"forwarded_cpu_s": self.forwarded_cpu_s, "local_cpu_s": self.local_cpu_s,
+                "forwarded": self.forwarded, "requests": self.requests}
+
+
+async def measure_forward(url: str, model: str, entry_id: str, seed: int, cpu: Clock,
+                          requests: int = FORWARD_REQUESTS) -> ForwardCost:
+    """Requests of fresh random prompts one at a time to the entry at `url` (of a
+    `random` swarm, nothing else sent to it meanwhile): its CPU seconds per request,
+    background taken off, for those another peer served and those it served itself."""
+    rng = random.Random(f"{seed}/forward/{url}")
+    by_kind: dict[bool, list[float]] = {True: [], False: []}
+    async with httpx.AsyncClient(timeout=TIMEOUT_S) as client:
+        idle_from, idle_start = cpu(), trio.current_time()
+        await trio.sleep(IDLE_S)
+        background = max(0.0, (cpu() - idle_from) / (trio.current_time() - idle_start))
+        for _ in range(requests):
+            prompt = [rng.randrange(*TOKEN_RANGE) for _ in range(FORWARD_PROMPT_TOKENS)]
+            body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0,
+                    "stream": True, "stream_options": {"include_usage": True}}
+            before, start = cpu(), trio.current_time()
+            got = await stream_completion(client, url, body, TIMEOUT_S)
+            await trio.sleep(SETTLE_S)
+            if got.error or got.first is None:
+                raise RuntimeError(f"forward calibration request to {url} failed: {got.error}")
+            used = cpu() - before - background * (trio.current_time() - start)
+            by_kind[got.extension.get("served_by", entry_id) != entry_id].append(max(used, 0.0))
+    if not by_kind[True]:
+        raise RuntimeError(f"the entry at {url} forwarded none of {requests} requests")
+    local = statistics.median(by_kind[False]) if by_kind[False] else math.nan
+    return ForwardCost(statistics.median(by_kind[True]), local, len(by_kind[True]), requests)
+
+
+def with_overheads(speed: PeerSpeed, share: float, forward_cpu_s: float) -> Calibration:
+    """`speed`'s calibration with the simulator's per-request overheads (module
+    docstring): the fit's fixed term less a lone step's fixed cost, and a forward's CPU
+    at the entry over this peer's share less its background."""
+    cal = speed.calibration
+    lone_step = cal.decode_s_per_token * (1.0 - cal.batch_step_slope)
+    usable = share - speed.background_cores if share > speed.background_cores else share
+    return replace(cal, request_overhead_s=max(0.0, cal.prefill_fixed_s - lone_step),
+                   forward_overhead_s=forward_cpu_s / usable)
 
 
 def fit(points: Sequence[tuple[int, int, float]], decode_s_per_token: float, name: str,

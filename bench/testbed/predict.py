@@ -6,7 +6,8 @@ their cache capacity, summary interval, delay and policy; a cold swarm (every pe
 probation for every other, promoted by shadows: each testbed run starts a fresh swarm)
 and the same warm-up left out (`warmup_requests`: the requests the testbed sends before
 the measured ones; the busiest peer's utilisation is over the measured arrivals, as the
-testbed measures it). `rate_for_utilization`
+testbed measures it: all of the peer's CPU over its share, so the simulated busy fraction
+of what requests get is added to what the idle peer uses, `backgrounds`). `rate_for_utilization`
 picks an arrival rate at which the simulated busiest peer under `random` (which spreads
 work evenly over unequal peers) reaches a target utilisation: the testbed's loads are
 named by it.
@@ -14,6 +15,7 @@ named by it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
@@ -35,6 +37,7 @@ class SimSetup:
     block_size: int = 16
     swarm_trust: str = COLD  # each testbed run starts a fresh swarm
     warmup_requests: int = 0  # the first requests of every workload are not measured
+    backgrounds: tuple[float, ...] = ()  # per peer, the share its idle self uses (0 if empty)
 
     def params(self, policy: str, delay_ms: float, seed: int) -> SimParams:
         return SimParams(
@@ -65,9 +68,22 @@ def predict(setup: SimSetup, policy: str, delay_ms: float, workload: Sequence[To
         # int(n * fraction) is the first measured request (Simulator._warmup)
         fraction = (setup.warmup_requests + 0.5) / len(workload)
         params = replace(params, warmup_fraction=fraction)
-    result = Simulator(params, workload).run()
-    return Prediction(result.metrics["ttft_mean_s"], result.metrics["busiest_peer_utilization"],
+    sim = Simulator(params, workload)
+    result = sim.run()
+    return Prediction(result.metrics["ttft_mean_s"], busiest_utilization(setup, sim),
                       result.metrics["hit_ratio"], result.metrics["forwarded_fraction"])
+
+
+def busiest_utilization(setup: SimSetup, sim: Simulator) -> float:
+    """The busiest peer's CPU over its share in the measured window, as the testbed reads
+    it: its idle background plus the simulated busy fraction of the rest."""
+    start, end = sim.busy_window
+    window = end - start
+    if window <= 0:
+        return math.nan
+    backgrounds = setup.backgrounds or (0.0,) * len(sim.peers)
+    return max(b + (1.0 - b) * p.busy_in_window_s / window
+               for b, p in zip(backgrounds, sim.peers, strict=True))
 
 
 def rate_for_utilization(
