@@ -57,7 +57,7 @@ lint: $(STAMP)
 		peer/preflight.py peer/logs.py peer/version.py peer/progress.py peer/net/reachability.py peer/net/relay_reservations.py peer/net/punch.py peer/net/punch_policy.py \
 		peer/engine/scheduler.py peer/engine/api.py peer/engine/text.py peer/routing/probing.py peer/routing/decide.py \
 		peer/request/generation.py peer/api/face.py peer/swarm/local_summary.py \
-		peer/swarm/incremental_bloom.py peer/swarm/admission.py peer/net/dial_candidates.py bench/testbed/link.py peer/request/budget.py peer/routing/evidence.py \
+		peer/swarm/incremental_bloom.py peer/swarm/admission.py peer/net/dial_candidates.py bench/testbed/link.py bench/sim/quota.py peer/request/budget.py peer/routing/evidence.py \
 		peer/net/keyed_budget.py peer/swarm/gossip_gate.py
 	# shells typed as strictly (pyproject's second strict override): the request path and
 	# the library entry

@@ -39,6 +39,9 @@ SIMULATOR_OWN = {
     "TURNS_PER_SESSION",
     "QUICK_LOADS",
     "GREEDY",
+    # The machine a testbed peer runs on: the kernel's CFS period, float slack (quota.py).
+    "DEFAULT_PERIOD_S",
+    "_EPS",
     # The evaluation's targets over result rows (bench/sim/checks.py): claims, not rules.
     "BUSY",
     "BUSY_ORACLE_RATIO",

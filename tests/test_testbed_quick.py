@@ -4,6 +4,7 @@ calibration fit, the per-point summary and the one-line refusal."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -121,6 +122,7 @@ def test_quick_run_on_isolated_peers(tmp_path: Path) -> None:
         assert 0 < row["ttft_mean_s"] <= row["e2e_mean_s"]
         assert 0 < row["busiest_peer_utilization"] <= 1.2  # a quota is a ceiling
         assert row["predicted_ttft_mean_s"] > 0
+        assert sum(row["served_per_peer"]) == row["requests"] - row["failed"]
     assert len(result["summary"]) == len(cli.POLICIES)
 
 
@@ -166,8 +168,9 @@ def test_the_prediction_leaves_out_the_warm_up() -> None:
 
 def test_overheads_and_utilisation_as_the_testbed_reads_them() -> None:
     """The calibration's per-request overhead is its fixed term less a lone simulated
-    step's fixed cost; a forward's CPU at the entry is paid at each peer's usable share;
-    and the predicted utilisation adds the idle peer's own CPU, as the cgroup counts it."""
+    step's fixed cost, split where the first token comes; a forward's CPU at the entry is
+    paid at each peer's usable share; and the predicted utilisation adds the idle peer's
+    own CPU, as the cgroup counts it."""
     from bench.sim.calibration import Calibration
     from bench.testbed.calibrate import PeerSpeed, with_overheads
     from bench.testbed.predict import SimSetup, predict
@@ -176,7 +179,12 @@ def test_overheads_and_utilisation_as_the_testbed_reads_them() -> None:
     fitted = Calibration("p", 0.05, 1e-3, 0.0, 0.02, "test", batch_step_slope=0.5)
     speed = PeerSpeed((), 0.02, fitted, background_cores=0.1)
     cal = with_overheads(speed, share=0.3, forward_cpu_s=0.004)
-    assert cal.request_overhead_s == pytest.approx(0.05 - 0.02 * 0.5)
+    assert cal.request_overhead_s == pytest.approx(0.05 - 0.02 * 0.5)  # all before
+    assert cal.request_tail_s == 0.0
+    # 60% of a short request's time before its first token: 30 ms, of which the step 10
+    split = with_overheads(dataclasses.replace(speed, first_token_fraction=0.6), 0.3, 0.004)
+    assert split.request_overhead_s == pytest.approx(0.02)
+    assert split.request_tail_s == pytest.approx(0.02)
     assert cal.forward_overhead_s == pytest.approx(0.004 / 0.2)
     flat = Calibration("flat", 0.0, 1e-3, 0.0, 0.01, "test", batch_step_slope=1.0)
     reqs = [TokenRequest(float(i), i, tuple(range(i * 1000, i * 1000 + 100)), (), 1)
@@ -185,3 +193,35 @@ def test_overheads_and_utilisation_as_the_testbed_reads_them() -> None:
     busy = predict(SimSetup((flat,), 256, 0.5, backgrounds=(0.4,)), "local", 0.0, reqs, seed=1)
     assert idle.busiest_peer_utilization == pytest.approx(0.1)
     assert busy.busiest_peer_utilization == pytest.approx(0.4 + 0.6 * 0.1)
+
+
+def test_a_committed_run_is_predicted_again_by_todays_simulator(tmp_path: Path) -> None:
+    """repredict: the measurements stand, each row's predictions are made again from the
+    run's calibration and the row's workload, the run's own kept beside them."""
+    from bench.sim.calibration import Calibration
+    from bench.testbed.repredict import main as repredict_main
+
+    cal = Calibration("p", 0.02, 1e-5, 0.0, 0.005, "test", request_overhead_s=0.01,
+                      forward_overhead_s=0.01)
+    result = {
+        "params": {"shares": [0.5, 0.5], "isolated": True, "capacity_blocks": 256,
+                   "summary_interval_s": 1.0, "warmup_requests": 10, "requests": 30,
+                   "max_new_tokens": 2},
+        "calibration": [{"background_cores": 0.05, "calibration": cal.as_dict()}] * 2,
+        "rows": [{"policy": "local", "delay_ms": 20.0, "load": "half", "rate_per_s": 4.0,
+                  "run": 0, "seed": 7, "ttft_mean_s": 0.05, "predicted_ttft_mean_s": 9.0,
+                  "predicted_busiest_peer_utilization": 9.0, "predicted_hit_ratio": 9.0}],
+    }
+    path = tmp_path / "testbed.json"
+    path.write_text(json.dumps(result))
+    repredict_main(["--json", str(path)])
+    (row,) = json.loads(path.read_text())["rows"]
+    assert row["predicted_at_run"]["predicted_ttft_mean_s"] == 9.0
+    assert 0 < row["predicted_ttft_mean_s"] < 1.0
+    assert 0.1 <= row["predicted_busiest_peer_utilization"] <= 1.0  # 0.05 / 0.5 idle at least
+    again = json.loads(path.read_text())
+    assert again["params"]["repredicted"]["cpu_quotas"] == [0.45, 0.45]
+    repredict_main(["--json", str(path)])  # twice: the run's own predictions stay
+    (row2,) = json.loads(path.read_text())["rows"]
+    assert row2["predicted_at_run"]["predicted_ttft_mean_s"] == 9.0
+    assert row2["predicted_ttft_mean_s"] == row["predicted_ttft_mean_s"]

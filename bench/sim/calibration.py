@@ -24,11 +24,12 @@ The slope's default is the cost model's (peer/routing/cost.py BATCH_STEP_SLOPE, 
 bench.engine's concurrency sweeps: `batch_slope_from_sweep`), so simulator and router
 agree unless a calibration says otherwise.
 
-A whole peer also spends CPU per request outside the engine's steps: the HTTP request,
-routing, the stream of tokens back (`request_overhead_s`, paid by the serving peer), and,
-for a forwarded request, the entry's HTTP, routing and relayed stream
-(`forward_overhead_s`, paid by the entry). An engine measured alone has none (both 0);
-a calibration measured through a peer's API (bench/testbed/calibrate.py) has them.
+A whole peer also spends CPU per request outside the engine's steps: the HTTP request and
+routing before the first token (`request_overhead_s`) and the end of the stream after it
+(`request_tail_s`), both paid by the serving peer, and, for a forwarded request, the
+entry's HTTP, routing and relayed stream (`forward_overhead_s`, paid by the entry). An
+engine measured alone has none (all 0); a calibration measured through a peer's API
+(bench/testbed/calibrate.py) has them.
 """
 
 from __future__ import annotations
@@ -56,12 +57,14 @@ class Calibration:
     source: str = "docs/model.md (SmolLM2-135M, fp32, 2 vCPUs), least-squares fit"
     batch_step_slope: float = BATCH_STEP_SLOPE  # a decode step of b: (1 - s + s b) lone steps
     max_context: int = 8192  # SmolLM2's context window: the warm-up probes up to half of it
-    request_overhead_s: float = 0.0  # serving peer's CPU per request outside engine steps
+    request_overhead_s: float = 0.0  # serving peer's CPU per request before its first token
+    request_tail_s: float = 0.0  # ... and after it, outside engine steps
     forward_overhead_s: float = 0.0  # entry's CPU per request it forwards
 
     def __post_init__(self) -> None:
         for name in (
             "request_overhead_s",
+            "request_tail_s",
             "forward_overhead_s",
             "prefill_fixed_s",
             "prefill_s_per_token",
@@ -122,6 +125,7 @@ class Calibration:
             prefill_s_per_token_ctx=self.prefill_s_per_token_ctx * factor,
             decode_s_per_token=self.decode_s_per_token * factor,
             request_overhead_s=self.request_overhead_s * factor,
+            request_tail_s=self.request_tail_s * factor,
             forward_overhead_s=self.forward_overhead_s * factor,
         )
 
@@ -136,6 +140,7 @@ class Calibration:
             "batch_step_slope": self.batch_step_slope,
             "max_context": self.max_context,
             "request_overhead_s": self.request_overhead_s,
+            "request_tail_s": self.request_tail_s,
             "forward_overhead_s": self.forward_overhead_s,
             "source": self.source,
         }

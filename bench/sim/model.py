@@ -279,15 +279,18 @@ class Simulator(ServerModel, RoutingModel, GossipModel):
 
     def _send(self, entry: SimPeer, job: Job, match_tokens: int, now: float,
               wait: float) -> None:
-        """Forward ``job`` to ``job.target`` after ``wait``: the entry's table counts it; a
-        stream opens (`stream_setup_rtts` round trips), then the request goes."""
+        """Forward ``job`` to ``job.target`` after ``wait``: the entry's table counts it; the
+        entry's work on it (`forward_overhead_s`: owed to its CPU, and on the request's
+        path at one core's speed); a stream opens (`stream_setup_rtts` round trips), then
+        the request goes."""
         n = len(job.tokens)
         counted = n - match_tokens if self.params.forward_counts_uncached else n
         job.charge = entry.table.record_forward(self.peers[job.target].peer_id, counted, now)
-        self._owe_cpu(entry, entry.cal.forward_overhead_s, now)
+        work = entry.cal.forward_overhead_s
+        self._owe_cpu(entry, work, now)
         legs = [self._one_way() for _ in range(2 * self.params.stream_setup_rtts + 1)]
-        job.sent = now + wait + sum(legs[:-1])  # the stream is open; the request goes
-        self._push(now + wait + sum(legs), DELIVER, job.target, job)
+        job.sent = now + wait + work + sum(legs[:-1])  # the stream is open; the request goes
+        self._push(now + wait + work + sum(legs), DELIVER, job.target, job)
 
     def _send_shadow(self, entry: SimPeer, job: Job, shadow: Shadow, now: float,
                      wait: float) -> None:

@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from bench.sim.calibration import NOTES_CALIBRATION, Calibration
+from bench.sim.quota import DEFAULT_PERIOD_S
 from peer.config import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_BLOOM_FP_RATE,
@@ -102,6 +103,11 @@ class SimParams:
     # A heterogeneous swarm: peer i serves at peer_calibrations[i % len] (empty: all at
     # `calibration`). Set by a regime (bench/sim/regimes.py).
     peer_calibrations: tuple[Calibration, ...] = ()
+    # Peers held to CPU quotas (bench/sim/quota.py): peer i gets cpu_quotas[i % len] of a
+    # core per quota_period_s, at a whole core's speed, and its calibration is in CPU
+    # seconds of one core. Empty: each peer's calibration is its own time (a fluid server).
+    cpu_quotas: tuple[float, ...] = ()
+    quota_period_s: float = DEFAULT_PERIOD_S
 
     def __post_init__(self) -> None:
         if self.policy not in POLICY_NAMES:
@@ -127,6 +133,8 @@ class SimParams:
         if self.swarm_trust not in SWARM_TRUST_STATES:
             raise ValueError(f"swarm_trust must be one of {SWARM_TRUST_STATES}, "
                              f"got {self.swarm_trust!r}")
+        if any(not 0 < q <= 1 for q in self.cpu_quotas) or self.quota_period_s <= 0:
+            raise ValueError("cpu_quotas must be in (0, 1] of a core, quota_period_s > 0")
         if not 0 <= self.warmup_fraction < 1:
             raise ValueError(f"warmup_fraction must be in [0, 1), got {self.warmup_fraction}")
 

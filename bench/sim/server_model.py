@@ -11,10 +11,15 @@ the step that reads its last chunk, when its blocks are inserted (RadixCache.ins
 evicts exactly what it needs); the lock is released when the request completes. Load is
 what Engine.load reports; speeds are measured per step (speeds.observe_step).
 
+A peer held to a CPU quota (SimParams.cpu_quotas) runs each step through its CpuQuota
+(bench/sim/quota.py): at full speed within a period's budget, stalled after; its busy
+time is the work over its share.
+
 CPU a peer spends outside its engine's steps (the calibration's `request_overhead_s` per
-request served, `forward_overhead_s` per request it forwards) is owed and paid before its
-next step, which it lengthens (a step of overhead alone when the engine is idle): the
-peer's one CPU share serves both, and the engine's measured speeds leave it out.
+request served when it arrives, `request_tail_s` at its first token, `forward_overhead_s`
+per request it forwards) is owed and paid before its next step, which it lengthens (a
+step of overhead alone when the engine is idle): the peer's one CPU share serves both,
+and the engine's measured speeds leave it out.
 """
 
 from __future__ import annotations
@@ -73,20 +78,32 @@ class ServerModel:
         chunks = [(n, peer.queue.batch[rid].pos) for rid, n in plan.prefill]
         seconds = peer.cal.step_s(len(plan.decode), chunks) if plan else 0.0
         peer.step_overhead_s, peer.overhead_s = peer.overhead_s, 0.0
+        peer.step_work_s = seconds + peer.step_overhead_s
         peer.step_started = now
-        self._push(now + seconds + peer.step_overhead_s, PHASE, peer.idx, plan)
+        end = (peer.quota.run(now, peer.step_work_s) if peer.quota is not None
+               else now + peer.step_work_s)
+        self._push(end, PHASE, peer.idx, plan)
 
     def _phase(self, peer: SimPeer, plan: StepPlan, now: float) -> int:
         """A step ended on `peer`: advance its requests; returns the client requests
         completed (shadows are not)."""
         seconds = now - peer.step_started
-        peer.busy_s += seconds
         start, end = self.busy_window
-        peer.busy_in_window_s += max(0.0, min(now, end) - max(peer.step_started, start))
+        overlap = max(0.0, min(now, end) - max(peer.step_started, start))
+        engine_s = seconds - peer.step_overhead_s
+        if peer.quota is None:
+            peer.busy_s += seconds
+            peer.busy_in_window_s += overlap
+        else:  # busy: the share of the quota used (the work over the share), pro rata
+            busy = peer.step_work_s / peer.quota.share
+            peer.busy_s += busy
+            peer.busy_in_window_s += overlap / seconds * busy if seconds > 0 else 0.0
+            work = peer.step_work_s
+            engine_s = seconds * (work - peer.step_overhead_s) / work if work > 0 else 0.0
         if plan:
             prefill_tokens = sum(n for _, n in plan.prefill)
             peer.speeds, _ = observe_step(peer.speeds, prefill_tokens, len(plan.decode),
-                                          seconds - peer.step_overhead_s)
+                                          engine_s)
         done = 0
         for rid in plan.decode:
             job = peer.queue.batch[rid]
@@ -106,6 +123,7 @@ class ServerModel:
 
     def _prefill_done(self, peer: SimPeer, job: Job, now: float) -> None:
         peer.queued_tokens -= job.queued
+        peer.overhead_s += peer.cal.request_tail_s  # paid before the next step (_phase)
         self._insert(peer, job.tokens, now)
         job.ret = 0.0 if job.target == job.entry else self._one_way()
         job.ttft = now + job.ret - job.arrival

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from bench.sim.params import SimParams
+from bench.sim.quota import CpuQuota
 from bench.workloads import TokenRequest
 from peer.config import (
     DEFAULT_PROBATION_REQUESTS,
@@ -155,6 +156,10 @@ class SimPeer:
         self.step_started = -1.0  # < 0: no step in flight
         self.overhead_s = 0.0  # CPU owed outside engine steps, paid before the next step
         self.step_overhead_s = 0.0  # of the step in flight, the part that was overhead
+        self.step_work_s = 0.0  # the step in flight's work (calibration seconds)
+        quotas = params.cpu_quotas
+        self.quota = (CpuQuota(quotas[idx % len(quotas)], params.quota_period_s) if quotas
+                      else None)
         self.busy_s = 0.0
         self.busy_in_window_s = 0.0  # of busy_s, within Simulator.busy_window
         # gossip

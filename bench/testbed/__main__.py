@@ -21,7 +21,7 @@ from bench.report import emit_json
 from bench.stats import mean_ci95
 from bench.testbed.beds import Bed, PeerSettings, log, open_bed
 from bench.testbed.calibrate import ForwardCost, measure_forward, measure_peers, with_overheads
-from bench.testbed.predict import SimSetup, predict, rate_for_utilization
+from bench.testbed.predict import SimSetup, predict, rate_for_utilization, testbed_setup
 from bench.testbed.runner import run_policy, summarise
 from bench.testbed.workload import WorkloadSpec, describe, mixed_requests
 from bench.workloads import load_tokenized_mmlu
@@ -139,15 +139,14 @@ async def calibrate(bed: Bed, args: argparse.Namespace) -> tuple[SimSetup, list[
                          for s, share in zip(speeds, shares, strict=True))
     for i, c in enumerate(calibrations):
         log(f"peer {i} ({args.shares[i]:g} core): fixed {c.prefill_fixed_s * 1e3:.1f} ms "
-            f"(request overhead {c.request_overhead_s * 1e3:.1f} ms, forward "
+            f"(request overhead {c.request_overhead_s * 1e3:.1f} ms before the first "
+            f"token and {c.request_tail_s * 1e3:.1f} ms after, forward "
             f"{c.forward_overhead_s * 1e3:.1f} ms), prefill "
             f"{c.prefill_s_per_token * 1e3:.3f} ms/token, decode "
             f"{c.decode_s_per_token * 1e3:.1f} ms/token; cold 512: "
             f"{c.prefill_s(512, 0) * 1e3:.0f} ms")
-    backgrounds = tuple(min(1.0, s.background_cores / share)
-                        for s, share in zip(speeds, shares, strict=True))
-    setup = SimSetup(calibrations, capacity, args.summary_interval,
-                     warmup_requests=args.warmup, backgrounds=backgrounds)
+    setup = testbed_setup(calibrations, [s.background_cores for s in speeds], args.shares,
+                          bed.isolated, capacity, args.summary_interval, args.warmup)
     return setup, speeds, forward
 
 

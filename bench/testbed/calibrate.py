@@ -19,8 +19,10 @@ that rate over their wall time, over share - rate), since the simulator gives a 
 whole share to requests.
 
 What a request costs besides the engine's forward steps (HTTP, routing, the stream) is
-the fit's fixed term less a lone step's fixed cost in the simulator (its
-`request_overhead_s`). A forward costs its entry too: `measure_forward` sends requests one
+the fit's fixed term less a lone step's fixed cost in the simulator, split at the first
+token by the wall-clock share of a short cold request's time that comes before it (its
+TTFT over its end to end, `first_token_fraction`: the simulator's `request_overhead_s`
+before, `request_tail_s` after). A forward costs its entry too: `measure_forward` sends requests one
 at a time to one entry of a `random` swarm and takes the entry's CPU per request that
 another peer served (the simulator's `forward_overhead_s`, the same CPU seconds over each
 peer's share).
@@ -63,12 +65,14 @@ class PeerSpeed:
     decode_s_per_token: float
     calibration: Calibration
     background_cores: float = 0.0  # CPU the idle peer used (cores), taken off its share
+    first_token_fraction: float = 1.0  # a short cold request's TTFT over its end to end
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "points": [list(p) for p in self.points],
             "decode_s_per_token": self.decode_s_per_token,
             "background_cores": self.background_cores,
+            "first_token_fraction": self.first_token_fraction,
             "calibration": self.calibration.as_dict(),
         }
 
@@ -101,11 +105,15 @@ async def measure_peer(url: str, model: str, name: str, seed: int, cpu: Clock | 
 
     background = 0.0  # cores the idle peer uses (measured below, with `cpu`)
 
+    fractions: list[float] = []  # wall TTFT over end to end, short cold prompts
+
     async def timed(client: httpx.AsyncClient, prompt: list[int],
                     max_tokens: int = 1) -> float:
         before = cpu() if cpu else 0.0
         start = trio.current_time()
-        ttft, _ = await _ttft(client, url, model, prompt, max_tokens)
+        ttft, e2e = await _ttft(client, url, model, prompt, max_tokens)
+        if len(prompt) == COLD_LENGTHS[0] and max_tokens == 1 and e2e > 0:
+            fractions.append(ttft / e2e)
         if not cpu:
             return ttft
         used = cpu() - before - background * (trio.current_time() - start)
@@ -140,7 +148,8 @@ async def measure_peer(url: str, model: str, name: str, seed: int, cpu: Clock | 
     how = (f"CPU seconds / ({share:g} core less {background:.3f} idle)" if cpu
            else "client-side TTFT")
     source = f"bench.testbed.calibrate: {how} at {url}, median of {REPEATS}"
-    return PeerSpeed(points, decode, fit(points, decode, name, source), background)
+    fraction = statistics.median(fractions) if fractions else 1.0
+    return PeerSpeed(points, decode, fit(points, decode, name, source), background, fraction)
 
 
 @dataclass(frozen=True)
@@ -187,12 +196,16 @@ async def measure_forward(url: str, model: str, entry_id: str, seed: int, cpu: C
 
 def with_overheads(speed: PeerSpeed, share: float, forward_cpu_s: float) -> Calibration:
     """`speed`'s calibration with the simulator's per-request overheads (module
-    docstring): the fit's fixed term less a lone step's fixed cost, and a forward's CPU
-    at the entry over this peer's share less its background."""
+    docstring): the fit's fixed term less a lone step's fixed cost, the part before the
+    first token what `first_token_fraction` of the fixed term leaves after the step;
+    and a forward's CPU at the entry over this peer's share less its background."""
     cal = speed.calibration
     lone_step = cal.decode_s_per_token * (1.0 - cal.batch_step_slope)
+    overhead = max(0.0, cal.prefill_fixed_s - lone_step)
+    before = min(overhead, max(0.0, speed.first_token_fraction * cal.prefill_fixed_s
+                               - lone_step))
     usable = share - speed.background_cores if share > speed.background_cores else share
-    return replace(cal, request_overhead_s=max(0.0, cal.prefill_fixed_s - lone_step),
+    return replace(cal, request_overhead_s=before, request_tail_s=overhead - before,
                    forward_overhead_s=forward_cpu_s / usable)
 
 

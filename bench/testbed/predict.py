@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
+from typing import Any
 
 from bench.sim.calibration import Calibration
 from bench.sim.model import Simulator
@@ -38,15 +39,50 @@ class SimSetup:
     swarm_trust: str = COLD  # each testbed run starts a fresh swarm
     warmup_requests: int = 0  # the first requests of every workload are not measured
     backgrounds: tuple[float, ...] = ()  # per peer, the share its idle self uses (0 if empty)
+    # per peer, the cores its quota leaves requests (share less the idle self): the
+    # simulated peers run under those quotas (bench/sim/quota.py), the calibrations (times
+    # at that share) turned into a core's CPU seconds; empty: fluid servers at share
+    quotas: tuple[float, ...] = ()
 
     def params(self, policy: str, delay_ms: float, seed: int) -> SimParams:
+        calibrations = self.calibrations
+        if self.quotas:
+            calibrations = tuple(replace(c.scaled(q), name=f"{c.name}-cpu")
+                                 for c, q in zip(calibrations, self.quotas, strict=True))
         return SimParams(
             policy=policy, peers=len(self.calibrations), delay_ms=delay_ms, jitter=SIM_JITTER,
             summary_interval_s=self.summary_interval_s, capacity_blocks=self.capacity_blocks,
             block_size=self.block_size, warmup_fraction=0.0, seed=seed,
-            calibration=self.calibrations[0], peer_calibrations=self.calibrations,
-            swarm_trust=self.swarm_trust,
+            calibration=calibrations[0], peer_calibrations=calibrations,
+            swarm_trust=self.swarm_trust, cpu_quotas=self.quotas,
         )
+
+
+def testbed_setup(calibrations: Sequence[Calibration], background_cores: Sequence[float],
+                  shares: Sequence[float], isolated: bool, capacity_blocks: int,
+                  summary_interval_s: float, warmup_requests: int) -> SimSetup:
+    """The simulated swarm of a testbed: its measured calibrations (times at each peer's
+    share less its idle self), idle selves as shares of the quota, and, where the peers
+    were isolated, those quotas (the loopback bed has none)."""
+    usable = [s if isolated else 1.0 for s in shares]
+    backgrounds = tuple(min(1.0, b / s) for b, s in zip(background_cores, usable, strict=True))
+    quotas = (tuple(s - b for s, b in zip(usable, background_cores, strict=True)) if isolated
+              else ())
+    return SimSetup(tuple(calibrations), capacity_blocks, summary_interval_s,
+                    warmup_requests=warmup_requests, backgrounds=backgrounds, quotas=quotas)
+
+
+def setup_from_result(result: dict[str, Any]) -> SimSetup:
+    """`testbed_setup` of a bench.testbed result file's params and calibration."""
+    params = result["params"]
+    names = {f.name for f in fields(Calibration)}
+    calibrations = [Calibration(**{k: v for k, v in c["calibration"].items() if k in names})
+                    for c in result["calibration"]]
+    return testbed_setup(calibrations, [float(c.get("background_cores", 0.0))
+                                        for c in result["calibration"]],
+                         params["shares"], bool(params.get("isolated", True)),
+                         int(params["capacity_blocks"]), float(params["summary_interval_s"]),
+                         int(params.get("warmup_requests", 0)))
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,17 @@ def _fmt(m: float, h: float) -> str:
     return f"{m:.3f}" if math.isnan(h) else f"{m:.3f} ± {h:.3f}"
 
 
+def _at_run(rows: Sequence[Row]) -> float:
+    """The mean TTFT the simulator of the run predicted (before a repredict)."""
+    vals = [float(r["predicted_at_run"]["predicted_ttft_mean_s"]) for r in rows
+            if (r.get("predicted_at_run") or {}).get("predicted_ttft_mean_s") is not None]
+    return sum(vals) / len(vals) if vals else math.nan
+
+
+def _fmt_util(u: float) -> str:
+    return "-" if math.isnan(u) else f"{u:.2f}"
+
+
 def _clear(cost: tuple[float, float], other: tuple[float, float] | None) -> bool | None:
     """Whether cost's 95% interval lies wholly below `other`'s (None: no interval)."""
     if other is None or math.isnan(cost[1]) or math.isnan(other[1]):
@@ -99,13 +110,38 @@ def section(path: Path) -> str:
         f"Arrival rates (requests/s): {params.get('rates_per_s')}. "
         "TTFT in seconds: the mean over runs ± the half-width of its 95% interval; "
         "`sim` is the simulator's prediction on the same workload and measured "
-        "calibrations; `util` the busiest peer's measured utilisation.",
+        "calibrations; `util` the busiest peer's measured utilisation (its CPU over its "
+        "share) and `sim util` the simulator's for it.",
         "",
     ]
+    forward = data.get("forward_cost")
+    if forward:
+        lines += [
+            "Calibrated per-request costs outside the engine's steps (ms at each peer's "
+            "usable share, peer by peer): serving, before the first token and after "
+            + ", ".join(f"{c['calibration'].get('request_overhead_s', 0.0) * 1e3:.1f} + "
+                        f"{c['calibration'].get('request_tail_s', 0.0) * 1e3:.1f}"
+                        for c in data.get("calibration", []))
+            + "; forwarding, at the entry "
+            + ", ".join(f"{c['calibration'].get('forward_overhead_s', 0.0) * 1e3:.1f}"
+                        for c in data.get("calibration", []))
+            + f" ({forward['forwarded_cpu_s'] * 1e3:.1f} ms of CPU, measured on "
+            f"{forward['forwarded']} forwards).",
+            "",
+        ]
+    again = params.get("repredicted")
+    if again:
+        lines += [
+            f"The predictions were made again by today's simulator ({again.get('by')}, "
+            f"{again.get('at')}) from the run's calibration; `sim at run` is what the "
+            "simulator of the run predicted.",
+            "",
+        ]
     for (delay, load), by_policy in sorted(_points(rows).items()):
         lines += [f"### d = {delay:g} ms, load {load}", "",
-                  "| policy | TTFT mean | sim | sim / real | hit | forwarded | util | runs |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "| policy | TTFT mean | sim | sim / real | hit | forwarded | util | sim util "
+                  + ("| sim at run " if again else "") + "| runs |",
+                  "|---|---|---|---|---|---|---|---|" + ("---|" if again else "") + "---|"]
         for policy in POLICIES:
             rs = by_policy.get(policy)
             if not rs:
@@ -116,7 +152,9 @@ def section(path: Path) -> str:
             lines.append(
                 f"| {policy} | {_fmt(m, h)} | {sim:.3f} | {ratio:.2f} | "
                 f"{_mean(rs, 'hit_ratio')[0]:.2f} | {_mean(rs, 'forwarded_fraction')[0]:.2f} | "
-                f"{_mean(rs, 'busiest_peer_utilization')[0]:.2f} | {len(rs)} |")
+                f"{_mean(rs, 'busiest_peer_utilization')[0]:.2f} | "
+                f"{_fmt_util(_mean(rs, 'predicted_busiest_peer_utilization')[0])} | "
+                + (f"{_at_run(rs):.3f} | " if again else "") + f"{len(rs)} |")
         lines.append("")
     lines += ["### The targets, point by point", "",
               "| d ms | load | cost lowest | clear of random | clear of local | "

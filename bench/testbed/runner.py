@@ -45,6 +45,7 @@ class RunMeasurement:
     setup_s: float
     up_s: float
     extra: dict[str, Any] = field(default_factory=dict)
+    peer_ids: tuple[str, ...] = ()  # in the bed's order (utilization's too)
 
 
 async def _send(client: httpx.AsyncClient, peer: SwarmPeer, request: TokenRequest,
@@ -131,7 +132,8 @@ async def run_policy(bed: Bed, policy: str, workload: Sequence[TokenRequest], mo
             views = await _views(client, swarm.peers)
         delivered = gossip_delivered(views, [p.peer_id for p in swarm.peers])
     outcomes = sorted((o for o in outcomes if o.index >= warmup), key=lambda o: o.index)
-    return RunMeasurement(outcomes, wall, utilization, delivered, setup_s, swarm.up_s)
+    return RunMeasurement(outcomes, wall, utilization, delivered, setup_s, swarm.up_s,
+                          peer_ids=tuple(p.peer_id for p in swarm.peers))
 
 
 def summarise(measured: RunMeasurement) -> dict[str, Any]:
@@ -151,6 +153,9 @@ def summarise(measured: RunMeasurement) -> dict[str, Any]:
         "forwarded_fraction": sum(o.forwarded for o in ok) / max(1, len(ok)),
         "busiest_peer_utilization": max(measured.utilization),
         "peer_utilization": [round(u, 4) for u in measured.utilization],
+        # measured requests each peer served (bed order): where the policy sent the work
+        "served_per_peer": [sum(1 for o in ok if o.served_by == pid)
+                            for pid in measured.peer_ids],
         "gossip_delivered_fraction": measured.gossip_delivered_fraction,
         "wall_s": measured.wall_s,
         "setup_s": measured.setup_s,  # start until every peer knows every other

@@ -1,0 +1,66 @@
+"""`python -m bench.testbed.repredict --json PATH`: the simulator's predictions of a
+committed testbed run, made again by today's simulator.
+
+A row's prediction is a function of the run's measured calibration (in the result), its
+workload (drawn again from the row's seed, rate and sizes) and the simulator. When the
+simulator learns something (a mechanism it did not model), the measurements stand and
+the predictions can be made again without running the testbed: each row's `predicted_*`
+are replaced, the run's own kept under `predicted_at_run`, and `params.repredicted` says
+when and by what. Calibration terms the run did not measure take their defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.report import emit_json
+from bench.testbed.predict import predict, setup_from_result
+from bench.testbed.workload import WorkloadSpec, mixed_requests
+from bench.workloads import load_tokenized_mmlu
+
+PREDICTED = ("predicted_ttft_mean_s", "predicted_busiest_peer_utilization", "predicted_hit_ratio")
+
+
+def repredict(result: dict[str, Any]) -> dict[str, Any]:
+    """`result` with every row's predictions made again (in place; returned)."""
+    from bench.testbed.__main__ import summary
+
+    params = result["params"]
+    setup = setup_from_result(result)
+    data = load_tokenized_mmlu()
+    total = int(params.get("warmup_requests", 0)) + int(params["requests"])
+    for row in result["rows"]:
+        row.setdefault("predicted_at_run", {k: row.get(k) for k in PREDICTED})
+        workload = mixed_requests(data, WorkloadSpec(total, float(row["rate_per_s"]),
+                                                     int(params["max_new_tokens"]),
+                                                     int(row["seed"])))
+        pred = predict(setup, row["policy"], float(row["delay_ms"]), workload, int(row["seed"]))
+        row["predicted_ttft_mean_s"] = pred.ttft_mean_s
+        row["predicted_busiest_peer_utilization"] = pred.busiest_peer_utilization
+        row["predicted_hit_ratio"] = pred.hit_ratio
+    params["repredicted"] = {
+        "at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "by": "python -m bench.testbed.repredict",
+        "cpu_quotas": list(setup.quotas),
+    }
+    result["summary"] = summary(result["rows"])
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.testbed.repredict", description=__doc__)
+    p.add_argument("--json", required=True, help="a bench.testbed result, rewritten in place")
+    args = p.parse_args(argv)
+    path = Path(args.json)
+    result = repredict(json.loads(path.read_text()))
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    emit_json({"summary": result["summary"], "repredicted": result["params"]["repredicted"]},
+              None)
+
+
+if __name__ == "__main__":
+    main()
