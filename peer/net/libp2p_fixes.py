@@ -30,9 +30,12 @@ from google.protobuf.message import DecodeError
 from libp2p.abc import IHost, INetStream
 from libp2p.exceptions import BaseLibp2pError
 from libp2p.peer.id import ID
+from libp2p.protocol_muxer.multiselect_client import MultiselectClient
 from libp2p.pubsub.gossipsub import GossipSub
 from libp2p.pubsub.pubsub import Pubsub
 from libp2p.stream_muxer.yamux.yamux import YamuxStream
+
+from peer.net import pipelined_select
 
 __all__ = [
     "GOSSIP_FACTOR",
@@ -228,6 +231,17 @@ def fixes() -> list[Fix]:
             lambda: _expect_parameters(GossipSub, "gossip_heartbeat", ("self",)),
             lambda: _marked(GossipSub.gossip_heartbeat, "_prefixswarm"),
             _gossip_to_backed_off_peers,
+        ),
+        # WORKAROUND(select-rtt): protocol negotiation waits for the multistream header's
+        # echo before proposing a protocol: two round trips before every new stream
+        # carries a byte. Send both at once (peer/net/pipelined_select.py).
+        Fix(
+            "select-rtt",
+            lambda: _expect_parameters(
+                MultiselectClient, "select_one_of",
+                ("self", "protocols", "communicator", "negotiate_timeout")),
+            pipelined_select.installed,
+            pipelined_select.install,
         ),
     ]
 
