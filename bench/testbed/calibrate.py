@@ -194,6 +194,12 @@ async def measure_forward(url: str, model: str, entry_id: str, seed: int, cpu: C
     return ForwardCost(statistics.median(by_kind[True]), local, len(by_kind[True]), requests)
 
 
+def usable_cores(share: float, background_cores: float) -> float:
+    """What a peer's quota leaves its requests: the share less the idle peer's own CPU
+    (the whole share where that measurement broke: more background than share)."""
+    return share - background_cores if share > background_cores else share
+
+
 def with_overheads(speed: PeerSpeed, share: float, forward_cpu_s: float) -> Calibration:
     """`speed`'s calibration with the simulator's per-request overheads (module
     docstring): the fit's fixed term less a lone step's fixed cost, the part before the
@@ -204,9 +210,8 @@ def with_overheads(speed: PeerSpeed, share: float, forward_cpu_s: float) -> Cali
     overhead = max(0.0, cal.prefill_fixed_s - lone_step)
     before = min(overhead, max(0.0, speed.first_token_fraction * cal.prefill_fixed_s
                                - lone_step))
-    usable = share - speed.background_cores if share > speed.background_cores else share
     return replace(cal, request_overhead_s=before, request_tail_s=overhead - before,
-                   forward_overhead_s=forward_cpu_s / usable)
+                   forward_overhead_s=forward_cpu_s / usable_cores(share, speed.background_cores))
 
 
 def fit(points: Sequence[tuple[int, int, float]], decode_s_per_token: float, name: str,

@@ -23,6 +23,7 @@ from typing import Any
 from bench.sim.calibration import Calibration
 from bench.sim.model import Simulator
 from bench.sim.params import COLD, SimParams
+from bench.testbed.calibrate import usable_cores
 from bench.workloads import TokenRequest
 
 SIM_JITTER = 0.0  # the emulator's links have a fixed delay
@@ -66,8 +67,8 @@ def testbed_setup(calibrations: Sequence[Calibration], background_cores: Sequenc
     were isolated, those quotas (the loopback bed has none)."""
     usable = [s if isolated else 1.0 for s in shares]
     backgrounds = tuple(min(1.0, b / s) for b, s in zip(background_cores, usable, strict=True))
-    quotas = (tuple(s - b for s, b in zip(usable, background_cores, strict=True)) if isolated
-              else ())
+    quotas = (tuple(usable_cores(s, b) for s, b in zip(usable, background_cores, strict=True))
+              if isolated else ())
     return SimSetup(tuple(calibrations), capacity_blocks, summary_interval_s,
                     warmup_requests=warmup_requests, backgrounds=backgrounds, quotas=quotas)
 

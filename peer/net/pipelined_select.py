@@ -62,14 +62,15 @@ async def select_one_of(self: MultiselectClient, protocols: Sequence[TProtocol],
     if not protocols:
         raise MultiselectClientError("no protocols to select from")
     first = protocols[0]
+    proposal = str(first) if first is not None else ""  # py-libp2p's spelling of None
     with trio.move_on_after(negotiate_timeout):
         await _write(communicator, MULTISELECT_PROTOCOL_ID)
-        await _write(communicator, str(first) if first is not None else "")
+        await _write(communicator, proposal)
         header = await _read(communicator)
         if not is_valid_handshake(header):
             raise MultiselectClientError(f"multiselect protocol ID mismatch: got {header!r}")
         response = await _read(communicator)
-        if response == (str(first) if first is not None else ""):
+        if response == proposal:
             return first
         if response != PROTOCOL_NOT_FOUND_MSG:
             raise MultiselectClientError(
