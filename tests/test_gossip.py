@@ -85,16 +85,20 @@ async def test_gossip_counts_what_was_published_and_accepted_per_sender(
     junk = rpc_pb2.Message(from_id=c.to_bytes(), data=b"junk")
     assert not gossip._validate(a, junk, None)  # rejected: not counted
     assert gossip._validate(a, _summary_from(a, 2), None)  # a replay: relayed, not counted
-    assert gossip.gossip_counts() == {
-        "published": len(published),
-        "accepted": {a.to_base58(): 2, b.to_base58(): 1},
-    }
+    assert gossip._validate(a, _summary_from(a, 1), None)  # late, out of order: counted
+    counts = gossip.gossip_counts()
+    assert counts["published"] == len(published) == 3
+    assert counts["seq"] == counts["first_seq"] + 2  # publishes number seqs one by one
+    assert counts["accepted"] == {a.to_base58(): 2, b.to_base58(): 1}
+    assert counts["late"] == {a.to_base58(): 1}
+    assert counts["last_seq"] == {a.to_base58(): 2, b.to_base58(): 1}
     # bounded by the table's size: once full, senders gone from the table are forgotten
-    monkeypatch.setattr("peer.swarm.gossip.MAX_PEERS", 2)
+    monkeypatch.setattr(gossip._delivery, "_limit", 2)
     assert gossip._validate(a, _summary_from(a, 3, leaving=True), None)  # a leaves
     assert gossip._stats["left"] == 1
     assert gossip._validate(c, _summary_from(c, 1), None)
     assert gossip.gossip_counts()["accepted"] == {b.to_base58(): 1, c.to_base58(): 1}
+    assert gossip.gossip_counts()["last_seq"] == {b.to_base58(): 1, c.to_base58(): 1}
 
 
 async def test_the_gate_drops_new_identities_without_room_and_budgets_the_rest(

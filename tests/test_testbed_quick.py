@@ -15,7 +15,7 @@ import pytest
 
 from bench.testbed import __main__ as cli
 from bench.testbed.calibrate import fit
-from bench.testbed.runner import gossip_delivered
+from bench.testbed.runner import gossip_delivery
 from bench.testbed.workload import GROUP_STRIDE, WorkloadSpec, mixed_requests
 from bench.workloads import tokenize_mmlu
 from peer.demo_data import MmluQuestion
@@ -51,17 +51,31 @@ def test_the_mix_is_sorted_capped_and_keeps_streams_apart() -> None:
     assert mixed_requests(_data(), spec) == requests  # seeded
 
 
-def test_gossip_delivered_fraction() -> None:
+def _counts(first: int, seq: int, accepted: dict[str, int], last: dict[str, int],
+            late: dict[str, int] | None = None) -> dict[str, object]:
+    return {"gossip_counts": {"published": seq - first + 1, "publish_failures": 0,
+                              "first_seq": first, "seq": seq, "accepted": accepted,
+                              "late": late or {}, "last_seq": last}}
+
+
+def test_gossip_delivery_counts_losses_not_summaries_still_on_their_way() -> None:
     ids = ["a", "b", "c"]
     views = [
-        {"gossip_counts": {"published": 10, "accepted": {"b": 10, "c": 5}}},
-        {"gossip_counts": {"published": 10, "accepted": {"a": 10, "c": 10}}},
-        {"gossip_counts": {"published": 10, "accepted": {"a": 10, "b": 10, "c": 99}}},
+        # a heard b's 10 (one of them late) and c's first 5 of 10 (5 on their way)
+        _counts(1, 10, {"b": 9, "c": 5}, {"b": 110, "c": 205}, late={"b": 1}),
+        # b heard a's 10, and 9 of c's first 10 (one lost)
+        _counts(101, 110, {"a": 10, "c": 9}, {"a": 10, "c": 210}),
+        # c heard a's first 9 and b's 10; its own are not deliveries
+        _counts(201, 210, {"a": 9, "b": 10, "c": 99}, {"a": 9, "b": 110}),
     ]
-    # 55 of 30 x 2 = 60 delivered; a peer's count of its own summaries is not a delivery
-    assert gossip_delivered(views, ids) == pytest.approx(55 / 60)
-    assert gossip_delivered([*views[:2], {"peers": []}], ids) is None
-    assert gossip_delivered([*views[:2], None], ids) is None
+    delivery = gossip_delivery(views, ids)
+    assert delivery is not None
+    # expected: a<-b 10, a<-c 5, b<-a 10, b<-c 10, c<-a 9, c<-b 10 = 54; arrived 53
+    assert delivery.delivered_fraction == pytest.approx(53 / 54)
+    assert delivery.late_fraction == pytest.approx(1 / 54)
+    assert delivery.in_flight_max == 5
+    assert gossip_delivery([*views[:2], {"peers": []}], ids) is None
+    assert gossip_delivery([*views[:2], None], ids) is None
 
 
 def test_fit_recovers_a_calibration_and_falls_back_when_noise_wins() -> None:

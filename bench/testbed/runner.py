@@ -41,7 +41,7 @@ class RunMeasurement:
     outcomes: list[Timed]
     wall_s: float
     utilization: list[float]
-    gossip_delivered_fraction: float | None
+    gossip: GossipDelivery | None
     setup_s: float
     up_s: float
     extra: dict[str, Any] = field(default_factory=dict)
@@ -65,22 +65,46 @@ async def _send(client: httpx.AsyncClient, peer: SwarmPeer, request: TokenReques
     )
 
 
-def gossip_delivered(views: Sequence[dict[str, Any] | None],
-                     peer_ids: Sequence[str]) -> float | None:
-    """Summaries delivered over summaries sent to everyone else (full gossip), from each
-    peer's /v1/swarm `gossip_counts`; None when any peer does not report them."""
+@dataclass(frozen=True)
+class GossipDelivery:
+    """Summaries delivered among the peers of a run (full gossip), from each peer's
+    /v1/swarm `gossip_counts` (peer/swarm/delivery_counts.py). A (receiver, sender) pair
+    expects the sender's summaries up to the newest one the receiver applied; the newer
+    ones are on their way when the counts are read (`in_flight`), not lost."""
+
+    delivered_fraction: float  # arrived (applied or late) over expected
+    late_fraction: float  # arrived after a newer one, over expected
+    in_flight_max: int  # the most summaries of one sender newer than a receiver's newest
+
+
+def gossip_delivery(views: Sequence[dict[str, Any] | None],
+                    peer_ids: Sequence[str]) -> GossipDelivery | None:
+    """GossipDelivery of one run's views (bed order); None when any peer does not
+    report its counts or nothing was published."""
     counts = [v.get("gossip_counts") if v else None for v in views]
-    if any(not isinstance(c, dict) for c in counts):
+    if len(peer_ids) < 2 or any(not isinstance(c, dict) or c.get("first_seq") is None
+                                for c in counts):
         return None
-    n = len(peer_ids)
-    published = sum(int(c["published"]) for c in counts if c)
-    if n < 2 or published == 0:
+    expected = arrived = late = 0
+    in_flight_max = 0
+    for sender, sent in zip(peer_ids, counts, strict=True):
+        assert sent is not None
+        first, last_sent = int(sent["first_seq"]), int(sent["seq"])
+        failures = int(sent.get("publish_failures", 0))
+        for receiver, got in zip(peer_ids, counts, strict=True):
+            if receiver == sender or got is None:
+                continue
+            came = int(got["accepted"].get(sender, 0))
+            out_of_order = int(got.get("late", {}).get(sender, 0))
+            newest = got.get("last_seq", {}).get(sender)
+            upto = last_sent if newest is None else int(newest)
+            expected += max(came + out_of_order, upto - first + 1 - failures)
+            arrived += came + out_of_order
+            late += out_of_order
+            in_flight_max = max(in_flight_max, last_sent - upto)
+    if expected == 0:
         return None
-    delivered = 0
-    for me, c in zip(peer_ids, counts, strict=True):
-        accepted = (c or {}).get("accepted", {})
-        delivered += sum(int(v) for sender, v in accepted.items() if sender != me)
-    return delivered / (published * (n - 1))
+    return GossipDelivery(arrived / expected, late / expected, in_flight_max)
 
 
 async def _views(client: httpx.AsyncClient, peers: Sequence[SwarmPeer]) -> list[
@@ -130,9 +154,9 @@ async def run_policy(bed: Bed, policy: str, workload: Sequence[TokenRequest], mo
             utilization = [(b - a) / (share * window)
                            for a, b, share in zip(cpu0, cpu1, swarm.shares, strict=True)]
             views = await _views(client, swarm.peers)
-        delivered = gossip_delivered(views, [p.peer_id for p in swarm.peers])
+        delivery = gossip_delivery(views, [p.peer_id for p in swarm.peers])
     outcomes = sorted((o for o in outcomes if o.index >= warmup), key=lambda o: o.index)
-    return RunMeasurement(outcomes, wall, utilization, delivered, setup_s, swarm.up_s,
+    return RunMeasurement(outcomes, wall, utilization, delivery, setup_s, swarm.up_s,
                           peer_ids=tuple(p.peer_id for p in swarm.peers))
 
 
@@ -140,6 +164,7 @@ def summarise(measured: RunMeasurement) -> dict[str, Any]:
     """The measured half of a row."""
     ok = [o for o in measured.outcomes if o.ok]
     ttft = [o.ttft_s for o in ok]
+    gossip = measured.gossip
     errors = Counter(o.error.split(":")[0] for o in measured.outcomes if not o.ok)
     return {
         "requests": len(measured.outcomes),
@@ -156,7 +181,10 @@ def summarise(measured: RunMeasurement) -> dict[str, Any]:
         # measured requests each peer served (bed order): where the policy sent the work
         "served_per_peer": [sum(1 for o in ok if o.served_by == pid)
                             for pid in measured.peer_ids],
-        "gossip_delivered_fraction": measured.gossip_delivered_fraction,
+        # summaries delivered of those that could have arrived (GossipDelivery)
+        "gossip_delivered_fraction": gossip.delivered_fraction if gossip else None,
+        "gossip_late_fraction": gossip.late_fraction if gossip else None,
+        "gossip_in_flight_max": gossip.in_flight_max if gossip else None,
         "wall_s": measured.wall_s,
         "setup_s": measured.setup_s,  # start until every peer knows every other
         "setup_up_s": measured.up_s,  # ... of which until every peer was up

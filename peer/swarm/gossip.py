@@ -42,6 +42,7 @@ from libp2p.pubsub.pubsub import Pubsub
 
 from peer.config import DEFAULT_GOSSIP_NEIGHBOURS, GossipMode
 from peer.engine.api import EngineView
+from peer.swarm.delivery_counts import DeliveryCounts
 from peer.swarm.gossip_gate import GRAYLIST_S, GateVerdict, GossipGate
 from peer.swarm.incremental_bloom import CacheFilter
 from peer.swarm.local_summary import build_summary
@@ -124,8 +125,8 @@ class Gossip:
         self._publishing = True
         self._logged: set[tuple[str, str]] = set()
         self._rejected: dict[str, int] = {}
-        # summaries accepted per sender, for as many senders as the table holds peers
-        self._accepted_from: dict[str, int] = {}
+        # per sender, for as many senders as the table holds peers
+        self._delivery = DeliveryCounts(MAX_PEERS)
         self._cpu_s = 0.0
         self._gate = GossipGate()
         self._stats = {
@@ -223,18 +224,12 @@ class Gossip:
         }
 
     def gossip_counts(self) -> dict[str, Any]:
-        """{"published": summaries we published, "accepted": {sender: summaries accepted
-        from it}}: what a testbed compares across peers to find summaries that never
-        arrived. Senders no longer in the table are forgotten once MAX_PEERS are counted."""
-        return {"published": self._stats["published"], "accepted": dict(self._accepted_from)}
+        """What this peer published and received per sender (peer/swarm/delivery_counts.py):
+        what a testbed compares across peers to find summaries that never arrived."""
+        return self._delivery.snapshot(self._stats["published"], self._stats["publish_failures"])
 
-    def _count_accepted(self, sender: str) -> None:
-        if sender not in self._accepted_from and len(self._accepted_from) >= MAX_PEERS:
-            now = trio.current_time()
-            for gone in [p for p in self._accepted_from if self._table.get(p, now) is None]:
-                del self._accepted_from[gone]
-        if sender in self._accepted_from or len(self._accepted_from) < MAX_PEERS:
-            self._accepted_from[sender] = self._accepted_from.get(sender, 0) + 1
+    def _live(self, peer_id: str) -> bool:
+        return self._table.get(peer_id, trio.current_time()) is not None
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Subscribe, then publish and expire until cancelled."""
@@ -405,6 +400,7 @@ class Gossip:
             return
         start = time.thread_time()
         self._seq += 1
+        self._delivery.published(self._seq)
         summary = build_summary(
             self._engine,
             peer_id=self._peer_id_str,
@@ -475,12 +471,15 @@ class Gossip:
             # pubsub penalise the forwarder and re-fetch it on every IHAVE (measured:
             # an 8-process swarm under load collapsed to 23% delivery).
             self._stats["superseded"] += 1
+            held = self._table.get(source_str, trio.current_time())
+            if held is not None and summary.seq < held.summary.seq:  # not a duplicate
+                self._delivery.late(source_str, self._live)
             logger.debug("summary from %s not applied: %s", source_str, result.detail)
             return True
         if not result.accepted:
             return self._reject(source_str, str(result.reason), result.detail)
         self._stats["accepted"] += 1
-        self._count_accepted(source_str)
+        self._delivery.accepted(source_str, summary.seq, self._live)
         if result.reason is Verdict.LEFT:
             self._stats["left"] += 1
             logger.info("peer %s left the swarm", source_str)
