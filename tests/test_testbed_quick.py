@@ -206,6 +206,8 @@ def test_overheads_and_utilisation_as_the_testbed_reads_them() -> None:
     idle = predict(SimSetup((flat,), 256, 0.5), "local", 0.0, reqs, seed=1)
     busy = predict(SimSetup((flat,), 256, 0.5, backgrounds=(0.4,)), "local", 0.0, reqs, seed=1)
     assert idle.busiest_peer_utilization == pytest.approx(0.1)
+    assert idle.peer_utilization == (idle.busiest_peer_utilization,)
+    assert idle.served_per_peer == (len(reqs),)  # no warm-up asked for: all measured
     assert busy.busiest_peer_utilization == pytest.approx(0.4 + 0.6 * 0.1)
 
 
@@ -233,6 +235,11 @@ def test_a_committed_run_is_predicted_again_by_todays_simulator(tmp_path: Path) 
     assert row["predicted_at_run"]["predicted_ttft_mean_s"] == 9.0
     assert 0 < row["predicted_ttft_mean_s"] < 1.0
     assert 0.1 <= row["predicted_busiest_peer_utilization"] <= 1.0  # 0.05 / 0.5 idle at least
+    # per peer: `local` serves each request where it entered; the busiest is one of them
+    assert sum(row["predicted_served_per_peer"]) == 30
+    assert max(row["predicted_peer_utilization"]) == pytest.approx(
+        row["predicted_busiest_peer_utilization"], abs=1e-4)
+    assert row["predicted_at_run"]["predicted_served_per_peer"] is None  # not predicted then
     again = json.loads(path.read_text())
     assert again["params"]["repredicted"]["cpu_quotas"] == [0.45, 0.45]
     repredict_main(["--json", str(path)])  # twice: the run's own predictions stay

@@ -224,6 +224,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                             row["predicted_busiest_peer_utilization"] = (
                                 pred.busiest_peer_utilization)
                             row["predicted_hit_ratio"] = pred.hit_ratio
+                            row["predicted_served_per_peer"] = list(pred.served_per_peer)
+                            row["predicted_peer_utilization"] = [
+                                round(u, 4) for u in pred.peer_utilization]
                             result["rows"].append(row)
                             save()
                             log(f"d={delay_ms:g} ms {load} run {run} {policy}: ttft "

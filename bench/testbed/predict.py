@@ -92,6 +92,10 @@ class Prediction:
     busiest_peer_utilization: float
     hit_ratio: float
     forwarded_fraction: float
+    # per peer (bed order), as the testbed's rows give them measured: where the simulated
+    # policy sent the measured requests, and each peer's utilisation
+    served_per_peer: tuple[int, ...] = ()
+    peer_utilization: tuple[float, ...] = ()
 
 
 def predict(setup: SimSetup, policy: str, delay_ms: float, workload: Sequence[TokenRequest],
@@ -107,20 +111,23 @@ def predict(setup: SimSetup, policy: str, delay_ms: float, workload: Sequence[To
         params = replace(params, warmup_fraction=fraction)
     sim = Simulator(params, workload)
     result = sim.run()
-    return Prediction(result.metrics["ttft_mean_s"], busiest_utilization(setup, sim),
-                      result.metrics["hit_ratio"], result.metrics["forwarded_fraction"])
+    utilization = peer_utilization(setup, sim)
+    return Prediction(result.metrics["ttft_mean_s"], max(utilization, default=math.nan),
+                      result.metrics["hit_ratio"], result.metrics["forwarded_fraction"],
+                      tuple(p.served_after_warmup for p in sim.peers), utilization)
 
 
-def busiest_utilization(setup: SimSetup, sim: Simulator) -> float:
-    """The busiest peer's CPU over its share in the measured window, as the testbed reads
-    it: its idle background plus the simulated busy fraction of the rest."""
+def peer_utilization(setup: SimSetup, sim: Simulator) -> tuple[float, ...]:
+    """Each peer's CPU over its share in the measured window, as the testbed reads it:
+    its idle background plus the simulated busy fraction of the rest (empty when the
+    window is empty)."""
     start, end = sim.busy_window
     window = end - start
     if window <= 0:
-        return math.nan
+        return ()
     backgrounds = setup.backgrounds or (0.0,) * len(sim.peers)
-    return max(b + (1.0 - b) * p.busy_in_window_s / window
-               for b, p in zip(backgrounds, sim.peers, strict=True))
+    return tuple(b + (1.0 - b) * p.busy_in_window_s / window
+                 for b, p in zip(backgrounds, sim.peers, strict=True))
 
 
 def rate_for_utilization(

@@ -22,7 +22,8 @@ from bench.testbed.predict import predict, setup_from_result
 from bench.testbed.workload import WorkloadSpec, mixed_requests
 from bench.workloads import load_tokenized_mmlu
 
-PREDICTED = ("predicted_ttft_mean_s", "predicted_busiest_peer_utilization", "predicted_hit_ratio")
+PREDICTED = ("predicted_ttft_mean_s", "predicted_busiest_peer_utilization", "predicted_hit_ratio",
+             "predicted_served_per_peer", "predicted_peer_utilization")
 
 
 def repredict(result: dict[str, Any]) -> dict[str, Any]:
@@ -42,6 +43,8 @@ def repredict(result: dict[str, Any]) -> dict[str, Any]:
         row["predicted_ttft_mean_s"] = pred.ttft_mean_s
         row["predicted_busiest_peer_utilization"] = pred.busiest_peer_utilization
         row["predicted_hit_ratio"] = pred.hit_ratio
+        row["predicted_served_per_peer"] = list(pred.served_per_peer)
+        row["predicted_peer_utilization"] = [round(u, 4) for u in pred.peer_utilization]
     params["repredicted"] = {
         "at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "by": "python -m bench.testbed.repredict",
