@@ -25,8 +25,9 @@ Modes (the attacks bench.adversary measures, each within what an honest peer's v
   stalls every stream (bench/rogues/magnet_staller.py).
 - relay_impersonator: serves honestly, and its relay logs, rewrites and impersonates
   (bench/rogues/relay_impersonator.py).
-- probation_launderer: the same summary; passes probation by forwarding its shadows to
-  an honest peer, then lies, signing everything (bench/rogues/probation_launderer.py).
+- probation_launderer: its own, honest summary (modest speeds, so no claim gives it
+  away); passes probation by forwarding its shadows to an honest peer, then lies,
+  signing everything (bench/rogues/probation_launderer.py).
 - freeloader: 8 honest-looking identities, each streaming long requests at the first
   bootstrap peer, one after another (bench/rogues/freeloader.py).
 - table_filler: serves honestly; 256 ghost identities' signed summaries kept fresh and
@@ -117,7 +118,7 @@ class Mode(enum.Enum):
 SURFACE_ATTACKS = {Mode.PUNCH_SCANNER: punch_scanner, Mode.REACHABILITY_LIAR: reachability_liar}
 ATTRACTIVE_MODES = frozenset(
     {Mode.LIAR_STALLER, Mode.WRONG_TOKENS_GREEDY, Mode.WRONG_TOKENS_SAMPLED, Mode.SYBIL,
-     Mode.PROBATION_LAUNDERER, Mode.SAMPLED_STEERER}
+     Mode.SAMPLED_STEERER}
 )
 
 

@@ -23,6 +23,7 @@ __all__ = [
     "decode_cbor",
     "encode_cbor",
     "encode_frame",
+    "message_map",
 ]
 
 FRAME_HEADER_BYTES = 4
@@ -225,3 +226,19 @@ class FrameDecoder:
             )
             raise self._error
         return True
+
+
+def message_map(obj: object, kind: str, version: int, family: str) -> dict[object, object]:
+    """A decoded frame as one `family` message of `kind` at `version` (its "t" and "v"
+    keys): the map, or RemoteProtocolError."""
+    if not isinstance(obj, dict):
+        raise RemoteProtocolError(
+            f"a {family} message must be a CBOR map, got {type(obj).__name__}"
+        )
+    got = obj.get("t")
+    if got != kind:
+        raise RemoteProtocolError(f"expected a {kind} message, got kind {got!r}")
+    got_version = obj.get("v")
+    if type(got_version) is not int or got_version != version:
+        raise RemoteProtocolError(f"unsupported {family} message version {got_version!r}")
+    return obj

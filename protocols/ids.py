@@ -21,6 +21,7 @@ __all__ = [
     "PROVIDER_NAMESPACE",
     "RING_TOPIC_PREFIX",
     "ROOTS_PROTOCOL",
+    "SERVED_PROTOCOL",
     "SUMMARY_TOPIC_PREFIX",
     "gossip_topic",
     "model_id_for",
@@ -37,6 +38,8 @@ INFER_PROTOCOL = f"/prefixswarm/infer/{PROTOCOL_VERSION}"
 LOAD_PROTOCOL = "/prefixswarm/load/1.0.0"  # load probes (protocols/load.py), versioned apart
 # Evidence of a signed wrong answer (protocols/answers.py), one frame per stream.
 EVIDENCE_PROTOCOL = "/prefixswarm/evidence/1.0.0"
+# Did a peer ask you for this prompt? (protocols/served.py): the check of a probation answer
+SERVED_PROTOCOL = "/prefixswarm/served/1.0.0"
 # Gossip mode `ring`'s lookup beyond the ring (protocols/roots.py): provider records of
 # prefix roots at their home peers, and summaries on demand. Versioned apart.
 ROOTS_PROTOCOL = "/prefixswarm/roots/1.0.0"

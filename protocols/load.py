@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from protocols.errors import RemoteProtocolError
+from protocols.framing import message_map
 from protocols.ids import validate_model_id
 
 __all__ = [
@@ -93,15 +94,7 @@ class LoadReport:
 
 
 def _mapping(obj: object, kind: str) -> dict[object, object]:
-    if not isinstance(obj, dict):
-        raise RemoteProtocolError(f"a load message must be a CBOR map, got {type(obj).__name__}")
-    got = obj.get("t")
-    if got != kind:
-        raise RemoteProtocolError(f"expected a {kind} message, got kind {got!r}")
-    version = obj.get("v")
-    if type(version) is not int or version != LOAD_VERSION:
-        raise RemoteProtocolError(f"unsupported load message version {version!r}")
-    return obj
+    return message_map(obj, kind, LOAD_VERSION, "load")
 
 
 def decode_load_query(obj: object) -> LoadQuery:

@@ -34,6 +34,7 @@ from peer.engine.api import (
 from peer.net.wire import FrameStream, HandlerHost, InboundStream, StreamBroken, reset_quietly
 from peer.request.admission import Admission, Overloaded
 from peer.request.budget import OverBudget, RemoteBudget, request_cost_s
+from peer.request.served_log import ServedLog
 from peer.request.signed import Signer, sign_answer
 from protocols.errors import RemoteProtocolError
 from protocols.ids import INFER_PROTOCOL
@@ -46,6 +47,7 @@ from protocols.infer import (
     TokenChunk,
     parse_request,
 )
+from protocols.served import prompt_digest
 
 if TYPE_CHECKING:  # trio's TaskStatus, as the trio-stubs py-libp2p pulls in type it
     from trio_typing import TaskStatus
@@ -84,8 +86,10 @@ class InferenceService:
         refuses: Callable[[str], bool] = lambda peer_id: False,
         trusted: Callable[[str], bool] = lambda peer_id: False,
         sign: Signer | None = None,
+        served_log: ServedLog | None = None,
     ) -> None:
         self._engine = engine
+        self._served_log = served_log  # who asked for which prompt (protocols/served.py)
         self._admission = admission
         self._self_id = self_id
         self._max_per_peer = max_inbound_per_peer
@@ -179,6 +183,10 @@ class InferenceService:
             )
             await frames.close()
             return
+        if self._served_log is not None:
+            self._served_log.record(
+                prompt_digest(request.prompt_token_ids), remote, trio.current_time()
+            )
         self._per_peer[remote] += 1
         try:
             await self._run(frames, request, background=not self._trusted(remote))

@@ -89,11 +89,13 @@ class Pipeline:
         on_audit: Callable[[Evidence], bool] | None = None,
         before_route: Callable[[Sequence[int], Sequence[int], float], Awaitable[None]]
         | None = None,
+        served_elsewhere: Callable[[str, Sequence[int]], Awaitable[str | None]] | None = None,
     ) -> None:
         """``trust``: the peer's one ledger (peer/request/serving.py builds it, and the
         router reads it). `before_route(tokens, chain, deadline)`, if given, is awaited
         before each request is ranked (gossip mode ring's lookup, peer/swarm/lookup.py: it
-        may add peers to the table)."""
+        may add peers to the table). `served_elsewhere(peer_id, prompt)`, if given, names a peer
+        that says `peer_id` asked it for `prompt` (a probation answer obtained elsewhere)."""
         self._config = config
         self._before_route = before_route
         self._engine = engine
@@ -112,6 +114,7 @@ class Pipeline:
             config=config, engine=engine, router=router, table=table, trust=trust,
             rng=rng, stats=self.stats, self_id=self_id,
             on_quarantine=on_quarantine, on_evidence=on_evidence, on_audit=on_audit,
+            served_elsewhere=served_elsewhere,
         )
         self.shadows = Shadows(
             planner=ShadowPlanner(trust, share=config.probation_share,

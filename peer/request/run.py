@@ -21,7 +21,7 @@ import contextlib
 import logging
 import random
 from collections import Counter, deque
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 import trio
@@ -111,8 +111,11 @@ class RunContext:
         on_quarantine: Callable[[Quarantine], None] | None = None,
         on_evidence: Callable[[Evidence], None] | None = None,
         on_audit: Callable[[Evidence], bool] | None = None,
+        served_elsewhere: Callable[[str, Sequence[int]], Awaitable[str | None]] | None = None,
     ) -> None:
         self.config = config
+        # who, if anyone, says a peer asked it for a prompt (peer/request/served_service.py)
+        self.served_elsewhere = served_elsewhere
         self.engine = engine
         self.router = router
         self.table = table

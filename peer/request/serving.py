@@ -39,6 +39,8 @@ from peer.request.generation import (
 from peer.request.inference import InferenceService
 from peer.request.pipeline import Pipeline
 from peer.request.request_log import RequestLog, RequestOutcome, RequestRecord, route_of
+from peer.request.served_log import ServedLog
+from peer.request.served_service import ServedService, served_elsewhere
 from peer.request.signed import Signer
 from peer.routing.probe_service import LoadService
 from peer.routing.router import build_router
@@ -50,6 +52,7 @@ from peer.routing.trust import (
     parse_quarantine,
 )
 from peer.swarm.peer_table import PeerTable
+from protocols.served import ServedQuery, prompt_digest
 
 if TYPE_CHECKING:  # trio's TaskStatus, as the trio-stubs py-libp2p pulls in type it
     from trio_typing import TaskStatus
@@ -58,6 +61,11 @@ logger = logging.getLogger(__name__)
 DRAIN_POLL_S = 0.05  # how often a drain looks whether the requests in flight ended
 
 __all__ = ["Prompt", "Serving", "load_quarantine"]
+
+# A probation answer's check (protocols/served.py): peers asked whether the probation peer
+# asked them for the prompt, and how long the check may take (it delays only the credit).
+MAX_SERVED_ASKED = 4
+SERVED_QUERY_TIMEOUT_S = 2.0
 
 
 class Serving:
@@ -88,6 +96,11 @@ class Serving:
         self.router = build_router(
             config.policy, rng or random.Random(), block_size=engine.block_size, trust=self.trust
         )
+        self._host = host
+        self._table = table
+        self._self_id = self_id
+        self.served_log = ServedLog()  # who asked for which prompt (protocols/served.py)
+        self.served = ServedService(self.served_log)
         self.inference = InferenceService(
             engine,
             self.admission,
@@ -103,6 +116,7 @@ class Serving:
                 self.trust.routable(peer_id) and not self.trust.on_probation(peer_id)
             ),
             sign=sign,
+            served_log=self.served_log,
         )
         self.load = LoadService(engine)  # answers other entry peers' load probes
         self.pipeline = Pipeline(
@@ -119,6 +133,7 @@ class Serving:
             on_evidence=lambda evidence: self.evidence.spread(evidence),
             on_audit=lambda evidence: self.evidence.audit(evidence),
             before_route=before_route,
+            served_elsewhere=self._served_elsewhere,
         )
         # Told of lies other peers verified; tells them of ours (peer/request/evidence.py).
         self.evidence = EvidenceService(
@@ -129,6 +144,24 @@ class Serving:
             idle=lambda: _idle(engine.load()),
         )
         self.requests = RequestLog()
+
+    async def _served_elsewhere(self, peer_id: str, prompt: Sequence[int]) -> str | None:
+        """A peer (this one included) that says `peer_id` asked it for `prompt` lately: its
+        answer was obtained there, not computed. Asks at most MAX_SERVED_ASKED others at
+        once, those past probation first, within SERVED_QUERY_TIMEOUT_S."""
+        digest = prompt_digest(prompt)
+        now = trio.current_time()
+        if self.served_log.asked(digest, peer_id, now):
+            return self._self_id
+        trust = self.trust
+        others = [v.peer_id for v in self._table.views(now)
+                  if v.peer_id != peer_id and trust.routable(v.peer_id)]
+        others.sort(key=trust.on_probation)  # stable: past probation first, then by id
+        asked = others[:MAX_SERVED_ASKED]
+        if not asked:
+            return None
+        return await served_elsewhere(self._host, asked, ServedQuery(digest, peer_id),
+                                      SERVED_QUERY_TIMEOUT_S, self.pipeline.stats)
 
     def _persist_quarantine(self, action: Quarantine) -> None:
         """Write every quarantine record (wall-clock times) next to the identity key."""
@@ -156,6 +189,7 @@ class Serving:
         """Answer forwarded requests and load probes, and own the shadows sent to peers
         on probation, until cancelled."""
         self.load.serve(libp2p_host)
+        self.served.serve(libp2p_host)
         async with trio.open_nursery() as nursery:
             await nursery.start(self.pipeline.shadows.serve)
             await nursery.start(self.evidence.serve, libp2p_host)
@@ -289,6 +323,7 @@ class Serving:
             "inference": self.inference.statistics(),
             "evidence": self.evidence.statistics(),
             "load_probe": self.load.statistics(),
+            "served_for": self.served.statistics(),
             "router": self.router.statistics()._asdict(),
             "trust": self.trust.statistics(),
             "requests": self.requests.statistics(),

@@ -10,7 +10,8 @@ it accepts (a near-tie on other hardware, or a wrong delivered answer) earns not
 costs nothing; one it rejects, or any difference without a verifier, quarantines. The
 client never waits for a shadow and never sees its tokens; a shadow's failure only backs
 its peer off. A request that ends without an answer (`ShadowJob.abandon`) cancels its
-shadow.
+shadow. An equal answer earns credit only if no peer asked says the probation peer asked
+it for the same prompt (protocols/served.py): an answer obtained elsewhere earns nothing.
 """
 
 from __future__ import annotations
@@ -179,6 +180,14 @@ class Shadows:
             if verdict.ok:  # a near-tie, or the delivered answer was wrong
                 logger.warning("a shadow answer of %s differs from the delivered one at "
                                "token %d and verifies: no credit", peer_id, bad)
+                self.planner.inconclusive(shadow)
+                return True
+        if bad is None and context.served_elsewhere is not None:
+            source = await context.served_elsewhere(peer_id, prompt)
+            if source is not None:  # it asked another peer for this prompt: laundering
+                context.stats["shadows_proxied"] += 1
+                logger.warning("peer %s answered a probation request with an answer it "
+                               "asked %s for: no credit", peer_id, source)
                 self.planner.inconclusive(shadow)
                 return True
         now = trio.current_time()
