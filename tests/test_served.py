@@ -137,7 +137,8 @@ async def test_a_newcomer_that_launders_its_probation_answers_never_earns_trust(
 ) -> None:
     """Three peers under default trust: the honest newcomer passes probation at the entry
     on its shadows; the launderer's shadows match too (they are the honest peer's answers)
-    but the honest peer says the launderer asked it for each prompt: no credit, ever."""
+    but the honest peer says the launderer asked it for each prompt: no credit, ever, and
+    a back-off that leaves the next shadows to the honest newcomer."""
     launderer = LaunderingEngine(tiny_engine_factory())
     a, h, lau = await start_swarm(
         nursery, [tiny_engine_factory(), tiny_engine_factory(), launderer],
@@ -149,12 +150,13 @@ async def test_a_newcomer_that_launders_its_probation_answers_never_earns_trust(
         result = await a.peer.generate(prompt, PARAMS)
         assert result.token_ids == await reference(tiny_engine_factory, prompt, PARAMS)
         await shadows_done(a)
-        if stats().get("shadows_proxied", 0) >= DEFAULT_PROBATION_REQUESTS and \
-                trust_of(a, h) is TrustState.TRUSTED:
+        if stats().get("shadows_proxied", 0) and trust_of(a, h) is TrustState.TRUSTED:
             break
-    assert launderer.proxied >= DEFAULT_PROBATION_REQUESTS
-    assert stats()["shadows_proxied"] >= DEFAULT_PROBATION_REQUESTS
-    assert trust_of(a, h) is TrustState.TRUSTED
+    # every shadow the launderer answered was caught, and each backed it off, so the
+    # honest newcomer got the next shadows and passed
+    assert launderer.proxied >= 1
+    assert stats()["shadows_proxied"] == launderer.proxied
+    assert trust_of(a, h) is TrustState.TRUSTED, stats()
     assert trust_of(a, lau) is TrustState.PROBATION
     assert a.peer.serving.statistics()["served_for"].get("served_queries_yes", 0) == 0  # a asked
     assert h.peer.serving.statistics()["served_for"]["served_queries_yes"] >= 1

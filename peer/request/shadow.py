@@ -11,7 +11,8 @@ costs nothing; one it rejects, or any difference without a verifier, quarantines
 client never waits for a shadow and never sees its tokens; a shadow's failure only backs
 its peer off. A request that ends without an answer (`ShadowJob.abandon`) cancels its
 shadow. An equal answer earns credit only if no peer asked says the probation peer asked
-it for the same prompt (protocols/served.py): an answer obtained elsewhere earns nothing.
+it for the same prompt (protocols/served.py): an answer obtained elsewhere earns nothing,
+and its peer is backed off as after a failed shadow.
 """
 
 from __future__ import annotations
@@ -187,8 +188,10 @@ class Shadows:
             if source is not None:  # it asked another peer for this prompt: laundering
                 context.stats["shadows_proxied"] += 1
                 logger.warning("peer %s answered a probation request with an answer it "
-                               "asked %s for: no credit", peer_id, source)
+                               "asked %s for: no credit, backed off", peer_id, source)
                 self.planner.inconclusive(shadow)
+                # backed off like a failed shadow: the next shadows go to other newcomers
+                context.router.record_outcome(peer_id, False, trio.current_time())
                 return True
         now = trio.current_time()
         if bad is None:
