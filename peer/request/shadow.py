@@ -186,10 +186,9 @@ class Shadows:
         if bad is None and context.served_elsewhere is not None:
             source = await context.served_elsewhere(peer_id, prompt)
             if source is not None:  # it asked another peer for this prompt: laundering
-                context.stats["shadows_proxied"] += 1
                 logger.warning("peer %s answered a probation request with an answer it "
                                "asked %s for: no credit, backed off", peer_id, source)
-                self.planner.inconclusive(shadow)
+                self.planner.obtained_elsewhere(shadow)
                 # backed off like a failed shadow: the next shadows go to other newcomers
                 context.router.record_outcome(peer_id, False, trio.current_time())
                 return True

@@ -149,6 +149,13 @@ class ShadowPlanner:
         self._end(shadow)
         self._count("inconclusive")
 
+    def obtained_elsewhere(self, shadow: Shadow) -> None:
+        """The answers are equal, but a peer says the probation peer asked it for the
+        prompt (protocols/served.py): no credit, no quarantine (a claim, not a proof);
+        the caller backs the peer off as after a failed shadow."""
+        self._end(shadow)
+        self._count("obtained_elsewhere")
+
     def ended(self, shadow: Shadow, *, failed: bool) -> None:
         """No verdict: the shadow failed (the caller backs the peer off), or the client's
         request ended without an answer to compare with (``failed`` False)."""
