@@ -35,7 +35,7 @@ from libp2p.pubsub.gossipsub import GossipSub
 from libp2p.pubsub.pubsub import Pubsub
 from libp2p.stream_muxer.yamux.yamux import YamuxStream
 
-from peer.net import pipelined_select
+from peer.net import pipelined_select, sent_record
 
 __all__ = [
     "GOSSIP_FACTOR",
@@ -232,6 +232,11 @@ def fixes() -> list[Fix]:
             lambda: _marked(GossipSub.gossip_heartbeat, "_prefixswarm"),
             _gossip_to_backed_off_peers,
         ),
+        # WORKAROUND(sent-record): every RPC carries our signed peer record, and py-libp2p
+        # rebuilds and compares it on each one (our addresses, a parse of the record's,
+        # the envelope serialised again): several times per summary received. Rebuilt
+        # at most once per RECHECK_S (peer/net/sent_record.py).
+        Fix("sent-record", sent_record.problem, sent_record.installed, sent_record.install),
         # WORKAROUND(select-rtt): protocol negotiation waits for the multistream header's
         # echo before proposing a protocol: two round trips before every new stream
         # carries a byte. Send both at once (peer/net/pipelined_select.py).
