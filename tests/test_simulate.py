@@ -276,6 +276,33 @@ def test_overheads_outside_the_engine_take_the_peers_cpu() -> None:
     assert over.metrics["hit_ratio"] == base.metrics["hit_ratio"]
 
 
+def test_every_summary_takes_its_publishers_and_each_receivers_cpu() -> None:
+    """`summary_publish_s` per summary a peer sends and `summary_receive_s` per summary
+    it gets (full gossip: from every other peer): busy time grows by exactly that, and
+    a peer that serves nothing is busy with gossip alone."""
+    cal = Calibration("flat", 0.0, 1e-3, 0.0, 0.01, "test", batch_step_slope=1.0)
+    reqs = [TokenRequest(0.5 * i, i, tuple(range(i * 1000, i * 1000 + 100)), (), 1)
+            for i in range(20)]
+    params = SimParams(policy="local", peers=3, delay_ms=5.0, jitter=0.0, calibration=cal,
+                       warmup_fraction=0.0, summary_interval_s=1.0)
+    paid = dataclasses.replace(params, calibration=dataclasses.replace(
+        cal, summary_publish_s=0.002, summary_receive_s=0.003))
+    plain, charged = Simulator(params, reqs), Simulator(paid, reqs)
+    plain.run()
+    charged.run()
+    received = [0] * 3
+    for p in charged.peers:
+        for other in charged.peers:
+            if other is not p:
+                received[other.idx] += p.published
+    for before, after, got in zip(plain.peers, charged.peers, received, strict=True):
+        assert after.published == before.published > 0  # gossip itself is unchanged
+        # (a summary still on its way when the run ends is not paid by its receivers)
+        assert after.busy_s - before.busy_s == pytest.approx(
+            0.002 * after.published + 0.003 * got, abs=0.003 * 3)
+    assert all(p.busy_s > 0 for p in charged.peers)
+
+
 @given(st.lists(st.tuples(st.floats(0.0, 0.3), st.floats(0.0, 0.5)), min_size=1, max_size=20),
        st.sampled_from([0.1, 0.25, 0.5, 1.0]))
 @settings(max_examples=200, deadline=None)

@@ -211,6 +211,34 @@ def test_overheads_and_utilisation_as_the_testbed_reads_them() -> None:
     assert busy.busiest_peer_utilization == pytest.approx(0.4 + 0.6 * 0.1)
 
 
+def test_the_summary_cadence_moves_from_the_background_to_per_summary_charges() -> None:
+    """A summary's measured CPU becomes the calibration's per-summary costs at each
+    peer's usable share; the idle cadence they account for (a summary of its own and one
+    from every other peer per interval) leaves the background and returns to the quota,
+    so the idle peer is not charged twice."""
+    from bench.sim.calibration import Calibration
+    from bench.testbed.calibrate import GossipCost, PeerSpeed, with_overheads
+    from bench.testbed.predict import testbed_setup
+
+    fitted = Calibration("p", 0.05, 1e-3, 0.0, 0.02, "test", batch_step_slope=0.5)
+    speed = PeerSpeed((), 0.02, fitted, background_cores=0.05)
+    gossip = GossipCost(publish_cpu_s=0.002, receive_cpu_s=0.003, publishes=20, publisher=1)
+    cal = with_overheads(speed, share=0.25, forward_cpu_s=0.004, gossip=gossip)
+    assert cal.summary_publish_s == pytest.approx(0.002 / 0.2)
+    assert cal.summary_receive_s == pytest.approx(0.003 / 0.2)
+    idle = gossip.idle_cores(peers=4, interval_s=0.5)
+    assert idle == pytest.approx((0.002 + 3 * 0.003) / 0.5)
+    setup = testbed_setup([cal, cal], [0.05, 0.05], [0.25, 0.25], True, 256, 0.5, 0,
+                          [idle, idle])
+    assert setup.backgrounds == pytest.approx(((0.05 - idle) / 0.25,) * 2)
+    params = setup.params("local", 0.0, seed=1)
+    assert params.cpu_quotas == pytest.approx((0.2 + idle,) * 2)
+    # the calibration's unit stays the share less the whole background
+    assert params.peer_calibrations[0].summary_receive_s == pytest.approx(0.003)
+    without = testbed_setup([cal], [0.05], [0.25], True, 256, 0.5, 0)
+    assert without.params("local", 0.0, seed=1).cpu_quotas == pytest.approx((0.2,))
+
+
 def test_a_committed_run_is_predicted_again_by_todays_simulator(tmp_path: Path) -> None:
     """repredict: the measurements stand, each row's predictions are made again from the
     run's calibration and the row's workload, the run's own kept beside them."""

@@ -72,6 +72,7 @@ class GossipModel:
             self._announce(peer, now)
         peer.published += 1
         peer.bytes_published += size
+        self._owe_cpu(peer, peer.cal.summary_publish_s, now)
         audience = len(self._audience[peer.idx])
         self._received += audience
         self._received_bytes += audience * size
@@ -85,6 +86,9 @@ class GossipModel:
         next routing decision (`_catch_up`); a newer summary from the same source
         replaces it, which PeerTable.apply would do anyway."""
         delay, summary = item
+        for receiver in self._audience[source]:  # each one decrypts, checks and relays it
+            peer = self.peers[receiver]
+            self._owe_cpu(peer, peer.cal.summary_receive_s, now)
         latest = self._delivered[source]
         if latest is None or latest[2].seq < summary.seq:
             self._delivered[source] = (now, delay, summary)

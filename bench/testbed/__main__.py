@@ -12,6 +12,7 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,14 @@ import trio
 from bench.report import emit_json
 from bench.stats import mean_ci95
 from bench.testbed.beds import Bed, PeerSettings, log, open_bed
-from bench.testbed.calibrate import ForwardCost, measure_forward, measure_peers, with_overheads
+from bench.testbed.calibrate import (
+    ForwardCost,
+    GossipCost,
+    measure_forward,
+    measure_gossip,
+    measure_peers,
+    with_overheads,
+)
 from bench.testbed.predict import SimSetup, predict, rate_for_utilization, testbed_setup
 from bench.testbed.runner import run_policy, summarise
 from bench.testbed.workload import WorkloadSpec, describe, mixed_requests
@@ -109,8 +117,8 @@ def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-async def calibrate(bed: Bed, args: argparse.Namespace) -> tuple[SimSetup, list[Any],
-                                                                 ForwardCost]:
+async def calibrate(bed: Bed, args: argparse.Namespace) -> tuple[
+        SimSetup, list[Any], ForwardCost, GossipCost | None]:
     log("calibrating: a swarm of `local` peers, each measured alone")
     import httpx
 
@@ -121,11 +129,18 @@ async def calibrate(bed: Bed, args: argparse.Namespace) -> tuple[SimSetup, list[
                 if bed.isolated else None)
         speeds = await measure_peers(urls, args.model, names, args.seed, parallel=False,
                                      cpus=cpus, shares=args.shares)
+        gossip = None
+        if cpus is not None:
+            log("calibrating: a cache summary's CPU at its publisher and its receivers")
+            gossip = await measure_gossip(urls, args.model, entry_of(args.shares), args.seed,
+                                          cpus, args.summary_interval)
+            log(f"a summary costs its publisher {gossip.publish_cpu_s * 1e3:.1f} ms CPU and "
+                f"each receiver {gossip.receive_cpu_s * 1e3:.1f} ms ({gossip.publishes} "
+                f"summaries)")
         async with httpx.AsyncClient() as client:
             view = (await client.get(f"{urls[0]}/v1/swarm", timeout=10.0)).json()
     capacity = int(view["self"]["capacity_blocks"])
-    # the largest share: its quota throttles the entry's own work least
-    entry = max(range(len(args.shares)), key=lambda i: args.shares[i])
+    entry = entry_of(args.shares)
     log(f"calibrating: a forward's CPU at its entry (peer {entry} of a `random` swarm)")
     async with bed.swarm("random") as swarm:
         forward = await measure_forward(swarm.peers[entry].http or "", args.model,
@@ -135,7 +150,7 @@ async def calibrate(bed: Bed, args: argparse.Namespace) -> tuple[SimSetup, list[
         f"({forward.forwarded} of {forward.requests} forwarded; "
         f"{forward.local_cpu_s * 1e3:.1f} ms for those it served)")
     shares = [s if bed.isolated else 1.0 for s in args.shares]
-    calibrations = tuple(with_overheads(s, share, forward.forwarded_cpu_s)
+    calibrations = tuple(with_overheads(s, share, forward.forwarded_cpu_s, gossip)
                          for s, share in zip(speeds, shares, strict=True))
     for i, c in enumerate(calibrations):
         log(f"peer {i} ({args.shares[i]:g} core): fixed {c.prefill_fixed_s * 1e3:.1f} ms "
@@ -145,9 +160,17 @@ async def calibrate(bed: Bed, args: argparse.Namespace) -> tuple[SimSetup, list[
             f"{c.prefill_s_per_token * 1e3:.3f} ms/token, decode "
             f"{c.decode_s_per_token * 1e3:.1f} ms/token; cold 512: "
             f"{c.prefill_s(512, 0) * 1e3:.0f} ms")
+    gossip_idle = ([gossip.idle_cores(len(speeds), args.summary_interval)] * len(speeds)
+                   if gossip else [])
     setup = testbed_setup(calibrations, [s.background_cores for s in speeds], args.shares,
-                          bed.isolated, capacity, args.summary_interval, args.warmup)
-    return setup, speeds, forward
+                          bed.isolated, capacity, args.summary_interval, args.warmup,
+                          gossip_idle)
+    return setup, speeds, forward, gossip
+
+
+def entry_of(shares: Sequence[float]) -> int:
+    """The peer with the largest share: its quota throttles the measured work least."""
+    return max(range(len(shares)), key=lambda i: shares[i])
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
@@ -167,11 +190,12 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="testbed-") as workdir:
         async with open_bed(not args.no_isolation, args.shares, settings,
                             args.bandwidth_mbit * 1e6, Path(workdir)) as bed:
-            setup, speeds, forward = await calibrate(bed, args)
+            setup, speeds, forward, gossip = await calibrate(bed, args)
             result["calibration"] = [
                 {**s.as_dict(), "calibration": c.as_dict()}
                 for s, c in zip(speeds, setup.calibrations, strict=True)]
             result["forward_cost"] = forward.as_dict()
+            result["gossip_cost"] = gossip.as_dict() if gossip else None
             if args.calibration_json:
                 Path(args.calibration_json).write_text(
                     json.dumps(result["calibration"], indent=2) + "\n")

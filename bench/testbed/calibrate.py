@@ -26,6 +26,15 @@ before, `request_tail_s` after). A forward costs its entry too: `measure_forward
 at a time to one entry of a `random` swarm and takes the entry's CPU per request that
 another peer served (the simulator's `forward_overhead_s`, the same CPU seconds over each
 peer's share).
+
+Every cache summary costs CPU too, at its publisher and at every receiver (decrypting,
+checking, applying and relaying it: py-libp2p's work mostly), and in a testbed run each
+request that changes a small cache by CHANGE_FRACTION sends one. `measure_gossip` drives
+one peer with requests that each change its cache, far enough apart that each sends a
+summary, and takes every peer's CPU over an idle window of the same length off (the idle
+summaries, one per interval, are in that rate): per extra summary, the publisher's CPU
+beyond its requests' own and each receiver's (the simulator's `summary_publish_s` and
+`summary_receive_s`, over each peer's share).
 """
 
 from __future__ import annotations
@@ -55,6 +64,9 @@ MAX_BACKGROUND = 0.5  # of the share: more says the measurement broke, not the p
 FORWARD_REQUESTS = 40  # one after another at one entry of a `random` swarm
 FORWARD_PROMPT_TOKENS = 32
 SETTLE_S = 0.3  # after each: the entry's work after the stream (verdicts, shadows) ends
+GOSSIP_WINDOW_S = 12.0  # idle, then churning: the periodic work (pings, dial-backs) evens out
+GOSSIP_REQUEST_GAP_S = 0.5  # > the early-publish gap (a quarter interval): a summary each
+GOSSIP_PROMPT_TOKENS = 512  # 32 blocks of 16: > CHANGE_FRACTION of the testbed's caches
 
 
 @dataclass(frozen=True)
@@ -194,24 +206,98 @@ async def measure_forward(url: str, model: str, entry_id: str, seed: int, cpu: C
     return ForwardCost(statistics.median(by_kind[True]), local, len(by_kind[True]), requests)
 
 
+@dataclass(frozen=True)
+class GossipCost:
+    """CPU seconds per cache summary: its publisher's (beyond the requests that changed
+    its cache) and each receiver's (the mean over receivers)."""
+
+    publish_cpu_s: float
+    receive_cpu_s: float
+    publishes: int  # summaries sent while churning, beyond the idle ones of that window
+    publisher: int  # the peer that published (bed order)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"publish_cpu_s": self.publish_cpu_s, "receive_cpu_s": self.receive_cpu_s,
+                "publishes": self.publishes, "publisher": self.publisher}
+
+    def idle_cores(self, peers: int, interval_s: float) -> float:
+        """What one peer of `peers` spends on the idle cadence (a summary of its own and
+        one from each other peer per interval): part of its measured background."""
+        return (self.publish_cpu_s + (peers - 1) * self.receive_cpu_s) / interval_s
+
+
+async def _published(client: httpx.AsyncClient, url: str) -> int:
+    view = (await client.get(f"{url}/v1/swarm", timeout=TIMEOUT_S)).json()
+    counts = view.get("gossip_counts") or {}
+    if counts.get("seq") is None:
+        raise RuntimeError(f"the peer at {url} reports no gossip counts")
+    return int(counts["seq"])
+
+
+async def measure_gossip(urls: Sequence[str], model: str, publisher: int, seed: int,
+                         cpus: Sequence[Clock], interval_s: float) -> GossipCost:
+    """GossipCost of a swarm that nothing else is sent to meanwhile (module docstring):
+    every peer's idle rate over GOSSIP_WINDOW_S, then as long again of fresh prompts to
+    `publisher`, one every GOSSIP_REQUEST_GAP_S."""
+    rng = random.Random(f"{seed}/gossip")
+    n = len(urls)
+
+    def read() -> tuple[list[float], float]:
+        return [cpu() for cpu in cpus], trio.current_time()
+
+    async with httpx.AsyncClient(timeout=TIMEOUT_S) as client:
+        c0, t0 = read()
+        await trio.sleep(GOSSIP_WINDOW_S)
+        c1, t1 = read()
+        idle = [(b - a) / (t1 - t0) for a, b in zip(c0, c1, strict=True)]
+        seq0 = await _published(client, urls[publisher])
+        c2, t2 = read()
+        requests_cpu = 0.0
+        while trio.current_time() < t2 + GOSSIP_WINDOW_S:
+            prompt = [rng.randrange(*TOKEN_RANGE) for _ in range(GOSSIP_PROMPT_TOKENS)]
+            before = cpus[publisher]()
+            await _ttft(client, urls[publisher], model, prompt)
+            requests_cpu += cpus[publisher]() - before
+            await trio.sleep(GOSSIP_REQUEST_GAP_S)
+        c3, t3 = read()
+        seq1 = await _published(client, urls[publisher])
+    window = t3 - t2
+    extra = (seq1 - seq0) - window / interval_s
+    if extra < 1:
+        raise RuntimeError(f"the peer at {urls[publisher]} sent {seq1 - seq0} summaries in "
+                           f"{window:.0f} s of requests: no more than its idle ones")
+    used = [(b - a) - rate * window for a, b, rate in zip(c2, c3, idle, strict=True)]
+    receivers = [used[i] for i in range(n) if i != publisher]
+    return GossipCost(
+        publish_cpu_s=max(0.0, used[publisher] - requests_cpu) / extra,
+        receive_cpu_s=max(0.0, statistics.fmean(receivers)) / extra if receivers else 0.0,
+        publishes=round(extra), publisher=publisher,
+    )
+
+
 def usable_cores(share: float, background_cores: float) -> float:
     """What a peer's quota leaves its requests: the share less the idle peer's own CPU
     (the whole share where that measurement broke: more background than share)."""
     return share - background_cores if share > background_cores else share
 
 
-def with_overheads(speed: PeerSpeed, share: float, forward_cpu_s: float) -> Calibration:
+def with_overheads(speed: PeerSpeed, share: float, forward_cpu_s: float,
+                   gossip: GossipCost | None = None) -> Calibration:
     """`speed`'s calibration with the simulator's per-request overheads (module
     docstring): the fit's fixed term less a lone step's fixed cost, the part before the
     first token what `first_token_fraction` of the fixed term leaves after the step;
-    and a forward's CPU at the entry over this peer's share less its background."""
+    a forward's CPU at the entry and, with `gossip`, a summary's at its publisher and at
+    a receiver, each over this peer's share less its background."""
     cal = speed.calibration
     lone_step = cal.decode_s_per_token * (1.0 - cal.batch_step_slope)
     overhead = max(0.0, cal.prefill_fixed_s - lone_step)
     before = min(overhead, max(0.0, speed.first_token_fraction * cal.prefill_fixed_s
                                - lone_step))
+    usable = usable_cores(share, speed.background_cores)
     return replace(cal, request_overhead_s=before, request_tail_s=overhead - before,
-                   forward_overhead_s=forward_cpu_s / usable_cores(share, speed.background_cores))
+                   forward_overhead_s=forward_cpu_s / usable,
+                   summary_publish_s=gossip.publish_cpu_s / usable if gossip else 0.0,
+                   summary_receive_s=gossip.receive_cpu_s / usable if gossip else 0.0)
 
 
 def fit(points: Sequence[tuple[int, int, float]], decode_s_per_token: float, name: str,

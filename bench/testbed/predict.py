@@ -23,7 +23,7 @@ from typing import Any
 from bench.sim.calibration import Calibration
 from bench.sim.model import Simulator
 from bench.sim.params import COLD, SimParams
-from bench.testbed.calibrate import usable_cores
+from bench.testbed.calibrate import GossipCost, usable_cores
 from bench.workloads import TokenRequest
 
 SIM_JITTER = 0.0  # the emulator's links have a fixed delay
@@ -44,33 +44,48 @@ class SimSetup:
     # simulated peers run under those quotas (bench/sim/quota.py), the calibrations (times
     # at that share) turned into a core's CPU seconds; empty: fluid servers at share
     quotas: tuple[float, ...] = ()
+    # per peer, the cores its idle self spends on the summary cadence (in its measured
+    # background): the simulator charges every summary instead (Calibration's
+    # summary_publish_s and summary_receive_s), so its quota gets them back
+    gossip_cores: tuple[float, ...] = ()
 
     def params(self, policy: str, delay_ms: float, seed: int) -> SimParams:
         calibrations = self.calibrations
+        cpu_quotas = self.quotas
         if self.quotas:
             calibrations = tuple(replace(c.scaled(q), name=f"{c.name}-cpu")
                                  for c, q in zip(calibrations, self.quotas, strict=True))
+            if self.gossip_cores:
+                cpu_quotas = tuple(q + g for q, g in zip(self.quotas, self.gossip_cores,
+                                                         strict=True))
         return SimParams(
             policy=policy, peers=len(self.calibrations), delay_ms=delay_ms, jitter=SIM_JITTER,
             summary_interval_s=self.summary_interval_s, capacity_blocks=self.capacity_blocks,
             block_size=self.block_size, warmup_fraction=0.0, seed=seed,
             calibration=calibrations[0], peer_calibrations=calibrations,
-            swarm_trust=self.swarm_trust, cpu_quotas=self.quotas,
+            swarm_trust=self.swarm_trust, cpu_quotas=cpu_quotas,
         )
 
 
 def testbed_setup(calibrations: Sequence[Calibration], background_cores: Sequence[float],
                   shares: Sequence[float], isolated: bool, capacity_blocks: int,
-                  summary_interval_s: float, warmup_requests: int) -> SimSetup:
+                  summary_interval_s: float, warmup_requests: int,
+                  gossip_idle_cores: Sequence[float] = ()) -> SimSetup:
     """The simulated swarm of a testbed: its measured calibrations (times at each peer's
     share less its idle self), idle selves as shares of the quota, and, where the peers
-    were isolated, those quotas (the loopback bed has none)."""
+    were isolated, those quotas (the loopback bed has none). `gossip_idle_cores`: per
+    peer, the part of its idle self that is the summary cadence, which the simulator
+    charges per summary (so it leaves the background and returns to the quota)."""
     usable = [s if isolated else 1.0 for s in shares]
-    backgrounds = tuple(min(1.0, b / s) for b, s in zip(background_cores, usable, strict=True))
+    gossip = [min(g, b) for g, b in zip(gossip_idle_cores or [0.0] * len(usable),
+                                          background_cores, strict=True)]
+    rest = [b - g for b, g in zip(background_cores, gossip, strict=True)]
+    backgrounds = tuple(min(1.0, b / s) for b, s in zip(rest, usable, strict=True))
     quotas = (tuple(usable_cores(s, b) for s, b in zip(usable, background_cores, strict=True))
               if isolated else ())
     return SimSetup(tuple(calibrations), capacity_blocks, summary_interval_s,
-                    warmup_requests=warmup_requests, backgrounds=backgrounds, quotas=quotas)
+                    warmup_requests=warmup_requests, backgrounds=backgrounds, quotas=quotas,
+                    gossip_cores=tuple(gossip) if isolated and gossip_idle_cores else ())
 
 
 def setup_from_result(result: dict[str, Any]) -> SimSetup:
@@ -79,11 +94,15 @@ def setup_from_result(result: dict[str, Any]) -> SimSetup:
     names = {f.name for f in fields(Calibration)}
     calibrations = [Calibration(**{k: v for k, v in c["calibration"].items() if k in names})
                     for c in result["calibration"]]
+    interval = float(params["summary_interval_s"])
+    gossip = result.get("gossip_cost")
+    idle = ([GossipCost(**gossip).idle_cores(len(calibrations), interval)]
+            * len(calibrations) if gossip else [])
     return testbed_setup(calibrations, [float(c.get("background_cores", 0.0))
                                         for c in result["calibration"]],
                          params["shares"], bool(params.get("isolated", True)),
-                         int(params["capacity_blocks"]), float(params["summary_interval_s"]),
-                         int(params.get("warmup_requests", 0)))
+                         int(params["capacity_blocks"]), interval,
+                         int(params.get("warmup_requests", 0)), idle)
 
 
 @dataclass(frozen=True)
