@@ -127,6 +127,9 @@ def test_quick_run_on_isolated_peers(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["complete"] and result["params"]["isolated"] and result["params"]["quick"]
+    gossip = result["gossip_cost"]  # calibrated: summaries beyond the idle ones were sent
+    assert gossip["publishes"] >= 1 and gossip["receive_cpu_s"] >= 0
+    assert all(c["calibration"]["summary_receive_s"] >= 0 for c in result["calibration"])
     rows = result["rows"]
     assert sorted(r["policy"] for r in rows) == sorted(cli.POLICIES)
     for row in rows:
