@@ -5,9 +5,13 @@ flips a peer behind NAT, and every answer expires."""
 from __future__ import annotations
 
 import ipaddress
+import itertools
 
+import trio
 from hypothesis import given
 from hypothesis import strategies as st
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.peer.id import ID
 
 from peer.net.reachability import (
     MIN_FAILING_PEERS,
@@ -16,6 +20,7 @@ from peer.net.reachability import (
     Reachability,
     ReachabilityTracker,
     network_of,
+    unknown_check_delay,
 )
 
 HOME = "/ip4/198.18.0.2/tcp/4001"  # where honest reporters reach us
@@ -117,3 +122,57 @@ def test_public_iff_quorum_networks_agree(events, now):
     )
     assert t.verdict(now) is expected
     assert set(t.confirmed_addrs(now)) == agreed
+
+
+def test_unknown_checks_back_off_while_only_asked_peers_remain():
+    assert unknown_check_delay(0, 5.0, 120.0) == 5.0
+    assert [unknown_check_delay(q, 5.0, 120.0) for q in (1, 2, 3, 4, 5, 99)] == [
+        10.0, 20.0, 40.0, 80.0, 120.0, 120.0]
+
+
+class _Silent:
+    """A host whose peers never answer a dial-back request: the verdict stays unknown."""
+
+    def __init__(self, connected: list[ID]) -> None:
+        self.connected = connected
+        self.peer_id = ID.from_pubkey(create_new_key_pair().public_key)
+        self.asked: list[tuple[float, ID]] = []
+
+    def connected_peers(self) -> list[ID]:
+        return list(self.connected)
+
+    async def new_stream(self, peer_id: ID, *_: object, **__: object) -> object:
+        self.asked.append((trio.current_time(), peer_id))
+        raise ConnectionError("no dial-back here")
+
+
+async def test_a_peer_in_one_network_backs_off_and_a_new_peer_is_asked_at_once(
+    autojump_clock,
+):
+    from peer.net.relay_service import CHECK_FANOUT, CHECK_INTERVAL_S, CHECK_UNKNOWN_S, Reach
+
+    def ids(n: int) -> list[ID]:
+        return [ID.from_pubkey(create_new_key_pair().public_key) for _ in range(n)]
+
+    host = _Silent(ids(3))
+    reach = Reach(host, listen_ports=(4001,), announce=(), relay_service=False,
+                  use_relays=False)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(reach._check_loop)
+        await trio.sleep(600)
+        rounds = sorted({t for t, _ in host.asked})
+        # 1 s, then 5 s (three new peers), then 10, 20, 40, 80 and 120 s apart
+        gaps = [round(b - a, 6) for a, b in itertools.pairwise(rounds)]
+        assert gaps[:6] == [CHECK_UNKNOWN_S * 2 ** q for q in range(5)] + [CHECK_INTERVAL_S]
+        assert len(rounds) < 600 / CHECK_UNKNOWN_S / 10  # every 5 s: 120 rounds
+        assert reach.verdict() is Reachability.UNKNOWN
+        newcomer = ids(1)[0]
+        host.connected.append(newcomer)
+        before = len(host.asked)
+        await trio.sleep(CHECK_INTERVAL_S + 1)
+        first = next(t for t, p in host.asked[before:] if p == newcomer)
+        later = [t for t, _ in host.asked[before:] if t > first]
+        # the newcomer is asked at the next round, and the round after comes 5 s later
+        assert later and min(later) - first == CHECK_UNKNOWN_S
+        assert all(len([p for t, p in host.asked if t == r]) <= CHECK_FANOUT for r in rounds)
+        nursery.cancel_scope.cancel()

@@ -45,6 +45,7 @@ __all__ = [
     "network_of",
     "parse_relay_request",
     "relay_of",
+    "unknown_check_delay",
 ]
 
 CONTROL_FRAME_BYTES = 1024  # every control message is a few dozen bytes
@@ -90,6 +91,17 @@ class _Result:
     addr: str
     at: float
     network: str  # the reporter's network (network_of its IP)
+
+
+def unknown_check_delay(quiet_rounds: int, first_s: float, most_s: float) -> float:
+    """The wait before the next reachability check while the verdict is unknown:
+    `first_s`, doubled for each round in a row that could ask only peers asked before
+    (their answers are already in: asking them again mostly repeats them; in one /24,
+    as on a LAN, PUBLIC_QUORUM is never reached and the checks would go on every
+    `first_s` forever), at most `most_s`."""
+    if quiet_rounds < 0:
+        raise ValueError(f"quiet_rounds must be >= 0, got {quiet_rounds}")
+    return min(most_s, first_s * 2.0 ** min(quiet_rounds, 32))
 
 
 class ReachabilityTracker:
