@@ -176,3 +176,27 @@ async def test_a_peer_in_one_network_backs_off_and_a_new_peer_is_asked_at_once(
         assert later and min(later) - first == CHECK_UNKNOWN_S
         assert all(len([p for t, p in host.asked if t == r]) <= CHECK_FANOUT for r in rounds)
         nursery.cancel_scope.cancel()
+
+
+def test_the_schedule_asks_new_peers_first_and_remembers_a_bounded_number():
+    import random
+
+    from peer.net.reachability import CheckSchedule
+
+    schedule = CheckSchedule(fanout=3, remembered=4)
+    rng = random.Random(1)
+    assert sorted(schedule.choose(["a", "b"], rng)) == ["a", "b"]
+    assert schedule.unknown_delay(5.0, 120.0) == 5.0
+    # c is new: asked first, with one of the old ones; the round had news
+    picked = schedule.choose(["a", "b", "c"], rng)
+    assert picked[0] == "c" and len(picked) == 3
+    assert schedule.unknown_delay(5.0, 120.0) == 5.0
+    schedule.choose(["a", "b", "c"], rng)  # nothing new: quiet
+    assert schedule.unknown_delay(5.0, 120.0) == 10.0
+    small = CheckSchedule(fanout=1, remembered=2)
+    for peer in ("a", "b", "c"):  # a, then b, then c: a is forgotten
+        assert small.choose([peer], rng) == [peer]
+    small.choose(["c"], rng)
+    assert small.unknown_delay(5.0, 120.0) == 10.0  # c again: quiet
+    assert small.choose(["a"], rng) == ["a"]
+    assert small.unknown_delay(5.0, 120.0) == 5.0  # a counts as new again

@@ -18,8 +18,11 @@ from __future__ import annotations
 
 import enum
 import ipaddress
+import random
 from collections import OrderedDict
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 from protocols.errors import RemoteProtocolError
 from protocols.framing import decode_cbor, encode_frame
@@ -28,6 +31,7 @@ __all__ = [
     "CONTROL_FRAME_BYTES",
     "MAX_DIALBACK_PORTS",
     "PUBLIC_QUORUM",
+    "CheckSchedule",
     "DialBackRequest",
     "DialBackResponse",
     "Reachability",
@@ -102,6 +106,40 @@ def unknown_check_delay(quiet_rounds: int, first_s: float, most_s: float) -> flo
     if quiet_rounds < 0:
         raise ValueError(f"quiet_rounds must be >= 0, got {quiet_rounds}")
     return min(most_s, first_s * 2.0 ** min(quiet_rounds, 32))
+
+
+MAX_ASKED_REMEMBERED = 256  # peers asked for a dial-back, remembered to prefer new ones
+Peer = TypeVar("Peer", bound=Hashable)
+
+
+class CheckSchedule(Generic[Peer]):
+    """Whom each reachability check asks, and how long to wait while the verdict is
+    unknown: connected peers never asked come first; a round that can ask only peers
+    asked before is quiet, and quiet rounds in a row double the wait
+    (unknown_check_delay)."""
+
+    def __init__(self, fanout: int, remembered: int = MAX_ASKED_REMEMBERED) -> None:
+        self._fanout = fanout
+        self._remembered = remembered
+        self._asked: OrderedDict[Peer, None] = OrderedDict()
+        self._quiet = 0
+
+    def choose(self, peers: Sequence[Peer], rng: random.Random) -> list[Peer]:
+        """At most `fanout` of `peers` to ask now, never-asked ones first."""
+        new = [p for p in peers if p not in self._asked]
+        old = [p for p in peers if p in self._asked]
+        self._quiet = 0 if new else self._quiet + 1
+        asked = rng.sample(new, min(self._fanout, len(new)))
+        asked += rng.sample(old, min(self._fanout - len(asked), len(old)))
+        for peer in asked:
+            self._asked.pop(peer, None)
+            self._asked[peer] = None
+        while len(self._asked) > self._remembered:
+            self._asked.popitem(last=False)
+        return asked
+
+    def unknown_delay(self, first_s: float, most_s: float) -> float:
+        return unknown_check_delay(self._quiet, first_s, most_s)
 
 
 class ReachabilityTracker:

@@ -13,7 +13,7 @@ import functools
 import logging
 import random
 import socket
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -27,6 +27,7 @@ from libp2p.transport.tcp.tcp import TCP
 
 from peer.net.reachability import (
     MAX_DIALBACK_PORTS,
+    CheckSchedule,
     DialBackRequest,
     DialBackResponse,
     Reachability,
@@ -39,7 +40,6 @@ from peer.net.reachability import (
     expand_unspecified,
     is_circuit,
     relay_of,
-    unknown_check_delay,
 )
 from peer.net.relay_channel import (
     RelayAuthError,
@@ -64,10 +64,9 @@ DIALBACK_DIAL_TIMEOUT_S = 3.0  # a fresh TCP connect + one multistream header, p
 DIALBACK_CONCURRENCY = 4  # dial-backs we run for others at once
 CHECK_FIRST_S = 1.0  # first reachability check this soon after a connection exists
 CHECK_UNKNOWN_S = 5.0  # ...again this soon while the verdict is unknown (doubling while
-#   no peer that was never asked is connected: unknown_check_delay)
+#   no peer that was never asked is connected: CheckSchedule)
 CHECK_INTERVAL_S = 120.0  # ...and this often once known (a router may change)
 CHECK_FANOUT = 3  # peers asked per check
-MAX_ASKED_REMEMBERED = 256  # peers asked for a dial-back, remembered to prefer new ones
 RESERVE_RELAYS = 2  # relays a private peer keeps a reservation on
 RESERVE_RETRY_S = 2.0  # look for relays this often while we hold fewer than RESERVE_RELAYS
 DIRECT_FAILURE_MEMORY_S = 60.0  # after a failed direct dial, go through a relay this long
@@ -206,28 +205,17 @@ class Reach:
     async def _check_loop(self) -> None:
         await trio.sleep(CHECK_FIRST_S)
         self._note_verdict()  # an outbound-only peer is PRIVATE from the start
-        asked_before: OrderedDict[ID, None] = OrderedDict()
-        quiet = 0  # rounds in a row that could ask only peers asked before
+        schedule: CheckSchedule[ID] = CheckSchedule(CHECK_FANOUT)
         while True:
             peers = self._host.connected_peers()
             if self._ports and peers:
-                new = [p for p in peers if p not in asked_before]
-                quiet = 0 if new else quiet + 1
-                old = [p for p in peers if p in asked_before]
-                asked = self._rng.sample(new, min(CHECK_FANOUT, len(new)))
-                asked += self._rng.sample(old, min(CHECK_FANOUT - len(asked), len(old)))
-                for peer_id in asked:
-                    asked_before.pop(peer_id, None)
-                    asked_before[peer_id] = None
-                while len(asked_before) > MAX_ASKED_REMEMBERED:
-                    asked_before.popitem(last=False)
                 async with trio.open_nursery() as nursery:
-                    for peer_id in asked:
+                    for peer_id in schedule.choose(peers, self._rng):
                         nursery.start_soon(self._ask_dialback, peer_id)
                 self._note_verdict()
             known = self._verdict is not Reachability.UNKNOWN
             await trio.sleep(CHECK_INTERVAL_S if known
-                             else unknown_check_delay(quiet, CHECK_UNKNOWN_S, CHECK_INTERVAL_S)
+                             else schedule.unknown_delay(CHECK_UNKNOWN_S, CHECK_INTERVAL_S)
                              if peers else 1.0)
 
     async def _ask_dialback(self, peer_id: ID) -> None:
