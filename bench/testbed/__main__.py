@@ -160,11 +160,8 @@ async def calibrate(bed: Bed, args: argparse.Namespace) -> tuple[
             f"{c.prefill_s_per_token * 1e3:.3f} ms/token, decode "
             f"{c.decode_s_per_token * 1e3:.1f} ms/token; cold 512: "
             f"{c.prefill_s(512, 0) * 1e3:.0f} ms")
-    gossip_idle = ([gossip.idle_cores(len(speeds), args.summary_interval)] * len(speeds)
-                   if gossip else [])
     setup = testbed_setup(calibrations, [s.background_cores for s in speeds], args.shares,
-                          bed.isolated, capacity, args.summary_interval, args.warmup,
-                          gossip_idle)
+                          bed.isolated, capacity, args.summary_interval, args.warmup, gossip)
     return setup, speeds, forward, gossip
 
 

@@ -70,22 +70,22 @@ class SimSetup:
 def testbed_setup(calibrations: Sequence[Calibration], background_cores: Sequence[float],
                   shares: Sequence[float], isolated: bool, capacity_blocks: int,
                   summary_interval_s: float, warmup_requests: int,
-                  gossip_idle_cores: Sequence[float] = ()) -> SimSetup:
+                  gossip: GossipCost | None = None) -> SimSetup:
     """The simulated swarm of a testbed: its measured calibrations (times at each peer's
     share less its idle self), idle selves as shares of the quota, and, where the peers
-    were isolated, those quotas (the loopback bed has none). `gossip_idle_cores`: per
-    peer, the part of its idle self that is the summary cadence, which the simulator
-    charges per summary (so it leaves the background and returns to the quota)."""
+    were isolated, those quotas (the loopback bed has none). With `gossip`, the part of
+    each idle self that is the summary cadence (GossipCost.idle_cores), which the
+    simulator charges per summary, leaves the background and returns to the quota."""
     usable = [s if isolated else 1.0 for s in shares]
-    gossip = [min(g, b) for g, b in zip(gossip_idle_cores or [0.0] * len(usable),
-                                          background_cores, strict=True)]
-    rest = [b - g for b, g in zip(background_cores, gossip, strict=True)]
+    cadence = gossip.idle_cores(len(shares), summary_interval_s) if gossip else 0.0
+    idle_gossip = [min(cadence, b) for b in background_cores]
+    rest = [b - g for b, g in zip(background_cores, idle_gossip, strict=True)]
     backgrounds = tuple(min(1.0, b / s) for b, s in zip(rest, usable, strict=True))
     quotas = (tuple(usable_cores(s, b) for s, b in zip(usable, background_cores, strict=True))
               if isolated else ())
     return SimSetup(tuple(calibrations), capacity_blocks, summary_interval_s,
                     warmup_requests=warmup_requests, backgrounds=backgrounds, quotas=quotas,
-                    gossip_cores=tuple(gossip) if isolated and gossip_idle_cores else ())
+                    gossip_cores=tuple(idle_gossip) if isolated and gossip else ())
 
 
 def setup_from_result(result: dict[str, Any]) -> SimSetup:
@@ -94,15 +94,13 @@ def setup_from_result(result: dict[str, Any]) -> SimSetup:
     names = {f.name for f in fields(Calibration)}
     calibrations = [Calibration(**{k: v for k, v in c["calibration"].items() if k in names})
                     for c in result["calibration"]]
-    interval = float(params["summary_interval_s"])
     gossip = result.get("gossip_cost")
-    idle = ([GossipCost(**gossip).idle_cores(len(calibrations), interval)]
-            * len(calibrations) if gossip else [])
     return testbed_setup(calibrations, [float(c.get("background_cores", 0.0))
                                         for c in result["calibration"]],
                          params["shares"], bool(params.get("isolated", True)),
-                         int(params["capacity_blocks"]), interval,
-                         int(params.get("warmup_requests", 0)), idle)
+                         int(params["capacity_blocks"]), float(params["summary_interval_s"]),
+                         int(params.get("warmup_requests", 0)),
+                         GossipCost(**gossip) if gossip else None)
 
 
 @dataclass(frozen=True)
