@@ -14,9 +14,8 @@ import importlib.metadata
 import inspect
 import logging
 import os
-import random
 import time
-from collections import OrderedDict, defaultdict
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -35,14 +34,11 @@ from libp2p.pubsub.gossipsub import GossipSub
 from libp2p.pubsub.pubsub import Pubsub
 from libp2p.stream_muxer.yamux.yamux import YamuxStream
 
-from peer.net import pipelined_select, sent_record
+from peer.net import gossipsub_fixes, pipelined_select, sent_record
 
 __all__ = [
-    "GOSSIP_FACTOR",
-    "GOSSIP_LAZY_PEERS",
     "MAX_REMEMBERED_RECORDS",
     "PINNED_LIBP2P_VERSION",
-    "PRUNE_BACKOFF_SLACK_S",
     "SIGNED_RECORD_RECHECK_S",
     "WINDOW_GIVE_BACK_FRACTION",
     "Fix",
@@ -60,12 +56,6 @@ WINDOW_GIVE_BACK_FRACTION = 0.25  # of a yamux stream's window, consumed before 
 #   back in one update: at least 192 kB stay open to the sender, 4x our largest message
 #   (a writer that ran out of window mid-message could interleave with another's frames)
 MAX_REMEMBERED_RECORDS = 1024  # (host, peer) pairs remembered: far more than a swarm's peers
-PRUNE_BACKOFF_SLACK_S = 2  # a peer we pruned is not grafted again for the prune back-off
-#   plus this (two 1 s heartbeats, as go-libp2p): the pruned side counts its back-off from
-#   when the PRUNE arrived, and py-libp2p rounds back-offs to whole seconds
-GOSSIP_LAZY_PEERS = 6  # IHAVE goes to at least this many non-mesh peers per heartbeat...
-GOSSIP_FACTOR = 0.25  # ...or this share of them, whichever is more (GossipSub's D_lazy
-#   and gossip factor; py-libp2p's own values with its adaptive gossip off)
 
 
 @dataclass(frozen=True)
@@ -205,7 +195,7 @@ def fixes() -> list[Fix]:
                 _marked(GossipSub.mesh_heartbeat, "_prefixswarm")
                 and _marked(GossipSub.emit_prune, "_prefixswarm")
             ),
-            _back_off_from_peers_we_prune,
+            gossipsub_fixes.back_off_from_peers_we_prune,
         ),
         # WORKAROUND(opportunistic-graft): GossipSub grafts up to 2 more peers at every
         # heartbeat that finds the mesh at D_low or more, choosing peers whose score is at
@@ -219,7 +209,7 @@ def fixes() -> list[Fix]:
                 GossipSub, "_perform_opportunistic_grafting", ("self", "topic", "peers_to_graft")
             ),
             lambda: _marked(GossipSub._perform_opportunistic_grafting, "_prefixswarm"),
-            _no_opportunistic_grafting,
+            gossipsub_fixes.no_opportunistic_grafting,
         ),
         # WORKAROUND(gossip-backoff): IHAVE gossip (what lets a peer outside our mesh
         # fetch a message it missed) skips every peer in prune back-off. After mesh churn
@@ -230,7 +220,7 @@ def fixes() -> list[Fix]:
             "gossip-backoff",
             lambda: _expect_parameters(GossipSub, "gossip_heartbeat", ("self",)),
             lambda: _marked(GossipSub.gossip_heartbeat, "_prefixswarm"),
-            _gossip_to_backed_off_peers,
+            gossipsub_fixes.gossip_to_backed_off_peers,
         ),
         # WORKAROUND(sent-record): every RPC carries our signed peer record, and py-libp2p
         # rebuilds and compares it on each one (our addresses, a parse of the record's,
@@ -355,104 +345,6 @@ def _remember_signed_records_in_pubsub() -> None:
         setattr(module, "maybe_consume_signed_record", memo)  # noqa: B010
 
 
-def _back_off_from_peers_we_prune() -> None:
-    if not _marked(GossipSub.mesh_heartbeat, "_prefixswarm"):
-        GossipSub.mesh_heartbeat = _backing_off_pruned(  # type: ignore[method-assign]
-            GossipSub.mesh_heartbeat
-        )
-    if not _marked(GossipSub.emit_prune, "_prefixswarm"):
-        GossipSub.emit_prune = _backing_off_on_prune(  # type: ignore[method-assign]
-            GossipSub.emit_prune
-        )
-
-
-def _back_off_after_our_prune(router: GossipSub, peer: ID, topic: str, unsubscribing: bool) -> None:
-    """We pruned `peer` from `topic`'s mesh: do not graft it for the back-off we asked of
-    it, plus slack for its clock starting later than ours."""
-    back_off = router.unsubscribe_back_off if unsubscribing else router.prune_back_off
-    router._add_back_off(peer, topic, unsubscribing, back_off + PRUNE_BACKOFF_SLACK_S)
-
-
-def _forget_expired_back_offs(router: GossipSub) -> None:
-    """py-libp2p deletes a back-off only when it checks that very (topic, peer): entries
-    for topics no longer heard (ring mode) would pile up."""
-    now = int(time.time())  # py-libp2p's back-off clock, whole seconds
-    for topic in list(router.back_off):
-        peers = router.back_off[topic]
-        for peer in [p for p, until in peers.items() if until <= now]:
-            del peers[peer]
-        if not peers:
-            del router.back_off[topic]
-
-
-def _backing_off_pruned(mesh_heartbeat: Any) -> Any:
-    def heartbeat(self: GossipSub) -> Any:
-        _forget_expired_back_offs(self)
-        to_graft, to_prune = mesh_heartbeat(self)
-        for peer, topics in to_prune.items():
-            for topic in topics:
-                _back_off_after_our_prune(self, peer, topic, False)
-        return to_graft, to_prune
-
-    heartbeat._prefixswarm = True  # type: ignore[attr-defined]
-    return heartbeat
-
-
-def _backing_off_on_prune(emit_prune: Any) -> Any:
-    async def prune(
-        self: GossipSub, topic: str, to_peer: ID, do_px: bool, is_unsubscribe: bool
-    ) -> None:
-        _back_off_after_our_prune(self, to_peer, topic, is_unsubscribe)
-        await emit_prune(self, topic, to_peer, do_px, is_unsubscribe)
-
-    prune._prefixswarm = True  # type: ignore[attr-defined]
-    return prune
-
-
-def _no_opportunistic_grafting() -> None:
-    GossipSub._perform_opportunistic_grafting = (  # type: ignore[method-assign]
-        _graft_no_one
-    )
-
-
-def _graft_no_one(self: GossipSub, topic: str, peers_to_graft: Any) -> int:
-    return 0
-
-
-_graft_no_one._prefixswarm = True  # type: ignore[attr-defined]
-
-
-def _gossip_to_backed_off_peers() -> None:
-    GossipSub.gossip_heartbeat = _gossip_heartbeat  # type: ignore[method-assign]
-
-
-def _gossip_heartbeat(self: GossipSub) -> defaultdict[ID, dict[str, list[bytes]]]:
-    """{peer: {topic: message ids}}: the IHAVE each peer gets this heartbeat."""
-    to_gossip: defaultdict[ID, dict[str, list[bytes]]] = defaultdict(dict)
-    if self.pubsub is None:
-        return to_gossip
-    gossipsub = {p for p in self.protocols if p != _FLOODSUB_PROTOCOL}
-    heard = [*self.mesh.items(), *((t, p) for t, p in self.fanout.items() if t not in self.mesh)]
-    for topic, current in heard:
-        msg_ids = self.mcache.window(topic)
-        if not msg_ids:
-            continue
-        candidates = [
-            peer
-            for peer in self.pubsub.peer_topics.get(topic, ())
-            if peer not in current
-            and peer not in self.direct_peers
-            and self.peer_protocol.get(peer) in gossipsub
-        ]
-        count = max(GOSSIP_LAZY_PEERS, int(len(candidates) * GOSSIP_FACTOR))
-        for peer in _RANDOM.sample(candidates, min(count, len(candidates))):
-            to_gossip[peer][topic] = list(msg_ids)
-    return to_gossip
-
-
-_gossip_heartbeat._prefixswarm = True  # type: ignore[attr-defined]
-_FLOODSUB_PROTOCOL = "/floodsub/1.0.0"
-_RANDOM = random.Random()  # which peers get IHAVE; any spread will do
 
 
 async def _window_update_at_half(self: YamuxStream, *, bytes_read: int = 0) -> None:
