@@ -130,6 +130,11 @@ def test_quick_run_on_isolated_peers(tmp_path: Path) -> None:
     gossip = result["gossip_cost"]  # calibrated: summaries beyond the idle ones were sent
     assert gossip["publishes"] >= 1 and gossip["receive_cpu_s"] >= 0
     assert all(c["calibration"]["summary_receive_s"] >= 0 for c in result["calibration"])
+    # the load was measured: two `local` pilots, the second at the first line's high rate
+    assert result["params"]["rates_from"] == "pilots" and len(result["pilots"]) == 2
+    first, second = result["pilots"]
+    assert second["rate_per_s"] > first["rate_per_s"] > 0
+    assert max(second["peer_utilization"]) > max(first["peer_utilization"])
     rows = result["rows"]
     assert sorted(r["policy"] for r in rows) == sorted(cli.POLICIES)
     for row in rows:

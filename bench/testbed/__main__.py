@@ -12,7 +12,7 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ from bench.testbed.calibrate import (
     measure_peers,
     with_overheads,
 )
+from bench.testbed.loads import PILOT_SEED_OFFSET, Pilot, measured_rates
 from bench.testbed.predict import SimSetup, predict, rate_for_utilization, testbed_setup
 from bench.testbed.runner import run_policy, summarise
 from bench.testbed.workload import WorkloadSpec, describe, mixed_requests
@@ -36,9 +37,11 @@ from bench.workloads import load_tokenized_mmlu
 
 POLICIES = ("cost", "longest_prefix", "local", "random", "least_loaded")
 DEFAULT_SHARES = (0.2, 0.3, 0.4, 0.5)
-# The loads: the arrival rate at which the simulated busiest peer under `random` is this
-# busy (bench/testbed/predict.py rate_for_utilization); rows carry the measured value.
-LOADS = {"half": 0.5, "high": 0.9}
+# The loads: the arrival rate at which the busiest peer of the swarm that does not route
+# (LOAD_POLICY) is this busy, measured by two pilot runs (bench/testbed/loads.py); rows
+# carry each run's measured value. `high` aims at 0.95 so that runs land >= 0.9.
+LOAD_POLICY = "local"
+LOADS = {"half": 0.5, "high": 0.95}
 # `warmup`: requests each swarm serves before the measured ones (same generator, same
 # seed, unmeasured): a fresh swarm's peers are on probation for one another until three
 # shadows each have matched (nine per entry with four peers), so without it a run would
@@ -165,6 +168,39 @@ async def calibrate(bed: Bed, args: argparse.Namespace) -> tuple[
     return setup, speeds, forward, gossip
 
 
+async def load_rates(bed: Bed, args: argparse.Namespace, setup: SimSetup, speeds: list[Any],
+                     workload_at: Callable[..., list[Any]],
+                     ) -> tuple[dict[str, float], list[Pilot]]:
+    """Each load's arrival rate: given (`--rates`), or measured by two `local` pilots
+    started at the simulator's rate for the lowest load (bench/testbed/loads.py)."""
+    rates = {load: args.rates[load] for load in args.loads if load in args.rates}
+    targets = {load: LOADS[load] for load in args.loads if load not in args.rates}
+    if not targets:
+        return rates, []
+    low = min(targets.values())
+    first, util = rate_for_utilization(setup, low, workload_at, policy=LOAD_POLICY)
+    log(f"loads: the simulator puts {LOAD_POLICY}'s busiest peer at {util:.2f} busy at "
+        f"{first:.2f} requests/s; two {LOAD_POLICY} pilots measure it")
+    shares = [s if bed.isolated else 1.0 for s in args.shares]
+    backgrounds = [s.background_cores / share for s, share in zip(speeds, shares, strict=True)]
+
+    async def pilot(rate: float) -> Pilot:
+        seed = args.seed + PILOT_SEED_OFFSET
+        measured = await run_policy(bed, LOAD_POLICY, workload_at(rate, seed), args.model,
+                                    seed, warmup=args.warmup)
+        row = summarise(measured)
+        log(f"pilot at {rate:.2f} requests/s: peers "
+            f"{', '.join(f'{u:.2f}' for u in measured.utilization)} busy, ttft "
+            f"{row['ttft_mean_s']:.3f} s")
+        return Pilot(rate, tuple(measured.utilization), row["ttft_mean_s"])
+
+    measured_rates_, pilots = await measured_rates(targets, first, backgrounds, pilot)
+    for load, rate in measured_rates_.items():
+        log(f"load {load}: {rate:.2f} requests/s ({LOAD_POLICY}'s busiest peer "
+            f"{targets[load]:.2f} busy on the pilots' line)")
+    return {**rates, **measured_rates_}, pilots
+
+
 def entry_of(shares: Sequence[float]) -> int:
     """The peer with the largest share: its quota throttles the measured work least."""
     return max(range(len(shares)), key=lambda i: shares[i])
@@ -201,18 +237,15 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 return mixed_requests(data, WorkloadSpec(args.warmup + args.requests, rate,
                                                          args.max_new_tokens, seed))
 
-            rates: dict[str, float] = {}
-            for load in args.loads:
-                if load in args.rates:
-                    rates[load] = args.rates[load]
-                else:
-                    rates[load], util = rate_for_utilization(setup, LOADS[load], workload_at)
-                    log(f"load {load}: {rates[load]:.2f} requests/s (simulated busiest peer "
-                        f"under random {util:.2f} busy)")
+            bed.set_delay(args.delays_ms[0] / 1000)
+            rates, pilots = await load_rates(bed, args, setup, speeds, workload_at)
+            result["pilots"] = [p.as_dict() for p in pilots]
             result["params"] = {
                 "shares": list(args.shares), "model": args.model, "policies": args.policies,
                 "delays_ms": list(args.delays_ms), "loads": {k: LOADS[k] for k in args.loads},
-                "rates_per_s": rates, "runs": args.runs, "requests": args.requests,
+                "load_policy": LOAD_POLICY, "rates_per_s": rates,
+                "rates_from": "given" if set(args.loads) <= set(args.rates) else "pilots",
+                "runs": args.runs, "requests": args.requests,
                 "warmup_requests": args.warmup,
                 "cache_bytes": args.cache_bytes, "capacity_blocks": setup.capacity_blocks,
                 "summary_interval_s": args.summary_interval,

@@ -8,9 +8,8 @@ and the same warm-up left out (`warmup_requests`: the requests the testbed sends
 the measured ones; the busiest peer's utilisation is over the measured arrivals, as the
 testbed measures it: all of the peer's CPU over its share, so the simulated busy fraction
 of what requests get is added to what the idle peer uses, `backgrounds`). `rate_for_utilization`
-picks an arrival rate at which the simulated busiest peer under `random` (which spreads
-work evenly over unequal peers) reaches a target utilisation: the testbed's loads are
-named by it.
+picks an arrival rate at which the simulated busiest peer under a policy reaches a target
+utilisation: where the testbed's measured load pilots start (bench/testbed/loads.py).
 """
 
 from __future__ import annotations
@@ -149,7 +148,7 @@ def peer_utilization(setup: SimSetup, sim: Simulator) -> tuple[float, ...]:
 
 def rate_for_utilization(
     setup: SimSetup, target: float, make_workload: Callable[[float], list[TokenRequest]],
-    lo: float = 0.5, hi: float = 200.0, steps: int = 12, policy: str = "random",
+    lo: float = 0.5, hi: float = 200.0, steps: int = 12, policy: str = "local",
 ) -> tuple[float, float]:
     """(rate, simulated busiest utilisation) nearest `target` by bisection on the rate."""
     best = (lo, 0.0)
