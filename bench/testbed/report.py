@@ -52,6 +52,17 @@ def _at_run(rows: Sequence[Row]) -> float:
     return sum(vals) / len(vals) if vals else math.nan
 
 
+def _rates(params: dict[str, Any]) -> str:
+    """The loads' rates, and how they were chosen (measured by pilots since the loads are
+    named by the non-routing swarm's busiest peer)."""
+    rates = ", ".join(f"{k} {v:.1f}" for k, v in params.get("rates_per_s", {}).items())
+    if params.get("rates_from") == "pilots":
+        targets = ", ".join(f"{k} {v:g}" for k, v in params.get("loads", {}).items())
+        return (f"{rates}, the rates at which two `{params.get('load_policy')}` pilot runs "
+                f"put the busiest peer at {targets} busy")
+    return rates
+
+
 def _fmt_util(u: float) -> str:
     return "-" if math.isnan(u) else f"{u:.2f}"
 
@@ -107,7 +118,7 @@ def section(path: Path) -> str:
         f"{params.get('requests')} measured requests per policy run after "
         f"{params.get('warmup_requests', 0)} unmeasured ones, {params.get('runs')} runs "
         f"per point (seed + run), a fresh swarm per policy run, default trust settings. "
-        f"Arrival rates (requests/s): {params.get('rates_per_s')}. "
+        f"Arrival rates (requests/s): {_rates(params)}. "
         "TTFT in seconds: the mean over runs ± the half-width of its 95% interval; "
         "`sim` is the simulator's prediction on the same workload and measured "
         "calibrations; `util` the busiest peer's measured utilisation (its CPU over its "
