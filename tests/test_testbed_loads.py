@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from bench.testbed.loads import Pilot, measured_rates, rate_for_target
+from bench.testbed.loads import (
+    PILOT_MAX_S,
+    Pilot,
+    first_pilot_rate,
+    measured_rates,
+    rate_for_target,
+)
 
 
 def test_the_first_peer_to_reach_the_target_names_the_rate() -> None:
@@ -54,3 +60,8 @@ async def test_an_idle_swarm_already_past_the_target_is_an_error() -> None:
 
     with pytest.raises(ValueError, match="already"):
         await measured_rates({"high": 0.95}, 5.0, (0.96,), pilot)
+
+
+def test_the_first_pilot_never_lasts_longer_than_its_bound() -> None:
+    assert first_pilot_rate(22.0, 280) == 22.0
+    assert first_pilot_rate(0.5, 280) == pytest.approx(280 / PILOT_MAX_S)

@@ -29,7 +29,7 @@ from bench.testbed.calibrate import (
     measure_peers,
     with_overheads,
 )
-from bench.testbed.loads import PILOT_SEED_OFFSET, Pilot, measured_rates
+from bench.testbed.loads import PILOT_SEED_OFFSET, Pilot, first_pilot_rate, measured_rates
 from bench.testbed.predict import SimSetup, predict, rate_for_utilization, testbed_setup
 from bench.testbed.runner import run_policy, summarise
 from bench.testbed.workload import WorkloadSpec, describe, mixed_requests
@@ -178,9 +178,11 @@ async def load_rates(bed: Bed, args: argparse.Namespace, setup: SimSetup, speeds
     if not targets:
         return rates, []
     low = min(targets.values())
-    first, util = rate_for_utilization(setup, low, workload_at, policy=LOAD_POLICY)
+    simulated, util = rate_for_utilization(setup, low, workload_at, policy=LOAD_POLICY)
+    first = first_pilot_rate(simulated, args.warmup + args.requests)
     log(f"loads: the simulator puts {LOAD_POLICY}'s busiest peer at {util:.2f} busy at "
-        f"{first:.2f} requests/s; two {LOAD_POLICY} pilots measure it")
+        f"{simulated:.2f} requests/s; two {LOAD_POLICY} pilots measure it, the first at "
+        f"{first:.2f}/s")
     shares = [s if bed.isolated else 1.0 for s in args.shares]
     backgrounds = [s.background_cores / share for s, share in zip(speeds, shares, strict=True)]
 

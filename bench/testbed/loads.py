@@ -20,6 +20,15 @@ from dataclasses import dataclass
 PILOT_SEED_OFFSET = 1000
 # Below this the fitted line is too flat to extrapolate (a peer the pilot barely used).
 MIN_SLOPE = 1e-6
+# The first pilot's requests arrive within this at the least: any rate below saturation
+# gives a point of the line, and a simulator whose calibration overcharges (one put a
+# larger model's busiest peer at 0.79 busy at 0.5 requests/s) must not make it last minutes.
+PILOT_MAX_S = 60.0
+
+
+def first_pilot_rate(simulated_rate: float, requests: int) -> float:
+    """The simulator's rate for the lowest load, raised so the pilot lasts PILOT_MAX_S."""
+    return max(simulated_rate, requests / PILOT_MAX_S)
 
 
 @dataclass(frozen=True)
