@@ -164,6 +164,7 @@ def test_the_targets_are_read_from_the_rows() -> None:
     assert point["cost_lowest"] and point["cost_clear_of_random"] and point["cost_clear_of_local"]
     assert point["predicted_over_measured"]["local"] == pytest.approx(1.0 / 1.51)
     assert not point["predictions_within_25pct"]  # local's 0.66 is off by more than 25%
+    assert point["cost_within_5pct_of_longest_prefix"] is None  # not run: not judged
     rows += [_row("longest_prefix", r, 0.9, 0.9) for r in range(3)]
     (point,) = checks(rows)
     assert not point["cost_lowest"] and not point["cost_within_5pct_of_longest_prefix"]

@@ -172,12 +172,12 @@ async def load_rates(bed: Bed, args: argparse.Namespace, setup: SimSetup, speeds
                      workload_at: Callable[..., list[Any]],
                      ) -> tuple[dict[str, float], list[Pilot]]:
     """Each load's arrival rate: given (`--rates`), or measured by two `local` pilots
-    started at the simulator's rate for the lowest load (bench/testbed/loads.py)."""
+    started at the simulator's rate for the lowest of LOADS (bench/testbed/loads.py)."""
     rates = {load: args.rates[load] for load in args.loads if load in args.rates}
     targets = {load: LOADS[load] for load in args.loads if load not in args.rates}
     if not targets:
         return rates, []
-    low = min(targets.values())
+    low = min(LOADS.values())  # the first pilot below saturation, whichever loads are run
     simulated, util = rate_for_utilization(setup, low, workload_at, policy=LOAD_POLICY)
     first = first_pilot_rate(simulated, args.warmup + args.requests)
     log(f"loads: the simulator puts {LOAD_POLICY}'s busiest peer at {util:.2f} busy at "

@@ -71,10 +71,10 @@ RunPilot = Callable[[float], Awaitable[Pilot]]
 async def measured_rates(targets: Mapping[str, float], first_rate: float,
                          backgrounds: Sequence[float], run_pilot: RunPilot,
                          ) -> tuple[dict[str, float], list[Pilot]]:
-    """Rates per load name for the `targets` utilisations. A pilot at `first_rate`
-    (about the lowest target's rate) with the idle peers (`backgrounds`, utilisation at
-    rate 0) gives a first line; a second pilot at the highest target's rate from it
-    gives the line both loads are read from."""
+    """Rates per load name for the `targets` utilisations. A pilot at `first_rate` (well
+    below saturation: about the lowest load's rate) with the idle peers (`backgrounds`,
+    utilisation at rate 0) gives a first line; a second pilot at the highest target's
+    rate from it gives the line every load is read from."""
     first = await run_pilot(first_rate)
     top = max(targets.values())
     second_rate = rate_for_target([(0.0, backgrounds), (first_rate, first.peer_utilization)],
