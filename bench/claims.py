@@ -32,6 +32,15 @@ ROOT = Path(__file__).resolve().parents[1]
 QUICK_JSON = ROOT / "docs" / "results" / "quick.json"
 FINAL_JSON = ROOT / "docs" / "results" / "final.json"
 TESTBED_JSON = ROOT / "docs" / "results" / "testbed.json"  # bench.testbed's full run
+# A what-if: the testbed on a larger random model, where a prefill is most of a request
+TESTBED_MID_JSON = ROOT / "docs" / "results" / "testbed_mid512.json"
+TESTBED_MID_TITLE = ("The testbed on a larger random model (a what-if: hidden 512, 4 layers, "
+                     "where a prefill is most of a request)")
+TESTBED_MID_COMMAND = (
+    "python -m bench.random_model /tmp/models/mid512x4 --hidden 512 --layers 4 && sudo "
+    ".venv/bin/python -m bench.testbed --json docs/results/testbed_mid512.json --model "
+    "/tmp/models/mid512x4 --cache-bytes 16000000 --policies cost,local --delays-ms 20 "
+    "--runs 3 --rates half=2.9,high=6.5")
 RESULTS_MD = ROOT / "docs" / "RESULTS.md"
 MARGIN = 1.05  # "never more than 5% behind the best deployable policy"
 ORACLE_BOUND = 1.2  # "at most 1.2x the oracle's at the highest load"
@@ -401,7 +410,8 @@ def main(argv: list[str] | None = None) -> int:
     params = {"regimes": {**qparams.get("regimes", {}), **fparams.get("regimes", {})},
               "quick_wall_s": qparams.get("wall_s"), "quick_runs": len(quick),
               "final_wall_s": fparams.get("wall_s"), "final_runs": len(final)}
-    page = render(quick, final, params, result, seeds) + "\n" + testbed_section(TESTBED_JSON)
+    page = (render(quick, final, params, result, seeds) + "\n" + testbed_section(TESTBED_JSON)
+            + "\n" + testbed_section(TESTBED_MID_JSON, TESTBED_MID_TITLE, TESTBED_MID_COMMAND))
     if args.check:
         same = args.write.is_file() and args.write.read_text() == page
         print(f"{args.write}: {'matches' if same else 'differs from'} the rows", file=sys.stderr)

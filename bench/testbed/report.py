@@ -93,7 +93,8 @@ def checks(rows: Sequence[Row]) -> list[dict[str, Any]]:
             "delay_ms": delay, "load": load, "cost_lowest": lowest,
             "cost_clear_of_random": _clear(stats["cost"], stats.get("random")),
             "cost_clear_of_local": _clear(stats["cost"], stats.get("local")),
-            "cost_within_5pct_of_longest_prefix": cm <= LONGEST_PREFIX_MARGIN * lp,
+            "cost_within_5pct_of_longest_prefix": (
+                None if math.isnan(lp) else cm <= LONGEST_PREFIX_MARGIN * lp),
             "predictions_within_25pct": all(
                 abs(r - 1) <= PREDICTION_TOLERANCE for r in ratios.values()),
             "predicted_over_measured": ratios,
@@ -101,17 +102,21 @@ def checks(rows: Sequence[Row]) -> list[dict[str, Any]]:
     return out
 
 
-def section(path: Path) -> str:
-    """The page's testbed section; a line saying there are no rows when `path` is absent."""
+TITLE = "The testbed: real peers on small machines, next to the simulator"
+
+
+def section(path: Path, title: str = TITLE, command: str = COMMAND) -> str:
+    """A testbed section of the page (the full run's, or a what-if's with its own title
+    and command); a line saying there are no rows when `path` is absent."""
     if not path.is_file():
-        return "## The testbed\n\nNo testbed rows are committed yet (`" + COMMAND + "`).\n"
+        return f"## {title}\n\nNo rows are committed yet (`{command}`).\n"
     data = json.loads(path.read_text())
     rows: list[Row] = data["rows"]
     params = data.get("params", {})
     lines = [
-        "## The testbed: real peers on small machines, next to the simulator",
+        f"## {title}",
         "",
-        f"`{COMMAND}` ({len(rows)} rows, docs/testbed.md). "
+        f"`{command}` ({len(rows)} rows, docs/testbed.md). "
         f"{len(params.get('shares', []))} peers of {params.get('model')} with CPU shares "
         f"{params.get('shares')} of a core, each in its own network namespace, every byte "
         f"between peers through the link emulator ({params.get('bandwidth_mbit')} Mbit/s); "
