@@ -65,3 +65,13 @@ async def test_an_idle_swarm_already_past_the_target_is_an_error() -> None:
 def test_the_first_pilot_never_lasts_longer_than_its_bound() -> None:
     assert first_pilot_rate(22.0, 280) == 22.0
     assert first_pilot_rate(0.5, 280) == pytest.approx(280 / PILOT_MAX_S)
+
+
+def test_a_target_below_a_pilot_is_read_between_the_points_around_it() -> None:
+    """A larger model's pilots (peer 0: idle 0.2, 0.66 at 4.67/s, 0.79 at 7.14/s): the
+    curve bends, so the half load lies between idle and the first pilot (~3.0/s), not on
+    the line through the two pilots (1.4/s); the high load extends the last segment."""
+    curve = [(0.0, (0.2, 0.05)), (4.67, (0.66, 0.35)), (7.14, (0.79, 0.53))]
+    assert rate_for_target(curve, 0.5) == pytest.approx(4.67 * 0.3 / 0.46)
+    assert rate_for_target(curve, 0.95) == pytest.approx(7.14 + 0.16 / (0.13 / 2.47))
+    assert rate_for_target(list(reversed(curve)), 0.5) == rate_for_target(curve, 0.5)

@@ -3,15 +3,17 @@ entry serves its own clients) has its busiest peer at a target utilisation, meas
 
 The simulator's rate (predict.rate_for_utilization) is where the search starts; two
 short `local` pilot runs on a workload seed of their own then measure each peer's
-utilisation, and each peer's line through the two points (utilisation grows about
-linearly with the rate below saturation: a request's CPU is about the same at any rate)
-gives the rate at which it reaches the target; the lowest over the peers is the load's.
+utilisation, and each peer's curve through its idle point and the two pilots (read
+piecewise linearly: utilisation grows with the rate, less than linearly where batching
+makes a request cheaper) gives the rate at which it reaches the target; the lowest over
+the peers is the load's.
 Measured rather than predicted because the high load has to be met, not estimated: with
 the simulator's rate alone only 5 of 75 high-load runs of a full run reached 0.9.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -46,23 +48,42 @@ class Pilot:
 
 
 def rate_for_target(points: Sequence[tuple[float, Sequence[float]]], target: float) -> float:
-    """The rate at which the first peer to get there reaches `target` utilisation, on each
-    peer's line through the two last (rate, per-peer utilisations) points. A peer whose
-    line does not rise is left out; ValueError when no peer's does. The rate may be <= 0
-    where a peer is that busy idle."""
+    """The rate at which the first peer to get there reaches `target` utilisation. Each
+    peer's utilisation is read piecewise linearly between the (rate, per-peer
+    utilisations) points, in rate order, and extrapolated along the last rising segment
+    beyond them: with batching a request costs less CPU as the rate grows, so the curve
+    bends, and a target below a measured point is read between the points around it, not
+    on a line through two busier ones. A peer that never rises is left out; ValueError
+    when none does. The rate may be <= 0 where a peer is that busy idle."""
     if len(points) < 2:
         raise ValueError("two points are needed (a background at rate 0 counts as one)")
-    (r0, u0), (r1, u1) = points[-2], points[-1]
-    if len(u0) != len(u1):
+    ordered = sorted(points, key=lambda p: p[0])
+    peers = {len(u) for _, u in ordered}
+    if len(peers) != 1:
         raise ValueError("the points give different numbers of peers")
-    rates = []
-    for a, b in zip(u0, u1, strict=True):
-        slope = (b - a) / (r1 - r0) if r1 != r0 else 0.0
-        if slope > MIN_SLOPE:
-            rates.append(r1 + (target - b) / slope)
+    rates = [rate for peer in range(peers.pop())
+             if (rate := _peer_rate([(r, u[peer]) for r, u in ordered], target)) is not None]
     if not rates:
         raise ValueError("no peer's utilisation grew with the rate")
     return min(rates)
+
+
+def _peer_rate(curve: Sequence[tuple[float, float]], target: float) -> float | None:
+    """Where one peer's piecewise-linear curve reaches `target` (None: it never rises)."""
+    last: tuple[float, float, float] | None = None  # (rate, utilisation, slope)
+    for (r0, u0), (r1, u1) in itertools.pairwise(curve):
+        slope = (u1 - u0) / (r1 - r0) if r1 != r0 else 0.0
+        if slope <= MIN_SLOPE:
+            continue
+        if u0 >= target and last is None:
+            return r0 + (target - u0) / slope  # already past it at the first point
+        if u0 <= target <= u1:
+            return r0 + (target - u0) / slope
+        last = (r1, u1, slope)
+    if last is None:
+        return None
+    r, u, slope = last
+    return r + (target - u) / slope
 
 
 RunPilot = Callable[[float], Awaitable[Pilot]]
@@ -74,7 +95,7 @@ async def measured_rates(targets: Mapping[str, float], first_rate: float,
     """Rates per load name for the `targets` utilisations. A pilot at `first_rate` (well
     below saturation: about the lowest load's rate) with the idle peers (`backgrounds`,
     utilisation at rate 0) gives a first line; a second pilot at the highest target's
-    rate from it gives the line every load is read from."""
+    rate on it; every load is read on the curve through all three points."""
     first = await run_pilot(first_rate)
     top = max(targets.values())
     second_rate = rate_for_target([(0.0, backgrounds), (first_rate, first.peer_utilization)],
@@ -82,9 +103,9 @@ async def measured_rates(targets: Mapping[str, float], first_rate: float,
     if second_rate <= 0:
         raise ValueError(f"the idle swarm is already {top} busy")
     second = await run_pilot(second_rate)
-    line = [(first.rate_per_s, first.peer_utilization),
-            (second.rate_per_s, second.peer_utilization)]
-    rates = {name: rate_for_target(line, t) for name, t in targets.items()}
+    curve = [(0.0, backgrounds), (first.rate_per_s, first.peer_utilization),
+             (second.rate_per_s, second.peer_utilization)]
+    rates = {name: rate_for_target(curve, t) for name, t in targets.items()}
     for name, rate in rates.items():
         if rate <= 0:
             raise ValueError(f"load {name}: the idle swarm is already {targets[name]} busy")
