@@ -17,22 +17,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from peer.engine.model import TINY_CONFIG, load_smollm2_tokenizer
+from peer.engine.model import TINY_CONFIG, load_smollm2_tokenizer, random_llama
 
 
 def build(path: Path, hidden: int, layers: int, seed: int) -> Any:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
+    """Write the model and its tokenizer to `path`; the model is returned for timing."""
     tokenizer = load_smollm2_tokenizer()
     shape = {**TINY_CONFIG, "hidden_size": hidden, "intermediate_size": 3 * hidden,
              "num_hidden_layers": layers}
-    config = LlamaConfig(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=None, pad_token_id=tokenizer.pad_token_id, **shape)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
-    model.generation_config.eos_token_id = None  # random weights would stop at random
+    model = random_llama(tokenizer, shape, seed)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return model

@@ -199,7 +199,7 @@ async def load_rates(bed: Bed, args: argparse.Namespace, setup: SimSetup, speeds
     measured_rates_, pilots = await measured_rates(targets, first, backgrounds, pilot)
     for load, rate in measured_rates_.items():
         log(f"load {load}: {rate:.2f} requests/s ({LOAD_POLICY}'s busiest peer "
-            f"{targets[load]:.2f} busy on the pilots' line)")
+            f"{targets[load]:.2f} busy on the pilots' curve)")
     return {**rates, **measured_rates_}, pilots
 
 

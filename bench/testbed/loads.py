@@ -96,17 +96,16 @@ async def measured_rates(targets: Mapping[str, float], first_rate: float,
     below saturation: about the lowest load's rate) with the idle peers (`backgrounds`,
     utilisation at rate 0) gives a first line; a second pilot at the highest target's
     rate on it; every load is read on the curve through all three points."""
-    first = await run_pilot(first_rate)
-    top = max(targets.values())
-    second_rate = rate_for_target([(0.0, backgrounds), (first_rate, first.peer_utilization)],
-                                  top)
-    if second_rate <= 0:
-        raise ValueError(f"the idle swarm is already {top} busy")
-    second = await run_pilot(second_rate)
-    curve = [(0.0, backgrounds), (first.rate_per_s, first.peer_utilization),
-             (second.rate_per_s, second.peer_utilization)]
-    rates = {name: rate_for_target(curve, t) for name, t in targets.items()}
-    for name, rate in rates.items():
+    curve: list[tuple[float, Sequence[float]]] = [(0.0, backgrounds)]
+
+    def rate_on_curve(target: float) -> float:
+        rate = rate_for_target(curve, target)
         if rate <= 0:
-            raise ValueError(f"load {name}: the idle swarm is already {targets[name]} busy")
-    return rates, [first, second]
+            raise ValueError(f"the idle swarm is already {target} busy")
+        return rate
+
+    first = await run_pilot(first_rate)
+    curve.append((first.rate_per_s, first.peer_utilization))
+    second = await run_pilot(rate_on_curve(max(targets.values())))
+    curve.append((second.rate_per_s, second.peer_utilization))
+    return {name: rate_on_curve(t) for name, t in targets.items()}, [first, second]

@@ -190,22 +190,29 @@ def load_smollm2_tokenizer(cache_folder: Path | None = None) -> Any:
 
 
 def _tiny_random(folder_cache: Path) -> tuple[Any, Any]:
+    tokenizer = _smollm2_tokenizer(folder_cache)
+    return random_llama(tokenizer, TINY_CONFIG, TINY_SEED), tokenizer
+
+
+def random_llama(tokenizer: Any, shape: dict[str, Any], seed: int) -> Any:
+    """A Llama of `shape` (LlamaConfig fields, TINY_CONFIG's form) with random weights drawn
+    from `seed` (the same weights in every process) over `tokenizer`'s vocabulary, without
+    an end-of-sequence token (random weights would stop at random)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    tokenizer = _smollm2_tokenizer(folder_cache)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=None,
         pad_token_id=tokenizer.pad_token_id,
-        **TINY_CONFIG,
+        **shape,
     )
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(TINY_SEED)
+        torch.manual_seed(seed)
         model: Any = LlamaForCausalLM(config)
-    model.generation_config.eos_token_id = None  # random weights would stop at random
-    return model, tokenizer
+    model.generation_config.eos_token_id = None
+    return model
 
 
 def _from_folder(folder: Path, dtype: str = DEFAULT_DTYPE) -> tuple[Any, Any]:
