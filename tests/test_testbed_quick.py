@@ -15,7 +15,7 @@ import pytest
 
 from bench.testbed import __main__ as cli
 from bench.testbed.calibrate import fit
-from bench.testbed.runner import gossip_delivery
+from bench.testbed.runner import EVENT_LINE, gossip_delivery, trusted_pair_fraction
 from bench.testbed.workload import GROUP_STRIDE, WorkloadSpec, mixed_requests
 from bench.workloads import tokenize_mmlu
 from peer.demo_data import MmluQuestion
@@ -76,6 +76,16 @@ def test_gossip_delivery_counts_losses_not_summaries_still_on_their_way() -> Non
     assert delivery.in_flight_max == 5
     assert gossip_delivery([*views[:2], {"peers": []}], ids) is None
     assert gossip_delivery([*views[:2], None], ids) is None
+
+
+def test_trust_and_events_are_read_from_views_and_metrics() -> None:
+    views = [{"peers": [{"trust": {"state": "trusted"}}, {"trust": {"state": "probation"}}]},
+             None, {"peers": [{"trust": {"state": "trusted"}}, {"trust": None}]}]
+    assert trusted_pair_fraction(views) == 0.5
+    assert trusted_pair_fraction([None, {"peers": []}]) is None
+    line = EVENT_LINE.match('prefixswarm_pipeline_events_total{event="shadow_sent"} 12.0')
+    assert line is not None and line.groups() == ("shadow_sent", "12.0")
+    assert EVENT_LINE.match('prefixswarm_pipeline_events_created{event="x"} 1.7e9') is None
 
 
 def test_fit_recovers_a_calibration_and_falls_back_when_noise_wins() -> None:
@@ -145,6 +155,10 @@ def test_quick_run_on_isolated_peers(tmp_path: Path) -> None:
         assert 0 < row["busiest_peer_utilization"] <= 1.2  # a quota is a ceiling
         assert row["predicted_ttft_mean_s"] > 0
         assert sum(row["served_per_peer"]) == row["requests"] - row["failed"]
+        # every entry counted its requests (warm-up included) in /metrics
+        assert row["pipeline_events"]["requests"] >= row["requests"]
+        if row["policy"] != "local":
+            assert 0 <= row["trusted_pair_fraction"] <= 1
     assert len(result["summary"]) == len(cli.POLICIES)
 
 

@@ -203,6 +203,19 @@ async def load_rates(bed: Bed, args: argparse.Namespace, setup: SimSetup, speeds
     return {**rates, **measured_rates_}, pilots
 
 
+def events_line(row: dict[str, Any]) -> str:
+    """A run's work besides serving, in a few words (its row has every event)."""
+    ev = row.get("pipeline_events") or {}
+    trusted = row.get("trusted_pair_fraction")
+    extra = " ".join("-" if x is None else f"{x * 1e3:.0f}" for x in row.get("forward_extra_s")
+                     or [])
+    return (f"hedges {ev.get('hedges', 0):g} shadows {ev.get('shadow_sent', 0):g} sent "
+            f"{ev.get('shadow_matched', 0):g} matched "
+            f"{ev.get('shadow_inconclusive', 0):g} inconclusive audits "
+            f"{ev.get('responses_audited', 0):g} trusted "
+            f"{'?' if trusted is None else f'{trusted:.2f}'} forward extra ms {extra}")
+
+
 def entry_of(shares: Sequence[float]) -> int:
     """The peer with the largest share: its quota throttles the measured work least."""
     return max(range(len(shares)), key=lambda i: shares[i])
@@ -290,6 +303,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                                 f"hit {row['hit_ratio']:.2f} busiest "
                                 f"{row['busiest_peer_utilization']:.2f} fwd "
                                 f"{row['forwarded_fraction']:.2f} failed {row['failed']} "
+                                f"peers {row['peer_utilization']} {events_line(row)} "
                                 f"[{time.monotonic() - started:.0f} s]")
             result["link_stats"] = bed.link_stats()
     result["complete"] = True

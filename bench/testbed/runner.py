@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 import statistics
 import time
 from collections import Counter
@@ -46,6 +47,9 @@ class RunMeasurement:
     up_s: float
     extra: dict[str, Any] = field(default_factory=dict)
     peer_ids: tuple[str, ...] = ()  # in the bed's order (utilization's too)
+    events: dict[str, float] = field(default_factory=dict)  # pipeline events, all peers
+    trusted_pair_fraction: float | None = None
+    forward_extra_s: list[float | None] = field(default_factory=list)  # bed order
 
 
 async def _send(client: httpx.AsyncClient, peer: SwarmPeer, request: TokenRequest,
@@ -119,6 +123,34 @@ async def _views(client: httpx.AsyncClient, peers: Sequence[SwarmPeer]) -> list[
     return out
 
 
+EVENT_LINE = re.compile(r'^prefixswarm_pipeline_events_total\{event="([a-z_]+)"\} ([0-9.e+]+)$')
+
+
+async def _events(client: httpx.AsyncClient, peers: Sequence[SwarmPeer]) -> dict[str, float]:
+    """The entry-side pipeline events (requests, forwards, hedges, shadow_*, audits...)
+    of every peer's /metrics, summed: what the swarm did besides serving its clients.
+    A peer that does not answer is left out."""
+    total: Counter[str] = Counter()
+    for p in peers:
+        try:
+            text = (await client.get(f"{p.http}/metrics", timeout=10.0)).text
+        except httpx.HTTPError:
+            continue
+        for line in text.splitlines():
+            m = EVENT_LINE.match(line)
+            if m:
+                total[m.group(1)] += float(m.group(2))
+    return dict(sorted(total.items()))
+
+
+def trusted_pair_fraction(views: Sequence[dict[str, Any] | None]) -> float | None:
+    """Of the (peer, other peer) pairs the peers' views list, the fraction where the peer
+    trusts the other (its probation over); None when no view lists a peer."""
+    states = [(p.get("trust") or {}).get("state") for v in views if v
+              for p in v.get("peers", [])]
+    return sum(s == "trusted" for s in states) / len(states) if states else None
+
+
 async def run_policy(bed: Bed, policy: str, workload: Sequence[TokenRequest], model: str,
                      seed: int, warmup: int = 0) -> RunMeasurement:
     """A fresh swarm of `policy`, the workload sent open loop, every request timed; the
@@ -154,10 +186,18 @@ async def run_policy(bed: Bed, policy: str, workload: Sequence[TokenRequest], mo
             utilization = [(b - a) / (share * window)
                            for a, b, share in zip(cpu0, cpu1, swarm.shares, strict=True)]
             views = await _views(client, swarm.peers)
+            events = await _events(client, swarm.peers)
         delivery = gossip_delivery(views, [p.peer_id for p in swarm.peers])
     outcomes = sorted((o for o in outcomes if o.index >= warmup), key=lambda o: o.index)
     return RunMeasurement(outcomes, wall, utilization, delivery, setup_s, swarm.up_s,
-                          peer_ids=tuple(p.peer_id for p in swarm.peers))
+                          peer_ids=tuple(p.peer_id for p in swarm.peers), events=events,
+                          trusted_pair_fraction=trusted_pair_fraction(views),
+                          forward_extra_s=[(v or {}).get("self", {}).get("forward_extra_s")
+                                           for v in views])
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    return statistics.fmean(values) if values else None
 
 
 def summarise(measured: RunMeasurement) -> dict[str, Any]:
@@ -181,10 +221,20 @@ def summarise(measured: RunMeasurement) -> dict[str, Any]:
         # measured requests each peer served (bed order): where the policy sent the work
         "served_per_peer": [sum(1 for o in ok if o.served_by == pid)
                             for pid in measured.peer_ids],
+        # where the time went: TTFT by entry peer (bed order) and by where it was served
+        "ttft_mean_per_entry_s": [_mean([o.ttft_s for o in ok if o.entry == pid])
+                                  for pid in measured.peer_ids],
+        "ttft_mean_forwarded_s": _mean([o.ttft_s for o in ok if o.forwarded]),
+        "ttft_mean_served_at_entry_s": _mean([o.ttft_s for o in ok if not o.forwarded]),
         # summaries delivered of those that could have arrived (GossipDelivery)
         "gossip_delivered_fraction": gossip.delivered_fraction if gossip else None,
         "gossip_late_fraction": gossip.late_fraction if gossip else None,
         "gossip_in_flight_max": gossip.in_flight_max if gossip else None,
+        # what the swarm did besides serving (warm-up included): shadows, hedges, audits
+        "pipeline_events": measured.events,
+        # what each entry's router added to a forward's cost at the end (residual.py)
+        "forward_extra_s": measured.forward_extra_s,
+        "trusted_pair_fraction": measured.trusted_pair_fraction,
         "wall_s": measured.wall_s,
         "setup_s": measured.setup_s,  # start until every peer knows every other
         "setup_up_s": measured.up_s,  # ... of which until every peer was up
