@@ -190,6 +190,8 @@ class Peer:
             gossip_counts=self.gossip.gossip_counts(),
             link_to=self.link_to,
             link_remote=self.link_remote,
+            forward_extra_s=(self.serving.router.forward_overhead.extra_s
+                             if self.serving is not None else None),
         )
 
     def _serving(self) -> Serving:

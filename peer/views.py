@@ -53,13 +53,16 @@ def swarm_view(
     gossip_counts: dict[str, Any] | None = None,
     link_to: Callable[[str], str | None] = _no_link,
     link_remote: Callable[[str], str | None] = _no_link,
+    forward_extra_s: float | None = None,
 ) -> dict[str, Any]:
     """This peer's view of the swarm, as plain JSON: itself, then every peer in its table.
 
     `invite` is the string others join with (None while no address is dialable);
     `holepunch` is the hole punch's statistics(); `gossip_counts` is Gossip.gossip_counts()
     (summaries published, and accepted per sender); `link_to` and `link_remote` say how a
-    peer is reached ('direct', 'relayed') and the far end of a direct connection."""
+    peer is reached ('direct', 'relayed') and the far end of a direct connection;
+    `forward_extra_s` what the router adds to a forward's cost for its time here
+    (peer/routing/residual.py), None on a peer that does not route."""
     load = engine.load()
     cache = engine.cache
     peers = []
@@ -103,6 +106,7 @@ def swarm_view(
             "software": SOFTWARE,
             "reachability": reachability,
             "holepunch": holepunch,
+            "forward_extra_s": forward_extra_s,
         },
         "peers": sorted(peers, key=lambda p: p["peer_id"]),
         "gossip_counts": gossip_counts,

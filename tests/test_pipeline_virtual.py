@@ -171,3 +171,23 @@ async def test_a_request_is_validated_once_on_its_way_down(autojump_clock):
     (_, _, forwarded) = host.requests[0]
     assert (forwarded.request_id, forwarded.max_new_tokens, forwarded.hops) == ("r1", 4, 1)
     assert serving.requests.statistics()["ok"] == 1
+
+
+async def test_the_router_learns_what_a_verified_forward_waited_here(autojump_clock):
+    # Verified before delivery, the first token reaches the client after the whole answer
+    # (3 more tokens, 0.05 s apart): 0.15 s that the cost model does not count.
+    swarm = fake_swarm({A: (7, honest(ttft_s=0.2, gap_s=0.05))}, PROMPT, verify_fraction=1.0)
+    overhead = swarm.pipeline.router.forward_overhead
+    result = (await run(swarm, SamplingParams(max_new_tokens=4)))[-1][1]
+    assert result.served_by == A
+    assert overhead.extra_s == pytest.approx(0.15, abs=0.01)
+    # A request served here ages it (the entry forgets when it stops forwarding).
+    overhead.served_here()
+    assert overhead.extra_s == pytest.approx(0.15 * 0.99, abs=0.01)
+
+
+async def test_an_unverified_forward_teaches_no_extra_on_an_idle_entry(autojump_clock):
+    swarm = fake_swarm({A: (7, honest(ttft_s=0.2, gap_s=0.05))}, PROMPT, verify_fraction=0.0)
+    result = (await run(swarm, SamplingParams(max_new_tokens=4)))[-1][1]
+    assert result.served_by == A
+    assert swarm.pipeline.router.forward_overhead.extra_s == pytest.approx(0.0, abs=1e-6)

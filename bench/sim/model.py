@@ -267,6 +267,8 @@ class Simulator(ServerModel, RoutingModel, GossipModel):
         # after routing, as peer/request/pipeline.py asks: a shadow to a probation peer?
         shadow = entry.shadows.choose(job.probation, temperature=GREEDY, private=False)
         if target == job.entry:
+            if job.chosen is not None:  # as peer/request/run.py `learn_overhead`
+                entry.router.forward_overhead.served_here()
             if wait > 0:
                 self._push(now + wait, DELIVER, target, job)
             else:
@@ -290,6 +292,11 @@ class Simulator(ServerModel, RoutingModel, GossipModel):
         self._owe_cpu(entry, work, now)
         legs = [self._one_way() for _ in range(2 * self.params.stream_setup_rtts + 1)]
         job.sent = now + wait + work + sum(legs[:-1])  # the stream is open; the request goes
+        if job.chosen is not None:  # the entry's router learns its own wait on a forward
+            # (peer/request/run.py `learn_overhead`; here when it is sent, not at its first
+            # token: nothing after the first token is simulated at the entry)
+            entry.router.forward_overhead.forwarded(
+                work + sum(legs[:-1]), job.chosen.estimate.rtt_s, 0.0)
         self._push(now + wait + work + sum(legs), DELIVER, job.target, job)
 
     def _send_shadow(self, entry: SimPeer, job: Job, shadow: Shadow, now: float,

@@ -150,6 +150,7 @@ class RoutingModel:
 
     def _router_choice(self, entry: SimPeer, job: Job, now: float) -> tuple[int, int]:
         ranked = self._ranked(entry, job, now)
+        job.chosen = ranked[0]
         return self._index[ranked[0].peer_id], min(ranked[0].match_tokens, len(job.tokens) - 1)
 
     def _exact_load_choice(self, entry: SimPeer, job: Job, now: float) -> tuple[int, int]:
@@ -163,6 +164,7 @@ class RoutingModel:
                 reports[c.peer_id] = LoadReport(peer.queued_tokens, peer.running)
         if reports:
             ranked = entry.router.rerank(ranked, reports, entry.table, now)
+        job.chosen = ranked[0]
         return self._index[ranked[0].peer_id], min(ranked[0].match_tokens, len(job.tokens) - 1)
 
     def _probe_choice(self, entry: SimPeer, job: Job, now: float) -> tuple[int, int, float]:
@@ -180,7 +182,7 @@ class RoutingModel:
             waited = self._probe(step.round, now)
             reports = step.round.reports
         self._probe_stats["changed"] += step.changed
-        chosen = step.candidates[0]
+        chosen = job.chosen = step.candidates[0]
         return self._index[chosen.peer_id], min(chosen.match_tokens, len(job.tokens) - 1), waited
 
     def _probe(self, probe: ProbeRound, now: float) -> float:

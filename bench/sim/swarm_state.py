@@ -55,6 +55,7 @@ class Job:
         "cached",
         "chain",
         "charge",
+        "chosen",
         "decode_left",
         "e2e",
         "entry",
@@ -85,6 +86,7 @@ class Job:
         self.target = -1
         self.match: Any = None
         self.charge: ForwardCharge | None = None  # the entry's count of it, if forwarded
+        self.chosen: Candidate | None = None  # the entry router's first choice (it learns)
         self.cached = 0
         self.new = 0
         self.queued = 0  # what it added to its server's queued prompt tokens

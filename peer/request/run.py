@@ -155,6 +155,22 @@ class RunContext:
         else:
             self.stats["audits_dropped"] += 1
 
+    def learn_overhead(self, racer: Racer) -> None:
+        """The router's ForwardOverhead learns from a request's first token delivered now:
+        a forward's wait here before its request went out and after its first token came
+        (peer/routing/residual.py); a request served here only ages it."""
+        attempt = racer.attempt
+        overhead = self.router.forward_overhead
+        if isinstance(attempt, RemoteAttempt):
+            if attempt.sent_at is not None and attempt.first_at is not None:
+                overhead.forwarded(
+                    max(0.0, attempt.sent_at - racer.started_at),
+                    racer.candidate.estimate.rtt_s,
+                    max(0.0, trio.current_time() - attempt.first_at),
+                )
+        else:
+            overhead.served_here()
+
     def served(self, racer: Racer, prompt: list[int], produced: int) -> float:
         """The winner delivered ``produced`` tokens and finished; what it was charged for
         underdelivering (0 mostly)."""
@@ -304,11 +320,15 @@ class RequestRun:
             candidate, attempt = racer.candidate, racer.attempt
             before = len(progress.generated)
             finish = Finished("stop")
+            learn = not before  # the first token of this request: what a forward cost here
             try:
                 agen = self._deliver(racer, prompt, params)
                 async with contextlib.aclosing(agen) as items:
                     async for item in items:
                         if isinstance(item, GenerationChunk):
+                            if learn and item.token_ids:
+                                learn = False
+                                context.learn_overhead(racer)
                             yield item
                         else:
                             finish = item

@@ -325,6 +325,7 @@ class Serving:
             "load_probe": self.load.statistics(),
             "served_for": self.served.statistics(),
             "router": self.router.statistics()._asdict(),
+            "forward_overhead": self.router.forward_overhead.statistics(),
             "trust": self.trust.statistics(),
             "requests": self.requests.statistics(),
         }

@@ -65,6 +65,7 @@ class PeerEstimate(NamedTuple):
     failed_s_ago: float | None = None  # seconds since a recent failure, None if none
     batch_slots: int = 0  # 0: does not batch (processor sharing); else its max batch
     step_tokens: int = 0  # a batching peer's tokens per step (0: unknown, chunks not priced)
+    extra_s: float = 0.0  # a forward's time beyond the model, learned (peer/routing/residual.py)
 
 
 class Cost(NamedTuple):
@@ -172,6 +173,7 @@ def estimate_cost(
     batch_slots: int = 0,
     step_tokens: int = 0,
     holder_network_s: float = 0.0,
+    extra_s: float = 0.0,
 ) -> Cost:
     """Estimated completion time of a request on a peer (the model of docs/cost-model.md).
 
@@ -179,6 +181,8 @@ def estimate_cost(
     ``holder_network_s`` (the entry peer's own candidate only; 0 elsewhere) is what a
     forward to that longest match costs in network time: when it is at least this peer's
     recomputation of the unmatched tokens, the copy charge is waived (the REPLICATE rule).
+    ``extra_s`` (remote candidates only) is what forwards were seen to take beyond this
+    model (peer/routing/residual.py), counted as network time.
     The one copy of the formula: the ranking loops, the router and the simulator call it.
     """
     prefill = prefill_tokens_per_s if prefill_tokens_per_s > MIN_TOKENS_PER_S else MIN_TOKENS_PER_S
@@ -204,7 +208,9 @@ def estimate_cost(
             steps = -(-unmatched // per_step)
             queue_s += steps * BATCH_STEP_SLOPE * in_batch / decode
     return _new(
-        Cost, (ROUND_TRIPS_PER_FORWARD * rtt_s, queue_s, miss * (1 + busy) / prefill, decode_s)
+        Cost,
+        (ROUND_TRIPS_PER_FORWARD * rtt_s + extra_s, queue_s, miss * (1 + busy) / prefill,
+         decode_s),
     )
 
 
@@ -220,6 +226,7 @@ def _cost_of(estimate: PeerEstimate, prompt_tokens: int, max_new_tokens: int) ->
         estimate.rtt_s,
         batch_slots=estimate.batch_slots,
         step_tokens=estimate.step_tokens,
+        extra_s=estimate.extra_s,
     )
 
 
@@ -252,13 +259,14 @@ def rank_estimates(
             f"prompt_tokens and max_new_tokens must be >= 1, got {prompt_tokens}, {max_new_tokens}"
         )
     best_match = max((e.match_tokens for e in estimates), default=0)
-    holder_rtt = min(
-        (e.rtt_s for e in estimates if not e.is_local and e.match_tokens == best_match),
+    holder_network_s = min(
+        (ROUND_TRIPS_PER_FORWARD * e.rtt_s + e.extra_s
+         for e in estimates if not e.is_local and e.match_tokens == best_match),
         default=0.0,
     )
     healthy, suspects = candidates_of(
         policy, estimates, prompt_tokens, max_new_tokens, swarm_busy(estimates), best_match,
-        ROUND_TRIPS_PER_FORWARD * holder_rtt,
+        holder_network_s,
     )
     return order_candidates(policy, healthy, suspects, rng, last_choice)
 
@@ -343,12 +351,13 @@ def candidates_of(
     only_local = policy is Policy.LOCAL
     for e in estimates:
         (peer_id, is_local, match_blocks, match_tokens, queued, running, prefill, decode, rtt,
-         _, _, _, failed_s_ago, slots, step_tokens) = e
+         _, _, _, failed_s_ago, slots, step_tokens, extra_s) = e
         if only_local and not is_local:
             continue
         network_s, queue_s, prefill_s, decode_s = estimate_cost(
             match_tokens, prompt_tokens, max_new_tokens, queued, running, prefill, decode, rtt,
             busy, best_match_tokens, slots, step_tokens, holder_network_s if is_local else 0.0,
+            extra_s,
         )
         cost_s = network_s + queue_s + prefill_s + decode_s
         candidate = _new(

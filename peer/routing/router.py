@@ -50,6 +50,7 @@ from peer.routing.cost import (
     swarm_busy,
 )
 from peer.routing.probing import fresh_estimate
+from peer.routing.residual import ForwardOverhead
 from peer.routing.trust import TrustLedger
 from peer.swarm.peer_table import PeerTable
 from protocols.load import LoadReport
@@ -140,6 +141,7 @@ class Router:
         self._failed_at: dict[str, float] = {}
         self._fail_streak: dict[str, int] = {}  # consecutive failures, per peer in _failed_at
         self.trust = trust
+        self.forward_overhead = ForwardOverhead()  # a forward's time here beyond the model
         self._require_rtt = require_rtt
         self._unproven = 0
         self._quarantined = 0
@@ -263,6 +265,7 @@ class Router:
         the peers on probation apart."""
         policy = self.policy
         rows = table.routing_rows(chain if policy in USES_MATCHES else None, now)
+        extra_s = self.forward_overhead.extra_s
         block_size = self.block_size
         rtt_prior = self._rtt_prior_s
         failed = self._failed_at
@@ -280,7 +283,7 @@ class Router:
             holder_rtt = min(
                 rtt_prior if row[2] is None else row[2] for row in rows if row[5] == remote_best
             )
-            holder_network_s = ROUND_TRIPS_PER_FORWARD * holder_rtt
+            holder_network_s = ROUND_TRIPS_PER_FORWARD * holder_rtt + extra_s
         healthy = candidates_of(
             policy, (local_e,), prompt_tokens, max_new_tokens, busy, best_match,
             holder_network_s,
@@ -339,11 +342,12 @@ class Router:
             e = _new(
                 PeerEstimate,
                 (peer_id, False, match_blocks, match_tokens, queued, running, prefill, decode,
-                 rtt, rtt_known, speeds_known, forwards, failed_s_ago, slots, step_tokens),
+                 rtt, rtt_known, speeds_known, forwards, failed_s_ago, slots, step_tokens,
+                 extra_s),
             )
             network_s, queue_s, miss_s, decode_time = estimate_cost(
                 match_tokens, prompt_tokens, max_new_tokens, queued, running, prefill, decode,
-                rtt, busy, best_match, slots, step_tokens,
+                rtt, busy, best_match, slots, step_tokens, extra_s=extra_s,
             )
             candidate = _new(
                 Candidate,

@@ -1,0 +1,84 @@
+"""A forward's overhead at its entry: learned from the entry's clock, and how it ranks."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from peer.config import Policy
+from peer.routing.cost import PeerEstimate, rank_estimates
+from peer.routing.residual import OVERHEAD_BOUND_S, ForwardOverhead
+
+
+def test_nothing_is_added_before_a_forward() -> None:
+    assert ForwardOverhead().extra_s == 0.0
+
+
+def test_the_wait_beyond_the_stream_round_trip_is_learned() -> None:
+    o = ForwardOverhead()
+    o.forwarded(0.07, 0.02, 0.01)  # 50 ms before the request went out beyond its rtt
+    assert o.extra_s == pytest.approx(0.06)
+    for _ in range(200):
+        o.forwarded(0.12, 0.02, 0.03)
+    assert o.extra_s == pytest.approx(0.13, abs=1e-3)
+
+
+def test_a_stream_faster_than_its_round_trip_adds_nothing() -> None:
+    o = ForwardOverhead()
+    o.forwarded(0.01, 0.05, 0.0)
+    assert o.extra_s == 0.0
+
+
+def test_serving_here_fades_it_so_forwarding_is_tried_again() -> None:
+    o = ForwardOverhead()
+    o.forwarded(0.5, 0.0, 0.0)
+    for _ in range(70):
+        o.served_here()
+    assert 0.2 < o.extra_s < 0.5 * 0.5
+
+
+def test_one_outlier_moves_the_mean_by_a_bounded_amount() -> None:
+    o = ForwardOverhead()
+    for _ in range(100):
+        o.forwarded(0.03, 0.02, 0.0)
+    o.forwarded(100.0, 0.02, 0.0)  # a verification that waited on a busy engine
+    assert o.extra_s <= 0.01 + o.weight * OVERHEAD_BOUND_S + 1e-9
+
+
+@given(st.lists(st.tuples(st.floats(0, 10), st.floats(0, 1), st.floats(0, 10)), max_size=60))
+def test_the_extra_stays_within_zero_and_the_bound(
+    samples: list[tuple[float, float, float]],
+) -> None:
+    o = ForwardOverhead()
+    for before, rtt, after in samples:
+        o.forwarded(before, rtt, after)
+        o.served_here()
+    assert 0.0 <= o.extra_s <= OVERHEAD_BOUND_S
+
+
+def test_bad_times_are_refused() -> None:
+    with pytest.raises(ValueError):
+        ForwardOverhead().forwarded(float("nan"), 0.0, 0.0)
+    with pytest.raises(ValueError):
+        ForwardOverhead().forwarded(0.1, -1.0, 0.0)
+    with pytest.raises(ValueError):
+        ForwardOverhead(weight=0)
+
+
+def _estimates(extra_s: float) -> list[PeerEstimate]:
+    local = PeerEstimate("self", True, 0, 0, 0, 0, 5000.0, 50.0, 0.0)
+    holder = PeerEstimate("holder", False, 30, 480, 0, 0, 5000.0, 50.0, 0.01, extra_s=extra_s)
+    return [local, holder]
+
+
+def test_the_extra_can_turn_a_forward_into_serving_here() -> None:
+    rng = random.Random(0)
+    # 512 tokens: 0.1 s here; the holder has 480 of them, 20 ms of round trips away
+    assert not rank_estimates(Policy.COST, _estimates(0.0), 512, 4, rng)[0].is_local
+    ranked = rank_estimates(Policy.COST, _estimates(0.2), 512, 4, rng)
+    assert ranked[0].is_local
+    holder = next(c for c in ranked if not c.is_local)
+    assert holder.cost.network_s == pytest.approx(0.02 + 0.2)
