@@ -41,6 +41,15 @@ TESTBED_MID_COMMAND = (
     ".venv/bin/python -m bench.testbed --json docs/results/testbed_mid512.json --model "
     "/tmp/models/mid512x4 --cache-bytes 16000000 --policies cost,local --delays-ms 20 "
     "--runs 3 --rates half=2.9,high=6.5")
+# The same on a model between the two, every policy: the 0.2-core peer's cold 512-token
+# prefill (~0.2 s) is most of its request, and a full grid would still take ~80 minutes
+TESTBED_R256_JSON = ROOT / "docs" / "results" / "testbed_r256.json"
+TESTBED_R256_TITLE = ("The testbed on a smaller random model, every policy (a what-if: hidden "
+                      "256, 2 layers, d = 20 ms)")
+TESTBED_R256_COMMAND = (
+    "python -m bench.random_model /tmp/models/r256x2 --hidden 256 --layers 2 && sudo "
+    ".venv/bin/python -m bench.testbed --json docs/results/testbed_r256.json --model "
+    "/tmp/models/r256x2 --cache-bytes 8000000 --delays-ms 20 --runs 3")
 RESULTS_MD = ROOT / "docs" / "RESULTS.md"
 MARGIN = 1.05  # "never more than 5% behind the best deployable policy"
 ORACLE_BOUND = 1.2  # "at most 1.2x the oracle's at the highest load"
@@ -411,6 +420,7 @@ def main(argv: list[str] | None = None) -> int:
               "quick_wall_s": qparams.get("wall_s"), "quick_runs": len(quick),
               "final_wall_s": fparams.get("wall_s"), "final_runs": len(final)}
     page = (render(quick, final, params, result, seeds) + "\n" + testbed_section(TESTBED_JSON)
+            + "\n" + testbed_section(TESTBED_R256_JSON, TESTBED_R256_TITLE, TESTBED_R256_COMMAND)
             + "\n" + testbed_section(TESTBED_MID_JSON, TESTBED_MID_TITLE, TESTBED_MID_COMMAND))
     if args.check:
         same = args.write.is_file() and args.write.read_text() == page
