@@ -62,7 +62,7 @@ def swarm_view(
     (summaries published, and accepted per sender); `link_to` and `link_remote` say how a
     peer is reached ('direct', 'relayed') and the far end of a direct connection;
     `forward_extra_s` what the router adds to a forward's cost for its time here
-    (peer/routing/residual.py), None on a peer that does not route."""
+    (peer/routing/forward_overhead.py), None on a peer that does not route."""
     load = engine.load()
     cache = engine.cache
     peers = []

@@ -15,7 +15,7 @@ import pytest
 
 from bench.testbed import __main__ as cli
 from bench.testbed.calibrate import fit
-from bench.testbed.runner import EVENT_LINE, gossip_delivery, trusted_pair_fraction
+from bench.testbed.runner import gossip_delivery, pipeline_events, trusted_pair_fraction
 from bench.testbed.workload import GROUP_STRIDE, WorkloadSpec, mixed_requests
 from bench.workloads import tokenize_mmlu
 from peer.demo_data import MmluQuestion
@@ -83,9 +83,11 @@ def test_trust_and_events_are_read_from_views_and_metrics() -> None:
              None, {"peers": [{"trust": {"state": "trusted"}}, {"trust": None}]}]
     assert trusted_pair_fraction(views) == 0.5
     assert trusted_pair_fraction([None, {"peers": []}]) is None
-    line = EVENT_LINE.match('prefixswarm_pipeline_events_total{event="shadow_sent"} 12.0')
-    assert line is not None and line.groups() == ("shadow_sent", "12.0")
-    assert EVENT_LINE.match('prefixswarm_pipeline_events_created{event="x"} 1.7e9') is None
+    metrics = ("# TYPE prefixswarm_pipeline_events counter\n"
+               'prefixswarm_pipeline_events_total{event="shadow_sent"} 12.0\n'
+               'prefixswarm_pipeline_events_created{event="shadow_sent"} 1.7e9\n'
+               'prefixswarm_requests_total{route="x"} 3.0\n')
+    assert pipeline_events(metrics) == {"shadow_sent": 12.0}
 
 
 def test_fit_recovers_a_calibration_and_falls_back_when_noise_wins() -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 import random
-import re
 import statistics
 import time
 from collections import Counter
@@ -17,6 +16,7 @@ from typing import Any
 
 import httpx
 import trio
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.stats import percentile
 from bench.swarm import Outcome, completion_body, stream_completion
@@ -123,23 +123,26 @@ async def _views(client: httpx.AsyncClient, peers: Sequence[SwarmPeer]) -> list[
     return out
 
 
-EVENT_LINE = re.compile(r'^prefixswarm_pipeline_events_total\{event="([a-z_]+)"\} ([0-9.e+]+)$')
+EVENTS_SAMPLE = "prefixswarm_pipeline_events_total"  # peer/api/metrics.py's counter
+
+
+def pipeline_events(text: str) -> dict[str, float]:
+    """The entry-side pipeline events of one peer's /metrics text, by event."""
+    return {s.labels["event"]: s.value for family in text_string_to_metric_families(text)
+            for s in family.samples if s.name == EVENTS_SAMPLE and "event" in s.labels}
 
 
 async def _events(client: httpx.AsyncClient, peers: Sequence[SwarmPeer]) -> dict[str, float]:
     """The entry-side pipeline events (requests, forwards, hedges, shadow_*, audits...)
     of every peer's /metrics, summed: what the swarm did besides serving its clients.
-    A peer that does not answer is left out."""
+    A peer that does not answer, or answers what does not parse, is left out."""
     total: Counter[str] = Counter()
     for p in peers:
         try:
             text = (await client.get(f"{p.http}/metrics", timeout=10.0)).text
-        except httpx.HTTPError:
+            total.update(pipeline_events(text))
+        except (httpx.HTTPError, ValueError):
             continue
-        for line in text.splitlines():
-            m = EVENT_LINE.match(line)
-            if m:
-                total[m.group(1)] += float(m.group(2))
     return dict(sorted(total.items()))
 
 
@@ -232,7 +235,7 @@ def summarise(measured: RunMeasurement) -> dict[str, Any]:
         "gossip_in_flight_max": gossip.in_flight_max if gossip else None,
         # what the swarm did besides serving (warm-up included): shadows, hedges, audits
         "pipeline_events": measured.events,
-        # what each entry's router added to a forward's cost at the end (residual.py)
+        # what each entry's router added to a forward's cost at the end (forward_overhead.py)
         "forward_extra_s": measured.forward_extra_s,
         "trusted_pair_fraction": measured.trusted_pair_fraction,
         "wall_s": measured.wall_s,

@@ -158,7 +158,7 @@ class RunContext:
     def learn_overhead(self, racer: Racer) -> None:
         """The router's ForwardOverhead learns from a request's first token delivered now:
         a forward's wait here before its request went out and after its first token came
-        (peer/routing/residual.py); a request served here only ages it."""
+        (peer/routing/forward_overhead.py); a request served here only ages it."""
         attempt = racer.attempt
         overhead = self.router.forward_overhead
         if isinstance(attempt, RemoteAttempt):

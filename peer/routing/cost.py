@@ -65,7 +65,7 @@ class PeerEstimate(NamedTuple):
     failed_s_ago: float | None = None  # seconds since a recent failure, None if none
     batch_slots: int = 0  # 0: does not batch (processor sharing); else its max batch
     step_tokens: int = 0  # a batching peer's tokens per step (0: unknown, chunks not priced)
-    extra_s: float = 0.0  # a forward's time beyond the model, learned (peer/routing/residual.py)
+    extra_s: float = 0.0  # a forward's time at its entry (peer/routing/forward_overhead.py)
 
 
 class Cost(NamedTuple):
@@ -182,7 +182,7 @@ def estimate_cost(
     forward to that longest match costs in network time: when it is at least this peer's
     recomputation of the unmatched tokens, the copy charge is waived (the REPLICATE rule).
     ``extra_s`` (remote candidates only) is what forwards were seen to take beyond this
-    model (peer/routing/residual.py), counted as network time.
+    model (peer/routing/forward_overhead.py), counted as network time.
     The one copy of the formula: the ranking loops, the router and the simulator call it.
     """
     prefill = prefill_tokens_per_s if prefill_tokens_per_s > MIN_TOKENS_PER_S else MIN_TOKENS_PER_S

@@ -49,8 +49,8 @@ from peer.routing.cost import (
     single_stream_decode,
     swarm_busy,
 )
+from peer.routing.forward_overhead import ForwardOverhead
 from peer.routing.probing import fresh_estimate
-from peer.routing.residual import ForwardOverhead
 from peer.routing.trust import TrustLedger
 from peer.swarm.peer_table import PeerTable
 from protocols.load import LoadReport

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from peer.config import Policy
 from peer.routing.cost import PeerEstimate, rank_estimates
-from peer.routing.residual import OVERHEAD_BOUND_S, ForwardOverhead
+from peer.routing.forward_overhead import OVERHEAD_BOUND_S, ForwardOverhead
 
 
 def test_nothing_is_added_before_a_forward() -> None:
