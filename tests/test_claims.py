@@ -53,15 +53,21 @@ def test_no_claim_is_priced_faster_than_ours_before_an_observation(prefill, deco
 def test_an_observation_bounds_any_claim(prefill, decode, batch, seen_prefill, seen_decode):
     believed = believed_speeds(prefill, decode, batch, seen_prefill, seen_decode,
                                OWN_PREFILL, OWN_DECODE)
-    assert seen_prefill <= believed.prefill_tokens_per_s <= SPEED_SLACK * seen_prefill
-    assert seen_decode <= believed.decode_tokens_per_s <= SPEED_SLACK * seen_decode
+    assert 0 < believed.prefill_tokens_per_s <= SPEED_SLACK * seen_prefill
+    assert 0 < believed.decode_tokens_per_s <= SPEED_SLACK * seen_decode
+    # never faster than claimed; with nothing claimed, what was seen
+    assert believed.prefill_tokens_per_s <= (prefill if prefill > 0 else seen_prefill)
+    lone = claimed_decode(decode, batch)
+    assert believed.decode_tokens_per_s <= (lone if lone > 0 else seen_decode)
     assert believed.known
 
 
-def test_an_observation_is_a_floor_and_twice_it_a_ceiling():
+def test_an_observation_is_a_ceiling_at_twice_it_and_never_lifts_a_claim():
     assert believed_speeds(0.0, 0.0, 0.0, 300.0, 9.0, OWN_PREFILL, OWN_DECODE)[:2] == (300.0, 9.0)
     assert believed_speeds(100.0, 5.0, 0.0, 300.0, 9.0, OWN_PREFILL, OWN_DECODE)[:2] == (
-        300.0, 9.0)  # seen faster than it says
+        100.0, 5.0)  # seen faster than it says: what it says
+    assert believed_speeds(500.0, 15.0, 0.0, 300.0, 9.0, OWN_PREFILL, OWN_DECODE)[:2] == (
+        500.0, 15.0)  # within twice what was seen
     assert believed_speeds(1e9, 1e-3, 1e9, 300.0, 9.0, OWN_PREFILL, OWN_DECODE)[:2] == (
         600.0, 18.0)
 

@@ -283,5 +283,11 @@ class RoutingModel:
         trust.record_claim(peer_id, min(claimed, (n - 1) // bs * bs), job.cached)
         ttft = job.arrival + job.ttft - job.sent  # from the request sent to its first token
         span = job.e2e - job.ttft  # first to last token, both as they reach the entry
-        trust.record_speeds(peer_id, *forward_speeds(n - job.cached, ttft, job.req.max_new_tokens,
-                                                     span))
+        # what the router priced when it chose the peer (a shadow: the probation candidate)
+        priced = job.chosen.estimate if job.chosen is not None else None
+        if job.shadow is not None and job.twin is not None:
+            priced = next((c.estimate for c in job.twin.probation if c.peer_id == peer_id), None)
+        trust.record_speeds(peer_id, *forward_speeds(
+            n - job.cached, ttft, job.req.max_new_tokens, span,
+            queued_tokens=priced.queued_prompt_tokens if priced is not None else 0,
+            rtt_s=priced.rtt_s if priced is not None else 0.0))

@@ -37,6 +37,10 @@ WARMUP_PROMPT_TOKENS = 64  # enough to measure prefill speed without delaying st
 # tokens in 10 ms says nothing of the peer's prefill speed.
 MIN_OBSERVED_PREFILL_TOKENS = 64
 MIN_OBSERVED_DECODE_TOKENS = 8
+# A prefill observation leaves out the round trip the router priced, but keeps at least
+# 1 / this of the time to the first token: a round trip misjudged (or a cache hit that
+# computed a little in less than one) cannot make the compute time vanish.
+OBSERVED_PREFILL_CREDIT = 4.0
 
 
 class StepSpeeds(NamedTuple):
@@ -48,15 +52,31 @@ class StepSpeeds(NamedTuple):
 
 
 def forward_speeds(
-    computed_tokens: int, ttft_s: float | None, produced: int, decode_span_s: float | None
+    computed_tokens: int,
+    ttft_s: float | None,
+    produced: int,
+    decode_span_s: float | None,
+    *,
+    queued_tokens: int = 0,
+    rtt_s: float = 0.0,
 ) -> tuple[float | None, float | None]:
     """What an entry peer learns of a remote peer's speeds from one forward, timed at the
-    entry: prefill as the prompt tokens it computed over the time from the request sent to
-    its first token, decode as (produced - 1) tokens over the first to the last token; None
-    where the forward says too little (MIN_OBSERVED_*) or a time is unknown."""
+    entry; None where the forward says too little (MIN_OBSERVED_*) or a time is unknown.
+
+    Prefill: the tokens the peer read before our first token, by the router's own pricing
+    (``queued_tokens`` it believed queued there when it chose the peer, plus the prompt
+    tokens computed), over the time from the request sent to its first token less the
+    round trip ``rtt_s`` it priced (OBSERVED_PREFILL_CREDIT bounds what is left out).
+    Measured against the queue and round trip the cost model charges, a busy honest peer
+    reads about as fast as it is, not as slow as its queue; a peer that claimed a queue it
+    did not have reads faster, but was priced with that queue when it was chosen, and what
+    the router believes never exceeds the peer's own claim (claims.py). Decode:
+    (produced - 1) tokens over the first to the last token."""
     prefill = decode = None
     if ttft_s is not None and ttft_s > 0 and computed_tokens >= MIN_OBSERVED_PREFILL_TOKENS:
-        prefill = computed_tokens / ttft_s
+        read = computed_tokens + max(queued_tokens, 0)
+        compute_s = max(ttft_s - max(rtt_s, 0.0), ttft_s / OBSERVED_PREFILL_CREDIT)
+        prefill = read / compute_s
     if decode_span_s is not None and decode_span_s > 0 and produced >= MIN_OBSERVED_DECODE_TOKENS:
         decode = (produced - 1) / decode_span_s
     return prefill, decode

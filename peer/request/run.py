@@ -51,6 +51,7 @@ from peer.request.generation import (
 )
 from peer.request.race import AnyAttempt, Race, Racer, Waiters
 from peer.routing.claims import claimed_decode
+from peer.routing.cost import PeerEstimate
 from peer.routing.reliability import Lapse
 from peer.routing.router import Candidate, Router
 from peer.routing.trust import Promote, Quarantine, TrustLedger
@@ -183,13 +184,16 @@ class RunContext:
         action = self.trust.record_served(peer_id, verified=racer.verify, now=now)
         if isinstance(action, Promote):
             logger.info("peer %s passed probation (%d verified)", peer_id, action.verified)
-        return self.observe(peer_id, attempt, prompt, produced)
+        return self.observe(peer_id, attempt, prompt, produced, racer.candidate.estimate)
 
     def observe(
-        self, peer_id: str, attempt: RemoteAttempt, prompt: list[int], produced: int
+        self, peer_id: str, attempt: RemoteAttempt, prompt: list[int], produced: int,
+        estimate: PeerEstimate,
     ) -> float:
-        """What a finished forward showed of ``peer_id``: its claim, its speeds, and
-        whether it decoded far slower than its summary claimed (the charge, 0 if not)."""
+        """What a finished forward showed of ``peer_id``: its claim, its speeds (against
+        the queue and round trip of ``estimate``, what the router priced when it chose the
+        peer), and whether it decoded far slower than its summary claimed (the charge, 0
+        if not)."""
         cached = attempt.cached_tokens
         block = self.engine.block_size
         if cached is not None:
@@ -204,7 +208,9 @@ class RunContext:
         if first is not None and last is not None:
             span = last - first
         computed = len(prompt) - (cached or 0)
-        prefill, decode = forward_speeds(computed, ttft, produced, span)
+        prefill, decode = forward_speeds(computed, ttft, produced, span,
+                                         queued_tokens=estimate.queued_prompt_tokens,
+                                         rtt_s=estimate.rtt_s)
         self.trust.record_speeds(peer_id, prefill, decode)
         view = self.table.get(peer_id, trio.current_time())
         if view is None or decode is None:

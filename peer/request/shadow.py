@@ -141,7 +141,8 @@ class Shadows:
                 delivered = await job.wait()
                 if delivered is None:
                     return
-                judged = await self._judge(shadow, attempt, prompt, params, delivered, output)
+                judged = await self._judge(shadow, candidate, attempt, prompt, params,
+                                           delivered, output)
         finally:
             if failure is not None:
                 self._failed(shadow, failure)
@@ -164,7 +165,7 @@ class Shadows:
         return output
 
     async def _judge(
-        self, shadow: Shadow, attempt: RemoteAttempt, prompt: list[int],
+        self, shadow: Shadow, candidate: Candidate, attempt: RemoteAttempt, prompt: list[int],
         params: SamplingParams, delivered: tuple[int, ...], output: list[int],
     ) -> bool:
         """Compare and record; False when no verdict could be reached."""
@@ -195,7 +196,7 @@ class Shadows:
         now = trio.current_time()
         if bad is None:
             context.router.record_outcome(peer_id, True, now)
-            context.observe(peer_id, attempt, prompt, len(output))
+            context.observe(peer_id, attempt, prompt, len(output), candidate.estimate)
             promoted = self.planner.matched(shadow)
             if promoted is not None:
                 logger.info("peer %s passed probation (%d matching answers)", peer_id,

@@ -4,15 +4,17 @@ Claims are hypotheses, observations are facts. A summary's figures are first der
 the cost model's units (a lone stream's decode from one stream's and the batch's speed),
 and only then bounded, so no derivation can multiply a capped figure past its cap:
 
-- observed (a forward of this entry's to that peer measured it): the claim clamped to
-  [observed, SPEED_SLACK x observed], the observation itself when nothing is claimed;
+- observed (a forward of this entry's to that peer measured it): the claim, at most
+  SPEED_SLACK x observed; the observation itself when nothing is claimed;
 - else claimed: at most this peer's own figure, and unknown (<= 0) counts as ours.
 
-An observation is a floor, not the speed: timed at the entry, it includes the round trip,
-the peer's queue and its batch, so it only ever reads slower than the peer is (taken as
-the speed, it made the simulator's gpu regime at load 2 forward 7% less and wait 16%
+An observation bounds a claim, it does not replace it: timed at the entry, it is measured
+against the queue and round trip the router priced (speeds.forward_speeds), and those
+are estimates, so it can read slower or faster than the peer is (taken as the speed, a
+raw observation made the simulator's gpu regime at load 2 forward 7% less and wait 16%
 longer). A claim can make a peer look slower than ours, never faster, until this entry
-has seen it be at least half as fast as claimed. The batch shape (`batch_slots`,
+has seen it be at least half as fast as claimed; no observation makes a peer look faster
+than it claims. The batch shape (`batch_slots`,
 `step_tokens`) cannot be observed from outside; a claim of more than ours counts as ours.
 docs/security.md ("Claims, stalls and hedges") has what remains.
 """
@@ -70,7 +72,7 @@ def believed_speeds(
 
 def _believe(claim: float, observed: float, own: float) -> float:
     if observed > 0:
-        if claim <= observed:
+        if claim <= 0:
             return observed
         ceiling = SPEED_SLACK * observed
         return claim if claim < ceiling else ceiling

@@ -16,9 +16,10 @@ With a `TrustLedger` (peer/routing/trust.py) and ``require_rtt`` (what a serving
 peers that proved reachable (a round trip measured here) and are not quarantined are
 candidates; claimed matches are multiplied by the ledger's discount, advertised speeds and
 batch shapes count only as far as evidence allows (peer/routing/claims.py: up to twice the
-best observed, else up to ours), a peer whose lapses put it in debt ranks after the entry
-peer like one that failed, and peers on probation are never candidates: `rank_all`
-returns them apart, best first, for shadow verification (peer/routing/shadow.py).
+best observed and never above the claim, else up to ours), a peer whose lapses put it in
+debt ranks after the entry peer like one that failed, and peers on probation are never
+candidates: `rank_all` returns them apart, best first, for shadow verification
+(peer/routing/shadow.py).
 """
 
 from __future__ import annotations

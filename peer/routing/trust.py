@@ -53,7 +53,7 @@ EXCESS_GRACE = 2.0  # unexplained overshoots tolerated before any discount
 DISCOUNT_PER_EXCESS = 0.5  # the claim factor halves per unexplained overshoot past the grace
 IGNORE_BELOW = 0.1  # a factor under this: the peer's claims are ignored (factor 0)
 SPEED_WINDOW = 8  # observations of a peer's speeds kept (the best of them bounds its claims:
-#   an observation's overheads only ever make a peer look slower than it is)
+#   a forward timed while the peer was busier than its estimate reads slow)
 MAX_TRACKED_PEERS = 4096  # non-quarantined peers remembered; far above MAX_PEERS (256)
 MAX_QUARANTINED = 65_536  # quarantine records kept (a Sybil flood cannot grow it further)
 MAX_REASON_CHARS = 300  # a reason is a sentence for the operator, not a transcript
