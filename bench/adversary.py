@@ -9,7 +9,7 @@ Each scenario starts a fresh swarm (3 honest tiny-random `serve` processes and, 
 for `baseline`, one rogue), sends the same seeded MMLU requests over HTTP to the honest
 peers in turn, and counts wrong outputs against the honest model's own (`summarise`),
 the client's TTFT, and what each honest trust ledger then holds of the rogue
-(`_add_trust_states`). The JSON: {"params", "baseline", "adversaries": {NAME: ...},
+(bench/adversary_views.py). The JSON: {"params", "baseline", "adversaries": {NAME: ...},
 "quarantine_trials"} (the last from bench.quarantine, in process).
 """
 
@@ -20,7 +20,6 @@ import dataclasses
 import functools
 import json
 import os
-import re
 import shlex
 import shutil
 import statistics
@@ -34,7 +33,7 @@ from typing import Any
 import httpx
 import trio
 
-from bench import adversary_relay
+from bench import adversary_relay, adversary_views
 from bench.adversary_surface import watch_surface
 from bench.adversary_tables import CLIENT_ROGUES, open_measurement
 from bench.stats import percentile
@@ -295,7 +294,7 @@ def summarise(
         )
         row["rogue_still_tried_in_last_quarter"] = not stopped
     if name in LIARS and rogue is not None:
-        row["requests_until_quarantine"] = None  # set from the ledgers (_add_trust_states)
+        row["requests_until_quarantine"] = None  # set from the ledgers (adversary_views)
     if name == "magnet_staller" and rogue is not None:
         from bench.rogues.magnet_staller import tried_first
 
@@ -382,99 +381,14 @@ async def run_scenario(
         if rogue is not None:
             fakes = set(rogue.peer_ids) | set(rogue.forged_ids)
             row["rogue_listed_by_honest_peers"] = [len(p.known & fakes) for p in honest]
-            await _add_trust_states(row, honest, fakes)
-        await _add_false_accusations(row, honest)
+            await adversary_views.add_trust_states(row, honest, fakes)
+        await adversary_views.add_false_accusations(row, honest)
         log(
             f"{name}: ok {row['requests_ok']} failed {row['requests_failed']} wrong "
             f"{row['wrong_outputs_delivered']} ttft p50 {row['ttft_p50_s']:.3f} s "
             f"p99 {row['ttft_p99_s']:.3f} s errors {row['errors']}"
         )
         return row
-
-
-async def _swarm_views(honest: list[PeerProcess]) -> list[dict[str, Any]]:
-    """Each honest peer's /v1/swarm that answered (a peer that did not is left out)."""
-    views = []
-    async with httpx.AsyncClient(timeout=10) as client:
-        for peer in honest:
-            try:
-                views.append((await client.get(f"{peer.http}/v1/swarm")).json())
-            except (httpx.HTTPError, ValueError):
-                continue
-    return views
-
-
-async def _add_false_accusations(row: dict[str, Any], honest: list[PeerProcess]) -> None:
-    """Honest peers that another honest peer's ledger quarantined (/v1/swarm): a verifier
-    calling an honest answer a lie. Pairs (accuser, accused), and their reasons."""
-    ids = {p.peer_id for p in honest}
-    pairs = 0
-    reasons: set[str] = set()
-    for view in await _swarm_views(honest):
-        for p in view.get("peers", ()):
-            trust = p.get("trust")
-            if p["peer_id"] in ids and trust and trust["state"] == "quarantined":
-                pairs += 1
-                reasons.add(str(trust.get("reason", ""))[:100])
-    row["honest_quarantined_by_honest"] = pairs
-    row["honest_quarantine_reasons"] = sorted(reasons)
-
-
-async def _add_gate_counts(row: dict[str, Any], honest: list[PeerProcess]) -> None:
-    """The honest peers' gossip gate verdicts, summed (/metrics), and how many of them
-    graylisted a forwarder."""
-    verdicts: Counter[str] = Counter()
-    graylisting = 0
-    async with httpx.AsyncClient(timeout=10) as client:
-        for peer in honest:
-            try:
-                text = (await client.get(f"{peer.http}/metrics")).text
-            except httpx.HTTPError:
-                continue
-            for verdict, count in re.findall(
-                r'^prefixswarm_gossip_gate_total\{verdict="(\w+)"\} (\S+)$', text, re.M
-            ):
-                verdicts[verdict] += int(float(count))
-            graylisted = re.search(r"^prefixswarm_gossip_graylisted (\S+)$", text, re.M)
-            graylisting += bool(graylisted and float(graylisted.group(1)) > 0)
-    row["honest_gate_verdicts"] = dict(verdicts)
-    row["honest_peers_graylisting"] = graylisting
-
-
-async def _add_trust_states(
-    row: dict[str, Any], honest: list[PeerProcess], fakes: set[str]
-) -> None:
-    """What each honest peer's trust ledger says of the rogue identities (/v1/swarm; a
-    peer without a ledger says nothing), and requests_until_quarantine from it: the
-    forwards all entry peers sent to the liar when at least one ledger quarantined it,
-    null when none did."""
-    states: Counter[str] = Counter()
-    reasons: set[str] = set()
-    quarantined_by = verified = lapses = 0
-    debt = 0.0
-    for view in await _swarm_views(honest):
-        trusts = [p.get("trust") for p in view.get("peers", ()) if p["peer_id"] in fakes]
-        quarantined_by += any(t and t["state"] == "quarantined" for t in trusts)
-        for t in filter(None, trusts):
-            states[t["state"]] += 1
-            verified += int(t.get("verified", 0))
-            lapses += int(t.get("lapses", 0))
-            debt = max(debt, float(t.get("debt", 0.0)))
-            if t["state"] == "quarantined":
-                reasons.add(t["reason"][:100])
-    row["rogue_trust_states"] = dict(states)
-    await _add_gate_counts(row, honest)
-    # Why a rogue stayed on probation: its matched answers, and lapses charged to it.
-    row["rogue_verified_answers"] = verified
-    row["rogue_lapses"] = lapses
-    row["rogue_debt_max"] = round(debt, 3)
-    row["quarantine_reasons"] = sorted(reasons)
-    row["quarantined_by_honest_peers"] = quarantined_by
-    if "requests_until_quarantine" in row:
-        # The forwards all entries sent to the liar, when some ledger quarantined it.
-        row["requests_until_quarantine"] = (
-            row["attempts_on_rogue_identities"] if quarantined_by else None
-        )
 
 
 async def _drive(

@@ -28,7 +28,7 @@ the prompt's tokens over the cold TTFT.
 
 --compare transformers_cb runs, at each sweep level right after ours, transformers' own
 continuous batching (bench/transformers_cb.py) on the same prompts and closed loop, with
-block sharing and without (the keys: `compare_keys`).
+block sharing and without (the keys: bench/transformers_cb.py `transformers_cb_keys`).
 --compare llama_cpp runs llama.cpp (bench/llama_cpp.py; llama-cpp-python, the optional
 bench extra: without it the bench says how to install it and exits 2) on the GGUF file our
 smollm2-135m is loaded from, with our thread count, on the same prompt and sweep prompts:
@@ -50,18 +50,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import transformers
 import trio
 
 from bench import llama_cpp
 from bench.report import emit_json
 from bench.stats import percentile
 from bench.transformers_cb import (
-    DEFAULT_MAX_BATCH_TOKENS,
+    CB_CORES,
     DEFAULT_PAGE_SIZE,
     peak_rss_bytes,
     reset_peak_rss,
     transformers_cb_concurrent,
+    transformers_cb_keys,
 )
 from peer.demo_data import NUM_SHOTS, by_subject, five_shot_prompt, load_mmlu
 from peer.engine.engine import Engine, SamplingParams
@@ -133,16 +133,6 @@ async def engine_decode(loaded: LoadedModel, tokens: list[int], new_tokens: int
     return done.usage.decode_tokens_per_s, list(done.token_ids)
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """How many leading tokens two outputs share."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def llama_cpp_keys(args: argparse.Namespace, tokens: list[int], sweep_prompts_: list[list[int]],
                    ours: dict[str, Any], our_decode_tokens: list[int]) -> dict[str, Any]:
     """llama.cpp measured on the same GGUF and prompts, and our figures over its."""
@@ -153,18 +143,7 @@ def llama_cpp_keys(args: argparse.Namespace, tokens: list[int], sweep_prompts_: 
     log(f"llama.cpp: prefill {theirs['llama_cpp_prefill_tokens_per_s']:.0f} tokens/s, decode "
         f"{theirs['llama_cpp_decode_tokens_per_s']:.1f} tokens/s, c8 (one after another) "
         f"{theirs['llama_cpp_tokens_per_s_c8']:.1f} tokens/s")
-    return {
-        "compare": "llama_cpp",
-        **theirs,
-        "ratio_prefill_vs_llama_cpp": (ours["prefill_tokens_per_s_cold"]
-                                       / theirs["llama_cpp_prefill_tokens_per_s"]),
-        "ratio_decode_c1_vs_llama_cpp": (ours["decode_tokens_per_s_c1"]
-                                         / theirs["llama_cpp_decode_tokens_per_s"]),
-        "ratio_c8_vs_llama_cpp": (ours["tokens_per_s_by_concurrency"]["8"]
-                                  / theirs["llama_cpp_tokens_per_s_c8"]),
-        "greedy_tokens_shared_with_llama_cpp": common_prefix(
-            our_decode_tokens, theirs["llama_cpp_greedy_tokens"]),
-    }
+    return llama_cpp.compare_keys(ours, theirs, our_decode_tokens)
 
 
 def transformers_ttft(
@@ -258,43 +237,6 @@ def transformers_sequential(
     return sum(len(o) for o in outs) / (time.perf_counter() - start), outs
 
 
-CB_CORES = [("transformers_cb", True), ("transformers_cb_no_sharing", False)]
-COMPARED_FIELDS = ["tokens_per_s", "ttft_p50_s", "ttft_p99_s", "cached_tokens",
-                   "peak_rss_bytes", "outputs_identical"]
-
-
-def compare_keys(compared: dict[str, dict[str, dict[str, Any]]], page_size: int) -> dict[str, Any]:
-    """The `--compare transformers_cb` keys from per-core, per-level runs.
-
-    `compare_by_core` {core: {FIELD_by_concurrency: {"c": value}}} for the cores "engine",
-    "transformers_cb" and "transformers_cb_no_sharing", FIELD one of COMPARED_FIELDS:
-    ttft_* for transformers is first token timestamp - request creation, cached_tokens the
-    prompt tokens found cached, peak_rss_bytes VmHWM (reset before each level and core:
-    model included), outputs_identical greedy against sequential `generate`;
-    `ratio_engine_vs_CORE_by_concurrency` is our tokens/s over theirs."""
-    out: dict[str, Any] = {
-        "compare": "transformers_cb",
-        "transformers_version": transformers.__version__,
-        "transformers_cb_config": {
-            "page_size": page_size, "max_batch_tokens": DEFAULT_MAX_BATCH_TOKENS,
-            "max_requests_per_batch": "= concurrency", "attn_implementation": "sdpa (paged)",
-            "ttft": "GenerationOutput.timestamps[0] - created_time (record_timestamps=True)",
-        },
-        "compare_by_core": {
-            core: {f"{field}_by_concurrency": {c: r[field] for c, r in levels.items()}
-                   for field in COMPARED_FIELDS}
-            for core, levels in compared.items()
-        },
-    }
-    ours = compared["engine"]
-    for core, levels in compared.items():
-        if core != "engine":
-            out[f"ratio_engine_vs_{core}_by_concurrency"] = {
-                c: ours[c]["tokens_per_s"] / r["tokens_per_s"] for c, r in levels.items()
-            }
-    return out
-
-
 async def sweep(loaded: LoadedModel, args: argparse.Namespace) -> dict[str, Any]:
     """The concurrency sweep's keys (see the module docstring)."""
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -358,7 +300,7 @@ async def sweep(loaded: LoadedModel, args: argparse.Namespace) -> dict[str, Any]
         "outputs_identical_batched": all(identical.values()),
     }
     if cores:
-        out.update(compare_keys(compared, args.cb_page_size))
+        out.update(transformers_cb_keys(compared, args.cb_page_size))
     if "8" in by_c:
         out["speedup_c8_vs_transformers_sequential"] = by_c["8"]["tokens_per_s"] / hf_tps
         out["speedup_c8_no_prefix_cache_vs_transformers_sequential"] = (

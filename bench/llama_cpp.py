@@ -86,3 +86,30 @@ def measure(gguf: Path, threads: int, prompt: list[int], runs: int, decode_token
         "llama_cpp_c8_mode": "one after another (one sequence per context)",
         "llama_cpp_greedy_tokens": tokens,
     }
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two outputs share."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def compare_keys(ours: dict[str, Any], theirs: dict[str, Any],
+                 our_decode_tokens: list[int]) -> dict[str, Any]:
+    """`--compare llama_cpp`'s keys: llama.cpp's figures (`measure`) and ours over them."""
+    return {
+        "compare": "llama_cpp",
+        **theirs,
+        "ratio_prefill_vs_llama_cpp": (ours["prefill_tokens_per_s_cold"]
+                                       / theirs["llama_cpp_prefill_tokens_per_s"]),
+        "ratio_decode_c1_vs_llama_cpp": (ours["decode_tokens_per_s_c1"]
+                                         / theirs["llama_cpp_decode_tokens_per_s"]),
+        "ratio_c8_vs_llama_cpp": (ours["tokens_per_s_by_concurrency"]["8"]
+                                  / theirs["llama_cpp_tokens_per_s_c8"]),
+        "greedy_tokens_shared_with_llama_cpp": common_prefix(
+            our_decode_tokens, theirs["llama_cpp_greedy_tokens"]),
+    }

@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import transformers
 from transformers import ContinuousBatchingConfig, GenerationConfig
 from transformers.generation.continuous_batching.cache import PagedAttentionCache
 
@@ -183,3 +184,42 @@ def transformers_cb_concurrent(
         "cached_tokens": sum(hits),
         "outputs": outputs,
     }
+
+
+CB_CORES = [("transformers_cb", True), ("transformers_cb_no_sharing", False)]
+COMPARED_FIELDS = ["tokens_per_s", "ttft_p50_s", "ttft_p99_s", "cached_tokens",
+                   "peak_rss_bytes", "outputs_identical"]
+
+
+def transformers_cb_keys(
+    compared: dict[str, dict[str, dict[str, Any]]], page_size: int
+) -> dict[str, Any]:
+    """The `--compare transformers_cb` keys from per-core, per-level runs.
+
+    `compare_by_core` {core: {FIELD_by_concurrency: {"c": value}}} for the cores "engine",
+    "transformers_cb" and "transformers_cb_no_sharing", FIELD one of COMPARED_FIELDS:
+    ttft_* for transformers is first token timestamp - request creation, cached_tokens the
+    prompt tokens found cached, peak_rss_bytes VmHWM (reset before each level and core:
+    model included), outputs_identical greedy against sequential `generate`;
+    `ratio_engine_vs_CORE_by_concurrency` is our tokens/s over theirs."""
+    out: dict[str, Any] = {
+        "compare": "transformers_cb",
+        "transformers_version": transformers.__version__,
+        "transformers_cb_config": {
+            "page_size": page_size, "max_batch_tokens": DEFAULT_MAX_BATCH_TOKENS,
+            "max_requests_per_batch": "= concurrency", "attn_implementation": "sdpa (paged)",
+            "ttft": "GenerationOutput.timestamps[0] - created_time (record_timestamps=True)",
+        },
+        "compare_by_core": {
+            core: {f"{field}_by_concurrency": {c: r[field] for c, r in levels.items()}
+                   for field in COMPARED_FIELDS}
+            for core, levels in compared.items()
+        },
+    }
+    ours = compared["engine"]
+    for core, levels in compared.items():
+        if core != "engine":
+            out[f"ratio_engine_vs_{core}_by_concurrency"] = {
+                c: ours[c]["tokens_per_s"] / r["tokens_per_s"] for c, r in levels.items()
+            }
+    return out

@@ -17,12 +17,11 @@ from libp2p.peer.id import ID
 from libp2p.pubsub.validators import signature_validator
 
 from bench.adversary import LIARS, SCENARIOS, Outcome, parse_args, summarise
-from bench.rogue import (
+from bench.rogue import Mode, Rogue
+from bench.rogues.lies import (
     EXTRA_TOKENS,
     NUCLEUS_MARGIN,
     POISON_SPEED,
-    Mode,
-    Rogue,
     forged_message,
     out_of_nucleus,
     poisoned_summary,

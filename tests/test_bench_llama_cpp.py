@@ -28,8 +28,8 @@ def test_llama_cpp_compares_the_embedded_model_at_concurrency_8(tmp_path):
 
 
 def test_common_prefix():
-    assert bench_engine.common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
-    assert bench_engine.common_prefix([], [1]) == 0
+    assert llama_cpp.common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
+    assert llama_cpp.common_prefix([], [1]) == 0
 
 
 @pytest.mark.skipif(not llama_cpp.available(),

@@ -10,7 +10,7 @@ import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
 
-from bench.rogue import forged_message
+from bench.rogues.lies import forged_message
 from bench.rogues.table_filler import ghost_summary
 from peer.swarm.gossip_gate import UNPROVEN_BURST, UNPROVEN_PER_S, GossipGate
 from protocols.ids import gossip_topic

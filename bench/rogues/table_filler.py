@@ -30,7 +30,7 @@ from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 from multiaddr import Multiaddr
 
-from bench.rogue import forged_message
+from bench.rogues.lies import forged_message
 from peer.swarm.bloom_sizing import summary_bloom
 from protocols.ids import gossip_topic, provider_key_multihash
 from protocols.summary import CacheSummary, encode_summary

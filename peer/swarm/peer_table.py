@@ -1,17 +1,15 @@
 """PeerTable: what this peer believes about every other peer, with ages and expiry (pure).
 
-Fed by method calls with `now`, it validates gossiped summaries (`apply` answers an
-`ApplyResult` with a stable reason code), admits newcomers to a full table proven peers
-first (peer/swarm/admission.py: an entry stays unproven until the peer was reached),
-expires silent peers, estimates each peer's
-match for a block-hash chain from its Bloom filter (`routing_rows`: all peers at once,
-through a numpy `BloomBank`), keeps round trips and counts this peer's own forwards on
-top of each summary's load. It never does I/O.
+Fed by method calls with `now`, it keeps gossiped summaries that pass their own checks
+(peer/swarm/summary_checks.py; `apply` answers an `ApplyResult` with a stable reason),
+admits newcomers to a full table proven peers first (peer/swarm/admission.py), expires
+silent peers, estimates each peer's match for a block-hash chain from its Bloom filter
+(`routing_rows`: all peers at once, through a numpy `BloomBank`), keeps round trips and
+counts this peer's own forwards on top of each summary's load. It never does I/O.
 """
 
 from __future__ import annotations
 
-import enum
 import math
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -19,17 +17,16 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from peer.swarm.admission import UNPROVEN_SHARE, Admission, decide
+from peer.swarm.summary_checks import ApplyResult, Verdict, bloom_verdict, header_verdict
 from protocols.bloom import BloomFilter, ProbeCache, Probes
 from protocols.bloom_bank import BloomBank, KeyChain
 from protocols.summary import CacheSummary
 
 __all__ = [
-    "FILL_TOLERANCE",
     "MAX_ADDRS_PER_PEER",
     "MAX_ADDR_CHARS",
     "MAX_BANK_BYTES",
     "MAX_PEERS",
-    "MAX_PLAUSIBLE_FILL",
     "RTT_WINDOW",
     "ApplyResult",
     "ForwardCharge",
@@ -43,13 +40,6 @@ __all__ = [
 # ~0.75 MB plus 0.5 MB in its BloomBank: 256 peers bound both (~0.3 GB worst case; gossip
 # caps filters at 48 KiB, ~30 MB) and far exceed one model's swarm.
 MAX_PEERS = 256
-# A filter this full answers "yes" to most probes (at k=6, 0.9^6 = 53%): it would only
-# attract requests it cannot serve from cache.
-MAX_PLAUSIBLE_FILL = 0.9
-# Allowed gap between the measured fill and the fill that `cached_blocks` distinct keys
-# give; 0.05 is >10 standard deviations for filters of a few thousand bits or more.
-FILL_TOLERANCE = 0.05
-FILL_SIGMAS = 8.0  # plus this many binomial deviations, which matters for tiny filters
 # The BloomBanks store 64 filter columns per shape even for one peer, so a swarm of many
 # odd shapes could cost 64x its filters; past this budget a peer's match is walked in
 # Python instead (same answer, slower). Honest peers use a few shapes: 64 peers of 160k
@@ -59,31 +49,6 @@ RTT_WINDOW = 6  # round trips whose minimum is the path's delay: ~30 s of 5 s li
 #   pings, so a path that got slower is followed within that, and 5 of 6 pings may be late
 MAX_ADDRS_PER_PEER = 16  # libp2p peers announce a handful; the rest is noise
 MAX_ADDR_CHARS = 256  # a multiaddr with DNS name, port, /p2p/ id fits easily
-
-
-class Verdict(enum.StrEnum):
-    """Why a summary was accepted or rejected (stable strings, for logs and metrics)."""
-
-    NEW_PEER = "new_peer"
-    UPDATED = "updated"
-    IDENTITY = "identity"  # summary.peer_id is not the gossip source
-    SELF = "self"  # our own summary came back
-    MODEL = "model"  # another model
-    BLOCK_SIZE = "block_size"  # another block size: hashes would never match
-    STALE_SEQ = "stale_seq"  # seq not above the live entry's (duplicate or reordered)
-    BLOOM_TOO_FULL = "bloom_too_full"
-    BLOOM_INCONSISTENT = "bloom_inconsistent"  # fill disagrees with cached_blocks
-    TABLE_FULL = "table_full"
-    UNPROVEN_FULL = "unproven_full"  # never reached, and unproven peers hold their share
-    LEFT = "left"  # the peer said it stops: dropped now
-
-
-class ApplyResult(NamedTuple):
-    """The outcome of `PeerTable.apply`."""
-
-    accepted: bool
-    reason: Verdict
-    detail: str = ""
 
 
 class PeerView(NamedTuple):
@@ -247,22 +212,10 @@ class PeerTable:
         (`record_rtt`) does. A newcomer is admitted by `admission.decide`."""
         _check_time(now)
         peer_id = summary.peer_id
-        if peer_id != source_peer_id:
-            return self._result(
-                False, Verdict.IDENTITY, f"from {source_peer_id}, claims to be {peer_id}"
-            )
-        if peer_id == self._self_id:
-            return self._result(False, Verdict.SELF, "our own summary")
-        if summary.model_id != self._model_id:
-            return self._result(
-                False, Verdict.MODEL, f"model {summary.model_id!r}, we serve {self._model_id!r}"
-            )
-        if summary.block_size != self._block_size:
-            return self._result(
-                False,
-                Verdict.BLOCK_SIZE,
-                f"block size {summary.block_size}, ours is {self._block_size}",
-            )
+        refused = header_verdict(summary, source_peer_id, self._self_id, self._model_id,
+                                 self._block_size)
+        if refused is not None:
+            return self._result(False, *refused)
         old = self._entries.get(peer_id)
         live_old = old is not None and self._live(old, now)
         if old is not None and live_old and summary.seq <= old.summary.seq:
@@ -273,14 +226,14 @@ class PeerTable:
             if old is not None:
                 self._drop(peer_id)
             return self._result(True, Verdict.LEFT, f"seq {summary.seq}")
-        verdict = self._check_bloom(summary)
-        if verdict is not None:
-            return verdict
+        implausible = bloom_verdict(summary)
+        if implausible is not None:
+            return self._result(False, *implausible)
         proven = reachable or (old is not None and old.proven)
         if old is None:
-            refused = self._admit(peer_id, proven, now)
-            if refused is not None:
-                return refused
+            not_admitted = self._admit(peer_id, proven, now)
+            if not_admitted is not None:
+                return not_admitted
         shape = (summary.bloom_bits, summary.bloom_hashes)
         if old is not None and old.shape == shape and old.slot >= 0:
             slot = old.slot
@@ -330,27 +283,6 @@ class PeerTable:
             self._drop(decision.victim)
             self._reaped[decision.victim] = None  # reported by expire()
             self._evicted_unproven += 1
-        return None
-
-    def _check_bloom(self, summary: CacheSummary) -> ApplyResult | None:
-        # BloomFilter.fill_ratio and expected_fill, on the summary's bytes (one popcount
-        # instead of decoding the filter, which routing never needs: it reads the bank)
-        bits = summary.bloom_bits
-        fill = int.from_bytes(summary.bloom, "little").bit_count() / bits
-        if fill > MAX_PLAUSIBLE_FILL:
-            return self._result(
-                False, Verdict.BLOOM_TOO_FULL, f"fill {fill:.3f} > {MAX_PLAUSIBLE_FILL}"
-            )
-        expected = 1.0 - math.exp(-summary.cached_blocks * summary.bloom_hashes / bits)
-        sigma = math.sqrt(expected * (1.0 - expected) / bits)
-        if abs(fill - expected) > FILL_TOLERANCE + FILL_SIGMAS * sigma:
-            count = summary.bloom_filter().estimated_count()
-            return self._result(
-                False,
-                Verdict.BLOOM_INCONSISTENT,
-                f"fill {fill:.3f}, but {summary.cached_blocks} cached blocks give "
-                f"{expected:.3f} (~{count:.0f} keys in the filter)",
-            )
         return None
 
     def _acquire(self, shape: tuple[int, int]) -> int:
