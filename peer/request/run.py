@@ -191,9 +191,8 @@ class RunContext:
         estimate: PeerEstimate,
     ) -> float:
         """What a finished forward showed of ``peer_id``: its claim, its speeds (against
-        the queue and round trip of ``estimate``, what the router priced when it chose the
-        peer), and whether it decoded far slower than its summary claimed (the charge, 0
-        if not)."""
+        the queue and round trip the router priced in ``estimate``), and the charge if it
+        decoded far slower than its summary claimed (0 if not)."""
         cached = attempt.cached_tokens
         block = self.engine.block_size
         if cached is not None:
@@ -208,9 +207,9 @@ class RunContext:
         if first is not None and last is not None:
             span = last - first
         computed = len(prompt) - (cached or 0)
-        prefill, decode = forward_speeds(computed, ttft, produced, span,
-                                         queued_tokens=estimate.queued_prompt_tokens,
-                                         rtt_s=estimate.rtt_s)
+        prefill, decode = forward_speeds(
+            computed, ttft, produced, span, queued_tokens=estimate.queued_prompt_tokens,
+            rtt_s=estimate.rtt_s)
         self.trust.record_speeds(peer_id, prefill, decode)
         view = self.table.get(peer_id, trio.current_time())
         if view is None or decode is None:
