@@ -23,18 +23,9 @@ from protocols.bloom_bank import BloomBank, KeyChain
 from protocols.summary import CacheSummary
 
 __all__ = [
-    "MAX_ADDRS_PER_PEER",
-    "MAX_ADDR_CHARS",
-    "MAX_BANK_BYTES",
-    "MAX_PEERS",
-    "RTT_WINDOW",
-    "ApplyResult",
-    "ForwardCharge",
-    "PeerTable",
-    "PeerView",
-    "RoutingRow",
-    "Verdict",
-]
+    "MAX_ADDRS_PER_PEER", "MAX_ADDR_CHARS", "MAX_BANK_BYTES", "MAX_PEERS", "RTT_WINDOW",
+    "ApplyResult", "ForwardCharge", "PeerTable", "PeerView", "RoutingRow", "Verdict",
+]  # fmt: skip
 
 # A routing decision scans every peer, and a decoded filter of MAX_BLOOM_BITS takes
 # ~0.75 MB plus 0.5 MB in its BloomBank: 256 peers bound both (~0.3 GB worst case; gossip
