@@ -133,12 +133,19 @@ class LaunderingEngine:
 
 
 async def test_a_newcomer_that_launders_its_probation_answers_never_earns_trust(
-    nursery: trio.Nursery, tiny_engine_factory: Any
+    nursery: trio.Nursery, tiny_engine_factory: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Three peers under default trust: the honest newcomer passes probation at the entry
     on its shadows; the launderer's shadows match too (they are the honest peer's answers)
     but the honest peer says the launderer asked it for each prompt: no credit, ever, and
-    a back-off that leaves the next shadows to the honest newcomer."""
+    a back-off that leaves the next shadows to the honest newcomer.
+
+    Underdelivery charges are off here: three peers share one event loop in real time,
+    and on a loaded machine (the parallel suite) the honest newcomer's tokens arrive more
+    than 4x slower than its idle-measured speed, so it was charged and its debt kept the
+    shadows away (a known limit, docs/security.md); this test is about the served-for
+    check, which that timing must not decide."""
+    monkeypatch.setattr("peer.routing.trust.underdelivery_charge", lambda *_: 0.0)
     launderer = LaunderingEngine(tiny_engine_factory())
     a, h, lau = await start_swarm(
         nursery, [tiny_engine_factory(), tiny_engine_factory(), launderer],
