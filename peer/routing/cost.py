@@ -159,6 +159,12 @@ def single_stream_decode(
     return decode_tokens_per_s * (1.0 - slope + slope * batch)
 
 
+def forward_network_s(rtt_s: float, extra_s: float) -> float:
+    """A forward's network time as the model prices it: its round trips, plus what
+    forwards were seen to take at their entry beyond them (forward_overhead.py)."""
+    return ROUND_TRIPS_PER_FORWARD * rtt_s + extra_s
+
+
 def estimate_cost(
     match_tokens: int,
     prompt_tokens: int,
@@ -209,8 +215,7 @@ def estimate_cost(
             queue_s += steps * BATCH_STEP_SLOPE * in_batch / decode
     return _new(
         Cost,
-        (ROUND_TRIPS_PER_FORWARD * rtt_s + extra_s, queue_s, miss * (1 + busy) / prefill,
-         decode_s),
+        (forward_network_s(rtt_s, extra_s), queue_s, miss * (1 + busy) / prefill, decode_s),
     )
 
 
@@ -260,7 +265,7 @@ def rank_estimates(
         )
     best_match = max((e.match_tokens for e in estimates), default=0)
     holder_network_s = min(
-        (ROUND_TRIPS_PER_FORWARD * e.rtt_s + e.extra_s
+        (forward_network_s(e.rtt_s, e.extra_s)
          for e in estimates if not e.is_local and e.match_tokens == best_match),
         default=0.0,
     )

@@ -45,6 +45,7 @@ from peer.routing.cost import (
     as_measured_here,
     candidates_of,
     estimate_cost,
+    forward_network_s,
     order_candidates,
     rank_estimates,
     single_stream_decode,
@@ -284,7 +285,7 @@ class Router:
             holder_rtt = min(
                 rtt_prior if row[2] is None else row[2] for row in rows if row[5] == remote_best
             )
-            holder_network_s = ROUND_TRIPS_PER_FORWARD * holder_rtt + extra_s
+            holder_network_s = forward_network_s(holder_rtt, extra_s)
         healthy = candidates_of(
             policy, (local_e,), prompt_tokens, max_new_tokens, busy, best_match,
             holder_network_s,
