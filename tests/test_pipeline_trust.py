@@ -10,7 +10,6 @@ import pytest
 import trio
 
 from peer.engine.engine import SamplingParams
-from peer.engine.speeds import forward_speeds
 from peer.request.pipeline import GenerationChunk, Outcome
 from peer.request.race import first_token_timeout_s, hedge_delay_s
 from peer.routing.trust import TrustState
@@ -150,22 +149,6 @@ async def test_speeds_observed_on_a_forward_bound_the_advertised_ones(autojump_c
     standing = swarm.trust.routing(A)
     assert (standing.observed_prefill, standing.observed_decode) == pytest.approx(
         (400.0, 10.0), rel=0.01)
-
-
-def test_a_forward_says_something_of_speeds_only_when_compute_dominates_its_timing():
-    assert forward_speeds(640, 2.0, 9, 0.5) == (320.0, 16.0)
-    assert forward_speeds(63, 2.0, 7, 0.5) == (None, None)  # a hit's short suffix, 7 tokens
-    assert forward_speeds(640, None, 9, None) == (None, None)  # not timed
-    assert forward_speeds(640, 0.0, 9, 0.0) == (None, None)
-
-
-def test_a_forwards_prefill_is_measured_against_the_queue_and_round_trip_it_was_priced_at():
-    # 640 tokens behind 1,280 queued, first token 2.0 s after sending, 0.4 s of it the trip
-    assert forward_speeds(640, 2.0, 9, 0.5, queued_tokens=1280, rtt_s=0.4)[0] == 1920 / 1.6
-    # a round trip longer than the wait leaves a quarter of the wait as compute
-    assert forward_speeds(640, 2.0, 9, 0.5, rtt_s=5.0)[0] == 640 / 0.5
-    assert forward_speeds(640, 2.0, 9, 0.5, queued_tokens=-5)[0] == 320.0  # no credit below 0
-    assert forward_speeds(63, 2.0, 9, 0.5, queued_tokens=10_000) == (None, 16.0)  # ours too few
 
 
 async def test_wrong_tokens_are_caught_at_fraction_one_and_never_delivered(autojump_clock):

@@ -290,4 +290,5 @@ class RoutingModel:
         trust.record_speeds(peer_id, *forward_speeds(
             n - job.cached, ttft, job.req.max_new_tokens, span,
             queued_tokens=priced.queued_prompt_tokens if priced is not None else 0,
-            rtt_s=priced.rtt_s if priced is not None else 0.0))
+            rtt_s=priced.rtt_s if priced is not None else 0.0,
+            own_prefill_tokens_per_s=entry.prefill_tps))

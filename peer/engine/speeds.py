@@ -59,6 +59,7 @@ def forward_speeds(
     *,
     queued_tokens: int = 0,
     rtt_s: float = 0.0,
+    own_prefill_tokens_per_s: float = 0.0,
 ) -> tuple[float | None, float | None]:
     """What an entry peer learns of a remote peer's speeds from one forward, timed at the
     entry; None where the forward says too little (MIN_OBSERVED_*) or a time is unknown.
@@ -68,15 +69,18 @@ def forward_speeds(
     tokens computed), over the time from the request sent to its first token less the
     round trip ``rtt_s`` it priced (OBSERVED_PREFILL_CREDIT bounds what is left out).
     Measured against the queue and round trip the cost model charges, a busy honest peer
-    reads about as fast as it is, not as slow as its queue; a peer that claimed a queue it
-    did not have reads faster, but was priced with that queue when it was chosen, and what
-    the router believes never exceeds the peer's own claim (claims.py). Decode:
-    (produced - 1) tokens over the first to the last token."""
+    reads about as fast as it is, not as slow as its queue. The queue is the peer's claim:
+    the credit lifts an observation at most to ``own_prefill_tokens_per_s`` (the entry's
+    own speed, where an unobserved claim is capped too; 0: no credit), and past it only
+    the bare tokens over time count, so a peer that claims a queue it did not have gains
+    no more than an unobserved one. Decode: (produced - 1) tokens over the first to the
+    last token."""
     prefill = decode = None
     if ttft_s is not None and ttft_s > 0 and computed_tokens >= MIN_OBSERVED_PREFILL_TOKENS:
+        bare = computed_tokens / ttft_s
         read = computed_tokens + max(queued_tokens, 0)
         compute_s = max(ttft_s - max(rtt_s, 0.0), ttft_s / OBSERVED_PREFILL_CREDIT)
-        prefill = read / compute_s
+        prefill = max(bare, min(read / compute_s, own_prefill_tokens_per_s))
     if decode_span_s is not None and decode_span_s > 0 and produced >= MIN_OBSERVED_DECODE_TOKENS:
         decode = (produced - 1) / decode_span_s
     return prefill, decode

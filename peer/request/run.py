@@ -209,7 +209,7 @@ class RunContext:
         computed = len(prompt) - (cached or 0)
         prefill, decode = forward_speeds(
             computed, ttft, produced, span, queued_tokens=estimate.queued_prompt_tokens,
-            rtt_s=estimate.rtt_s)
+            rtt_s=estimate.rtt_s, own_prefill_tokens_per_s=self.engine.load().prefill_tokens_per_s)
         self.trust.record_speeds(peer_id, prefill, decode)
         view = self.table.get(peer_id, trio.current_time())
         if view is None or decode is None:
