@@ -272,7 +272,8 @@ class FakeHost:
     probe_resets: list[tuple[float, str]] = field(default_factory=list)
 
     async def new_stream(self, peer_id: ID, protocols: Sequence[str], *,
-                         timeout_s: float = 10.0) -> FakeStream | FakeLoadStream:
+                         timeout_s: float = 10.0, lazy: bool = False,
+                         ) -> FakeStream | FakeLoadStream:
         pid = peer_id.to_base58()
         if LOAD_PROTOCOL in protocols:
             self.probes.append((trio.current_time(), pid))

@@ -124,7 +124,7 @@ def test_cost_near_ties_go_to_the_longest_match() -> None:
     # local 1.824 s (miss and copy 0.512 s each, decode 0.8 s). The tie band is 10% of
     # the cost less its decode (up to 1.926 s): a tie, so it goes first for its match;
     # the rest stays in cost order.
-    b = est("b", match=1024, rtt=0.25, queued=600)
+    b = est("b", match=1024, rtt=_rtt(0.5), queued=600)
     ranked = rank_estimates(Policy.COST, [me, b, est("c", match=0)], PROMPT, NEW,
                             random.Random(0))
     assert [c.peer_id for c in ranked] == ["b", "me", "c"]
@@ -133,25 +133,30 @@ def test_cost_near_ties_go_to_the_longest_match() -> None:
     assert tie_limit_s(ranked[1]) == pytest.approx(1.824 + COST_TIE_FRACTION * 1.024)
 
 
+def _rtt(network_s: float) -> float:
+    """The round-trip time at which a forward's priced network time is `network_s`."""
+    return network_s / ROUND_TRIPS_PER_FORWARD
+
+
 def test_a_prefix_farther_than_its_recomputation_is_replicated_not_shared() -> None:
     """REPLICATE: the local copy charge is waived when a forward to the nearest holder of
     the longest match costs at least the local recomputation in network time."""
     me = est("me", local=True, match=512)
-    # "b" holds the whole prompt 2 x 0.3 s away: 0.6 s of network >= the 0.512 s the local
-    # miss costs, so the local peer pays its miss (0.512 s) and decode (0.8 s), no copy.
-    far = rank_estimates(Policy.COST, [me, est("b", match=1024, rtt=0.3)], PROMPT, NEW,
+    # "b" holds the whole prompt 0.6 s of network away: >= the 0.512 s the local miss
+    # costs, so the local peer pays its miss (0.512 s) and decode (0.8 s), no copy.
+    far = rank_estimates(Policy.COST, [me, est("b", match=1024, rtt=_rtt(0.6))], PROMPT, NEW,
                          random.Random(0))
     assert [c.peer_id for c in far] == ["me", "b"]
     assert far[0].cost_s == pytest.approx(0.512 + 0.8)
-    # 2 x 0.2 s away (0.4 s < 0.512 s): the copy is charged again (1.824 s) and b wins.
-    near = rank_estimates(Policy.COST, [me, est("b", match=1024, rtt=0.2)], PROMPT, NEW,
+    # 0.4 s away (< 0.512 s): the copy is charged again (1.824 s) and b wins.
+    near = rank_estimates(Policy.COST, [me, est("b", match=1024, rtt=_rtt(0.4))], PROMPT, NEW,
                           random.Random(0))
     assert [c.peer_id for c in near] == ["b", "me"]
     assert near[1].cost_s == pytest.approx(1.824)
     # The nearest holder counts: a second holder of the same match close by keeps it.
     both = rank_estimates(
         Policy.COST,
-        [me, est("b", match=1024, rtt=0.3), est("c", match=1024, rtt=0.2, queued=5000)],
+        [me, est("b", match=1024, rtt=_rtt(0.6)), est("c", match=1024, rtt=_rtt(0.4), queued=5000)],
         PROMPT, NEW, random.Random(0),
     )
     assert next(c for c in both if c.is_local).cost_s == pytest.approx(1.824)

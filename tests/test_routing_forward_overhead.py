@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from peer.config import Policy
-from peer.routing.cost import PeerEstimate, rank_estimates
+from peer.routing.cost import ROUND_TRIPS_PER_FORWARD, PeerEstimate, rank_estimates
 from peer.routing.forward_overhead import OVERHEAD_BOUND_S, ForwardOverhead
 
 
@@ -17,18 +17,23 @@ def test_nothing_is_added_before_a_forward() -> None:
     assert ForwardOverhead().extra_s == 0.0
 
 
-def test_the_wait_beyond_the_stream_round_trip_is_learned() -> None:
+def _setup(rtt_s: float) -> float:
+    """The round trips the cost model counts before a forward's request goes out."""
+    return (ROUND_TRIPS_PER_FORWARD - 1) * rtt_s
+
+
+def test_the_wait_beyond_the_modelled_round_trips_is_learned() -> None:
     o = ForwardOverhead()
-    o.forwarded(0.07, 0.02, 0.01)  # 50 ms before the request went out beyond its rtt
+    o.forwarded(0.05 + _setup(0.02), 0.02, 0.01)  # 50 ms before the request went out
     assert o.extra_s == pytest.approx(0.06)
     for _ in range(200):
-        o.forwarded(0.12, 0.02, 0.03)
+        o.forwarded(0.10 + _setup(0.02), 0.02, 0.03)
     assert o.extra_s == pytest.approx(0.13, abs=1e-3)
 
 
-def test_a_stream_faster_than_its_round_trip_adds_nothing() -> None:
+def test_a_request_sent_at_once_adds_nothing() -> None:
     o = ForwardOverhead()
-    o.forwarded(0.01, 0.05, 0.0)
+    o.forwarded(0.5 * _setup(0.05), 0.05, 0.0)
     assert o.extra_s == 0.0
 
 
@@ -43,7 +48,7 @@ def test_serving_here_fades_it_so_forwarding_is_tried_again() -> None:
 def test_one_outlier_moves_the_mean_by_a_bounded_amount() -> None:
     o = ForwardOverhead()
     for _ in range(100):
-        o.forwarded(0.03, 0.02, 0.0)
+        o.forwarded(0.01 + _setup(0.02), 0.02, 0.0)
     o.forwarded(100.0, 0.02, 0.0)  # a verification that waited on a busy engine
     assert o.extra_s <= 0.01 + o.weight * OVERHEAD_BOUND_S + 1e-9
 
@@ -76,9 +81,9 @@ def _estimates(extra_s: float) -> list[PeerEstimate]:
 
 def test_the_extra_can_turn_a_forward_into_serving_here() -> None:
     rng = random.Random(0)
-    # 512 tokens: 0.1 s here; the holder has 480 of them, 20 ms of round trips away
+    # 512 tokens: 0.1 s here; the holder has 480 of them, round trips of 10 ms away
     assert not rank_estimates(Policy.COST, _estimates(0.0), 512, 4, rng)[0].is_local
     ranked = rank_estimates(Policy.COST, _estimates(0.2), 512, 4, rng)
     assert ranked[0].is_local
     holder = next(c for c in ranked if not c.is_local)
-    assert holder.cost.network_s == pytest.approx(0.02 + 0.2)
+    assert holder.cost.network_s == pytest.approx(ROUND_TRIPS_PER_FORWARD * 0.01 + 0.2)

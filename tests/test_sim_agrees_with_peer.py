@@ -85,7 +85,8 @@ def test_sim_params_defaults_are_the_peers() -> None:
     assert p.summary_interval_s is config.DEFAULT_SUMMARY_INTERVAL_S
     assert p.bloom_fp_rate is config.DEFAULT_BLOOM_FP_RATE
     assert p.model_id is config.DEFAULT_MODEL
-    assert p.stream_setup_rtts + 1 == ranking.ROUND_TRIPS_PER_FORWARD
+    assert p.forward_setup_rtts + 1 == ranking.ROUND_TRIPS_PER_FORWARD
+    assert p.stream_setup_rtts == ranking.STREAM_SETUP_ROUND_TRIPS
     assert not {"evict_slack_fraction"} & {f.name for f in dataclasses.fields(SimParams)}
 
 

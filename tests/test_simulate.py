@@ -237,14 +237,18 @@ def test_shadows_cost_the_newcomer_compute_and_reach_no_client() -> None:
 
 
 def test_forwarding_pays_stream_setup_and_both_ways() -> None:
-    # Two peers, d = 100 ms without jitter: a forwarded request pays setup RTT + 2 one-ways.
-    # (slope 1: a step has no fixed cost, a lone prefill of 100 tokens takes 100 ms)
+    # Two peers, d = 100 ms without jitter: a forwarded request pays its setup round trips
+    # and 2 one-ways (slope 1: a step has no fixed cost, a lone prefill of 100 tokens takes
+    # 100 ms).
     cal = Calibration("flat", 0.0, 1e-3, 0.0, 0.01, "test", batch_step_slope=1.0)
     reqs = [TokenRequest(float(i), i, tuple(range(i, i + 100)), (), 1) for i in range(40)]
     params = SimParams(policy="round_robin", peers=2, delay_ms=100.0, jitter=0.0,
                        calibration=cal, warmup_fraction=0.0)
     ttfts = sorted(round(t, 6) for t in simulate(params, reqs).ttft_s)
-    assert set(ttfts) == {0.1, 0.5}  # prefill alone, or 4 x 100 ms more
+    assert set(ttfts) == {0.1, 0.3}  # prefill alone, or 2 x 100 ms more (a lazy stream)
+    setup = dataclasses.replace(params, forward_setup_rtts=1)
+    ttfts = sorted(round(t, 6) for t in simulate(setup, reqs).ttft_s)
+    assert set(ttfts) == {0.1, 0.5}  # a round trip more to open the stream first
 
 
 def test_overheads_outside_the_engine_take_the_peers_cpu() -> None:
@@ -263,7 +267,7 @@ def test_overheads_outside_the_engine_take_the_peers_cpu() -> None:
     base, over = plain.run(), charged.run()
     # each request alone: 20 ms more before its step, served locally or forwarded, and a
     # forward waits 30 ms more for its entry
-    assert sorted({round(t, 6) for t in over.ttft_s}) == [0.12, 0.55]
+    assert sorted({round(t, 6) for t in over.ttft_s}) == [0.12, 0.35]
     forwards = [sum(1 for j in charged.jobs if j.entry == p.idx != j.target)
                 for p in charged.peers]
     assert all(forwards)

@@ -5,7 +5,7 @@ Each simulated peer (bench/sim/swarm_state.py) owns a real `RadixCache`, `PeerTa
 `BlockHasher`. The Simulator is assembled from its sides: the serving engine
 (server_model.py), the entry peer's decision (routing_model.py) and anti-entropy
 (gossip_model.py); here are the event loop, arrivals and the metrics. Every one-way
-message takes d + U(0, jitter * d); a forward first opens a stream (`stream_setup_rtts`
+message takes d + U(0, jitter * d); a forward first opens a stream (`forward_setup_rtts`
 round trips), then sends the request; requests enter at a uniformly chosen peer, which
 counts its forwards in flight as peer/request/pipeline.py does, and routes with its own
 trust ledger (SimParams.swarm_trust: established or cold at t = 0). Peers on probation
@@ -283,14 +283,14 @@ class Simulator(ServerModel, RoutingModel, GossipModel):
               wait: float) -> None:
         """Forward ``job`` to ``job.target`` after ``wait``: the entry's table counts it; the
         entry's work on it (`forward_overhead_s`: owed to its CPU, and on the request's
-        path at one core's speed); a stream opens (`stream_setup_rtts` round trips), then
+        path at one core's speed); a stream opens (`forward_setup_rtts` round trips), then
         the request goes."""
         n = len(job.tokens)
         counted = n - match_tokens if self.params.forward_counts_uncached else n
         job.charge = entry.table.record_forward(self.peers[job.target].peer_id, counted, now)
         work = entry.cal.forward_overhead_s
         self._owe_cpu(entry, work, now)
-        legs = [self._one_way() for _ in range(2 * self.params.stream_setup_rtts + 1)]
+        legs = [self._one_way() for _ in range(2 * self.params.forward_setup_rtts + 1)]
         job.sent = now + wait + work + sum(legs[:-1])  # the stream is open; the request goes
         if job.chosen is not None:  # the entry's router learns its own wait on a forward
             # (peer/request/run.py `learn_overhead`; here when it is sent, not at its first

@@ -21,7 +21,7 @@ from peer.config import (
     Policy,
 )
 from peer.engine.scheduler import DEFAULT_MAX_RUNNING, DEFAULT_STEP_TOKENS
-from peer.routing.cost import ROUND_TRIPS_PER_FORWARD
+from peer.routing.cost import ROUND_TRIPS_PER_FORWARD, STREAM_SETUP_ROUND_TRIPS
 from peer.swarm.interest import (
     DEFAULT_INTEREST_PEERS,
     DEFAULT_PROBES_PER_LOOKUP,
@@ -64,9 +64,11 @@ class SimParams:
     peers: int = 16
     delay_ms: float = 5.0  # one-way delay between any two peers
     jitter: float = 0.2  # each one-way delay is d * (1 + U(0, jitter))
-    # round trips to open a stream before the request is sent: the cost model's round trips
-    # per forward, less the request's own
-    stream_setup_rtts: int = ROUND_TRIPS_PER_FORWARD - 1
+    # round trips before a forward's request is sent: the cost model's round trips per
+    # forward, less the request's own (0: the negotiation travels with the request)
+    forward_setup_rtts: int = ROUND_TRIPS_PER_FORWARD - 1
+    # round trips to open any other stream (a probe, a lookup) before it carries a byte
+    stream_setup_rtts: int = STREAM_SETUP_ROUND_TRIPS
     summary_interval_s: float = DEFAULT_SUMMARY_INTERVAL_S
     early_publish: bool = True  # peer/swarm/gossip.py's early publish on 5% change
     gossip_mode: str = GossipMode.FULL.value  # `full` flooding or `ring` neighbourhoods
@@ -76,7 +78,7 @@ class SimParams:
     lookup_providers: int = DEFAULT_PROVIDERS_PER_LOOKUP  # ring mode: ... then a summary
     # ring mode: round trips of a lookup at a root's home peer (peer/swarm/lookup.py: a stream's
     # negotiation, then the query), before the holders are asked for their summaries
-    lookup_rtts: int = ROUND_TRIPS_PER_FORWARD
+    lookup_rtts: int = STREAM_SETUP_ROUND_TRIPS + 1
     lookup_wait_s: float = DEFAULT_LOOKUP_WAIT_S  # ring mode: a request waits at most this
     bloom_fp_rate: float = DEFAULT_BLOOM_FP_RATE  # the live peer's default
     bloom_bits_per_entry: float | None = None  # overrides bloom_fp_rate: bits per capacity block
@@ -114,8 +116,10 @@ class SimParams:
             raise ValueError(f"policy must be one of {POLICY_NAMES}, got {self.policy!r}")
         if self.peers < 1:
             raise ValueError(f"peers must be >= 1, got {self.peers}")
-        if self.delay_ms < 0 or self.jitter < 0 or self.stream_setup_rtts < 0:
-            raise ValueError("delay_ms, jitter and stream_setup_rtts must be >= 0")
+        if (self.delay_ms < 0 or self.jitter < 0 or self.stream_setup_rtts < 0
+                or self.forward_setup_rtts < 0):
+            raise ValueError(
+                "delay_ms, jitter, stream_setup_rtts and forward_setup_rtts must be >= 0")
         if self.summary_interval_s <= 0:
             raise ValueError(f"summary_interval_s must be > 0, got {self.summary_interval_s}")
         if self.max_running < 1 or self.step_tokens < 1:

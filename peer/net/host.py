@@ -23,6 +23,7 @@ from libp2p.crypto.ed25519 import create_new_key_pair as create_ed25519_key_pair
 from libp2p.crypto.keys import KeyPair, KeyType
 from libp2p.crypto.x25519 import create_new_key_pair as create_x25519_key_pair
 from libp2p.custom_types import TProtocol
+from libp2p.exceptions import BaseLibp2pError
 from libp2p.host.ping import ID as PING_PROTOCOL_ID
 from libp2p.identity_utils import load_identity, save_identity
 from libp2p.io.utils import read_exactly
@@ -35,11 +36,12 @@ from libp2p.stream_muxer.yamux.yamux import Yamux
 
 from peer.config import PeerConfig
 from peer.net import libp2p_fixes
+from peer.net.lazy_select import LazyStream, proposal_bytes
 from peer.net.punch_service import HolePunch
 from peer.net.reachability import Reachability, is_circuit
 from peer.net.relay_server import RELAYABLE
 from peer.net.relay_service import Reach
-from peer.net.wire import PeerUnreachable
+from peer.net.wire import PeerUnreachable, reset_quietly
 
 logger = logging.getLogger(__name__)
 
@@ -199,12 +201,17 @@ class SwarmHost:
         *,
         timeout_s: float = STREAM_TIMEOUT_S,
         relay: bool = True,
+        lazy: bool = False,
     ) -> INetStream:
         """Open a stream speaking one of `protocols` (dials if needed).
 
         A peer we hold no connection to and cannot dial (behind NAT) is reached through
         a relay it reserved a slot on, for the protocols relays carry (`relay=False`:
-        direct only)."""
+        direct only). `lazy`, one protocol, a connection held: the stream is returned
+        before the peer has accepted the protocol, so its first message goes with the
+        proposal (peer/net/lazy_select.py); a refusal shows on its first read."""
+        if lazy and len(protocols) == 1 and self.is_connected(peer_id):
+            return await self._lazy_stream(peer_id, TProtocol(protocols[0]), timeout_s)
         reach = self.reach if relay else None
         relayable = [p for p in protocols if p in RELAYABLE]
         if reach is not None and relayable and not self.is_connected(peer_id):
@@ -230,6 +237,25 @@ class SwarmHost:
                 self.holepunch.note_relayed(peer_id)  # in the background, within its budget
             return stream  # type: ignore[no-any-return]
         return await self._direct_stream(peer_id, protocols, timeout_s)
+
+    async def _lazy_stream(
+        self, peer_id: ID, protocol: TProtocol, timeout_s: float
+    ) -> INetStream:
+        try:
+            with trio.fail_after(timeout_s):
+                stream = await self.libp2p.get_network().new_stream(peer_id)
+        except trio.TooSlowError as exc:
+            raise PeerUnreachable(f"stream to {peer_id} timed out after {timeout_s} s") from exc
+        except Exception as exc:  # muxer errors have no common base
+            raise PeerUnreachable(f"stream to {peer_id} failed: {exc}") from exc
+        try:
+            with trio.fail_after(timeout_s):
+                await stream.write(proposal_bytes(protocol))
+        except (trio.TooSlowError, BaseLibp2pError) as exc:
+            await reset_quietly(stream)
+            raise PeerUnreachable(f"stream to {peer_id} failed: {exc!r}") from exc
+        stream.set_protocol(protocol)
+        return LazyStream(stream, protocol)  # type: ignore[return-value]  # what callers use
 
     async def _direct_stream(
         self, peer_id: ID, protocols: Sequence[str], timeout_s: float

@@ -86,10 +86,13 @@ class StreamLike(Protocol):
 
 class StreamOpener(Protocol):
     """What a forward, a load probe and a lookup use of the libp2p host
-    (peer.net.host.SwarmHost; tests/fake_host.py). Raises PeerUnreachable."""
+    (peer.net.host.SwarmHost; tests/fake_host.py). Raises PeerUnreachable. `lazy`: the
+    first message may leave before the peer accepted the protocol (a refusal then shows
+    on the first read)."""
 
     async def new_stream(
-        self, peer_id: ID, protocols: Sequence[str], *, timeout_s: float = ...
+        self, peer_id: ID, protocols: Sequence[str], *, timeout_s: float = ...,
+        lazy: bool = ...,
     ) -> StreamLike: ...
 
 

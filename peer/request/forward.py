@@ -217,7 +217,8 @@ class RemoteAttempt:
         )
         with self._errors():
             stream = await self._host.new_stream(
-                ID.from_base58(self.peer_id), [INFER_PROTOCOL], timeout_s=STREAM_OPEN_TIMEOUT_S
+                ID.from_base58(self.peer_id), [INFER_PROTOCOL], timeout_s=STREAM_OPEN_TIMEOUT_S,
+                lazy=True,
             )
             self._frames = FrameStream(stream)
             self.sent_at = trio.current_time()

@@ -18,7 +18,9 @@ from typing import NamedTuple
 from peer.config import Policy
 
 # Bounds of the cost model, each with its reason.
-ROUND_TRIPS_PER_FORWARD = 2  # one to negotiate the stream (multistream-select), one request
+ROUND_TRIPS_PER_FORWARD = 1  # the request and its first token: the stream's negotiation
+#   travels with the request (peer/net/lazy_select.py)
+STREAM_SETUP_ROUND_TRIPS = 1  # any other new stream: its negotiation, before it carries a byte
 SPEED_NOISE_FACTOR = 2.0  # speeds measured on shared or busy CPUs vary ~2x run to run
 #   (docs/model.md): a peer within this factor of ours is as fast as ours, not a reason to forward
 # Costs this close to the cheapest are a tie: the estimates carry more noise than that

@@ -21,7 +21,7 @@ from peer.config import (
     MAX_LOAD_PROBES,
     Policy,
 )
-from peer.routing.cost import Candidate, PeerEstimate
+from peer.routing.cost import STREAM_SETUP_ROUND_TRIPS, Candidate, PeerEstimate
 from protocols.load import LoadReport
 
 __all__ = [
@@ -41,7 +41,7 @@ __all__ = [
 ]
 
 # Bounds and defaults, each with its reason.
-PROBE_ROUND_TRIPS = 2  # one to negotiate the stream (multistream-select), one query/report
+PROBE_ROUND_TRIPS = STREAM_SETUP_ROUND_TRIPS + 1  # the stream's negotiation, then the query
 PROBE_DEADLINE_RTTS = 4.0  # wait twice a probe's expected round trips: jitter, a busy loop
 MAX_PROBES = MAX_LOAD_PROBES  # reasons at the constants in peer/config.py
 DEFAULT_MAX_PROBES = DEFAULT_LOAD_PROBES
