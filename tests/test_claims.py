@@ -13,7 +13,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from peer.config import Policy
-from peer.routing.claims import SPEED_SLACK, believed_batch, believed_speeds, claimed_decode
+from peer.routing.claims import (
+    SPEED_SLACK,
+    believed_batch,
+    believed_speeds,
+    claimed_decode,
+    priced_stream_decode,
+)
 from peer.routing.reliability import (
     DEBT_HALF_LIFE_S,
     HEDGE_LOST_CHARGE,
@@ -226,6 +232,27 @@ def test_underdelivery_is_graded_from_the_slack_to_a_full_failure():
     assert underdelivery_charge(20.0, 0.5) == 1.0
     assert underdelivery_charge(1.2e8, 100.0) == 1.0  # a magnet's claim
     assert underdelivery_charge(0.0, 1.0) == 0.0  # nothing claimed
+
+
+def test_a_decode_is_judged_against_the_load_the_router_priced():
+    """A peer claiming 20 tokens/s alone and running 7 streams (processor sharing) was
+    priced at 20 / 8 for one more: 2.5 tokens/s observed is what was priced, no charge;
+    the same observation from a peer that claimed to be idle is 8x short, charged."""
+    busy = priced_stream_decode(20.0, 7, 0)
+    assert busy == pytest.approx(2.5)
+    assert underdelivery_charge(busy, 2.5) == 0.0
+    assert underdelivery_charge(priced_stream_decode(20.0, 0, 0), 2.5) > 0.0
+    batched = priced_stream_decode(20.0, 3, 8)  # a batch with free slots slows less
+    assert busy < batched < 20.0
+    assert priced_stream_decode(0.0, 3, 8) == 0.0  # nothing claimed: nothing to hold against
+    assert priced_stream_decode(20.0, -5, -1) == 20.0  # garbage counts as idle
+
+
+@given(st.floats(0.1, 1e9), st.integers(0, 10_000), st.integers(0, 64))
+def test_the_priced_decode_never_exceeds_the_claim(claim, running, slots):
+    priced = priced_stream_decode(claim, running, slots)
+    assert 0.0 < priced <= claim
+    assert priced_stream_decode(claim, running + 1, slots) <= priced
 
 
 def test_the_ledger_charges_lapses_and_not_the_quarantined():

@@ -50,7 +50,7 @@ from peer.request.generation import (
     RequestFailed,
 )
 from peer.request.race import AnyAttempt, Race, Racer, Waiters
-from peer.routing.claims import claimed_decode
+from peer.routing.claims import claimed_decode, priced_stream_decode
 from peer.routing.cost import PeerEstimate
 from peer.routing.reliability import Lapse
 from peer.routing.router import Candidate, Router
@@ -190,9 +190,8 @@ class RunContext:
         self, peer_id: str, attempt: RemoteAttempt, prompt: list[int], produced: int,
         estimate: PeerEstimate,
     ) -> float:
-        """What a finished forward showed of ``peer_id``: its claim, its speeds (against
-        the queue and round trip the router priced in ``estimate``), and the charge if it
-        decoded far slower than its summary claimed (0 if not)."""
+        """What a finished forward showed of ``peer_id``: its claim, its speeds, and the
+        charge (0 mostly) if it decoded far slower than ``estimate`` priced it at."""
         cached = attempt.cached_tokens
         block = self.engine.block_size
         if cached is not None:
@@ -214,9 +213,10 @@ class RunContext:
         view = self.table.get(peer_id, trio.current_time())
         if view is None or decode is None:
             return 0.0
-        claimed_speed = claimed_decode(
-            view.summary.decode_tokens_per_s, view.summary.batch_decode_tokens_per_s
-        )
+        claimed_speed = priced_stream_decode(
+            claimed_decode(view.summary.decode_tokens_per_s,
+                           view.summary.batch_decode_tokens_per_s),
+            estimate.running_requests, estimate.batch_slots)
         charged = self.trust.record_delivery(peer_id, claimed_speed, decode, trio.current_time())
         if charged:
             self.stats["charged_underdelivered"] += 1

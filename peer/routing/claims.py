@@ -23,9 +23,16 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from peer.routing.cost import single_stream_decode
+from peer.routing.cost import batch_share, single_stream_decode
 
-__all__ = ["SPEED_SLACK", "Believed", "believed_batch", "believed_speeds", "claimed_decode"]
+__all__ = [
+    "SPEED_SLACK",
+    "Believed",
+    "believed_batch",
+    "believed_speeds",
+    "claimed_decode",
+    "priced_stream_decode",
+]
 
 SPEED_SLACK = 2.0  # a claim counts up to this many times the best observed: observations
 #   on shared CPUs vary ~2x run to run (cost.SPEED_NOISE_FACTOR)
@@ -45,6 +52,18 @@ def claimed_decode(decode_tokens_per_s: float, batch_decode_tokens_per_s: float)
     if decode_tokens_per_s <= 0:
         return 0.0
     return single_stream_decode(decode_tokens_per_s, batch_decode_tokens_per_s)
+
+
+def priced_stream_decode(lone_decode: float, running_requests: int, batch_slots: int) -> float:
+    """The decode one more stream gets from a peer that claims `lone_decode` for a lone
+    stream while running `running_requests` (its batch of `batch_slots`, 0: processor
+    sharing): what the cost model priced (n tokens in (1 + batch_share) lone decodes), so
+    what a forward's observed decode is held against. The running count is the peer's
+    own claim and the entry's forwards in flight; claiming more load to excuse a slow
+    decode makes the peer dearer to every router, so it cannot also be ranked first."""
+    if lone_decode <= 0:
+        return 0.0
+    return lone_decode / (1.0 + batch_share(max(running_requests, 0), max(batch_slots, 0)))
 
 
 def believed_speeds(
