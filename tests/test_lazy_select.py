@@ -9,13 +9,14 @@ import pytest
 import trio
 from libp2p.custom_types import TProtocol
 from libp2p.exceptions import BaseLibp2pError
+from libp2p.io.exceptions import MessageTooLarge
 from libp2p.peer.peerinfo import info_from_p2p_addr
 from libp2p.protocol_muxer.exceptions import MultiselectClientError
-from libp2p.utils.varint import encode_delim
+from libp2p.utils.varint import encode_delim, encode_varint_prefixed
 
 from peer.config import PeerConfig
 from peer.net.host import open_host
-from peer.net.lazy_select import LazyStream, proposal_bytes
+from peer.net.lazy_select import MAX_MESSAGE_BYTES, LazyStream, proposal_bytes
 
 ECHO = TProtocol("/test/echo/1")
 HEADER = b"/multistream/1.0.0"
@@ -64,6 +65,14 @@ async def test_a_refusal_or_a_wrong_header_fails_the_first_read() -> None:
     wrong = encode_delim(b"/other/1.0.0") + encode_delim(ECHO.encode())
     with pytest.raises(MultiselectClientError, match="mismatch"):
         await LazyStream(Scripted(wrong), ECHO).read()  # type: ignore[arg-type]
+
+
+async def test_an_oversize_or_unterminated_answer_is_refused() -> None:
+    huge = encode_varint_prefixed(b"x" * (MAX_MESSAGE_BYTES + 1))
+    with pytest.raises(MessageTooLarge):  # refused on its length, before its body is read
+        await LazyStream(Scripted(huge), ECHO).read()  # type: ignore[arg-type]
+    with pytest.raises(MultiselectClientError, match="malformed"):
+        await LazyStream(Scripted(encode_varint_prefixed(HEADER)), ECHO).read()  # type: ignore[arg-type]
 
 
 def test_the_proposal_is_the_header_and_the_protocol() -> None:

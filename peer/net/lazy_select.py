@@ -24,9 +24,11 @@ from libp2p.custom_types import TProtocol
 from libp2p.protocol_muxer.exceptions import MultiselectClientError
 from libp2p.protocol_muxer.multiselect import MULTISELECT_PROTOCOL_ID
 from libp2p.protocol_muxer.multiselect_client import is_valid_handshake
-from libp2p.utils.varint import encode_delim, read_delim
+from libp2p.utils.varint import encode_delim, read_varint_prefixed_bytes_limited
 
-__all__ = ["LazyStream", "proposal_bytes"]
+__all__ = ["MAX_MESSAGE_BYTES", "LazyStream", "proposal_bytes"]
+
+MAX_MESSAGE_BYTES = 1024  # a multistream message names a protocol: longer is hostile
 
 
 def proposal_bytes(protocol: str) -> bytes:
@@ -51,11 +53,18 @@ class LazyStream:
     def muxed_conn(self) -> Any:
         return self._stream.muxed_conn
 
+    async def _message(self) -> str:
+        """One multistream message: a bounded length prefix, then a line."""
+        data = await read_varint_prefixed_bytes_limited(self._stream, MAX_MESSAGE_BYTES)
+        if not data.endswith(b"\n"):
+            raise MultiselectClientError(f"malformed multistream message: {data[:64]!r}")
+        return data[:-1].decode(errors="replace")
+
     async def _settle(self) -> None:
-        header = (await read_delim(self._stream)).decode(errors="replace")
+        header = await self._message()
         if not is_valid_handshake(header):
             raise MultiselectClientError(f"multiselect protocol ID mismatch: got {header!r}")
-        response = (await read_delim(self._stream)).decode(errors="replace")
+        response = await self._message()
         if response != self._protocol:
             raise MultiselectClientError(
                 f"peer did not accept {self._protocol!r}: answered {response!r}")
