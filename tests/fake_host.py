@@ -172,6 +172,7 @@ class FakeStream:
         self.was_reset = False
         self.request: InferRequest | None = None
         self._sent: list[int] = []
+        self.direct = not host.open_delay_s.get(peer_id)  # no dial or relay before it
 
     async def write(self, data: bytes) -> None:
         self._decoder.feed(data)
@@ -270,11 +271,13 @@ class FakeHost:
     probes: list[tuple[float, str]] = field(default_factory=list)
     load_answers: list[tuple[float, str]] = field(default_factory=list)
     probe_resets: list[tuple[float, str]] = field(default_factory=list)
+    open_delay_s: dict[str, float] = field(default_factory=dict)  # a dial or a relay's setup
 
     async def new_stream(self, peer_id: ID, protocols: Sequence[str], *,
                          timeout_s: float = 10.0, lazy: bool = False,
                          ) -> FakeStream | FakeLoadStream:
         pid = peer_id.to_base58()
+        await trio.sleep(self.open_delay_s.get(pid, 0.0))
         if LOAD_PROTOCOL in protocols:
             self.probes.append((trio.current_time(), pid))
             if pid not in self.load:

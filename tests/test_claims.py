@@ -14,12 +14,14 @@ from hypothesis import strategies as st
 
 from peer.config import Policy
 from peer.routing.claims import (
+    LOAD_PRICED,
     SPEED_SLACK,
     believed_batch,
     believed_speeds,
     claimed_decode,
     priced_stream_decode,
 )
+from peer.routing.cost import BATCH_STEP_SLOPE
 from peer.routing.reliability import (
     DEBT_HALF_LIFE_S,
     HEDGE_LOST_CHARGE,
@@ -238,21 +240,32 @@ def test_a_decode_is_judged_against_the_load_the_router_priced():
     """A peer claiming 20 tokens/s alone and running 7 streams (processor sharing) was
     priced at 20 / 8 for one more: 2.5 tokens/s observed is what was priced, no charge;
     the same observation from a peer that claimed to be idle is 8x short, charged."""
-    busy = priced_stream_decode(20.0, 7, 0)
+    busy = priced_stream_decode(20.0, 7, 0, Policy.COST)
     assert busy == pytest.approx(2.5)
     assert underdelivery_charge(busy, 2.5) == 0.0
-    assert underdelivery_charge(priced_stream_decode(20.0, 0, 0), 2.5) > 0.0
-    batched = priced_stream_decode(20.0, 3, 8)  # a batch with free slots slows less
-    assert busy < batched < 20.0
-    assert priced_stream_decode(0.0, 3, 8) == 0.0  # nothing claimed: nothing to hold against
-    assert priced_stream_decode(20.0, -5, -1) == 20.0  # garbage counts as idle
+    assert underdelivery_charge(priced_stream_decode(20.0, 0, 0, Policy.COST), 2.5) > 0.0
+    batched = priced_stream_decode(20.0, 3, 8, Policy.COST)  # each step 1 + 3 x slope
+    assert batched == pytest.approx(20.0 / (1 + 3 * BATCH_STEP_SLOPE))
+    full = priced_stream_decode(20.0, 50, 8, Policy.COST)  # a slot's wait is before token 1
+    assert full == pytest.approx(20.0 / (1 + 8 * BATCH_STEP_SLOPE))
+    assert priced_stream_decode(0.0, 3, 8, Policy.COST) == 0.0  # nothing claimed
+    assert priced_stream_decode(20.0, -5, -1, Policy.COST) == 20.0  # garbage counts as idle
 
 
-@given(st.floats(0.1, 1e9), st.integers(0, 10_000), st.integers(0, 64))
-def test_the_priced_decode_never_exceeds_the_claim(claim, running, slots):
-    priced = priced_stream_decode(claim, running, slots)
+def test_a_claimed_load_excuses_nothing_where_the_policy_does_not_price_it():
+    """Under longest_prefix a peer's claimed load does not make it dearer, so it cannot
+    buy a slow decode either."""
+    for policy in Policy:
+        priced = priced_stream_decode(20.0, 1000, 0, policy)
+        assert priced == (pytest.approx(20.0 / 1001) if policy in LOAD_PRICED else 20.0)
+
+
+@given(st.floats(0.1, 1e9), st.integers(0, 10_000), st.integers(0, 64),
+       st.sampled_from(list(Policy)))
+def test_the_priced_decode_never_exceeds_the_claim(claim, running, slots, policy):
+    priced = priced_stream_decode(claim, running, slots, policy)
     assert 0.0 < priced <= claim
-    assert priced_stream_decode(claim, running + 1, slots) <= priced
+    assert priced_stream_decode(claim, running + 1, slots, policy) <= priced
 
 
 def test_the_ledger_charges_lapses_and_not_the_quarantined():

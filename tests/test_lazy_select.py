@@ -75,6 +75,14 @@ async def test_an_oversize_or_unterminated_answer_is_refused() -> None:
         await LazyStream(Scripted(encode_varint_prefixed(HEADER)), ECHO).read()  # type: ignore[arg-type]
 
 
+async def test_a_failed_negotiation_is_not_read_again() -> None:
+    stream = LazyStream(Scripted(_echoes("na", b"answer")), ECHO)  # type: ignore[arg-type]
+    with pytest.raises(MultiselectClientError, match="did not accept"):
+        await stream.read()
+    with pytest.raises(MultiselectClientError, match="failed earlier"):
+        await stream.read()
+
+
 def test_the_proposal_is_the_header_and_the_protocol() -> None:
     assert proposal_bytes(ECHO) == encode_delim(HEADER) + encode_delim(ECHO.encode())
 

@@ -127,6 +127,31 @@ async def test_the_end_to_end_deadline_ends_a_stalled_request_exactly(autojump_c
     ]
 
 
+async def test_the_first_token_deadline_counts_from_the_request_not_the_stream_setup(
+    autojump_clock,
+):
+    """A peer reached through a slow stream setup (a dial, a relay) answers 0.2 s after
+    the request: its 1 s first-token deadline starts when the request goes, so the 1.5 s
+    setup is not a stall (nor this entry's own overhead); an answer later than the
+    deadline after it is."""
+    swarm = fake_swarm({A: (7, honest(ttft_s=0.2))}, PROMPT, engine=FakeEngine(ttft_s=100.0),
+                       first_token_floor_s=1.0)
+    swarm.host.open_delay_s[A] = 1.5
+    *_, (end, result) = await run(swarm, SamplingParams(max_new_tokens=4))
+    assert result.served_by == A and steps(result)[-1] == (A, Outcome.OK, 4)
+    assert result.ttft_s == pytest.approx(1.7)
+    assert swarm.pipeline.router.forward_overhead.extra_s == 0.0  # the setup is not ours
+    slow = fake_swarm({A: (7, honest(ttft_s=1.2))}, PROMPT, engine=FakeEngine(ttft_s=0.05),
+                      first_token_floor_s=1.0)
+    slow.host.open_delay_s[A] = 1.5
+    start = trio.current_time()
+    *_, (end, result) = await run(slow, SamplingParams(max_new_tokens=4))
+    assert [(a.peer_id, a.outcome) for a in result.route] == [
+        (A, Outcome.STALLED), (SELF, Outcome.OK)]
+    # stalled 1 s after its request went out, 2.5 s in; then the entry's own engine
+    assert end - start == pytest.approx(1.5 + 1.0 + 0.05 + 3 * 0.01)
+
+
 async def test_a_full_engine_queue_and_no_other_peer_is_overloaded_at_once(autojump_clock):
     swarm = fake_swarm({}, PROMPT, engine=FakeEngine(ttft_s=10.0), max_queue=1)
     params = SamplingParams(max_new_tokens=2)

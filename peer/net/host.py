@@ -241,19 +241,22 @@ class SwarmHost:
     async def _lazy_stream(
         self, peer_id: ID, protocol: TProtocol, timeout_s: float
     ) -> INetStream:
+        deadline = trio.current_time() + timeout_s  # one deadline for the open and the write
         try:
-            with trio.fail_after(timeout_s):
+            with trio.fail_at(deadline):
                 stream = await self.libp2p.get_network().new_stream(peer_id)
         except trio.TooSlowError as exc:
             raise PeerUnreachable(f"stream to {peer_id} timed out after {timeout_s} s") from exc
         except Exception as exc:  # muxer errors have no common base
             raise PeerUnreachable(f"stream to {peer_id} failed: {exc}") from exc
         try:
-            with trio.fail_after(timeout_s):
+            with trio.fail_at(deadline):
                 await stream.write(proposal_bytes(protocol))
-        except (trio.TooSlowError, BaseLibp2pError) as exc:
-            await reset_quietly(stream)
-            raise PeerUnreachable(f"stream to {peer_id} failed: {exc!r}") from exc
+        except BaseException as exc:  # cancelled (a hedge won) included: never leak it
+            await reset_quietly(stream)  # shielded
+            if isinstance(exc, (trio.TooSlowError, BaseLibp2pError)):
+                raise PeerUnreachable(f"stream to {peer_id} failed: {exc!r}") from exc
+            raise
         stream.set_protocol(protocol)
         return LazyStream(stream, protocol)  # type: ignore[return-value]  # what callers use
 

@@ -40,10 +40,13 @@ class LazyStream:
     """A stream proposed with `proposal_bytes` and not yet answered: writes go out at
     once; the first read checks the peer's echo of the header and of the protocol."""
 
+    direct = True  # on a connection already held: no dial, relay or negotiation before it
+
     def __init__(self, stream: INetStream, protocol: TProtocol) -> None:
         self._stream = stream
         self._protocol = protocol
         self._settled = False
+        self._unsettled = False  # a check failed or was cancelled: the stream is unusable
 
     @property
     def protocol(self) -> TProtocol:
@@ -72,7 +75,11 @@ class LazyStream:
 
     async def read(self, n: int | None = None) -> bytes:
         if not self._settled:
+            if self._unsettled:  # never parse an answer's bytes as the negotiation's
+                raise MultiselectClientError("the protocol negotiation failed earlier")
+            self._unsettled = True
             await self._settle()
+            self._unsettled = False
         return await self._stream.read(n)
 
     async def write(self, data: bytes) -> None:

@@ -14,6 +14,7 @@ own (the remote's text and `served_by` are never used).
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -127,7 +128,8 @@ class LocalAttempt:
         self.cached_tokens: int | None = None
         self.first: list[int] = []
 
-    async def open(self) -> None:
+    async def open(self, first_token_s: float = math.inf) -> None:
+        """Admit and start the request here (no first-token deadline: never hedged)."""
         try:
             self._slot = self._admission.admit()
         except Overloaded as exc:
@@ -205,12 +207,16 @@ class RemoteAttempt:
         self.received = 0  # token ids received so far
         self.cached_tokens: int | None = None
         self.first: list[int] = []
+        self.direct = False  # sent on a connection already held (a lazy stream)
         self.sent_at: float | None = None
         self.first_at: float | None = None
         self.last_at: float | None = None
 
-    async def open(self) -> None:
-        """Open the stream, send the request, wait for the first token (caller's deadline)."""
+    async def open(self, first_token_s: float = math.inf) -> None:
+        """Open the stream (within STREAM_OPEN_TIMEOUT_S), send the request, and wait for
+        the first token at most `first_token_s` after it was sent (STALLED past it), all
+        within the caller's deadline. The first-token clock starts at the request: a
+        stream that must dial or cross a relay first is not charged its setup."""
         now = trio.current_time()
         self._charge = self._table.record_forward(
             self.peer_id, len(self._request.prompt_token_ids), now
@@ -221,20 +227,27 @@ class RemoteAttempt:
                 lazy=True,
             )
             self._frames = FrameStream(stream)
+            self.direct = bool(getattr(stream, "direct", False))  # LazyStream.direct
             self.sent_at = trio.current_time()
-            await self._frames.send(self._request)
-            while not self.first:
-                message = parse_response(await self._frames.receive(), self._vocab_size)
-                if isinstance(message, TokenChunk):
-                    self.first = self._take(message)
-                elif isinstance(message, InferResult):
-                    raise Faulty("finished without sending a token")
-                else:
-                    raise _remote_error(message)
+            with trio.move_on_after(first_token_s) as timer:
+                await self._first_token(self._frames)
+            if timer.cancelled_caught:
+                raise AttemptFailed(Outcome.STALLED, f"no first token in {first_token_s:.3f} s")
             self.first_at = self.last_at = trio.current_time()
             self._got_first = True
             if self._charge is not None:
                 self._table.forward_prefilled(self._charge)
+
+    async def _first_token(self, frames: FrameStream) -> None:
+        await frames.send(self._request)
+        while not self.first:
+            message = parse_response(await frames.receive(), self._vocab_size)
+            if isinstance(message, TokenChunk):
+                self.first = self._take(message)
+            elif isinstance(message, InferResult):
+                raise Faulty("finished without sending a token")
+            else:
+                raise _remote_error(message)
 
     async def next_tokens(self) -> Delivery:
         """The next tokens, or Finished; each read within the token gap."""

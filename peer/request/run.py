@@ -157,13 +157,13 @@ class RunContext:
             self.stats["audits_dropped"] += 1
 
     def learn_overhead(self, racer: Racer) -> None:
-        """The router's ForwardOverhead learns from a request's first token delivered now:
-        a forward's wait here before its request went out and after its first token came
-        (peer/routing/forward_overhead.py); a request served here only ages it."""
+        """ForwardOverhead learns a direct forward's wait here before its request went out
+        and after its first token came (not a dial's or relay's setup); a request served
+        here only ages it."""
         attempt = racer.attempt
         overhead = self.router.forward_overhead
         if isinstance(attempt, RemoteAttempt):
-            if attempt.sent_at is not None and attempt.first_at is not None:
+            if attempt.direct and attempt.sent_at is not None and attempt.first_at is not None:
                 overhead.forwarded(
                     max(0.0, attempt.sent_at - racer.started_at),
                     racer.candidate.estimate.rtt_s,
@@ -216,7 +216,7 @@ class RunContext:
         claimed_speed = priced_stream_decode(
             claimed_decode(view.summary.decode_tokens_per_s,
                            view.summary.batch_decode_tokens_per_s),
-            estimate.running_requests, estimate.batch_slots)
+            estimate.running_requests, estimate.batch_slots, self.router.policy)
         charged = self.trust.record_delivery(peer_id, claimed_speed, decode, trio.current_time())
         if charged:
             self.stats["charged_underdelivered"] += 1

@@ -23,9 +23,11 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from peer.routing.cost import batch_share, single_stream_decode
+from peer.config import Policy
+from peer.routing.cost import BATCH_STEP_SLOPE, single_stream_decode
 
 __all__ = [
+    "LOAD_PRICED",
     "SPEED_SLACK",
     "Believed",
     "believed_batch",
@@ -34,6 +36,7 @@ __all__ = [
     "priced_stream_decode",
 ]
 
+LOAD_PRICED = frozenset({Policy.COST, Policy.LEAST_LOADED})  # rank a peer's load into its cost
 SPEED_SLACK = 2.0  # a claim counts up to this many times the best observed: observations
 #   on shared CPUs vary ~2x run to run (cost.SPEED_NOISE_FACTOR)
 
@@ -54,16 +57,23 @@ def claimed_decode(decode_tokens_per_s: float, batch_decode_tokens_per_s: float)
     return single_stream_decode(decode_tokens_per_s, batch_decode_tokens_per_s)
 
 
-def priced_stream_decode(lone_decode: float, running_requests: int, batch_slots: int) -> float:
-    """The decode one more stream gets from a peer that claims `lone_decode` for a lone
-    stream while running `running_requests` (its batch of `batch_slots`, 0: processor
-    sharing): what the cost model priced (n tokens in (1 + batch_share) lone decodes), so
-    what a forward's observed decode is held against. The running count is the peer's
-    own claim and the entry's forwards in flight; claiming more load to excuse a slow
-    decode makes the peer dearer to every router, so it cannot also be ranked first."""
+def priced_stream_decode(
+    lone_decode: float, running_requests: int, batch_slots: int, policy: Policy
+) -> float:
+    """The decode a forwarded stream should see from a peer that claims `lone_decode` for
+    a lone stream while running `running_requests` (in a batch of `batch_slots`; 0:
+    processor sharing, each stream 1 / (1 + running) of it; batched, each step longer by
+    BATCH_STEP_SLOPE per other stream in the batch): what a forward's observed decode is
+    held against. A wait for a batch slot comes before the first token, so it excuses
+    nothing here. The running count is the peer's claim (and the entry's forwards in
+    flight): only a policy that prices load (`LOAD_PRICED`) makes a peer that claims more
+    of it dearer, so under any other the claim excuses nothing."""
     if lone_decode <= 0:
         return 0.0
-    return lone_decode / (1.0 + batch_share(max(running_requests, 0), max(batch_slots, 0)))
+    running = max(running_requests, 0) if policy in LOAD_PRICED else 0
+    if batch_slots <= 0:
+        return lone_decode / (1.0 + running)
+    return lone_decode / (1.0 + BATCH_STEP_SLOPE * min(running, batch_slots))
 
 
 def believed_speeds(
