@@ -41,16 +41,15 @@ TESTBED_MID_COMMAND = (
     ".venv/bin/python -m bench.testbed --json docs/results/testbed_mid512.json --model "
     "/tmp/models/mid512x4 --cache-bytes 16000000 --policies cost,local --delays-ms 20 "
     "--runs 3 --rates half=2.9,high=6.5")
-# The same on a model between the two, every policy: the 0.2-core peer's cold 512-token
-# prefill (~0.2 s) is most of its request, and a full grid would still take ~80 minutes
+# The same on a model between the two, every policy and delay, five runs: the 0.2-core
+# peer's cold 512-token prefill (~0.2 s) is most of its request; ~55 minutes here
 TESTBED_R256_JSON = ROOT / "docs" / "results" / "testbed_r256.json"
 TESTBED_R256_TITLE = ("The testbed on a smaller random model, every policy (a what-if: hidden "
-                      "256, 2 layers, d = 20 ms)")
+                      "256, 2 layers)")
 TESTBED_R256_COMMAND = (
     "python -m bench.random_model /tmp/models/r256x2 --hidden 256 --layers 2 && sudo "
     ".venv/bin/python -m bench.testbed --json docs/results/testbed_r256.json --model "
-    "/tmp/models/r256x2 --cache-bytes 8000000 --delays-ms 20 --runs 3 "
-    "--rates half=11.725,high=27.769")
+    "/tmp/models/r256x2 --cache-bytes 8000000 --runs 5")
 RESULTS_MD = ROOT / "docs" / "RESULTS.md"
 MARGIN = 1.05  # "never more than 5% behind the best deployable policy"
 ORACLE_BOUND = 1.2  # "at most 1.2x the oracle's at the highest load"
