@@ -111,10 +111,6 @@ class PeerConfig:
     bootstrap_timeout_s: float = DEFAULT_BOOTSTRAP_TIMEOUT_S  # `serve` exits if none answered
     served_model_names: tuple[str, ...] = ()  # extra names the HTTP API accepts
     swarm_name: str = ""  # carried in this peer's invites (protocols/invite.py)
-    # Test/bench hook: an emulated one-way WAN delay d. A forward waits 3d before its
-    # stream (negotiation round trip, request) and d for its first token (the reply), as
-    # on a WAN; pings count 2d (node.py), so the router sees that round trip. Load probes
-    # and root lookups are not delayed.
     verify_fraction: float = DEFAULT_VERIFY_FRACTION
     probation_requests: int = DEFAULT_PROBATION_REQUESTS  # 0: no probation
     probation_share: int = DEFAULT_PROBATION_SHARE

@@ -17,8 +17,6 @@ The responder is unchanged: it reads the header, the proposal, then the request,
 
 from __future__ import annotations
 
-from typing import Any
-
 from libp2p.abc import INetStream
 from libp2p.custom_types import TProtocol
 from libp2p.protocol_muxer.exceptions import MultiselectClientError
@@ -45,16 +43,9 @@ class LazyStream:
     def __init__(self, stream: INetStream, protocol: TProtocol) -> None:
         self._stream = stream
         self._protocol = protocol
-        self._settled = False
-        self._unsettled = False  # a check failed or was cancelled: the stream is unusable
-
-    @property
-    def protocol(self) -> TProtocol:
-        return self._protocol
-
-    @property
-    def muxed_conn(self) -> Any:
-        return self._stream.muxed_conn
+        self._echo: bool | None = None  # the peer's echo: None unread, True checked,
+        #   False a check failed or was cut short (the stream is unusable: never parse an
+        #   answer's bytes as the negotiation's)
 
     async def _message(self) -> str:
         """One multistream message: a bounded length prefix, then a line."""
@@ -71,15 +62,14 @@ class LazyStream:
         if response != self._protocol:
             raise MultiselectClientError(
                 f"peer did not accept {self._protocol!r}: answered {response!r}")
-        self._settled = True
 
     async def read(self, n: int | None = None) -> bytes:
-        if not self._settled:
-            if self._unsettled:  # never parse an answer's bytes as the negotiation's
+        if self._echo is not True:
+            if self._echo is False:
                 raise MultiselectClientError("the protocol negotiation failed earlier")
-            self._unsettled = True
+            self._echo = False  # until the check completes
             await self._settle()
-            self._unsettled = False
+            self._echo = True
         return await self._stream.read(n)
 
     async def write(self, data: bytes) -> None:

@@ -88,7 +88,8 @@ class StreamOpener(Protocol):
     """What a forward, a load probe and a lookup use of the libp2p host
     (peer.net.host.SwarmHost; tests/fake_host.py). Raises PeerUnreachable. `lazy`: the
     first message may leave before the peer accepted the protocol (a refusal then shows
-    on the first read)."""
+    on the first read); such a stream, sent on a connection already held (no dial, relay
+    or negotiation before it), says so with `direct = True` (lazy_select.LazyStream)."""
 
     async def new_stream(
         self, peer_id: ID, protocols: Sequence[str], *, timeout_s: float = ...,

@@ -69,8 +69,8 @@ def estimated_ttft_s(candidate: Candidate) -> float:
 
 
 def first_token_timeout_s(config: PeerConfig, candidate: Candidate) -> float:
-    """A forward's first-token deadline: a multiple of the router's estimate, floored,
-    capped by forward_first_token_s."""
+    """A forward's first-token deadline, counted from its request sent (RemoteAttempt.open):
+    a multiple of the router's estimate, floored, capped by forward_first_token_s."""
     estimate = estimated_ttft_s(candidate)
     timeout = max(config.first_token_floor_s, config.first_token_multiple * estimate)
     return min(timeout, config.forward_first_token_s)
