@@ -12,6 +12,7 @@ same arguments holds the same weights (the model id's fingerprint checks it).
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from pathlib import Path
@@ -29,6 +30,26 @@ def build(path: Path, hidden: int, layers: int, seed: int) -> Any:
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return model
+
+
+SPEC = re.compile(r"random-(\d+)x(\d+)")  # a model built here by name: hidden x layers
+DEFAULT_SEED = 7
+
+
+def from_spec(name: str, folder: Path) -> Path | None:
+    """`random-<hidden>x<layers>` (e.g. random-256x2) built under `folder` (reused when
+    there already), with DEFAULT_SEED: its path; None when `name` is not such a name."""
+    match = SPEC.fullmatch(name)
+    if match is None:
+        return None
+    hidden, layers = int(match[1]), int(match[2])
+    heads = int(TINY_CONFIG["num_attention_heads"])
+    if hidden <= 0 or layers <= 0 or hidden % heads:
+        raise ValueError(f"{name}: hidden must be a positive multiple of {heads}, layers > 0")
+    path = folder / name
+    if not (path / "config.json").exists():
+        build(path, hidden, layers, DEFAULT_SEED)
+    return path
 
 
 def prefill_cpu_ms(model: Any, tokens: int = 512, repeats: int = 3) -> float:
@@ -51,7 +72,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("path", type=Path, help="the checkpoint folder to write")
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--seed", type=int, default=DEFAULT_SEED)
     args = p.parse_args(argv)
     heads = int(TINY_CONFIG["num_attention_heads"])
     if args.hidden <= 0 or args.layers <= 0 or args.hidden % heads:

@@ -58,7 +58,7 @@ __all__ = ["build_parser", "config_from_args", "main", "split_host_port"]
 
 API_KEY_ENV = "PREFIXSWARM_API_KEY"  # the key from the environment keeps it out of `ps`
 DEFAULT_URL = "http://127.0.0.1:8000"
-PEERS_REPORT_INTERVAL_S = 0.5  # how often `--report json` says which peers are known
+PEERS_REPORT_INTERVAL_S = 0.2  # how often `--report json` says which peers are known
 JOIN_POLL_S = 0.25  # how often `serve` looks whether the first other peer has arrived
 MODEL_QUERY_TIMEOUT_S = 10.0  # one small frame each way with a bootstrap peer
 EXIT_CONFIG = 2  # a configuration error, found before anything ran (argparse uses 2 too)

@@ -299,6 +299,17 @@ async def open_peer(config: PeerConfig, engine: EngineView | None = None) -> Asy
         pubsub = new_pubsub(
             host, degree=MESH_DEGREE, degree_low=MESH_DEGREE_LOW, degree_high=MESH_DEGREE_HIGH
         )
+        discovery = Discovery(
+            host,
+            dht,
+            provider_key_multihash(engine.model_id),
+            config.bootstrap,
+            liveness_interval_s=max(LIVENESS_INTERVAL_MIN_S, config.summary_interval_s),
+            rng=random.Random(),
+            on_rtt=lambda peer, rtt: _note_peer(table, host, peer, rtt),
+            on_forget=table.remove,
+            members=lambda: [view.peer_id for view in table.views(trio.current_time())],
+        )
         gossip = Gossip(
             pubsub,
             table,
@@ -310,17 +321,7 @@ async def open_peer(config: PeerConfig, engine: EngineView | None = None) -> Asy
             neighbours=config.gossip_neighbours,
             reachable=lambda peer: host.is_connected(peer) or host.is_relayed(peer),
             disconnect=host.disconnect,
-        )
-        discovery = Discovery(
-            host,
-            dht,
-            provider_key_multihash(engine.model_id),
-            config.bootstrap,
-            liveness_interval_s=max(LIVENESS_INTERVAL_MIN_S, config.summary_interval_s),
-            rng=random.Random(),
-            on_rtt=lambda peer, rtt: _note_peer(table, host, peer, rtt),
-            on_forget=table.remove,
-            members=lambda: [view.peer_id for view in table.views(trio.current_time())],
+            on_joined=discovery.member_joined,
         )
         lookup = None
         # the lookup beyond the ring (peer/swarm/lookup.py)

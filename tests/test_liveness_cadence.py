@@ -16,6 +16,7 @@ from peer.net.discovery import (
     RELAY_PING_BACKOFF_MAX_S,
     RTT_WARMUP_SAMPLES,
     UNKEPT_PING_MAX_INTERVALS,
+    WARMING_TICK_S,
     WARMUP_PING_INTERVAL_S,
     Discovery,
 )
@@ -121,3 +122,73 @@ async def test_a_member_pinged_through_relays_is_pinged_at_once_when_it_connects
     # ...then it warms up like any new connection
     gaps = [round(b - a) for a, b in itertools.pairwise(host.answered)]
     assert gaps[: RTT_WARMUP_SAMPLES - 1] == [WARMUP_PING_INTERVAL_S] * (RTT_WARMUP_SAMPLES - 1)
+
+
+class JoiningHost:
+    """A peer connected at `connect_at` (it dialled us: no dial of ours to wake on);
+    records when it was pinged."""
+
+    def __init__(self, connect_at: float) -> None:
+        self.connect_at = connect_at
+        self.pings: list[float] = []
+
+    def is_connected(self, peer_id: ID) -> bool:
+        return trio.current_time() >= self.connect_at
+
+    def connected_peers(self) -> list[ID]:
+        return [KEPT] if self.is_connected(KEPT) else []
+
+    def may_relay_to(self, peer_id: ID) -> bool:
+        return False
+
+    async def ping(self, peer_id: ID, *, timeout_s: float) -> float:
+        self.pings.append(trio.current_time())
+        return 0.001
+
+
+async def test_a_new_member_gets_its_first_kept_round_trip_within_a_warming_tick(
+    autojump_clock,
+):
+    # The router skips a peer without a round trip, so a starting swarm waits on its
+    # members' first kept pings: one whose summary comes after its first ping is pinged
+    # again when gossip applies that summary, and one that connects later (it dialled
+    # us) within a warming tick, not a whole liveness tick.
+    host = JoiningHost(connect_at=0.0)
+    table_knows: set[str] = set()
+    kept_at: list[float] = []
+
+    def on_rtt(peer: str, rtt: float) -> bool:
+        if peer in table_knows:
+            kept_at.append(trio.current_time())
+            return True
+        return False
+
+    discovery = Discovery(
+        host, None, b"key", (),  # type: ignore[arg-type]
+        liveness_interval_s=LIVENESS_S, rng=random.Random(0), on_rtt=on_rtt,
+        members=lambda: sorted(table_knows),
+    )
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(discovery._liveness_loop)
+        await trio.sleep(1.5)  # pinged at 1.0 s, before its summary: dropped
+        assert host.pings == [1.0] and not kept_at
+        table_knows.add(str(KEPT))
+        discovery.member_joined(str(KEPT))  # its first summary is applied at 1.5 s
+        await trio.sleep(0.5)
+        assert kept_at == [1.5]  # at once, not at the unkept back-off's 2.0 s or later
+        nursery.cancel_scope.cancel()
+
+    late = JoiningHost(connect_at=3.3)
+    known = {str(KEPT)}
+    pinged_kept: list[float] = []
+    discovery = Discovery(
+        late, None, b"key", (),  # type: ignore[arg-type]
+        liveness_interval_s=LIVENESS_S, rng=random.Random(0),
+        on_rtt=lambda peer, rtt: pinged_kept.append(trio.current_time()) or True,
+        members=lambda: sorted(known),
+    )
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(discovery._liveness_loop)
+        await trio.sleep(5.0)
+        nursery.cancel_scope.cancel()
+    assert pinged_kept and pinged_kept[0] <= 3.3 + WARMING_TICK_S + 1e-9

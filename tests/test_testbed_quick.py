@@ -16,7 +16,7 @@ import pytest
 from bench.testbed import __main__ as cli
 from bench.testbed.calibrate import fit
 from bench.testbed.runner import gossip_delivery, pipeline_events, trusted_pair_fraction
-from bench.testbed.workload import GROUP_STRIDE, WorkloadSpec, mixed_requests
+from bench.testbed.workload import GROUP_STRIDE, WorkloadSpec, mixed_requests, paced_warmup
 from bench.workloads import tokenize_mmlu
 from peer.demo_data import MmluQuestion
 
@@ -49,6 +49,24 @@ def test_the_mix_is_sorted_capped_and_keeps_streams_apart() -> None:
     for r in requests:
         assert by_key.setdefault(r.prefix_key, r.prefix) == r.prefix
     assert mixed_requests(_data(), spec) == requests  # seeded
+
+
+def test_a_paced_warmup_comes_faster_and_the_measured_requests_keep_their_spacing() -> None:
+    requests = mixed_requests(_data(), WorkloadSpec(requests=120, rate_per_s=20.0, seed=3))
+    paced = paced_warmup(requests, 40, 2.0, 0.5)
+    same = [(r.prefix, r.suffix) for r in paced] == [(r.prefix, r.suffix) for r in requests]
+    assert same  # the same requests, in the same order
+    assert [r.arrival_s for r in paced[:40]] == [r.arrival_s / 2 for r in requests[:40]]
+    gap = requests[40].arrival_s - requests[39].arrival_s
+    assert abs(paced[40].arrival_s - paced[39].arrival_s - (gap + 0.5)) < 1e-9
+    assert all(abs((p.arrival_s - q.arrival_s) - (paced[40].arrival_s - requests[40].arrival_s))
+               < 1e-9 for p, q in zip(paced[40:], requests[40:], strict=True))
+    assert paced[-1].arrival_s < requests[-1].arrival_s  # the run is shorter
+    assert paced_warmup(requests, 40, 1.0, 0.5) == requests  # pace 1: unchanged
+    assert paced_warmup(requests, 0, 2.0, 0.5) == requests  # no warm-up
+    assert cli.warmup_pace("high") == 1.0 and cli.warmup_pace("half") > 1.0
+    with pytest.raises(ValueError):
+        paced_warmup(requests, 40, 0.5, 0.5)
 
 
 def _counts(first: int, seq: int, accepted: dict[str, int], last: dict[str, int],

@@ -18,6 +18,7 @@ from typing import Any
 
 import trio
 
+from bench.random_model import from_spec
 from bench.report import emit_json
 from bench.stats import mean_ci95
 from bench.testbed.beds import Bed, PeerSettings, log, open_bed
@@ -32,11 +33,16 @@ from bench.testbed.calibrate import (
 from bench.testbed.loads import PILOT_SEED_OFFSET, Pilot, first_pilot_rate, measured_rates
 from bench.testbed.predict import SimSetup, predict, rate_for_utilization, testbed_setup
 from bench.testbed.runner import run_policy, summarise
-from bench.testbed.workload import WorkloadSpec, describe, mixed_requests
+from bench.testbed.workload import WorkloadSpec, describe, mixed_requests, paced_warmup
 from bench.workloads import load_tokenized_mmlu
 
 POLICIES = ("cost", "longest_prefix", "local", "random", "least_loaded")
 DEFAULT_SHARES = (0.2, 0.3, 0.4, 0.5)
+# A random-weight model whose prefill is most of a request's CPU (bench/random_model.py):
+# on tiny-random a forward costs its entry about what serving the request there does, so
+# no routing can pay. Its cache holds as many tokens as 2 MB of tiny-random's.
+DEFAULT_MODEL = "random-256x2"
+DEFAULT_CACHE_BYTES = 8_000_000
 # The loads: the arrival rate at which the busiest peer of the swarm that does not route
 # (LOAD_POLICY) is this busy, measured by two pilot runs (bench/testbed/loads.py); rows
 # carry each run's measured value. `high` aims at 0.95 so that runs land >= 0.9.
@@ -47,8 +53,11 @@ LOADS = {"half": 0.5, "high": 0.95}
 # shadows each have matched (nine per entry with four peers), so without it a run would
 # measure the swarm's first seconds, not a running swarm; the prediction leaves out the
 # same requests.
+# The warm-up arrives as fast as at the top load (`half`: 0.95 / 0.5 of its rate), then
+# pauses WARMUP_PAUSE_S (bench/testbed/workload.py `paced_warmup`); pilots are not paced.
 FULL = {"delays_ms": (0.0, 20.0, 50.0), "loads": ("half", "high"), "runs": 5, "requests": 200,
-        "warmup": 80}
+        "warmup": 60}
+WARMUP_PAUSE_S = 0.5
 QUICK = {"delays_ms": (20.0,), "loads": ("high",), "runs": 1, "requests": 60, "warmup": 60}
 ROW_KEYS = ("ttft_mean_s", "ttft_p99_s", "e2e_mean_s", "hit_ratio", "busiest_peer_utilization",
             "predicted_ttft_mean_s", "forwarded_fraction")
@@ -67,10 +76,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--runs", type=int, help="runs per point (default 5; quick 1)")
     p.add_argument("--requests", type=int, help="per policy run (default 200; quick 60)")
     p.add_argument("--warmup", type=int,
-                   help="unmeasured requests before them (default 80; quick 60)")
+                   help="unmeasured requests before them (default and quick 60)")
     p.add_argument("--seed", type=int, default=0, help="run r uses seed + r")
-    p.add_argument("--model", default="tiny-random")
-    p.add_argument("--cache-bytes", type=int, default=2_000_000)
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help="a model peers load, or random-<hidden>x<layers> built for the run "
+                   f"(default {DEFAULT_MODEL}; tiny-random is hidden 64)")
+    p.add_argument("--cache-bytes", type=int, default=DEFAULT_CACHE_BYTES)
     p.add_argument("--summary-interval", type=float, default=1.0)
     p.add_argument("--max-new-tokens", type=int, default=2)
     p.add_argument("--bandwidth-mbit", type=float, default=20.0)
@@ -130,12 +141,12 @@ async def calibrate(bed: Bed, args: argparse.Namespace) -> tuple[
         names = [f"testbed-p{i}-{s:g}core" for i, s in enumerate(args.shares)]
         cpus = ([functools.partial(swarm.cpu_seconds, i) for i in range(len(urls))]
                 if bed.isolated else None)
-        speeds = await measure_peers(urls, args.model, names, args.seed, parallel=False,
+        speeds = await measure_peers(urls, args.model_path, names, args.seed, parallel=False,
                                      cpus=cpus, shares=args.shares)
         gossip = None
         if cpus is not None:
             log("calibrating: a cache summary's CPU at its publisher and its receivers")
-            gossip = await measure_gossip(urls, args.model, entry_of(args.shares), args.seed,
+            gossip = await measure_gossip(urls, args.model_path, entry_of(args.shares), args.seed,
                                           cpus, args.summary_interval)
             log(f"a summary costs its publisher {gossip.publish_cpu_s * 1e3:.1f} ms CPU and "
                 f"each receiver {gossip.receive_cpu_s * 1e3:.1f} ms ({gossip.publishes} "
@@ -146,7 +157,7 @@ async def calibrate(bed: Bed, args: argparse.Namespace) -> tuple[
     entry = entry_of(args.shares)
     log(f"calibrating: a forward's CPU at its entry (peer {entry} of a `random` swarm)")
     async with bed.swarm("random") as swarm:
-        forward = await measure_forward(swarm.peers[entry].http or "", args.model,
+        forward = await measure_forward(swarm.peers[entry].http or "", args.model_path,
                                         swarm.peers[entry].peer_id, args.seed,
                                         functools.partial(swarm.cpu_seconds, entry))
     log(f"a forward costs its entry {forward.forwarded_cpu_s * 1e3:.1f} ms CPU "
@@ -188,7 +199,7 @@ async def load_rates(bed: Bed, args: argparse.Namespace, setup: SimSetup, speeds
 
     async def pilot(rate: float) -> Pilot:
         seed = args.seed + PILOT_SEED_OFFSET
-        measured = await run_policy(bed, LOAD_POLICY, workload_at(rate, seed), args.model,
+        measured = await run_policy(bed, LOAD_POLICY, workload_at(rate, seed), args.model_path,
                                     seed, warmup=args.warmup)
         row = summarise(measured)
         log(f"pilot at {rate:.2f} requests/s: peers "
@@ -216,6 +227,11 @@ def events_line(row: dict[str, Any]) -> str:
             f"{'?' if trusted is None else f'{trusted:.2f}'} forward extra ms {extra}")
 
 
+def warmup_pace(load: str) -> float:
+    """How much faster than `load`'s own arrivals its warm-up arrives: as at the top load."""
+    return max(1.0, max(LOADS.values()) / LOADS[load])
+
+
 def entry_of(shares: Sequence[float]) -> int:
     """The peer with the largest share: its quota throttles the measured work least."""
     return max(range(len(shares)), key=lambda i: shares[i])
@@ -224,8 +240,6 @@ def entry_of(shares: Sequence[float]) -> int:
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     started = time.monotonic()
     data = load_tokenized_mmlu()
-    settings = PeerSettings(args.model, args.cache_bytes, args.summary_interval,
-                            Path(args.peer_log), tuple(shlex.split(args.peer_args)))
     result: dict[str, Any] = {"params": {}, "calibration": [], "rows": [], "summary": [],
                               "complete": False}
 
@@ -236,6 +250,12 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
 
     with tempfile.TemporaryDirectory(prefix="testbed-") as workdir:
+        built = from_spec(args.model, Path(workdir))
+        if built is not None:
+            log(f"model {args.model}: built at {built}")
+        args.model_path = str(built or args.model)  # what the peers load and requests name
+        settings = PeerSettings(args.model_path, args.cache_bytes, args.summary_interval,
+                                Path(args.peer_log), tuple(shlex.split(args.peer_args)))
         async with open_bed(not args.no_isolation, args.shares, settings,
                             args.bandwidth_mbit * 1e6, Path(workdir)) as bed:
             setup, speeds, forward, gossip = await calibrate(bed, args)
@@ -248,9 +268,11 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 Path(args.calibration_json).write_text(
                     json.dumps(result["calibration"], indent=2) + "\n")
 
-            def workload_at(rate: float, seed: int = args.seed) -> list[Any]:
-                return mixed_requests(data, WorkloadSpec(args.warmup + args.requests, rate,
-                                                         args.max_new_tokens, seed))
+            def workload_at(rate: float, seed: int = args.seed, pace: float = 1.0
+                            ) -> list[Any]:
+                requests = mixed_requests(data, WorkloadSpec(args.warmup + args.requests,
+                                                             rate, args.max_new_tokens, seed))
+                return paced_warmup(requests, args.warmup, pace, WARMUP_PAUSE_S)
 
             bed.set_delay(args.delays_ms[0] / 1000)
             rates, pilots = await load_rates(bed, args, setup, speeds, workload_at)
@@ -262,6 +284,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 "rates_from": "given" if set(args.loads) <= set(args.rates) else "pilots",
                 "runs": args.runs, "requests": args.requests,
                 "warmup_requests": args.warmup,
+                "warmup_pace": {load: warmup_pace(load) for load in args.loads},
+                "warmup_pause_s": WARMUP_PAUSE_S,
                 "cache_bytes": args.cache_bytes, "capacity_blocks": setup.capacity_blocks,
                 "summary_interval_s": args.summary_interval,
                 "max_new_tokens": args.max_new_tokens,
@@ -274,9 +298,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 for load in args.loads:
                     for run in range(args.runs):
                         seed = args.seed + run
-                        workload = workload_at(rates[load], seed)
+                        workload = workload_at(rates[load], seed, warmup_pace(load))
                         for policy in args.policies:
-                            measured = await run_policy(bed, policy, workload, args.model,
+                            measured = await run_policy(bed, policy, workload, args.model_path,
                                                         seed, warmup=args.warmup)
                             row: dict[str, Any] = {
                                 "policy": policy, "delay_ms": delay_ms, "load": load,

@@ -20,6 +20,7 @@ Everything built here is removed on exit, also after a failure. Needs root.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -27,6 +28,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
@@ -260,14 +262,22 @@ class CpuGroups:
         raise RuntimeError(f"{self.cpu_dirs[i]}/cpu.stat has no usage_usec")
 
 
-def _evacuate_and_remove(group: Path, parent: Path) -> None:
-    """Move what is left in `group` to `parent`, then remove the group."""
-    if not group.exists():
-        return
-    for pid in (group / "cgroup.procs").read_text().split():
-        with suppress(OSError):  # it exited meanwhile
-            (parent / "cgroup.procs").write_text(f"{pid}\n")
-    group.rmdir()
+def _evacuate_and_remove(group: Path, parent: Path, tries: int = 20) -> None:
+    """Move what is left in `group` to `parent`, then remove the group. A process that
+    is exiting (a zombie) still holds its group for a moment, so removal is retried."""
+    for attempt in range(tries):
+        if not group.exists():
+            return
+        for pid in (group / "cgroup.procs").read_text().split():
+            with suppress(OSError):  # it exited meanwhile
+                (parent / "cgroup.procs").write_text(f"{pid}\n")
+        try:
+            group.rmdir()
+            return
+        except OSError as exc:
+            if exc.errno != errno.EBUSY or attempt == tries - 1:
+                raise
+            time.sleep(0.05)
 
 
 @contextmanager

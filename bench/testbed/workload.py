@@ -78,6 +78,24 @@ def mixed_requests(data: TokenizedMMLU, spec: WorkloadSpec) -> list[TokenRequest
             for r in kept]
 
 
+def paced_warmup(workload: list[TokenRequest], warmup: int, pace: float,
+                 pause_s: float) -> list[TokenRequest]:
+    """The first `warmup` requests arriving `pace` times closer together, the measured
+    ones after them with their own spacing, `pause_s` later than their first one's gap.
+
+    The warm-up only brings a fresh swarm to its running state (trust, caches): at a low
+    load it would otherwise take most of a run's wall time. The pause lets the queue the
+    faster warm-up built drain before the first measured request; the simulator is given
+    the same arrivals."""
+    if pace < 1.0 or pause_s < 0.0:
+        raise ValueError("pace must be >= 1 and pause_s >= 0")
+    if pace == 1.0 or not 0 < warmup < len(workload):
+        return list(workload)
+    head = [replace(r, arrival_s=r.arrival_s / pace) for r in workload[:warmup]]
+    shift = workload[warmup - 1].arrival_s - head[-1].arrival_s - pause_s
+    return head + [replace(r, arrival_s=r.arrival_s - shift) for r in workload[warmup:]]
+
+
 def describe(workload: list[TokenRequest]) -> dict[str, float]:
     """Sizes worth printing next to results: requests, mean prompt, span of arrivals."""
     if not workload:

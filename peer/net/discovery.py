@@ -60,6 +60,9 @@ RTT_WARMUP_SAMPLES = 3  # ...until this many were kept: a minimum over 3 is alre
 # interval up to this many liveness intervals: its first summary still gets an RTT within
 # seconds, but a swarm of N peers does not cost each one N pings a second forever.
 UNKEPT_PING_MAX_INTERVALS = 4
+# The liveness loop's tick while a known member has no round trip yet: its first ping
+# after it connects is then at most this late (the warm-up cadence is unchanged).
+WARMING_TICK_S = 0.2
 
 
 class Discovery:
@@ -98,6 +101,7 @@ class Discovery:
         # bootstrap peer id -> its last dial error (cli.py digs out the root cause)
         self.bootstrap_errors: dict[str, Exception] = {}
         self._wakeup = trio.Event()
+        self._ping_now = trio.Event()  # a member joined: the liveness loop ticks at once
         self._provide_now = trio.Event()
         self._stats = {
             "bootstrap_attempts": 0,
@@ -270,6 +274,7 @@ class Discovery:
         if self._book.failures(dial.peer_id):
             logger.warning("peer %s reachable again", peer_id)
         self._book.connected(dial.peer_id)
+        self._ping_now.set()  # its first round trip makes it a candidate
         await dht_add_peer(self._dht, peer_id)
         logger.debug("connected to provider %s", peer_id)
 
@@ -294,7 +299,9 @@ class Discovery:
     async def _liveness_loop(self) -> None:
         tick = min(WARMUP_PING_INTERVAL_S, self._liveness_interval_s)
         while True:
-            await trio.sleep(tick)
+            with trio.move_on_after(WARMING_TICK_S if self._warming() else tick):
+                await self._ping_now.wait()
+            self._ping_now = trio.Event()
             direct = set(self._host.connected_peers())
             connected = direct | self._relayed_members()
             # A gone peer, and one now directly connected that was not at the last tick,
@@ -315,6 +322,30 @@ class Discovery:
                 for peer_id in connected:
                     if now >= self._next_ping.get(peer_id, now):
                         nursery.start_soon(self._probe, peer_id)
+
+    def _warming(self) -> bool:
+        """A known member has no kept round trip yet (it is about to connect, may dial us,
+        or its summary came after its first pings): the liveness loop ticks fast until it
+        has. A tick pings only the peers that are due, so this costs no traffic."""
+        kept = {str(p) for p in self._rtts_kept}
+        return any(m not in kept for m in self._members())
+
+    def member_joined(self, peer: str) -> None:
+        """Gossip applied the first summary of `peer`: the router skips a peer without a
+        round trip, so one is measured now. A connected peer is pinged at once (its earlier
+        pings came before its summary, and the table dropped them); one heard through the
+        mesh alone wakes discovery to find its address and dial it. Otherwise a new peer
+        waits a liveness tick or a discovery interval to become a candidate."""
+        try:
+            peer_id = ID.from_base58(peer)
+        except ValueError:
+            return
+        if peer_id in self._rtts_kept:
+            return  # measured already
+        self._next_ping.pop(peer_id, None)  # due now (pinged if connected or relayed)
+        self._ping_now.set()
+        if not self._reached(peer):
+            self._wakeup.set()  # heard through the mesh only: look up its address now
 
     def _relayed_members(self) -> set[ID]:
         """Known members reachable only through relays (behind NAT): pinged like the

@@ -77,6 +77,7 @@ class Gossip:
         interval_s: float,
         fp_rate: float,
         on_expired: Callable[[list[str]], None] = lambda peers: None,
+        on_joined: Callable[[str], None] = lambda peer: None,
         mode: GossipMode = GossipMode.FULL,
         neighbours: int = DEFAULT_GOSSIP_NEIGHBOURS,
         reachable: Callable[[ID], bool] = lambda peer: False,
@@ -84,7 +85,8 @@ class Gossip:
     ) -> None:
         """`reachable`: whether this peer holds a connection (direct or relayed) to a
         summary's origin; the table admits origins never reached only to a share of it.
-        `disconnect`: close the connection to a graylisted forwarder."""
+        `disconnect`: close the connection to a graylisted forwarder. `on_joined`: a
+        peer the table did not hold has its first summary applied."""
         self._pubsub = pubsub
         self._reachable = reachable
         self._disconnect_peer = disconnect
@@ -113,6 +115,7 @@ class Gossip:
         self._policy = PublishPolicy(interval_s)
         self._fp_rate = fp_rate
         self._on_expired = on_expired
+        self._on_joined = on_joined
         self._on_published: Callable[[CacheSummary, float], None] | None = None
         self._on_accepted: Callable[[CacheSummary, float], None] | None = None
         # Start seq at wall-clock milliseconds: a peer restarted with the same identity
@@ -462,6 +465,7 @@ class Gossip:
             return self._reject(source_str, "malformed", str(exc))
         # The table checks identity (summary.peer_id == the signed gossip source),
         # model, block size, increasing seq and Bloom plausibility.
+        joining = self._table.get(source_str, trio.current_time()) is None
         result = self._table.apply(
             summary, source_str, trio.current_time(), reachable=self._reachable(source)
         )
@@ -485,6 +489,8 @@ class Gossip:
             logger.info("peer %s left the swarm", source_str)
             self._on_expired([source_str])
             return True
+        if joining:
+            self._on_joined(source_str)
         if self._on_accepted is not None:
             self._on_accepted(summary, time.time())
         return True
