@@ -58,7 +58,8 @@ __all__ = ["build_parser", "config_from_args", "main", "split_host_port"]
 
 API_KEY_ENV = "PREFIXSWARM_API_KEY"  # the key from the environment keeps it out of `ps`
 DEFAULT_URL = "http://127.0.0.1:8000"
-PEERS_REPORT_INTERVAL_S = 0.2  # how often `--report json` says which peers are known
+PEERS_REPORT_INTERVAL_S = 0.2  # how often `--report json` looks at which peers are known:
+PEERS_REPEAT_S = 5.0  # it says so when that changed, and at least this often
 JOIN_POLL_S = 0.25  # how often `serve` looks whether the first other peer has arrived
 MODEL_QUERY_TIMEOUT_S = 10.0  # one small frame each way with a bootstrap peer
 EXIT_CONFIG = 2  # a configuration error, found before anything ran (argparse uses 2 too)
@@ -216,15 +217,21 @@ async def _report_up(
                 "reachability": peer.reachability,
             }
         )
+        last: dict[str, Any] = {}
+        said_at = -math.inf
         while True:
             views = peer.table.views(trio.current_time())
             # known: a summary of it arrived; routable: also a measured round trip (what
             # a serving peer's router needs before the peer is a candidate)
-            _emit({
+            report = {
                 "event": "peers",
                 "peer_ids": sorted(v.peer_id for v in views),
                 "routable": sorted(v.peer_id for v in views if v.rtt_s is not None),
-            })
+            }
+            now = trio.current_time()
+            if report != last or now - said_at >= PEERS_REPEAT_S:
+                _emit(report)
+                last, said_at = report, now
             await trio.sleep(PEERS_REPORT_INTERVAL_S)
 
 

@@ -7,6 +7,7 @@ member first pinged through relays (and failing) is pinged at once when it conne
 from __future__ import annotations
 
 import itertools
+import math
 import random
 
 import trio
@@ -17,6 +18,7 @@ from peer.net.discovery import (
     RTT_WARMUP_SAMPLES,
     UNKEPT_PING_MAX_INTERVALS,
     WARMING_TICK_S,
+    WARMING_WINDOW_S,
     WARMUP_PING_INTERVAL_S,
     Discovery,
 )
@@ -135,6 +137,9 @@ class JoiningHost:
     def is_connected(self, peer_id: ID) -> bool:
         return trio.current_time() >= self.connect_at
 
+    def is_relayed(self, peer_id: ID) -> bool:
+        return False
+
     def connected_peers(self) -> list[ID]:
         return [KEPT] if self.is_connected(KEPT) else []
 
@@ -178,17 +183,90 @@ async def test_a_new_member_gets_its_first_kept_round_trip_within_a_warming_tick
         assert kept_at == [1.5]  # at once, not at the unkept back-off's 2.0 s or later
         nursery.cancel_scope.cancel()
 
+    # its summary came through the mesh at 0.5 s; it dials us at 3.3 s
     late = JoiningHost(connect_at=3.3)
-    known = {str(KEPT)}
     pinged_kept: list[float] = []
     discovery = Discovery(
         late, None, b"key", (),  # type: ignore[arg-type]
         liveness_interval_s=LIVENESS_S, rng=random.Random(0),
         on_rtt=lambda peer, rtt: pinged_kept.append(trio.current_time()) or True,
-        members=lambda: sorted(known),
+        members=lambda: [str(KEPT)],
     )
     async with trio.open_nursery() as nursery:
         nursery.start_soon(discovery._liveness_loop)
-        await trio.sleep(5.0)
+        await trio.sleep(0.5)
+        discovery.member_joined(str(KEPT))
+        await trio.sleep(4.5)
         nursery.cancel_scope.cancel()
     assert pinged_kept and pinged_kept[0] <= 3.3 + WARMING_TICK_S + 1e-9
+
+
+class CountingHost(JoiningHost):
+    """Never connected; counts the liveness loop's ticks (each lists the connections)."""
+
+    def __init__(self) -> None:
+        super().__init__(connect_at=math.inf)
+        self.ticks: list[float] = []
+
+    def connected_peers(self) -> list[ID]:
+        self.ticks.append(trio.current_time())
+        return []
+
+
+async def test_a_member_never_reached_stops_the_fast_tick_after_its_window(autojump_clock):
+    host = CountingHost()
+    discovery = Discovery(
+        host, None, b"key", (),  # type: ignore[arg-type]
+        liveness_interval_s=LIVENESS_S, rng=random.Random(0),
+        members=lambda: [str(KEPT)],  # known, never connected, never measured
+    )
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(discovery._liveness_loop)
+        discovery.member_joined(str(KEPT))
+        await trio.sleep(WARMING_WINDOW_S + 20.0)
+        nursery.cancel_scope.cancel()
+    early = [t for t in host.ticks if t <= WARMING_WINDOW_S]
+    late = [t for t in host.ticks if t > WARMING_WINDOW_S + 1.0]
+    assert len(early) >= WARMING_WINDOW_S / WARMING_TICK_S - 2  # fast while it may connect
+    assert len(late) <= 20  # then the ordinary tick, once a second
+
+
+class HangingHost:
+    """Two connected peers: UNKEPT's pings hang until their timeout, KEPT's answer."""
+
+    def __init__(self) -> None:
+        self.answered: list[float] = []
+
+    def connected_peers(self) -> list[ID]:
+        return [KEPT, UNKEPT]
+
+    def is_connected(self, peer_id: ID) -> bool:
+        return True
+
+    def may_relay_to(self, peer_id: ID) -> bool:
+        return False
+
+    async def ping(self, peer_id: ID, *, timeout_s: float) -> float:
+        if peer_id == UNKEPT:
+            await trio.sleep(timeout_s)
+            raise PeerUnreachable("no answer")
+        self.answered.append(trio.current_time())
+        return 0.001
+
+
+async def test_a_ping_waiting_out_its_timeout_holds_back_no_other(autojump_clock):
+    host = HangingHost()
+    table_knows: set[str] = set()
+    discovery = Discovery(
+        host, None, b"key", (),  # type: ignore[arg-type]
+        liveness_interval_s=LIVENESS_S, rng=random.Random(0),
+        on_rtt=lambda peer, rtt: peer in table_knows,
+    )
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(discovery._liveness_loop)
+        await trio.sleep(1.5)  # both pinged at 1.0 s; UNKEPT's hangs until 6.0 s
+        table_knows.add(str(KEPT))
+        discovery.member_joined(str(KEPT))
+        await trio.sleep(1.0)
+        nursery.cancel_scope.cancel()
+    assert host.answered[:2] == [1.0, 1.5]  # not held until the hanging ping gave up

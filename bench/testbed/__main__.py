@@ -53,8 +53,9 @@ LOADS = {"half": 0.5, "high": 0.95}
 # shadows each have matched (nine per entry with four peers), so without it a run would
 # measure the swarm's first seconds, not a running swarm; the prediction leaves out the
 # same requests.
-# The warm-up arrives as fast as at the top load (`half`: 0.95 / 0.5 of its rate), then
-# pauses WARMUP_PAUSE_S (bench/testbed/workload.py `paced_warmup`); pilots are not paced.
+# The warm-up arrives faster, by the ratio of the top load's target to its own (`half`:
+# 0.95 / 0.5), then pauses WARMUP_PAUSE_S (bench/testbed/workload.py `paced_warmup`);
+# pilots are not paced.
 FULL = {"delays_ms": (0.0, 20.0, 50.0), "loads": ("half", "high"), "runs": 5, "requests": 200,
         "warmup": 60}
 WARMUP_PAUSE_S = 0.5
@@ -163,6 +164,12 @@ async def calibrate(bed: Bed, args: argparse.Namespace) -> tuple[
     log(f"a forward costs its entry {forward.forwarded_cpu_s * 1e3:.1f} ms CPU "
         f"({forward.forwarded} of {forward.requests} forwarded; "
         f"{forward.local_cpu_s * 1e3:.1f} ms for those it served)")
+    ids = {p.peer_id: i for i, p in enumerate(swarm.peers)}
+    log("a lone cold request's TTFT at the client, by the peer that served it (the entry "
+        f"is peer {entry}): " + ", ".join(
+            f"peer {ids.get(pid, '?')} {t * 1e3:.0f} ms"
+            for pid, t in sorted(forward.ttft_by_server_s.items(),
+                                 key=lambda kv: ids.get(kv[0], len(ids)))))
     shares = [s if bed.isolated else 1.0 for s in args.shares]
     calibrations = tuple(with_overheads(s, share, forward.forwarded_cpu_s, gossip)
                          for s, share in zip(speeds, shares, strict=True))
@@ -228,7 +235,8 @@ def events_line(row: dict[str, Any]) -> str:
 
 
 def warmup_pace(load: str) -> float:
-    """How much faster than `load`'s own arrivals its warm-up arrives: as at the top load."""
+    """How much faster than `load`'s own arrivals its warm-up arrives: the ratio of the
+    top load's target utilisation to its own (near the top load's pace)."""
     return max(1.0, max(LOADS.values()) / LOADS[load])
 
 

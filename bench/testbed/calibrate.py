@@ -43,7 +43,7 @@ import math
 import random
 import statistics
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import httpx
@@ -172,10 +172,14 @@ class ForwardCost:
     local_cpu_s: float
     forwarded: int
     requests: int
+    # the client's time to first token, median, by the peer that served (the entry's own
+    # included): what a lone forward takes end to end, next to a request served at once
+    ttft_by_server_s: dict[str, float] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return {"forwarded_cpu_s": self.forwarded_cpu_s, "local_cpu_s": self.local_cpu_s,
-                "forwarded": self.forwarded, "requests": self.requests}
+                "forwarded": self.forwarded, "requests": self.requests,
+                "ttft_by_server_s": self.ttft_by_server_s}
 
 
 async def measure_forward(url: str, model: str, entry_id: str, seed: int, cpu: Clock,
@@ -185,6 +189,7 @@ async def measure_forward(url: str, model: str, entry_id: str, seed: int, cpu: C
     background taken off, for those another peer served and those it served itself."""
     rng = random.Random(f"{seed}/forward/{url}")
     by_kind: dict[bool, list[float]] = {True: [], False: []}
+    ttfts: dict[str, list[float]] = {}
     async with httpx.AsyncClient(timeout=TIMEOUT_S) as client:
         idle_from, idle_start = cpu(), trio.current_time()
         await trio.sleep(IDLE_S)
@@ -199,11 +204,14 @@ async def measure_forward(url: str, model: str, entry_id: str, seed: int, cpu: C
             if got.error or got.first is None:
                 raise RuntimeError(f"forward calibration request to {url} failed: {got.error}")
             used = cpu() - before - background * (trio.current_time() - start)
-            by_kind[got.extension.get("served_by", entry_id) != entry_id].append(max(used, 0.0))
+            server = got.extension.get("served_by", entry_id)
+            by_kind[server != entry_id].append(max(used, 0.0))
+            ttfts.setdefault(server, []).append(got.first - got.start)
     if not by_kind[True]:
         raise RuntimeError(f"the entry at {url} forwarded none of {requests} requests")
     local = statistics.median(by_kind[False]) if by_kind[False] else math.nan
-    return ForwardCost(statistics.median(by_kind[True]), local, len(by_kind[True]), requests)
+    return ForwardCost(statistics.median(by_kind[True]), local, len(by_kind[True]), requests,
+                       {server: statistics.median(ts) for server, ts in ttfts.items()})
 
 
 @dataclass(frozen=True)

@@ -105,6 +105,15 @@ def checks(rows: Sequence[Row]) -> list[dict[str, Any]]:
 TITLE = "The testbed: real peers on small machines, next to the simulator"
 
 
+def _paced(params: dict[str, Any]) -> str:
+    """How the warm-up arrived, where a run paced it (bench/testbed/workload.py)."""
+    paces = {k: v for k, v in (params.get("warmup_pace") or {}).items() if v > 1.0}
+    if not paces:
+        return ""
+    faster = ", ".join(f"{v:g}x faster at {k}" for k, v in paces.items())
+    return f" (arriving {faster}, then {params.get('warmup_pause_s', 0):g} s of pause)"
+
+
 def section(path: Path, title: str = TITLE, command: str = COMMAND) -> str:
     """A testbed section of the page (the full run's, or a what-if's with its own title
     and command); a line saying there are no rows when `path` is absent."""
@@ -121,7 +130,8 @@ def section(path: Path, title: str = TITLE, command: str = COMMAND) -> str:
         f"{params.get('shares')} of a core, each in its own network namespace, every byte "
         f"between peers through the link emulator ({params.get('bandwidth_mbit')} Mbit/s); "
         f"{params.get('requests')} measured requests per policy run after "
-        f"{params.get('warmup_requests', 0)} unmeasured ones, {params.get('runs')} runs "
+        f"{params.get('warmup_requests', 0)} unmeasured ones{_paced(params)}, "
+        f"{params.get('runs')} runs "
         f"per point (seed + run), a fresh swarm per policy run, default trust settings. "
         f"Arrival rates (requests/s): {_rates(params)}. "
         "TTFT in seconds: the mean over runs ± the half-width of its 95% interval; "

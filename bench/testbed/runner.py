@@ -5,6 +5,7 @@ every streamed completion timed at the client, and the measured half of a row.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import statistics
@@ -113,13 +114,16 @@ def gossip_delivery(views: Sequence[dict[str, Any] | None],
 
 async def _views(client: httpx.AsyncClient, peers: Sequence[SwarmPeer]) -> list[
         dict[str, Any] | None]:
-    out: list[dict[str, Any] | None] = []
-    for p in peers:
-        try:
-            r = await client.get(f"{p.http}/v1/swarm", timeout=10.0)
-            out.append(r.json())
-        except (httpx.HTTPError, ValueError):
-            out.append(None)
+    """Every peer's /v1/swarm (bed order), asked of all at once; None where it fails."""
+    out: list[dict[str, Any] | None] = [None] * len(peers)
+
+    async def one(i: int, p: SwarmPeer) -> None:
+        with contextlib.suppress(httpx.HTTPError, ValueError):
+            out[i] = (await client.get(f"{p.http}/v1/swarm", timeout=10.0)).json()
+
+    async with trio.open_nursery() as nursery:
+        for i, p in enumerate(peers):
+            nursery.start_soon(one, i, p)
     return out
 
 
@@ -137,12 +141,15 @@ async def _events(client: httpx.AsyncClient, peers: Sequence[SwarmPeer]) -> dict
     of every peer's /metrics, summed: what the swarm did besides serving its clients.
     A peer that does not answer, or answers what does not parse, is left out."""
     total: Counter[str] = Counter()
-    for p in peers:
-        try:
+
+    async def one(p: SwarmPeer) -> None:
+        with contextlib.suppress(httpx.HTTPError, ValueError):
             text = (await client.get(f"{p.http}/metrics", timeout=10.0)).text
             total.update(pipeline_events(text))
-        except (httpx.HTTPError, ValueError):
-            continue
+
+    async with trio.open_nursery() as nursery:
+        for p in peers:
+            nursery.start_soon(one, p)
     return dict(sorted(total.items()))
 
 
@@ -188,8 +195,18 @@ async def run_policy(bed: Bed, policy: str, workload: Sequence[TokenRequest], mo
             wall = trio.current_time() - start
             utilization = [(b - a) / (share * window)
                            for a, b, share in zip(cpu0, cpu1, swarm.shares, strict=True)]
-            views = await _views(client, swarm.peers)
-            events = await _events(client, swarm.peers)
+            views: list[dict[str, Any] | None] = []
+            events: dict[str, float] = {}
+
+            async def read_views() -> None:
+                views.extend(await _views(client, swarm.peers))
+
+            async def read_events() -> None:
+                events.update(await _events(client, swarm.peers))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(read_views)
+                nursery.start_soon(read_events)
         delivery = gossip_delivery(views, [p.peer_id for p in swarm.peers])
     outcomes = sorted((o for o in outcomes if o.index >= warmup), key=lambda o: o.index)
     return RunMeasurement(outcomes, wall, utilization, delivery, setup_s, swarm.up_s,

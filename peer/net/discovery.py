@@ -60,9 +60,12 @@ RTT_WARMUP_SAMPLES = 3  # ...until this many were kept: a minimum over 3 is alre
 # interval up to this many liveness intervals: its first summary still gets an RTT within
 # seconds, but a swarm of N peers does not cost each one N pings a second forever.
 UNKEPT_PING_MAX_INTERVALS = 4
-# The liveness loop's tick while a known member has no round trip yet: its first ping
-# after it connects is then at most this late (the warm-up cadence is unchanged).
+# The liveness loop's tick while a member that joined lately has no round trip yet: its
+# first ping after it connects is then at most this late (the warm-up cadence is
+# unchanged). A member not reached within the window goes back to the ordinary tick.
 WARMING_TICK_S = 0.2
+WARMING_WINDOW_S = 10.0
+MAX_WARMING = 256  # members tracked as joining at once (a flood of new ids adds no more)
 
 
 class Discovery:
@@ -102,6 +105,8 @@ class Discovery:
         self.bootstrap_errors: dict[str, Exception] = {}
         self._wakeup = trio.Event()
         self._ping_now = trio.Event()  # a member joined: the liveness loop ticks at once
+        self._joined: dict[ID, float] = {}  # members that joined lately, without a round trip
+        self._pinging: set[ID] = set()  # pings in flight
         self._provide_now = trio.Event()
         self._stats = {
             "bootstrap_attempts": 0,
@@ -201,6 +206,7 @@ class Discovery:
         await self._bootstrapped.wait()
         interval = DISCOVERY_INTERVAL_MIN_S
         while True:
+            self._wakeup = trio.Event()  # before the round: a wake-up during it is kept
             found_new = await self._discover_once()
             if found_new:
                 interval = DISCOVERY_INTERVAL_MIN_S
@@ -208,7 +214,6 @@ class Discovery:
                 interval = min(DISCOVERY_INTERVAL_MISSING_S, interval * 2)
             else:
                 interval = min(DISCOVERY_INTERVAL_MAX_S, interval * 2)
-            self._wakeup = trio.Event()
             with trio.move_on_after(interval):
                 await self._wakeup.wait()
 
@@ -298,37 +303,47 @@ class Discovery:
 
     async def _liveness_loop(self) -> None:
         tick = min(WARMUP_PING_INTERVAL_S, self._liveness_interval_s)
-        while True:
-            with trio.move_on_after(WARMING_TICK_S if self._warming() else tick):
-                await self._ping_now.wait()
-            self._ping_now = trio.Event()
-            direct = set(self._host.connected_peers())
-            connected = direct | self._relayed_members()
-            # A gone peer, and one now directly connected that was not at the last tick,
-            # start afresh: the latter may be a member we pinged through relays before
-            # the dial (those pings fail in a swarm without relays), whose back-off would
-            # otherwise hold its first round trip, and so its candidacy, for 10 s or more.
-            for fresh in (set(self._next_ping).union(self._ping_failures) - connected) | (
-                direct - self._direct
-            ):
-                self._next_ping.pop(fresh, None)  # a reconnected peer warms up again
-                self._rtts_kept.pop(fresh, None)
-                self._rtts_unkept.pop(fresh, None)
-                self._ping_failures.pop(fresh, None)
-                self._relay_ping_failures.pop(fresh, None)
-            self._direct = direct
-            now = trio.current_time()
-            async with trio.open_nursery() as nursery:
-                for peer_id in connected:
-                    if now >= self._next_ping.get(peer_id, now):
-                        nursery.start_soon(self._probe, peer_id)
+        # Pings run beside the loop: one waiting out its timeout holds back no other.
+        async with trio.open_nursery() as pings:
+            while True:
+                with trio.move_on_after(WARMING_TICK_S if self._warming() else tick):
+                    await self._ping_now.wait()
+                self._ping_now = trio.Event()
+                self._liveness_tick(pings)
+
+    def _liveness_tick(self, pings: trio.Nursery) -> None:
+        """Ping every connected (or relayed) peer that is due and not being pinged."""
+        direct = set(self._host.connected_peers())
+        connected = direct | self._relayed_members()
+        # A gone peer, and one now directly connected that was not at the last tick,
+        # start afresh: the latter may be a member we pinged through relays before
+        # the dial (those pings fail in a swarm without relays), whose back-off would
+        # otherwise hold its first round trip, and so its candidacy, for 10 s or more.
+        for fresh in (set(self._next_ping).union(self._ping_failures) - connected) | (
+            direct - self._direct
+        ):
+            self._next_ping.pop(fresh, None)  # a reconnected peer warms up again
+            self._rtts_kept.pop(fresh, None)
+            self._rtts_unkept.pop(fresh, None)
+            self._ping_failures.pop(fresh, None)
+            self._relay_ping_failures.pop(fresh, None)
+        self._direct = direct
+        now = trio.current_time()
+        for peer_id in connected:
+            if peer_id not in self._pinging and now >= self._next_ping.get(peer_id, now):
+                self._pinging.add(peer_id)
+                pings.start_soon(self._probe, peer_id)
 
     def _warming(self) -> bool:
-        """A known member has no kept round trip yet (it is about to connect, may dial us,
-        or its summary came after its first pings): the liveness loop ticks fast until it
-        has. A tick pings only the peers that are due, so this costs no traffic."""
-        kept = {str(p) for p in self._rtts_kept}
-        return any(m not in kept for m in self._members())
+        """A member that joined in the last WARMING_WINDOW_S has no kept round trip yet
+        (it is about to connect, may dial us, or its summary came after its first pings):
+        the liveness loop ticks fast meanwhile. A tick pings only the peers that are due,
+        so this costs no traffic; a member never reached stops it after the window."""
+        now = trio.current_time()
+        for peer_id, at in list(self._joined.items()):
+            if peer_id in self._rtts_kept or now - at > WARMING_WINDOW_S:
+                del self._joined[peer_id]
+        return bool(self._joined)
 
     def member_joined(self, peer: str) -> None:
         """Gossip applied the first summary of `peer`: the router skips a peer without a
@@ -342,6 +357,8 @@ class Discovery:
             return
         if peer_id in self._rtts_kept:
             return  # measured already
+        if len(self._joined) < MAX_WARMING or peer_id in self._joined:
+            self._joined[peer_id] = trio.current_time()
         self._next_ping.pop(peer_id, None)  # due now (pinged if connected or relayed)
         self._ping_now.set()
         if not self._reached(peer):
@@ -361,6 +378,12 @@ class Discovery:
         return out
 
     async def _probe(self, peer_id: ID) -> None:
+        try:
+            await self._ping_once(peer_id)
+        finally:
+            self._pinging.discard(peer_id)
+
+    async def _ping_once(self, peer_id: ID) -> None:
         self._stats["pings"] += 1
         self._next_ping[peer_id] = trio.current_time() + self._liveness_interval_s
         try:

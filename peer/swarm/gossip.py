@@ -465,7 +465,6 @@ class Gossip:
             return self._reject(source_str, "malformed", str(exc))
         # The table checks identity (summary.peer_id == the signed gossip source),
         # model, block size, increasing seq and Bloom plausibility.
-        joining = self._table.get(source_str, trio.current_time()) is None
         result = self._table.apply(
             summary, source_str, trio.current_time(), reachable=self._reachable(source)
         )
@@ -489,7 +488,7 @@ class Gossip:
             logger.info("peer %s left the swarm", source_str)
             self._on_expired([source_str])
             return True
-        if joining:
+        if result.reason is Verdict.NEW_PEER:
             self._on_joined(source_str)
         if self._on_accepted is not None:
             self._on_accepted(summary, time.time())
