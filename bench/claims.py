@@ -41,15 +41,24 @@ TESTBED_MID_COMMAND = (
     ".venv/bin/python -m bench.testbed --json docs/results/testbed_mid512.json --model "
     "/tmp/models/mid512x4 --cache-bytes 16000000 --policies cost,local --delays-ms 20 "
     "--runs 3 --rates half=2.9,high=6.5")
-# The same on a model between the two, every policy and delay, five runs: the 0.2-core
-# peer's cold 512-token prefill (~0.2 s) is most of its request; ~55 minutes here
+# The same model as the full run's, before its warm-up was paced (80 unmeasured requests
+# at each load's own rate): ~56 minutes here
 TESTBED_R256_JSON = ROOT / "docs" / "results" / "testbed_r256.json"
-TESTBED_R256_TITLE = ("The testbed on a smaller random model, every policy (a what-if: hidden "
-                      "256, 2 layers)")
+TESTBED_R256_TITLE = ("The testbed's model with an unpaced 80-request warm-up (the run before "
+                      "the full run's; --model given as a folder)")
 TESTBED_R256_COMMAND = (
     "python -m bench.random_model /tmp/models/r256x2 --hidden 256 --layers 2 && sudo "
     ".venv/bin/python -m bench.testbed --json docs/results/testbed_r256.json --model "
-    "/tmp/models/r256x2 --cache-bytes 8000000 --runs 5")
+    "/tmp/models/r256x2 --cache-bytes 8000000 --runs 5 --warmup 80 (with the warm-up "
+    "unpaced, at b101006)")
+# The full run on tiny-random, the testbed's default model before random-256x2: a
+# request is mostly the peer's own overhead there, so no routing can pay
+TESTBED_TINY_JSON = ROOT / "docs" / "results" / "testbed_tiny.json"
+TESTBED_TINY_TITLE = ("The testbed on tiny-random (hidden 64: the default model before; "
+                      "a request is mostly its peer's overhead)")
+TESTBED_TINY_COMMAND = (
+    "sudo .venv/bin/python -m bench.testbed --json docs/results/testbed_tiny.json --model "
+    "tiny-random --cache-bytes 2000000 --warmup 80 (with the warm-up unpaced, at b427f72)")
 RESULTS_MD = ROOT / "docs" / "RESULTS.md"
 MARGIN = 1.05  # "never more than 5% behind the best deployable policy"
 ORACLE_BOUND = 1.2  # "at most 1.2x the oracle's at the highest load"
@@ -421,6 +430,7 @@ def main(argv: list[str] | None = None) -> int:
               "final_wall_s": fparams.get("wall_s"), "final_runs": len(final)}
     page = (render(quick, final, params, result, seeds) + "\n" + testbed_section(TESTBED_JSON)
             + "\n" + testbed_section(TESTBED_R256_JSON, TESTBED_R256_TITLE, TESTBED_R256_COMMAND)
+            + "\n" + testbed_section(TESTBED_TINY_JSON, TESTBED_TINY_TITLE, TESTBED_TINY_COMMAND)
             + "\n" + testbed_section(TESTBED_MID_JSON, TESTBED_MID_TITLE, TESTBED_MID_COMMAND))
     if args.check:
         same = args.write.is_file() and args.write.read_text() == page
