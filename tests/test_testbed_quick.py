@@ -316,3 +316,21 @@ def test_a_committed_run_is_predicted_again_by_todays_simulator(tmp_path: Path) 
     (row2,) = json.loads(path.read_text())["rows"]
     assert row2["predicted_at_run"]["predicted_ttft_mean_s"] == 9.0
     assert row2["predicted_ttft_mean_s"] == row["predicted_ttft_mean_s"]
+
+
+def test_the_fork_server_preloads_every_project_module() -> None:
+    # A peer forked by the zygote must read no project code from disk: a file edited
+    # while a testbed runs would otherwise reach the peers of its later runs. Checked in
+    # a fresh interpreter (this one has imported whatever other tests did).
+    script = (
+        "import importlib, pkgutil, sys\n"
+        "from bench.testbed import zygote\n"
+        "zygote.preload()\n"
+        "missing = [m.name for p in zygote.CODE_PACKAGES for m in pkgutil.walk_packages(\n"
+        "    importlib.import_module(p).__path__, p + '.') if m.name not in sys.modules]\n"
+        "print(len(sys.modules), missing)\n"
+        "sys.exit(1 if missing or 'peer.request.run' not in sys.modules else 0)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr

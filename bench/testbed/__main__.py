@@ -9,6 +9,7 @@ import json
 import os
 import shlex
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -36,6 +37,7 @@ from bench.testbed.runner import run_policy, summarise
 from bench.testbed.workload import WorkloadSpec, describe, mixed_requests, paced_warmup
 from bench.workloads import load_tokenized_mmlu
 
+ROOT = Path(__file__).resolve().parents[2]
 POLICIES = ("cost", "longest_prefix", "local", "random", "least_loaded")
 DEFAULT_SHARES = (0.2, 0.3, 0.4, 0.5)
 # A random-weight model whose prefill is most of a request's CPU (bench/random_model.py):
@@ -234,6 +236,17 @@ def events_line(row: dict[str, Any]) -> str:
             f"{'?' if trusted is None else f'{trusted:.2f}'} forward extra ms {extra}")
 
 
+def code_version() -> str | None:
+    """The checkout the run's peers were forked from (`git describe --always --dirty`),
+    None outside a git checkout: rows are only comparable at the code they name."""
+    try:
+        done = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT,
+                              capture_output=True, text=True, timeout=10, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() or None
+
+
 def warmup_pace(load: str) -> float:
     """How much faster than `load`'s own arrivals its warm-up arrives: the ratio of the
     top load's target utilisation to its own (near the top load's pace)."""
@@ -300,6 +313,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 "bandwidth_mbit": args.bandwidth_mbit, "quick": args.quick,
                 "isolated": bed.isolated, "seed": args.seed, "peer_args": args.peer_args,
                 "workload": describe(workload_at(rates[args.loads[0]])),
+                "code": code_version(),
             }
             for delay_ms in args.delays_ms:
                 bed.set_delay(delay_ms / 1000)

@@ -24,6 +24,7 @@ import ctypes
 import importlib
 import json
 import os
+import pkgutil
 import signal
 import sys
 import time
@@ -41,9 +42,19 @@ PRELOAD = (  # what `serve` imports on its way up (most of it lazily, after pars
 )
 
 
+CODE_PACKAGES = ("peer", "protocols")  # imported whole, so no child reads code from disk
+
+
 def preload() -> None:
+    """The heavy imports, then every module of the project's packages: a child must not
+    import a module lazily from disk after the fork, or a file edited while a testbed
+    runs would put new code into the peers of its later runs (it did once)."""
     for name in PRELOAD:
         importlib.import_module(name)
+    for package_name in CODE_PACKAGES:
+        package = importlib.import_module(package_name)
+        for module in pkgutil.walk_packages(package.__path__, f"{package_name}."):
+            importlib.import_module(module.name)
 
 
 def _threads() -> int:
