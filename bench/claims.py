@@ -51,6 +51,14 @@ TESTBED_R256_COMMAND = (
     ".venv/bin/python -m bench.testbed --json docs/results/testbed_r256.json --model "
     "/tmp/models/r256x2 --cache-bytes 8000000 --runs 5 --warmup 80 (with the warm-up "
     "unpaced, at b101006)")
+# The full run again, on the code after its review mends, at the first run's rates (the
+# same workloads): how far one full run's verdicts carry
+TESTBED_REPEAT_JSON = ROOT / "docs" / "results" / "testbed_repeat.json"
+TESTBED_REPEAT_TITLE = ("The testbed's full run again (the same rates and seeds, the code "
+                        "after its review mends)")
+TESTBED_REPEAT_COMMAND = (
+    "sudo .venv/bin/python -m bench.testbed --json docs/results/testbed_repeat.json "
+    "--rates half=11.84761583608273,high=26.669759680950357")
 # The full run on tiny-random, the testbed's default model before random-256x2: a
 # request is mostly the peer's own overhead there, so no routing can pay
 TESTBED_TINY_JSON = ROOT / "docs" / "results" / "testbed_tiny.json"
@@ -429,6 +437,8 @@ def main(argv: list[str] | None = None) -> int:
               "quick_wall_s": qparams.get("wall_s"), "quick_runs": len(quick),
               "final_wall_s": fparams.get("wall_s"), "final_runs": len(final)}
     page = (render(quick, final, params, result, seeds) + "\n" + testbed_section(TESTBED_JSON)
+            + "\n" + testbed_section(TESTBED_REPEAT_JSON, TESTBED_REPEAT_TITLE,
+                                     TESTBED_REPEAT_COMMAND)
             + "\n" + testbed_section(TESTBED_R256_JSON, TESTBED_R256_TITLE, TESTBED_R256_COMMAND)
             + "\n" + testbed_section(TESTBED_TINY_JSON, TESTBED_TINY_TITLE, TESTBED_TINY_COMMAND)
             + "\n" + testbed_section(TESTBED_MID_JSON, TESTBED_MID_TITLE, TESTBED_MID_COMMAND))
