@@ -197,6 +197,7 @@ async def _report_up(
     peer: Any, url: str | None, json_report: bool, scope: trio.CancelScope
 ) -> None:
     """Say the peer is up: JSON lines (then its known peers now and then), or text."""
+    from peer import views  # loaded by now: the peer is up
     with scope:
         if not json_report:
             print(f"peer {peer.peer_id} serves {peer.model_id}; others join with:")
@@ -220,14 +221,7 @@ async def _report_up(
         last: dict[str, Any] = {}
         said_at = -math.inf
         while True:
-            views = peer.table.views(trio.current_time())
-            # known: a summary of it arrived; routable: also a measured round trip (what
-            # a serving peer's router needs before the peer is a candidate)
-            report = {
-                "event": "peers",
-                "peer_ids": sorted(v.peer_id for v in views),
-                "routable": sorted(v.peer_id for v in views if v.rtt_s is not None),
-            }
+            report = views.peers_report(peer.table.views(trio.current_time()))
             now = trio.current_time()
             if report != last or now - said_at >= PEERS_REPEAT_S:
                 _emit(report)

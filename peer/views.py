@@ -113,6 +113,17 @@ def swarm_view(
     }
 
 
+def peers_report(views: Sequence[Any]) -> dict[str, Any]:
+    """`serve --report json`'s peers line: the peers known (a summary of each arrived)
+    and those routable (also a measured round trip: what a serving peer's router needs
+    before a peer is a candidate)."""
+    return {
+        "event": "peers",
+        "peer_ids": sorted(v.peer_id for v in views),
+        "routable": sorted(v.peer_id for v in views if v.rtt_s is not None),
+    }
+
+
 def cache_sample(engine: EngineView, now: float) -> CacheSample:
     generating = engine.generating()  # a cache-only engine counts no prompt tokens
     stats = generating.statistics() if generating is not None else {}

@@ -231,27 +231,21 @@ async def test_a_member_never_reached_stops_the_fast_tick_after_its_window(autoj
     assert len(late) <= 20  # then the ordinary tick, once a second
 
 
-class HangingHost:
-    """Two connected peers: UNKEPT's pings hang until their timeout, KEPT's answer."""
+class HangingHost(PingHost):
+    """PingHost, but UNKEPT's pings hang until their timeout; records KEPT's answers."""
 
     def __init__(self) -> None:
-        self.answered: list[float] = []
-
-    def connected_peers(self) -> list[ID]:
-        return [KEPT, UNKEPT]
+        super().__init__()
+        self.answered = self.pings[KEPT]
 
     def is_connected(self, peer_id: ID) -> bool:
         return True
-
-    def may_relay_to(self, peer_id: ID) -> bool:
-        return False
 
     async def ping(self, peer_id: ID, *, timeout_s: float) -> float:
         if peer_id == UNKEPT:
             await trio.sleep(timeout_s)
             raise PeerUnreachable("no answer")
-        self.answered.append(trio.current_time())
-        return 0.001
+        return await super().ping(peer_id, timeout_s=timeout_s)
 
 
 async def test_a_ping_waiting_out_its_timeout_holds_back_no_other(autojump_clock):
