@@ -173,6 +173,26 @@ def test_busiest_peer_utilization_is_busy_time_while_measured_requests_arrive() 
     assert m["busiest_peer_utilization"] == pytest.approx(5 * 0.105 / 10)
 
 
+def test_requests_enter_where_the_caller_says() -> None:
+    """A testbed's prediction replays the run's own entries (bench/testbed/workload.py
+    `entry_peers`): each job enters at the peer given for it, not at a seeded draw, and a
+    list that does not name a peer per request is refused."""
+    wl = workload(40)
+    entries = [(3 * i) % SMALL.peers for i in range(len(wl))]
+    sim = Simulator(SMALL, wl, entries)
+    sim.run()
+    assert sorted((job.rid, job.entry) for job in sim.jobs if job.shadow is None) == list(
+        enumerate(entries))
+    drawn = Simulator(SMALL, wl)
+    drawn.run()
+    assert [j.entry for j in sorted(drawn.jobs, key=lambda j: j.rid)
+            if j.shadow is None] != entries
+    with pytest.raises(ValueError, match="one of"):
+        Simulator(SMALL, wl, entries[:-1])
+    with pytest.raises(ValueError, match="one of"):
+        Simulator(SMALL, wl, [SMALL.peers] * len(wl))
+
+
 def test_swarm_trust_established_or_cold() -> None:
     """An established swarm starts with every peer past every other's probation (the live
     ledger, fed matching shadow answers) and sends no shadow; in a cold one every peer

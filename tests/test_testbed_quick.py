@@ -179,6 +179,10 @@ def test_quick_run_on_isolated_peers(tmp_path: Path) -> None:
         assert row["pipeline_events"]["requests"] >= row["requests"]
         if row["policy"] != "local":
             assert 0 <= row["trusted_pair_fraction"] <= 1
+        # what each peer advertised of its own speeds, measured and simulated
+        for measured, simulated in zip(row["advertised_tokens_per_s"],
+                                       row["predicted_advertised_tokens_per_s"], strict=True):
+            assert min(measured) > 0 and min(simulated) > 0
     assert len(result["summary"]) == len(cli.POLICIES)
 
 

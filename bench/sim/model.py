@@ -73,9 +73,16 @@ GREEDY = 0.0  # the simulated workload's temperature: answers are compared (shad
 class Simulator(ServerModel, RoutingModel, GossipModel):
     """Runs one SimParams over one workload; `run()` once."""
 
-    def __init__(self, params: SimParams, workload: Sequence[TokenRequest]) -> None:
+    def __init__(self, params: SimParams, workload: Sequence[TokenRequest],
+                 entries: Sequence[int] | None = None) -> None:
+        """`entries`: the peer each request enters at (a testbed run's own, replayed);
+        None draws them from the seed."""
         if not workload:
             raise ValueError("the workload is empty")
+        if entries is not None and (len(entries) != len(workload)
+                                    or any(not 0 <= e < params.peers for e in entries)):
+            raise ValueError(f"entries must name one of {params.peers} peers per request")
+        self._entries = entries
         self.params = params
         self.workload = workload
         self.hasher = BlockHasher(params.model_id, params.block_size)
@@ -244,7 +251,8 @@ class Simulator(ServerModel, RoutingModel, GossipModel):
             job.history = min(prev, len(tokens) - 1) // bs * bs
         self._last_prompt[req.group] = len(tokens)
         self.jobs.append(job)
-        job.entry = self._entry_rng.randrange(self.params.peers)
+        job.entry = (self._entries[rid] if self._entries is not None
+                     else self._entry_rng.randrange(self.params.peers))
         entry = self.peers[job.entry]
         wait = 0.0
         if (self._ring and job.chain and self.params.policy != ORACLE

@@ -342,6 +342,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                             row["predicted_served_per_peer"] = list(pred.served_per_peer)
                             row["predicted_peer_utilization"] = [
                                 round(u, 4) for u in pred.peer_utilization]
+                            row["predicted_advertised_tokens_per_s"] = [
+                                list(a) for a in pred.advertised]
                             result["rows"].append(row)
                             save()
                             log(f"d={delay_ms:g} ms {load} run {run} {policy}: ttft "

@@ -1,9 +1,10 @@
 """The simulator's prediction of a testbed run, and the arrival rates of the loads.
 
-The same workload (the very TokenRequest list the client sends), the same peers (one
-measured Calibration each, bench/testbed/calibrate.py, as SimParams.peer_calibrations),
-their cache capacity, summary interval, delay and policy; a cold swarm (every peer on
-probation for every other, promoted by shadows: each testbed run starts a fresh swarm)
+The same workload (the very TokenRequest list the client sends, each request to the
+same entry peer), the same peers (one measured Calibration each,
+bench/testbed/calibrate.py, as SimParams.peer_calibrations), their cache capacity,
+summary interval, delay and policy; a cold swarm (every peer on probation for every
+other, promoted by shadows: each testbed run starts a fresh swarm)
 and the same warm-up left out (`warmup_requests`: the requests the testbed sends before
 the measured ones; the busiest peer's utilisation is over the measured arrivals, as the
 testbed measures it: all of the peer's CPU over its share, so the simulated busy fraction
@@ -23,6 +24,7 @@ from bench.sim.calibration import Calibration
 from bench.sim.model import Simulator
 from bench.sim.params import COLD, SimParams
 from bench.testbed.calibrate import GossipCost, usable_cores
+from bench.testbed.workload import entry_peers
 from bench.workloads import TokenRequest
 
 SIM_JITTER = 0.0  # the emulator's links have a fixed delay
@@ -112,11 +114,14 @@ class Prediction:
     # policy sent the measured requests, and each peer's utilisation
     served_per_peer: tuple[int, ...] = ()
     peer_utilization: tuple[float, ...] = ()
+    # per peer, its own (prefill, decode) tokens/s at the end, as it advertised them
+    advertised: tuple[tuple[float, float], ...] = ()
 
 
 def predict(setup: SimSetup, policy: str, delay_ms: float, workload: Sequence[TokenRequest],
             seed: int) -> Prediction:
-    """One simulated run of `workload`, its first `setup.warmup_requests` not measured."""
+    """One simulated run of `workload`, its first `setup.warmup_requests` not measured,
+    each request entering at the peer the testbed sends it to (`entry_peers`)."""
     params = setup.params(policy, delay_ms, seed)
     if setup.warmup_requests:
         if setup.warmup_requests >= len(workload):
@@ -125,12 +130,14 @@ def predict(setup: SimSetup, policy: str, delay_ms: float, workload: Sequence[To
         # int(n * fraction) is the first measured request (Simulator._warmup)
         fraction = (setup.warmup_requests + 0.5) / len(workload)
         params = replace(params, warmup_fraction=fraction)
-    sim = Simulator(params, workload)
+    sim = Simulator(params, workload, entry_peers(seed, len(workload), params.peers))
     result = sim.run()
     utilization = peer_utilization(setup, sim)
     return Prediction(result.metrics["ttft_mean_s"], max(utilization, default=math.nan),
                       result.metrics["hit_ratio"], result.metrics["forwarded_fraction"],
-                      tuple(p.served_after_warmup for p in sim.peers), utilization)
+                      tuple(p.served_after_warmup for p in sim.peers), utilization,
+                      tuple((round(p.prefill_tps, 1), round(p.decode_tps, 1))
+                            for p in sim.peers))
 
 
 def peer_utilization(setup: SimSetup, sim: Simulator) -> tuple[float, ...]:

@@ -23,7 +23,8 @@ from bench.testbed.workload import WorkloadSpec, mixed_requests
 from bench.workloads import load_tokenized_mmlu
 
 PREDICTED = ("predicted_ttft_mean_s", "predicted_busiest_peer_utilization", "predicted_hit_ratio",
-             "predicted_served_per_peer", "predicted_peer_utilization")
+             "predicted_served_per_peer", "predicted_peer_utilization",
+             "predicted_advertised_tokens_per_s")
 
 
 def repredict(result: dict[str, Any]) -> dict[str, Any]:
@@ -45,6 +46,7 @@ def repredict(result: dict[str, Any]) -> dict[str, Any]:
         row["predicted_hit_ratio"] = pred.hit_ratio
         row["predicted_served_per_peer"] = list(pred.served_per_peer)
         row["predicted_peer_utilization"] = [round(u, 4) for u in pred.peer_utilization]
+        row["predicted_advertised_tokens_per_s"] = [list(a) for a in pred.advertised]
     params["repredicted"] = {
         "at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "by": "python -m bench.testbed.repredict",

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import random
 import statistics
 import time
 from collections import Counter
@@ -27,6 +26,7 @@ from bench.testbed.beds import (
     Bed,
     SwarmPeer,
 )
+from bench.testbed.workload import entry_peers
 from bench.workloads import TokenRequest
 
 
@@ -51,6 +51,9 @@ class RunMeasurement:
     events: dict[str, float] = field(default_factory=dict)  # pipeline events, all peers
     trusted_pair_fraction: float | None = None
     forward_extra_s: list[float | None] = field(default_factory=list)  # bed order
+    # each peer's own advertised (prefill, decode) tokens/s at the end (bed order): what
+    # the routers priced it at, next to what the calibration measured
+    advertised: list[tuple[float, float] | None] = field(default_factory=list)
 
 
 async def _send(client: httpx.AsyncClient, peer: SwarmPeer, request: TokenRequest,
@@ -166,8 +169,7 @@ async def run_policy(bed: Bed, policy: str, workload: Sequence[TokenRequest], mo
     """A fresh swarm of `policy`, the workload sent open loop, every request timed; the
     first `warmup` requests are served but not measured, and utilisation is the peers'
     CPU from the first measured request's arrival to the last arrival."""
-    rng = random.Random(f"{seed}/entries")  # the same entries for every policy
-    entries = [rng.randrange(len(bed.shares)) for _ in workload]
+    entries = entry_peers(seed, len(workload), len(bed.shares))
     setup_start = time.perf_counter()
     async with bed.swarm(policy) as swarm:
         setup_s = time.perf_counter() - setup_start
@@ -213,7 +215,17 @@ async def run_policy(bed: Bed, policy: str, workload: Sequence[TokenRequest], mo
                           peer_ids=tuple(p.peer_id for p in swarm.peers), events=events,
                           trusted_pair_fraction=trusted_pair_fraction(views),
                           forward_extra_s=[(v or {}).get("self", {}).get("forward_extra_s")
-                                           for v in views])
+                                           for v in views],
+                          advertised=[advertised(v) for v in views])
+
+
+def advertised(view: dict[str, Any] | None) -> tuple[float, float] | None:
+    """A peer's own (prefill, decode) tokens/s from its /v1/swarm view; None without."""
+    me = (view or {}).get("self") or {}
+    prefill, decode = me.get("prefill_tokens_per_s"), me.get("decode_tokens_per_s")
+    if not isinstance(prefill, int | float) or not isinstance(decode, int | float):
+        return None
+    return (round(float(prefill), 1), round(float(decode), 1))
 
 
 def _mean(values: Sequence[float]) -> float | None:
@@ -254,6 +266,7 @@ def summarise(measured: RunMeasurement) -> dict[str, Any]:
         "pipeline_events": measured.events,
         # what each entry's router added to a forward's cost at the end (forward_overhead.py)
         "forward_extra_s": measured.forward_extra_s,
+        "advertised_tokens_per_s": measured.advertised,  # per peer: (prefill, decode)
         "trusted_pair_fraction": measured.trusted_pair_fraction,
         "wall_s": measured.wall_s,
         "setup_s": measured.setup_s,  # start until every peer knows every other

@@ -12,6 +12,7 @@ request is served, so it only lengthens the run.
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, replace
 
 from bench.workloads import (
@@ -94,6 +95,13 @@ def paced_warmup(workload: list[TokenRequest], warmup: int, pace: float,
     head = [replace(r, arrival_s=r.arrival_s / pace) for r in workload[:warmup]]
     shift = workload[warmup - 1].arrival_s - head[-1].arrival_s - pause_s
     return head + [replace(r, arrival_s=r.arrival_s - shift) for r in workload[warmup:]]
+
+
+def entry_peers(seed: int, requests: int, peers: int) -> list[int]:
+    """The peer (bed order) each request of a run is sent to, seeded: the same entries for
+    every policy, and the simulator's prediction is given the very same ones."""
+    rng = random.Random(f"{seed}/entries")
+    return [rng.randrange(peers) for _ in range(requests)]
 
 
 def describe(workload: list[TokenRequest]) -> dict[str, float]:
