@@ -55,7 +55,7 @@ lint: $(STAMP)
 		peer/swarm/interest.py peer/swarm/providers.py peer/demo_data.py peer/engine/radix.py \
 		peer/engine/speeds.py peer/routing/trust.py peer/routing/claims.py peer/routing/reliability.py peer/routing/shadow.py peer/request/request_log.py peer/settings.py \
 		peer/preflight.py peer/logs.py peer/version.py peer/progress.py peer/net/reachability.py peer/net/relay_reservations.py peer/net/punch.py peer/net/punch_policy.py \
-		peer/engine/scheduler.py peer/engine/api.py peer/engine/text.py peer/routing/probing.py peer/routing/decide.py \
+		peer/engine/scheduler.py peer/engine/verify_plan.py peer/engine/api.py peer/engine/text.py peer/routing/probing.py peer/routing/decide.py \
 		peer/request/generation.py peer/api/face.py peer/swarm/local_summary.py \
 		peer/swarm/incremental_bloom.py peer/swarm/admission.py peer/net/dial_candidates.py bench/testbed/link.py bench/sim/quota.py peer/request/budget.py peer/routing/evidence.py \
 		peer/net/keyed_budget.py peer/swarm/gossip_gate.py peer/swarm/delivery_counts.py peer/request/served_log.py peer/routing/forward_overhead.py

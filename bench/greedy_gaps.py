@@ -40,7 +40,8 @@ from bench.workloads import load_tokenized_mmlu, mmlu_requests
 from peer.engine.api import SamplingParams
 from peer.engine.engine import Engine, load_engine
 from peer.engine.model import DEFAULT_MODEL, DTYPES
-from peer.engine.verify import VERIFY_CHUNK_TOKENS, forward_chunk, greedy_gaps, tolerance
+from peer.engine.verify import forward_chunk, greedy_gaps, tolerance
+from peer.engine.verify_plan import VERIFY_CHUNK_TOKENS
 from protocols.ids import split_model_id
 
 NEW_TOKENS = 8

@@ -501,3 +501,36 @@ def test_held_out_check_per_seed_on_the_mean_and_at_the_busy_load() -> None:
     assert out["targets"] == {"mean_within_5pct": False, "each_seed_within_15pct": False,
                               "busy_load_reached": True, "busy_cost_over_oracle_le_1_3": True}
     assert not out["pass"]
+
+
+def test_trust_checks_price_the_entrys_rescores() -> None:
+    """With `trust_checks` the simulated entry re-scores answers as the live pipeline
+    does: a verified answer (the ledger's verify_fraction of forwards) reaches its client
+    whole, after the re-score at the entry, so its TTFT is its end to end and lies past
+    the answer's return; the first answers of each promoted peer are audited (at most
+    DEFAULT_PROBATION_REQUESTS per entry and peer run); the
+    re-scores cost the swarm CPU. Without, no answer is checked."""
+    from peer.routing.trust import DEFAULT_PROBATION_REQUESTS
+
+    wl = workload(400, rate=4.0)
+    runs = {}
+    for checks in (False, True):
+        params = dataclasses.replace(SMALL, policy="random", trust_checks=checks)
+        sim = Simulator(params, wl)
+        runs[checks] = (sim, sim.run().metrics)
+    sim, m = runs[False]
+    assert not any(j.verify for j in sim.jobs)
+    assert m["verified_per_request"] == m["audits_per_request"] == 0.0
+    sim, m = runs[True]
+    forwarded = [j for j in sim.jobs if j.target != j.entry]
+    verified = [j for j in forwarded if j.verify]
+    assert 0.03 * len(forwarded) <= len(verified) <= 0.2 * len(forwarded)
+    for job in verified:
+        assert job.ttft == job.e2e and job.arrival + job.ttft > job.answered
+    assert not any(j.verify for j in sim.jobs if j.target == j.entry)
+    # an audit dropped (AUDITS_WAITING were waiting) is asked for again by the ledger
+    pairs = SMALL.peers * (SMALL.peers - 1)
+    assert 0 < sim.audits_run <= pairs * DEFAULT_PROBATION_REQUESTS
+    assert m["audits_per_request"] == sim.audits_run / len(wl)
+    busy = [sum(p.busy_s for p in s.peers) for s, _ in (runs[False], runs[True])]
+    assert busy[1] > busy[0]

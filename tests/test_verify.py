@@ -317,3 +317,20 @@ def test_accepted_fraction_counts_what_check_logits_accepts(seed, scale, tempera
     assert float(accepted_fraction(logits, params, position)[0]) * 40 == pytest.approx(accepted)
     if temperature > 0 and sampler_seed is not None:
         assert accepted >= 1  # the seed's own token always passes
+
+
+def test_a_verification_is_cut_into_chunks_over_the_cached_prefix() -> None:
+    """What a re-score feeds (peer/engine/verify_plan.py): the prompt and all but the last
+    output token, from the end of the cached prefix, VERIFY_CHUNK_TOKENS at a time."""
+    from peer.engine.verify_plan import VERIFY_CHUNK_TOKENS, verify_chunks
+
+    assert verify_chunks(600, 3, 0) == [(256, 0), (256, 256), (90, 512)]
+    assert verify_chunks(600, 3, 512) == [(90, 512)]
+    assert verify_chunks(10, 1, 0) == [(10, 0)]
+    assert verify_chunks(10, 0, 0) == [(10, 0)]
+    assert verify_chunks(600, 3, 0, chunk_tokens=1000) == [(602, 0)]
+    assert sum(n for n, _ in verify_chunks(5000, 17, 48)) == 5000 + 16 - 48
+    assert VERIFY_CHUNK_TOKENS == 256
+    for bad in ((10, 1, 10), (-1, 1, 0), (10, 1, -1)):
+        with pytest.raises(ValueError):
+            verify_chunks(*bad)

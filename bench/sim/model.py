@@ -153,6 +153,8 @@ class Simulator(ServerModel, RoutingModel, GossipModel):
         self.shadow_jobs: list[Job] = []  # shadow copies sent, in order
         self.promotions: list[tuple[float, int, int]] = []  # (time, entry, peer promoted)
         self._forwarded = 0
+        self.audits_run = 0  # SimParams.trust_checks: audits an idle entry ran, ...
+        self.audits_dropped = 0  # ... and those dropped (AUDITS_WAITING were waiting)
         self._summaries_applied = 0
         self._summaries_rejected = 0
         # Called with (peer index, time, summary) at each publish (tests compare it with
@@ -234,7 +236,7 @@ class Simulator(ServerModel, RoutingModel, GossipModel):
             elif kind == VERDICT:
                 self._verdict(self.peers[a], payload, t)
             else:
-                self._forward_done(self.peers[a], payload)
+                self._forward_done(self.peers[a], payload, t)
         return self._result()
 
     def _arrive(self, rid: int, now: float) -> None:
@@ -283,6 +285,9 @@ class Simulator(ServerModel, RoutingModel, GossipModel):
                 self._start(job, now)
         else:
             self._forwarded += 1
+            if self.params.trust_checks:  # as peer/request/race.py decides it per attempt
+                job.verify = entry.trust.should_verify(self.peers[target].peer_id,
+                                                       entry.verify_rng)
             self._send(entry, job, match_tokens, now, wait)
         if shadow is not None:
             self._send_shadow(entry, job, shadow, now, wait)
@@ -411,6 +416,11 @@ class Simulator(ServerModel, RoutingModel, GossipModel):
             "trusted_pair_fraction": trusted / pairs if pairs else 1.0,
             "promotion_p50_s": percentile(promoted_at, 0.5),
             "promotion_max_s": max(promoted_at, default=math.nan),
+            # the entries' re-scores (SimParams.trust_checks; all requests, warm-up
+            # included): answers verified before delivery, audits run, audits dropped
+            "verified_per_request": sum(j.verify for j in jobs) / len(jobs),
+            "audits_per_request": self.audits_run / len(jobs),
+            "audits_dropped_per_request": self.audits_dropped / len(jobs),
         }
         return RunResult(self.params, metrics, ttft, e2e, [j.target for j in jobs], completions)
 

@@ -96,6 +96,13 @@ class SimParams:
     load_probes: int = DEFAULT_LOAD_PROBES
     load_probe_wait_s: float = DEFAULT_LOAD_PROBE_WAIT_S
     swarm_trust: str = ESTABLISHED  # SWARM_TRUST_STATES
+    # The entry re-scores answers as the live pipeline does (peer/request/run.py): a
+    # forwarded answer verified before delivery at the ledger's verify_fraction (its
+    # client's first token waits for the whole answer and the re-score), and the first
+    # answers after promotion audited when the entry is idle, each a prefill at the entry
+    # (peer/engine/verify_plan.py). Off: answers cost their entry nothing (the grid's
+    # committed rows were made so).
+    trust_checks: bool = False
     # the first requests fill caches; left out of the metrics with (at least) those of the
     # first summary interval (Simulator._warmup)
     warmup_fraction: float = 0.1

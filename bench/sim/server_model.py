@@ -29,6 +29,8 @@ import math
 from bench.sim.swarm_state import END_BACK, FIRST_BACK, PHASE, VERDICT, Job, SimPeer, no_value
 from peer.engine.scheduler import StepPlan, reusable_blocks, waits_for_shared_prefill
 from peer.engine.speeds import observe_step
+from peer.engine.verify_plan import verify_chunks
+from peer.routing.trust import AUDITS_WAITING
 
 
 class ServerModel:
@@ -44,6 +46,33 @@ class ServerModel:
         peer.overhead_s += peer.cal.request_overhead_s
         if peer.step_started < 0:
             self._step(peer, now)
+
+    def _rescore_s(self, peer: SimPeer, job: Job) -> float:
+        """CPU seconds `peer` spends re-scoring `job`'s answer: a forward per chunk
+        (peer/engine/verify_plan.py) over the prompt's prefix that `peer` has cached."""
+        chunks = verify_chunks(len(job.tokens), job.req.max_new_tokens,
+                               self._reusable(peer, job.tokens))
+        return sum(peer.cal.step_s(0, [chunk]) for chunk in chunks)
+
+    def _check_answer(self, entry: SimPeer, job: Job, peer_id: str, now: float) -> None:
+        """A forwarded answer is back at `entry`: re-scored before delivery if it was
+        chosen for verification (its client's first token waits for the step that pays
+        it), else perhaps audited (peer/request/run.py `RunContext.audit`): queued until
+        the engine is idle, dropped beyond AUDITS_WAITING, as peer/request/evidence.py
+        does (whose 30 s wait-for-idle limit is not simulated)."""
+        if job.verify:
+            entry.verifying.append(job)
+            self._owe_cpu(entry, self._rescore_s(entry, job), now)
+            return
+        if not entry.trust.should_audit(peer_id):
+            return
+        if len(entry.audits) >= AUDITS_WAITING:
+            self.audits_dropped += 1
+            return
+        entry.trust.record_audit(peer_id)
+        entry.audits.append(self._rescore_s(entry, job))
+        if entry.step_started < 0:
+            self._step(entry, now)
 
     def _owe_cpu(self, peer: SimPeer, seconds: float, now: float) -> None:
         """`peer` owes `seconds` of CPU outside its engine (module docstring)."""
@@ -72,12 +101,16 @@ class ServerModel:
 
         peer.queue.admit(self.params.max_running, join, hold)
         plan = peer.queue.plan(self.params.step_tokens)
+        if not plan and peer.overhead_s <= 0 and peer.running == 0 and peer.audits:
+            peer.overhead_s = peer.audits.popleft()  # the engine is idle: one audit runs
+            self.audits_run += 1
         if not plan and peer.overhead_s <= 0:
             peer.step_started = -1.0
             return
         chunks = [(n, peer.queue.batch[rid].pos) for rid, n in plan.prefill]
         seconds = peer.cal.step_s(len(plan.decode), chunks) if plan else 0.0
         peer.step_overhead_s, peer.overhead_s = peer.overhead_s, 0.0
+        peer.step_verifying, peer.verifying = peer.verifying, []
         peer.step_work_s = seconds + peer.step_overhead_s
         peer.step_started = now
         end = (peer.quota.run(now, peer.step_work_s) if peer.quota is not None
@@ -118,6 +151,10 @@ class ServerModel:
                 job.decode_left = job.req.max_new_tokens - 1
                 if job.decode_left <= 0:
                     done += self._complete(peer, job, now)
+        for job in peer.step_verifying:  # re-scored: the whole answer reaches its client
+            job.ttft = job.e2e = now - job.arrival
+            done += 1
+        peer.step_verifying = []
         self._step(peer, now)
         return done
 
@@ -153,7 +190,7 @@ class ServerModel:
         peer.served += 1
         if self._measured(job):
             peer.served_after_warmup += 1
-        return 1
+        return 0 if job.verify else 1  # a verified one is done when its entry re-scored it
 
     def _insert(self, peer: SimPeer, tokens: tuple[int, ...], now: float) -> None:
         """Insert `tokens`' full blocks as the engine does (evicting exactly what it needs)."""

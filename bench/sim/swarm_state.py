@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
@@ -74,6 +75,7 @@ class Job:
         "tokens",
         "ttft",
         "twin",
+        "verify",
     )
 
     def __init__(self, rid: int, req: TokenRequest, tokens: tuple[int, ...], chain: list[int]):
@@ -101,6 +103,7 @@ class Job:
         self.shadow: Shadow | None = None  # set on a shadow copy: the planner's decision
         self.twin: Job | None = None  # a request's shadow copy, a shadow's request
         self.answered = math.nan  # when its whole answer is back at the entry
+        self.verify = False  # re-scored at its entry before any of it reaches the client
 
 
 class SimPeer:
@@ -157,6 +160,13 @@ class SimPeer:
         self.queue: BatchQueue[Job] = BatchQueue()  # who waits, who is in the batch
         self.step_started = -1.0  # < 0: no step in flight
         self.overhead_s = 0.0  # CPU owed outside engine steps, paid before the next step
+        # the entry's re-scores of answers (SimParams.trust_checks): verified answers whose
+        # re-score is owed, then in the step in flight (their clients wait for it); audits
+        # waiting for the engine to be idle, CPU seconds each (AUDITS_WAITING at most)
+        self.verifying: list[Job] = []
+        self.step_verifying: list[Job] = []
+        self.audits: deque[float] = deque()
+        self.verify_rng = random.Random(f"{params.seed}/verify/{idx}")
         self.step_overhead_s = 0.0  # of the step in flight, the part that was overhead
         self.step_work_s = 0.0  # the step in flight's work (calibration seconds)
         quotas = params.cpu_quotas

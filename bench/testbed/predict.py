@@ -4,8 +4,9 @@ The same workload (the very TokenRequest list the client sends, each request to 
 same entry peer), the same peers (one measured Calibration each,
 bench/testbed/calibrate.py, as SimParams.peer_calibrations), their cache capacity,
 summary interval, delay and policy; a cold swarm (every peer on probation for every
-other, promoted by shadows: each testbed run starts a fresh swarm)
-and the same warm-up left out (`warmup_requests`: the requests the testbed sends before
+other, promoted by shadows: each testbed run starts a fresh swarm), its answers verified
+and audited at their entries as the live peers do (SimParams.trust_checks), and the
+same warm-up left out (`warmup_requests`: the requests the testbed sends before
 the measured ones; the busiest peer's utilisation is over the measured arrivals, as the
 testbed measures it: all of the peer's CPU over its share, so the simulated busy fraction
 of what requests get is added to what the idle peer uses, `backgrounds`). `rate_for_utilization`
@@ -64,7 +65,7 @@ class SimSetup:
             summary_interval_s=self.summary_interval_s, capacity_blocks=self.capacity_blocks,
             block_size=self.block_size, warmup_fraction=0.0, seed=seed,
             calibration=calibrations[0], peer_calibrations=calibrations,
-            swarm_trust=self.swarm_trust, cpu_quotas=cpu_quotas,
+            swarm_trust=self.swarm_trust, cpu_quotas=cpu_quotas, trust_checks=True,
         )
 
 

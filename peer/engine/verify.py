@@ -42,6 +42,7 @@ from .api import EngineError, SamplingParams, Verdict
 from .radix import RadixCache
 from .runner import Runner, SeqKV
 from .sampling import NOISE_ROWS, nucleus_masks, perturbed_scores
+from .verify_plan import VERIFY_CHUNK_TOKENS
 
 __all__ = [
     "BF16_LOGITS_GAP",
@@ -101,9 +102,6 @@ SAMPLED_MIN_LOGPROB = math.log(1e-9)
 # top_p cuts the sorted distribution at a cumulative mass; small logit differences move
 # that mass slightly, so the cut is widened by this much.
 NUCLEUS_TOLERANCE = 0.01
-# Rows of logits computed per forward chunk: bounds the logits tensor (256 x 49k fp32 =
-# 50 MB for SmolLM2) and is the grain at which a verification yields to other requests.
-VERIFY_CHUNK_TOKENS = 256
 
 
 class VerifyingEngine(Protocol):

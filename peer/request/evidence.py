@@ -32,6 +32,7 @@ from peer.engine.api import EngineError, SamplingParams, Verdict, Verify
 from peer.net.wire import FrameStream, HandlerHost, InboundStream, StreamOpener, WireError
 from peer.request.signed import evidence_signed
 from peer.routing.evidence import Consider, EvidenceDesk, spread_targets
+from peer.routing.trust import AUDITS_WAITING
 from protocols.answers import Evidence, parse_evidence
 from protocols.errors import RemoteProtocolError
 from protocols.ids import EVIDENCE_PROTOCOL
@@ -44,7 +45,7 @@ logger = logging.getLogger(__name__)
 READ_TIMEOUT_S = 10.0  # a sender writes its one frame right after opening
 SEND_TIMEOUT_S = 10.0  # per peer told: open, write, close
 OUTBOX = 16  # confirmed lies waiting to be told; beyond it the oldest news is dropped
-AUDITS = 4  # delivered answers waiting for their audit; beyond it an audit is dropped
+AUDITS = AUDITS_WAITING  # delivered answers waiting for their audit; beyond: dropped
 AUDIT_IDLE_WAIT_S = 30.0  # an audit waits this long at most for the engine to be idle
 AUDIT_IDLE_POLL_S = 0.1
 

@@ -28,6 +28,7 @@ from peer.routing.reliability import CHARGES, Debt, Lapse, credit, decayed, unde
 from peer.routing.reliability import charge as charge_debt
 
 __all__ = [
+    "AUDITS_WAITING",
     "DEFAULT_PROBATION_REQUESTS",
     "DEFAULT_VERIFY_FRACTION",
     "ClaimsState",
@@ -43,6 +44,8 @@ __all__ = [
 ]
 
 # Defaults and bounds, each with its reason.
+AUDITS_WAITING = 4  # delivered answers waiting for their audit (peer/request/evidence.py);
+#   beyond it an audit is dropped
 DEFAULT_VERIFY_FRACTION = 0.1  # an always-lying trusted peer is caught within 50 forwards
 #   with probability 1 - 0.9**50 = 99.5% (the target is >= 95%, which needs f >= 0.06)
 DEFAULT_PROBATION_REQUESTS = 3  # matching shadow answers before a new identity is trusted:
