@@ -59,6 +59,13 @@ TESTBED_REPEAT_TITLE = ("The testbed's full run again (the same rates and seeds,
 TESTBED_REPEAT_COMMAND = (
     "sudo .venv/bin/python -m bench.testbed --json docs/results/testbed_repeat.json "
     "--rates half=11.84761583608273,high=26.669759680950357")
+# The testbed on another machine kind (an Intel Xeon with AMX), d = 0 only, two runs
+TESTBED_INTEL_JSON = ROOT / "docs" / "results" / "testbed_intel_d0.json"
+TESTBED_INTEL_TITLE = ("The testbed on an Intel Xeon (AMX): d = 0 ms only, two runs per point, "
+                       "at its own pilots' rates")
+TESTBED_INTEL_COMMAND = (
+    "sudo .venv/bin/python -m bench.testbed --json docs/results/testbed_intel_d0.json "
+    "--delays-ms 0 --runs 2")
 # The full run on tiny-random, the testbed's default model before random-256x2: a
 # request is mostly the peer's own overhead there, so no routing can pay
 TESTBED_TINY_JSON = ROOT / "docs" / "results" / "testbed_tiny.json"
@@ -439,6 +446,8 @@ def main(argv: list[str] | None = None) -> int:
     page = (render(quick, final, params, result, seeds) + "\n" + testbed_section(TESTBED_JSON)
             + "\n" + testbed_section(TESTBED_REPEAT_JSON, TESTBED_REPEAT_TITLE,
                                      TESTBED_REPEAT_COMMAND)
+            + "\n" + testbed_section(TESTBED_INTEL_JSON, TESTBED_INTEL_TITLE,
+                                     TESTBED_INTEL_COMMAND)
             + "\n" + testbed_section(TESTBED_R256_JSON, TESTBED_R256_TITLE, TESTBED_R256_COMMAND)
             + "\n" + testbed_section(TESTBED_TINY_JSON, TESTBED_TINY_TITLE, TESTBED_TINY_COMMAND)
             + "\n" + testbed_section(TESTBED_MID_JSON, TESTBED_MID_TITLE, TESTBED_MID_COMMAND))

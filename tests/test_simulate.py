@@ -366,6 +366,39 @@ def test_a_peer_under_a_quota_is_quick_when_idle_and_held_when_busy() -> None:
         SimParams(cpu_quotas=(1.5,))
 
 
+def test_a_throttled_peer_runs_nothing_until_its_next_period() -> None:
+    """`runnable_at`: once a period's budget has run out, the peer's other threads wait
+    for the next period with budget; before that moment, and in a period not used up,
+    they run at once. So a throttled entry sends a forward late, and holds a forward's
+    first token until it can relay it to the client."""
+    quota = CpuQuota(0.25, 0.1)  # 25 ms a period
+    assert quota.run(0.0, 0.06) == pytest.approx(0.21)  # 25 + 25 + 10 ms
+    assert quota.runnable_at(0.01) == 0.01  # the budget lasted until 25 ms
+    assert quota.runnable_at(0.03) == pytest.approx(0.1)  # throttled from 25 to 100 ms
+    assert quota.runnable_at(0.15) == pytest.approx(0.2)  # ... and from 125 to 200 ms
+    assert quota.runnable_at(0.205) == 0.205  # 10 ms of 25 used: not throttled
+    assert quota.runnable_at(5.0) == 5.0
+    cal = Calibration("flat", 0.0, 1e-4, 0.0, 0.01, "test", batch_step_slope=1.0)
+    # the oracle forwards the second request to the idle full-core peer (the others know
+    # no peer before its first summary); the entry is throttled from 25 to 100 ms by the
+    # first request's 100 ms of work, so the forward leaves at 100 ms, not at 50
+    params = SimParams(policy="oracle", peers=2, calibration=cal, warmup_fraction=0.0,
+                       delay_ms=0.0, cpu_quotas=(0.25, 1.0))
+    second = TokenRequest(0.05, 1, tuple(range(5000, 5300)), (), 1)  # 30 ms at peer 1
+    sim = Simulator(params, [TokenRequest(0.0, 0, tuple(range(1000)), (), 1), second],
+                    [0, 0])
+    sim.run()
+    (job,) = [j for j in sim.jobs if j.target != j.entry]
+    assert job.sent == pytest.approx(0.1) and job.arrival + job.ttft == pytest.approx(0.13)
+    # a first token back at the entry at 150 ms (throttled from 125 ms) reaches the
+    # client at 200 ms; one back at 110 ms at once
+    entry = sim.peers[0]
+    for back, relayed in ((0.15, 0.2), (0.11, 0.11)):
+        job.ttft = math.nan
+        sim._first_back(entry, job, back)
+        assert job.arrival + job.ttft == pytest.approx(relayed)
+
+
 def test_summary_interval_and_early_publish() -> None:
     wl = workload(300)
     slow = simulate(dataclasses.replace(SMALL, summary_interval_s=30.0, early_publish=False), wl)

@@ -258,6 +258,51 @@ def test_overheads_and_utilisation_as_the_testbed_reads_them() -> None:
     assert busy.busiest_peer_utilization == pytest.approx(0.4 + 0.6 * 0.1)
 
 
+def test_a_forward_costs_its_server_what_it_measured_beyond_a_local_request() -> None:
+    """A serving peer's CPU for a forwarded request, less what its own calibration gives
+    the same request from its client (a cold 32-token prompt), is its `served_overhead_s`
+    at its usable share; a peer that served no forward while measured gets the median of
+    the others', and a stream cheaper than HTTP charges nothing. The simulator adds it to
+    a request's cost only where another peer forwarded it."""
+    from bench.sim.calibration import Calibration
+    from bench.sim.model import Simulator
+    from bench.sim.params import SimParams
+    from bench.testbed.calibrate import (
+        FORWARD_PROMPT_TOKENS,
+        ForwardCost,
+        PeerSpeed,
+        served_extra_cpu,
+        with_overheads,
+    )
+    from bench.workloads import TokenRequest
+
+    fitted = Calibration("p", 0.05, 1e-3, 0.0, 0.02, "test", batch_step_slope=0.5)
+    speed = PeerSpeed((), 0.02, fitted, background_cores=0.1)
+    local_cpu = fitted.prefill_s(FORWARD_PROMPT_TOKENS, 0) * 0.2  # at 0.3 less 0.1 idle
+    forward = ForwardCost(0.004, 0.003, 10, 20, served_cpu_s={
+        "a": local_cpu + 0.006, "b": local_cpu + 0.002, "c": local_cpu - 0.001})
+    shares = [0.3] * 4
+    extras = served_extra_cpu([speed] * 4, shares, ["a", "b", "c", "entry"], forward)
+    assert extras == pytest.approx([0.006, 0.002, 0.0, 0.002])
+    cal = with_overheads(speed, 0.3, 0.004, served_extra_cpu_s=extras[0])
+    assert cal.served_overhead_s == pytest.approx(0.006 / 0.2)
+    assert with_overheads(speed, 0.3, 0.004).served_overhead_s == 0.0
+    # the simulator: a request forwarded to a peer costs it served_overhead_s more
+    flat = Calibration("flat", 0.0, 1e-3, 0.0, 0.01, "test", batch_step_slope=1.0)
+    reqs = [TokenRequest(float(i), i, tuple(range(i * 1000, i * 1000 + 100)), (), 1)
+            for i in range(11)]
+    busy = []
+    for extra in (0.0, 0.05):
+        params = SimParams(policy="random", peers=2, delay_ms=0.0, warmup_fraction=0.0,
+                           calibration=dataclasses.replace(flat, served_overhead_s=extra))
+        sim = Simulator(params, reqs)
+        sim.run()
+        forwarded = sum(1 for j in sim.jobs if j.target != j.entry)
+        busy.append((sum(p.busy_s for p in sim.peers), forwarded))
+    (plain, n), (charged, m) = busy
+    assert n == m > 0 and charged - plain == pytest.approx(0.05 * n)
+
+
 def test_the_summary_cadence_moves_from_the_background_to_per_summary_charges() -> None:
     """A summary's measured CPU becomes the calibration's per-summary costs at each
     peer's usable share; the idle cadence they account for (a summary of its own and one

@@ -27,7 +27,9 @@ agree unless a calibration says otherwise.
 A whole peer also spends CPU per request outside the engine's steps: the HTTP request and
 routing before the first token (`request_overhead_s`) and the end of the stream after it
 (`request_tail_s`), both paid by the serving peer, and, for a forwarded request, the
-entry's HTTP, routing and relayed stream (`forward_overhead_s`, paid by the entry); and
+entry's HTTP, routing and relayed stream (`forward_overhead_s`, paid by the entry) and
+the serving peer's stream beyond what a request of its own HTTP clients costs it
+(`served_overhead_s`: the inference protocol's framing and signed answer); and
 for each cache summary, the publisher's CPU (`summary_publish_s`) and every receiver's
 (`summary_receive_s`: decrypting, checking and applying it, relaying it on). An engine
 measured alone has none (all 0); a calibration measured through a peer's API
@@ -62,6 +64,7 @@ class Calibration:
     request_overhead_s: float = 0.0  # serving peer's CPU per request before its first token
     request_tail_s: float = 0.0  # ... and after it, outside engine steps
     forward_overhead_s: float = 0.0  # entry's CPU per request it forwards
+    served_overhead_s: float = 0.0  # serving peer's CPU per forwarded request, beyond a local one
     summary_publish_s: float = 0.0  # publisher's CPU per cache summary it sends
     summary_receive_s: float = 0.0  # a receiver's CPU per cache summary it gets
 
@@ -70,6 +73,7 @@ class Calibration:
             "request_overhead_s",
             "request_tail_s",
             "forward_overhead_s",
+            "served_overhead_s",
             "summary_publish_s",
             "summary_receive_s",
             "prefill_fixed_s",
@@ -133,6 +137,7 @@ class Calibration:
             request_overhead_s=self.request_overhead_s * factor,
             request_tail_s=self.request_tail_s * factor,
             forward_overhead_s=self.forward_overhead_s * factor,
+            served_overhead_s=self.served_overhead_s * factor,
             summary_publish_s=self.summary_publish_s * factor,
             summary_receive_s=self.summary_receive_s * factor,
         )
@@ -150,6 +155,7 @@ class Calibration:
             "request_overhead_s": self.request_overhead_s,
             "request_tail_s": self.request_tail_s,
             "forward_overhead_s": self.forward_overhead_s,
+            "served_overhead_s": self.served_overhead_s,
             "summary_publish_s": self.summary_publish_s,
             "summary_receive_s": self.summary_receive_s,
             "source": self.source,

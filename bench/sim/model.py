@@ -232,11 +232,11 @@ class Simulator(ServerModel, RoutingModel, GossipModel):
             elif kind == SUMMARY:
                 self._deliver_summary(a, payload, t)
             elif kind == FIRST_BACK:  # the entry's pipeline gives the forward back
-                self.peers[a].table.forward_prefilled(payload)
+                self._first_back(self.peers[a], payload, t)
             elif kind == VERDICT:
                 self._verdict(self.peers[a], payload, t)
             else:
-                self._forward_done(self.peers[a], payload, t)
+                remaining -= self._forward_done(self.peers[a], payload, t)
         return self._result()
 
     def _arrive(self, rid: int, now: float) -> None:
@@ -304,13 +304,14 @@ class Simulator(ServerModel, RoutingModel, GossipModel):
         work = entry.cal.forward_overhead_s
         self._owe_cpu(entry, work, now)
         legs = [self._one_way() for _ in range(2 * self.params.forward_setup_rtts + 1)]
-        job.sent = now + wait + work + sum(legs[:-1])  # the stream is open; the request goes
+        ready = self._runnable(entry, now + wait) - now  # a throttled entry sends later
+        job.sent = now + ready + work + sum(legs[:-1])  # the stream is open; the request goes
         if job.chosen is not None:  # the entry's router learns its own wait on a forward
             # (peer/request/run.py `learn_overhead`; here when it is sent, not at its first
             # token: nothing after the first token is simulated at the entry)
             entry.router.forward_overhead.forwarded(
-                work + sum(legs[:-1]), job.chosen.estimate.rtt_s, 0.0)
-        self._push(now + wait + work + sum(legs), DELIVER, job.target, job)
+                ready - wait + work + sum(legs[:-1]), job.chosen.estimate.rtt_s, 0.0)
+        self._push(now + ready + work + sum(legs), DELIVER, job.target, job)
 
     def _send_shadow(self, entry: SimPeer, job: Job, shadow: Shadow, now: float,
                      wait: float) -> None:

@@ -6,7 +6,8 @@ its processes q x period of CPU time per period, at a whole core's speed. A shor
 that finds budget left runs at full speed; one that does not waits for the next period.
 A fluid server at q cores (every second of work taking 1/q seconds) gets the mean right
 and the timing wrong at both ends: too slow when the peer is mostly idle, too smooth when
-it is saturated. `CpuQuota.run` walks a piece of work through the periods.
+it is saturated. `CpuQuota.run` walks a piece of work through the periods;
+`CpuQuota.runnable_at` says when the peer's other threads can next run at all.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import math
 from dataclasses import dataclass, field
 
 DEFAULT_PERIOD_S = 0.1  # the kernel's default cfs period, and the testbed's (100 ms)
+KEPT_PERIODS = 64  # periods whose exhaustion is remembered (work is never planned further)
 _EPS = 1e-12
 
 
@@ -26,6 +28,9 @@ class CpuQuota:
     period_s: float = DEFAULT_PERIOD_S
     _period: int = field(default=-1, repr=False)
     _used_s: float = field(default=0.0, repr=False)
+    # when each recent period's budget ran out (by period number): the peer is throttled
+    # from then to the period's end, whatever thread wants to run
+    _exhausted: dict[int, float] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if not 0 < self.share <= 1:
@@ -54,4 +59,18 @@ class CpuQuota:
             t += ran
             left -= ran
             self._used_s += ran
+            if budget - self._used_s <= _EPS:
+                self._exhausted[k] = t
+                self._exhausted.pop(k - KEPT_PERIODS, None)
+        return t
+
+    def runnable_at(self, t: float) -> float:
+        """The first moment from `t` at which the peer is not throttled: a piece of work
+        on another thread than the steps' (relaying a forward's first token, sending a
+        forward) waits out a period whose budget ran out before it, and takes no budget
+        itself here (its CPU is charged with the peer's other overheads)."""
+        k = math.floor(t / self.period_s)
+        while k in self._exhausted and t >= self._exhausted[k]:
+            k += 1
+            t = max(t, k * self.period_s)
         return t

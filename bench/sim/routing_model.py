@@ -249,22 +249,26 @@ class RoutingModel:
         ranked = entry.router.rank_estimates(estimates, len(job.tokens), job.req.max_new_tokens)
         return self._index[ranked[0].peer_id], ranked[0].match_tokens
 
-    def _forward_done(self, entry: SimPeer, job: Job, now: float) -> None:
+    def _forward_done(self, entry: SimPeer, job: Job, now: float) -> int:
         """A forward's last token is back at its entry: the entry's bookkeeping, as
         peer/request/run.py `RunContext.served` does it: the table's count of the forward,
         and what the trust ledger learns (served, the claimed match, observed speeds). A
         shadow's answer waits for the client's to be judged (`_verdict`). With
         `trust_checks`, a verified answer is re-scored before its client sees it and an
-        unverified one may be audited (`_check_answer`)."""
+        unverified one may be audited (`_check_answer`). Returns the client requests it
+        completed (1, or 0 for a shadow or an answer still to be re-scored)."""
         entry.table.forward_ended(job.charge, prefilled=True)
         if job.shadow is not None:
-            return
+            return 0
         peer_id = self.peers[job.target].peer_id
         trust = entry.trust
         trust.record_served(peer_id, verified=job.verify or trust.on_probation(peer_id))
+        if not job.verify:  # its last token reaches the client as its first did
+            job.e2e = self._runnable(entry, now) - job.arrival
         self._observe(entry, job)
         if self.params.trust_checks:
             self._check_answer(entry, job, peer_id, now)
+        return 0 if job.verify else 1  # a verified one: done when re-scored (`_phase`)
 
     def _verdict(self, entry: SimPeer, job: Job, now: float) -> None:
         """A shadow's answer and its request's are both at the entry: an honest simulated

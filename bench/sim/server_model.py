@@ -16,10 +16,11 @@ A peer held to a CPU quota (SimParams.cpu_quotas) runs each step through its Cpu
 time is the work over its share.
 
 CPU a peer spends outside its engine's steps (the calibration's `request_overhead_s` per
-request served when it arrives, `request_tail_s` at its first token, `forward_overhead_s`
-per request it forwards) is owed and paid before its next step, which it lengthens (a
-step of overhead alone when the engine is idle): the peer's one CPU share serves both,
-and the engine's measured speeds leave it out.
+request served when it arrives, plus `served_overhead_s` when another peer forwarded it,
+`request_tail_s` at its first token, `forward_overhead_s` per request it forwards, and
+with SimParams.trust_checks its re-scores of answers) is owed and paid before its next
+step, which it lengthens (a step of overhead alone when the engine is idle): the peer's
+one CPU share serves both, and the engine's measured speeds leave it out.
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ class ServerModel:
         peer.running += 1
         peer.queue.submit(job)
         peer.overhead_s += peer.cal.request_overhead_s
+        if job.target != job.entry:  # a forward (or a shadow) arrived on a stream
+            peer.overhead_s += peer.cal.served_overhead_s
         if peer.step_started < 0:
             self._step(peer, now)
 
@@ -165,7 +168,21 @@ class ServerModel:
         job.ret = 0.0 if job.target == job.entry else self._one_way()
         job.ttft = now + job.ret - job.arrival
         if job.charge is not None:
-            self._push(now + job.ret, FIRST_BACK, job.entry, job.charge)
+            self._push(now + job.ret, FIRST_BACK, job.entry, job)
+
+    def _runnable(self, peer: SimPeer, t: float) -> float:
+        """When `peer`'s threads besides its steps can run from `t` (its quota's
+        `runnable_at`; at once without a quota)."""
+        return peer.quota.runnable_at(t) if peer.quota is not None else t
+
+    def _first_back(self, entry: SimPeer, job: Job, now: float) -> None:
+        """A forward's first token is at its entry: the table counts the forward's
+        prefill done, and the client gets the token when the entry can relay it (a
+        throttled entry holds it until its next period)."""
+        if job.charge is not None:
+            entry.table.forward_prefilled(job.charge)
+        if job.shadow is None:
+            job.ttft = self._runnable(entry, now) - job.arrival
 
     def _complete(self, peer: SimPeer, job: Job, now: float) -> int:
         """The last token of ``job``: 1 for a client request, 0 for a shadow."""
@@ -190,7 +207,9 @@ class ServerModel:
         peer.served += 1
         if self._measured(job):
             peer.served_after_warmup += 1
-        return 0 if job.verify else 1  # a verified one is done when its entry re-scored it
+        # a forwarded one is done when its entry has relayed it (`_forward_done`), or
+        # re-scored it (verified)
+        return 0 if job.charge is not None else 1
 
     def _insert(self, peer: SimPeer, tokens: tuple[int, ...], now: float) -> None:
         """Insert `tokens`' full blocks as the engine does (evicting exactly what it needs)."""

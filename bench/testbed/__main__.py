@@ -29,6 +29,7 @@ from bench.testbed.calibrate import (
     measure_forward,
     measure_gossip,
     measure_peers,
+    served_extra_cpu,
     with_overheads,
 )
 from bench.testbed.loads import PILOT_SEED_OFFSET, Pilot, first_pilot_rate, measured_rates
@@ -160,9 +161,12 @@ async def calibrate(bed: Bed, args: argparse.Namespace) -> tuple[
     entry = entry_of(args.shares)
     log(f"calibrating: a forward's CPU at its entry (peer {entry} of a `random` swarm)")
     async with bed.swarm("random") as swarm:
+        servers = ({p.peer_id: functools.partial(swarm.cpu_seconds, i)
+                    for i, p in enumerate(swarm.peers)} if bed.isolated else None)
         forward = await measure_forward(swarm.peers[entry].http or "", args.model_path,
                                         swarm.peers[entry].peer_id, args.seed,
-                                        functools.partial(swarm.cpu_seconds, entry))
+                                        functools.partial(swarm.cpu_seconds, entry),
+                                        servers=servers)
     log(f"a forward costs its entry {forward.forwarded_cpu_s * 1e3:.1f} ms CPU "
         f"({forward.forwarded} of {forward.requests} forwarded; "
         f"{forward.local_cpu_s * 1e3:.1f} ms for those it served)")
@@ -173,13 +177,17 @@ async def calibrate(bed: Bed, args: argparse.Namespace) -> tuple[
             for pid, t in sorted(forward.ttft_by_server_s.items(),
                                  key=lambda kv: ids.get(kv[0], len(ids)))))
     shares = [s if bed.isolated else 1.0 for s in args.shares]
-    calibrations = tuple(with_overheads(s, share, forward.forwarded_cpu_s, gossip)
-                         for s, share in zip(speeds, shares, strict=True))
+    extras = served_extra_cpu(speeds, shares, [p.peer_id for p in swarm.peers], forward)
+    log("a forward costs its server, beyond the same request from its own client: "
+        + ", ".join(f"peer {i} {x * 1e3:.1f} ms CPU" for i, x in enumerate(extras)))
+    calibrations = tuple(with_overheads(s, share, forward.forwarded_cpu_s, gossip, extra)
+                         for s, share, extra in zip(speeds, shares, extras, strict=True))
     for i, c in enumerate(calibrations):
         log(f"peer {i} ({args.shares[i]:g} core): fixed {c.prefill_fixed_s * 1e3:.1f} ms "
             f"(request overhead {c.request_overhead_s * 1e3:.1f} ms before the first "
             f"token and {c.request_tail_s * 1e3:.1f} ms after, forward "
-            f"{c.forward_overhead_s * 1e3:.1f} ms), prefill "
+            f"{c.forward_overhead_s * 1e3:.1f} ms, served forward "
+            f"{c.served_overhead_s * 1e3:.1f} ms), prefill "
             f"{c.prefill_s_per_token * 1e3:.3f} ms/token, decode "
             f"{c.decode_s_per_token * 1e3:.1f} ms/token; cold 512: "
             f"{c.prefill_s(512, 0) * 1e3:.0f} ms")

@@ -25,7 +25,9 @@ TTFT over its end to end, `first_token_fraction`: the simulator's `request_overh
 before, `request_tail_s` after). A forward costs its entry too: `measure_forward` sends requests one
 at a time to one entry of a `random` swarm and takes the entry's CPU per request that
 another peer served (the simulator's `forward_overhead_s`, the same CPU seconds over each
-peer's share).
+peer's share), and each serving peer's CPU for those, less what its own calibration gives
+the same request from a client of its own (`served_overhead_s`: the stream and the
+signed answer in place of HTTP).
 
 Every cache summary costs CPU too, at its publisher and at every receiver (decrypting,
 checking, applying and relaying it: py-libp2p's work mostly), and in a testbed run each
@@ -42,7 +44,7 @@ from __future__ import annotations
 import math
 import random
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -175,43 +177,57 @@ class ForwardCost:
     # the client's time to first token, median, by the peer that served (the entry's own
     # included): what a lone forward takes end to end, next to a request served at once
     ttft_by_server_s: dict[str, float] = field(default_factory=dict)
+    # the serving peer's CPU seconds per forwarded request, median, by serving peer (those
+    # whose CPU was read): what a forward costs the other end
+    served_cpu_s: dict[str, float] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return {"forwarded_cpu_s": self.forwarded_cpu_s, "local_cpu_s": self.local_cpu_s,
                 "forwarded": self.forwarded, "requests": self.requests,
-                "ttft_by_server_s": self.ttft_by_server_s}
+                "ttft_by_server_s": self.ttft_by_server_s,
+                "served_cpu_s": self.served_cpu_s}
 
 
 async def measure_forward(url: str, model: str, entry_id: str, seed: int, cpu: Clock,
-                          requests: int = FORWARD_REQUESTS) -> ForwardCost:
+                          requests: int = FORWARD_REQUESTS,
+                          servers: Mapping[str, Clock] | None = None) -> ForwardCost:
     """Requests of fresh random prompts one at a time to the entry at `url` (of a
     `random` swarm, nothing else sent to it meanwhile): its CPU seconds per request,
-    background taken off, for those another peer served and those it served itself."""
+    background taken off, for those another peer served and those it served itself;
+    with `servers` (CPU clocks by peer id), each serving peer's too."""
     rng = random.Random(f"{seed}/forward/{url}")
+    clocks = {entry_id: cpu, **{p: c for p, c in (servers or {}).items() if p != entry_id}}
     by_kind: dict[bool, list[float]] = {True: [], False: []}
+    served: dict[str, list[float]] = {}
     ttfts: dict[str, list[float]] = {}
     async with httpx.AsyncClient(timeout=TIMEOUT_S) as client:
-        idle_from, idle_start = cpu(), trio.current_time()
+        idle_from = {p: c() for p, c in clocks.items()}
+        idle_start = trio.current_time()
         await trio.sleep(IDLE_S)
-        background = max(0.0, (cpu() - idle_from) / (trio.current_time() - idle_start))
+        idle_s = trio.current_time() - idle_start
+        background = {p: max(0.0, (c() - idle_from[p]) / idle_s) for p, c in clocks.items()}
         for _ in range(requests):
             prompt = [rng.randrange(*TOKEN_RANGE) for _ in range(FORWARD_PROMPT_TOKENS)]
             body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0,
                     "stream": True, "stream_options": {"include_usage": True}}
-            before, start = cpu(), trio.current_time()
+            before, start = {p: c() for p, c in clocks.items()}, trio.current_time()
             got = await stream_completion(client, url, body, TIMEOUT_S)
             await trio.sleep(SETTLE_S)
             if got.error or got.first is None:
                 raise RuntimeError(f"forward calibration request to {url} failed: {got.error}")
-            used = cpu() - before - background * (trio.current_time() - start)
+            wall = trio.current_time() - start
+            used = {p: max(0.0, c() - before[p] - background[p] * wall) for p, c in clocks.items()}
             server = got.extension.get("served_by", entry_id)
-            by_kind[server != entry_id].append(max(used, 0.0))
+            by_kind[server != entry_id].append(used[entry_id])
+            if server != entry_id and server in clocks:
+                served.setdefault(server, []).append(used[server])
             ttfts.setdefault(server, []).append(got.first - got.start)
     if not by_kind[True]:
         raise RuntimeError(f"the entry at {url} forwarded none of {requests} requests")
     local = statistics.median(by_kind[False]) if by_kind[False] else math.nan
     return ForwardCost(statistics.median(by_kind[True]), local, len(by_kind[True]), requests,
-                       {server: statistics.median(ts) for server, ts in ttfts.items()})
+                       {server: statistics.median(ts) for server, ts in ttfts.items()},
+                       {server: statistics.median(cs) for server, cs in served.items()})
 
 
 @dataclass(frozen=True)
@@ -293,13 +309,32 @@ def usable_cores(share: float, background_cores: float) -> float:
     return share - background_cores if share > background_cores else share
 
 
+def served_extra_cpu(speeds: Sequence[PeerSpeed], shares: Sequence[float],
+                     peer_ids: Sequence[str], forward: ForwardCost) -> list[float]:
+    """Per peer (bed order), the CPU seconds a forwarded request cost it beyond what its
+    calibration gives the same request from its own client (a cold FORWARD_PROMPT_TOKENS
+    prompt, one token), at least 0; a peer that served no forward while measured gets the
+    median of the others' (the same code on the same machine)."""
+    extra: dict[int, float] = {}
+    for i, peer_id in enumerate(peer_ids):
+        cpu = forward.served_cpu_s.get(peer_id)
+        if cpu is not None:
+            usable = usable_cores(shares[i], speeds[i].background_cores)
+            local = speeds[i].calibration.prefill_s(FORWARD_PROMPT_TOKENS, 0) * usable
+            extra[i] = cpu - local
+    fallback = statistics.median(extra.values()) if extra else 0.0
+    return [max(0.0, extra.get(i, fallback)) for i in range(len(peer_ids))]
+
+
 def with_overheads(speed: PeerSpeed, share: float, forward_cpu_s: float,
-                   gossip: GossipCost | None = None) -> Calibration:
+                   gossip: GossipCost | None = None,
+                   served_extra_cpu_s: float = 0.0) -> Calibration:
     """`speed`'s calibration with the simulator's per-request overheads (module
     docstring): the fit's fixed term less a lone step's fixed cost, the part before the
     first token what `first_token_fraction` of the fixed term leaves after the step;
-    a forward's CPU at the entry and, with `gossip`, a summary's at its publisher and at
-    a receiver, each over this peer's share less its background."""
+    a forward's CPU at the entry, what serving a forwarded request costs beyond a local
+    one (`served_extra_cpu`) and, with `gossip`, a summary's at its publisher and at a
+    receiver, each over this peer's share less its background."""
     cal = speed.calibration
     lone_step = cal.decode_s_per_token * (1.0 - cal.batch_step_slope)
     overhead = max(0.0, cal.prefill_fixed_s - lone_step)
@@ -308,6 +343,7 @@ def with_overheads(speed: PeerSpeed, share: float, forward_cpu_s: float,
     usable = usable_cores(share, speed.background_cores)
     return replace(cal, request_overhead_s=before, request_tail_s=overhead - before,
                    forward_overhead_s=forward_cpu_s / usable,
+                   served_overhead_s=served_extra_cpu_s / usable,
                    summary_publish_s=gossip.publish_cpu_s / usable if gossip else 0.0,
                    summary_receive_s=gossip.receive_cpu_s / usable if gossip else 0.0)
 

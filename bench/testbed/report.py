@@ -152,7 +152,12 @@ def section(path: Path, title: str = TITLE, command: str = COMMAND) -> str:
             + ", ".join(f"{c['calibration'].get('forward_overhead_s', 0.0) * 1e3:.1f}"
                         for c in data.get("calibration", []))
             + f" ({forward['forwarded_cpu_s'] * 1e3:.1f} ms of CPU, measured on "
-            f"{forward['forwarded']} forwards).",
+            f"{forward['forwarded']} forwards)"
+            + ("" if not forward.get("served_cpu_s") else
+               "; serving a forward, beyond a request of its own client, "
+               + ", ".join(f"{c['calibration'].get('served_overhead_s', 0.0) * 1e3:.1f}"
+                           for c in data.get("calibration", [])))
+            + ".",
             "",
         ]
     again = params.get("repredicted")
