@@ -306,11 +306,7 @@ class Simulator(ServerModel, RoutingModel, GossipModel):
         legs = [self._one_way() for _ in range(2 * self.params.forward_setup_rtts + 1)]
         ready = self._runnable(entry, now + wait) - now  # a throttled entry sends later
         job.sent = now + ready + work + sum(legs[:-1])  # the stream is open; the request goes
-        if job.chosen is not None:  # the entry's router learns its own wait on a forward
-            # (peer/request/run.py `learn_overhead`; here when it is sent, not at its first
-            # token: nothing after the first token is simulated at the entry)
-            entry.router.forward_overhead.forwarded(
-                ready - wait + work + sum(legs[:-1]), job.chosen.estimate.rtt_s, 0.0)
+        job.lead_s = ready - wait + work + sum(legs[:-1])  # learned at delivery
         self._push(now + ready + work + sum(legs), DELIVER, job.target, job)
 
     def _send_shadow(self, entry: SimPeer, job: Job, shadow: Shadow, now: float,

@@ -156,6 +156,7 @@ class ServerModel:
                     done += self._complete(peer, job, now)
         for job in peer.step_verifying:  # re-scored: the whole answer reaches its client
             job.ttft = job.e2e = now - job.arrival
+            self._learn_overhead(peer, job, now - job.first_back)
             done += 1
         peer.step_verifying = []
         self._step(peer, now)
@@ -181,8 +182,20 @@ class ServerModel:
         throttled entry holds it until its next period)."""
         if job.charge is not None:
             entry.table.forward_prefilled(job.charge)
-        if job.shadow is None:
-            job.ttft = self._runnable(entry, now) - job.arrival
+        job.first_back = now
+        if job.shadow is None and not job.verify:
+            relayed = self._runnable(entry, now)
+            job.ttft = relayed - job.arrival
+            self._learn_overhead(entry, job, relayed - now)
+
+    def _learn_overhead(self, entry: SimPeer, job: Job, after_first_s: float) -> None:
+        """The entry's router learns its own wait on a forward when the first token is
+        delivered, as peer/request/run.py `learn_overhead` does: before the request went
+        out, and from the first token's arrival to its delivery (a verified answer's
+        re-score included)."""
+        if job.chosen is not None and not math.isnan(job.lead_s):
+            entry.router.forward_overhead.forwarded(job.lead_s, job.chosen.estimate.rtt_s,
+                                                    max(0.0, after_first_s))
 
     def _complete(self, peer: SimPeer, job: Job, now: float) -> int:
         """The last token of ``job``: 1 for a client request, 0 for a shadow."""

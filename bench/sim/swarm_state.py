@@ -60,7 +60,9 @@ class Job:
         "decode_left",
         "e2e",
         "entry",
+        "first_back",
         "history",
+        "lead_s",
         "match",
         "new",
         "pos",
@@ -104,6 +106,8 @@ class Job:
         self.twin: Job | None = None  # a request's shadow copy, a shadow's request
         self.answered = math.nan  # when its whole answer is back at the entry
         self.verify = False  # re-scored at its entry before any of it reaches the client
+        self.lead_s = math.nan  # forwarded: the entry's time from routing to sending it
+        self.first_back = math.nan  # forwarded: when its first token reached the entry
 
 
 class SimPeer:
