@@ -39,9 +39,11 @@ SIMULATOR_OWN = {
     "TURNS_PER_SESSION",
     "QUICK_LOADS",
     "GREEDY",
-    # The machine a testbed peer runs on: the kernel's CFS period, float slack (quota.py).
+    # The machine a testbed peer runs on: the kernel's CFS period, float slack, and how
+    # many periods' throttling is remembered (quota.py).
     "DEFAULT_PERIOD_S",
     "_EPS",
+    "KEPT_PERIODS",
     # The evaluation's targets over result rows (bench/sim/checks.py): claims, not rules.
     "BUSY",
     "BUSY_ORACLE_RATIO",

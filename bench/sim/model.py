@@ -306,7 +306,7 @@ class Simulator(ServerModel, RoutingModel, GossipModel):
         legs = [self._one_way() for _ in range(2 * self.params.forward_setup_rtts + 1)]
         ready = self._runnable(entry, now + wait) - now  # a throttled entry sends later
         job.sent = now + ready + work + sum(legs[:-1])  # the stream is open; the request goes
-        job.lead_s = ready - wait + work + sum(legs[:-1])  # learned at delivery
+        job.lead_s = max(0.0, ready - wait) + work + sum(legs[:-1])  # learned at delivery
         self._push(now + ready + work + sum(legs), DELIVER, job.target, job)
 
     def _send_shadow(self, entry: SimPeer, job: Job, shadow: Shadow, now: float,

@@ -105,7 +105,7 @@ class ServerModel:
         peer.queue.admit(self.params.max_running, join, hold)
         plan = peer.queue.plan(self.params.step_tokens)
         if not plan and peer.overhead_s <= 0 and peer.running == 0 and peer.audits:
-            peer.overhead_s = peer.audits.popleft()  # the engine is idle: one audit runs
+            peer.overhead_s = peer.audits.pop(0)  # the engine is idle: one audit runs
             self.audits_run += 1
         if not plan and peer.overhead_s <= 0:
             peer.step_started = -1.0

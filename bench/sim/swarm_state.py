@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import random
-from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
@@ -169,7 +168,7 @@ class SimPeer:
         # waiting for the engine to be idle, CPU seconds each (AUDITS_WAITING at most)
         self.verifying: list[Job] = []
         self.step_verifying: list[Job] = []
-        self.audits: deque[float] = deque()
+        self.audits: list[float] = []  # evidence.py's bounded channel, first in first out
         self.verify_rng = random.Random(f"{params.seed}/verify/{idx}")
         self.step_overhead_s = 0.0  # of the step in flight, the part that was overhead
         self.step_work_s = 0.0  # the step in flight's work (calibration seconds)

@@ -57,7 +57,7 @@ from bench.swarm import stream_completion
 COLD_LENGTHS = (32, 512, 1024)  # prompt tokens of the cold points
 EXTENSION_TOKENS = 96  # new tokens after a cached prompt (the warm points)
 DECODE_TOKENS = 12
-REPEATS = 3
+REPEATS = 5  # draws per point: at 3 the fit moved by more than the predictions' tolerance
 TOKEN_RANGE = (1000, 40000)  # ids well inside the SmolLM2 vocabulary, no special tokens
 TIMEOUT_S = 60.0
 MIN_S_PER_TOKEN = 1e-6  # a floor where noise hides the per-token cost
@@ -66,8 +66,9 @@ MAX_BACKGROUND = 0.5  # of the share: more says the measurement broke, not the p
 FORWARD_REQUESTS = 40  # one after another at one entry of a `random` swarm
 FORWARD_PROMPT_TOKENS = 32
 SETTLE_S = 0.3  # after each: the entry's work after the stream (verdicts, shadows) ends
-GOSSIP_WINDOW_S = 12.0  # idle, then churning: the periodic work (pings, dial-backs) evens out
-GOSSIP_REQUEST_GAP_S = 0.5  # > the early-publish gap (a quarter interval): a summary each
+GOSSIP_WINDOW_S = 10.0  # idle, then churning: the periodic work (pings, dial-backs) evens out
+GOSSIP_CYCLES = 2  # churning windows, each between idle ones
+GOSSIP_REQUEST_GAP_S = 0.3  # > the early-publish gap (a quarter interval): a summary each
 GOSSIP_PROMPT_TOKENS = 512  # 32 blocks of 16: > CHANGE_FRACTION of the testbed's caches
 
 
@@ -261,40 +262,54 @@ async def _published(client: httpx.AsyncClient, url: str) -> int:
 async def measure_gossip(urls: Sequence[str], model: str, publisher: int, seed: int,
                          cpus: Sequence[Clock], interval_s: float) -> GossipCost:
     """GossipCost of a swarm that nothing else is sent to meanwhile (module docstring):
-    every peer's idle rate over GOSSIP_WINDOW_S before and after as long again of fresh
-    prompts to `publisher`, one every GOSSIP_REQUEST_GAP_S. (With the idle window
-    before only, one calibration measured the extra CPU as below idle: a cost of 0.)"""
+    every peer's idle rate over GOSSIP_CYCLES + 1 idle windows of GOSSIP_WINDOW_S, and
+    between them as long of fresh prompts to `publisher`, one every GOSSIP_REQUEST_GAP_S.
+    (With one idle window before only, one calibration measured the extra CPU as below
+    idle, a cost of 0; with one churning window between two idle ones, another did, on
+    11 extra summaries.)"""
     rng = random.Random(f"{seed}/gossip")
     n = len(urls)
 
     def read() -> tuple[list[float], float]:
         return [cpu() for cpu in cpus], trio.current_time()
 
-    async with httpx.AsyncClient(timeout=TIMEOUT_S) as client:
+    idle_cpu, idle_s = [0.0] * n, 0.0  # every peer's CPU over the idle windows
+    churn_cpu, churn_s = [0.0] * n, 0.0  # ... and over the churning ones
+    published, requests_cpu = 0, 0.0
+
+    async def idle_window() -> None:
+        nonlocal idle_s
         c0, t0 = read()
         await trio.sleep(GOSSIP_WINDOW_S)
         c1, t1 = read()
-        idle = [(b - a) / (t1 - t0) for a, b in zip(c0, c1, strict=True)]
-        seq0 = await _published(client, urls[publisher])
-        c2, t2 = read()
-        requests_cpu = 0.0
-        while trio.current_time() < t2 + GOSSIP_WINDOW_S:
-            prompt = [rng.randrange(*TOKEN_RANGE) for _ in range(GOSSIP_PROMPT_TOKENS)]
-            before = cpus[publisher]()
-            await _ttft(client, urls[publisher], model, prompt)
-            requests_cpu += cpus[publisher]() - before
-            await trio.sleep(GOSSIP_REQUEST_GAP_S)
-        c3, t3 = read()
-        seq1 = await _published(client, urls[publisher])
-        await trio.sleep(GOSSIP_WINDOW_S)  # idle again: a burst in one idle window
-        c4, t4 = read()  # (a DHT refresh, a reachability round) weighs half as much
-    idle = [(r + (b - a) / (t4 - t3)) / 2 for r, a, b in zip(idle, c3, c4, strict=True)]
-    window = t3 - t2
-    extra = (seq1 - seq0) - window / interval_s
+        idle_s += t1 - t0
+        for i in range(n):
+            idle_cpu[i] += c1[i] - c0[i]
+
+    async with httpx.AsyncClient(timeout=TIMEOUT_S) as client:
+        await idle_window()
+        for _ in range(GOSSIP_CYCLES):  # churn between idle windows: a drift or a burst
+            seq0 = await _published(client, urls[publisher])  # in one window weighs less
+            c2, t2 = read()
+            while trio.current_time() < t2 + GOSSIP_WINDOW_S:
+                prompt = [rng.randrange(*TOKEN_RANGE) for _ in range(GOSSIP_PROMPT_TOKENS)]
+                before = cpus[publisher]()
+                await _ttft(client, urls[publisher], model, prompt)
+                requests_cpu += cpus[publisher]() - before
+                await trio.sleep(GOSSIP_REQUEST_GAP_S)
+            c3, t3 = read()
+            published += await _published(client, urls[publisher]) - seq0
+            churn_s += t3 - t2
+            for i in range(n):
+                churn_cpu[i] += c3[i] - c2[i]
+            await idle_window()
+    idle = [c / idle_s for c in idle_cpu]
+    window = churn_s
+    extra = published - window / interval_s
     if extra < 1:
-        raise RuntimeError(f"the peer at {urls[publisher]} sent {seq1 - seq0} summaries in "
+        raise RuntimeError(f"the peer at {urls[publisher]} sent {published} summaries in "
                            f"{window:.0f} s of requests: no more than its idle ones")
-    used = [(b - a) - rate * window for a, b, rate in zip(c2, c3, idle, strict=True)]
+    used = [c - rate * window for c, rate in zip(churn_cpu, idle, strict=True)]
     receivers = [used[i] for i in range(n) if i != publisher]
     return GossipCost(
         publish_cpu_s=max(0.0, used[publisher] - requests_cpu) / extra,
