@@ -41,7 +41,7 @@ from peer.engine.api import SamplingParams
 from peer.engine.engine import Engine, load_engine
 from peer.engine.model import DEFAULT_MODEL, DTYPES
 from peer.engine.verify import forward_chunk, greedy_gaps, tolerance
-from peer.engine.verify_plan import VERIFY_CHUNK_TOKENS
+from peer.engine.verify_plan import verify_chunks
 from protocols.ids import split_model_id
 
 NEW_TOKENS = 8
@@ -53,14 +53,13 @@ def log(msg: str) -> None:
 
 def answer_gaps(engine: Engine, prompt: list[int], output: list[int]) -> list[float]:
     """Worker thread: each output token's gap below the argmax, scored as the verifier
-    scores it (prompt + output in VERIFY_CHUNK_TOKENS chunks on a fresh KV)."""
+    scores it (prompt + output in the verifier's chunks on a fresh KV)."""
     full = prompt + output[:-1]
     kv = engine.runner.new_kv([], len(full))
     gaps: list[float] = []
     with torch.inference_mode():
-        while kv.length < len(full):
-            end = min(len(full), kv.length + VERIFY_CHUNK_TOKENS)
-            logits, offset = forward_chunk(engine.runner, kv, full, end, len(prompt))
+        for new, before in verify_chunks(len(prompt), len(output), 0):
+            logits, offset = forward_chunk(engine.runner, kv, full, before + new, len(prompt))
             if logits.shape[0]:
                 targets = output[offset : offset + logits.shape[0]]
                 gaps += greedy_gaps(logits, targets).tolist()

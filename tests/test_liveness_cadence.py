@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
+from typing import Any
 
 import trio
 from libp2p.peer.id import ID
@@ -27,6 +28,12 @@ from tests.fake_host import new_peer_id
 
 KEPT, UNKEPT = ID.from_base58(new_peer_id(1)), ID.from_base58(new_peer_id(2))
 LIVENESS_S = 5.0
+
+
+def discovery_of(host: object, **kwargs: Any) -> Discovery:
+    """A Discovery over `host` alone (no DHT, no bootstrap), liveness every LIVENESS_S."""
+    return Discovery(host, None, b"key", (),  # type: ignore[arg-type]
+                     liveness_interval_s=LIVENESS_S, rng=random.Random(0), **kwargs)
 
 
 class PingHost:
@@ -49,11 +56,7 @@ class PingHost:
 async def test_unkept_round_trips_back_off_and_kept_ones_warm_up(autojump_clock):
     host = PingHost()
     table_knows = {str(KEPT)}
-    discovery = Discovery(
-        host, None, b"key", (),  # type: ignore[arg-type]
-        liveness_interval_s=LIVENESS_S, rng=random.Random(0),
-        on_rtt=lambda peer, rtt: peer in table_knows,
-    )
+    discovery = discovery_of(host, on_rtt=lambda peer, rtt: peer in table_knows)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(discovery._liveness_loop)
         await trio.sleep(60.0)
@@ -110,11 +113,7 @@ async def test_a_member_pinged_through_relays_is_pinged_at_once_when_it_connects
     # first round trip the router does not count the peer as a candidate.
     connect_at = 25.0
     host = LateDirectHost(connect_at)
-    discovery = Discovery(
-        host, None, b"key", (),  # type: ignore[arg-type]
-        liveness_interval_s=LIVENESS_S, rng=random.Random(0),
-        members=lambda: [str(KEPT)],
-    )
+    discovery = discovery_of(host, members=lambda: [str(KEPT)])
     async with trio.open_nursery() as nursery:
         nursery.start_soon(discovery._liveness_loop)
         await trio.sleep(connect_at + 10.0)
@@ -168,11 +167,7 @@ async def test_a_new_member_gets_its_first_kept_round_trip_within_a_warming_tick
             return True
         return False
 
-    discovery = Discovery(
-        host, None, b"key", (),  # type: ignore[arg-type]
-        liveness_interval_s=LIVENESS_S, rng=random.Random(0), on_rtt=on_rtt,
-        members=lambda: sorted(table_knows),
-    )
+    discovery = discovery_of(host, on_rtt=on_rtt, members=lambda: sorted(table_knows))
     async with trio.open_nursery() as nursery:
         nursery.start_soon(discovery._liveness_loop)
         await trio.sleep(1.5)  # pinged at 1.0 s, before its summary: dropped
@@ -186,10 +181,8 @@ async def test_a_new_member_gets_its_first_kept_round_trip_within_a_warming_tick
     # its summary came through the mesh at 0.5 s; it dials us at 3.3 s
     late = JoiningHost(connect_at=3.3)
     pinged_kept: list[float] = []
-    discovery = Discovery(
-        late, None, b"key", (),  # type: ignore[arg-type]
-        liveness_interval_s=LIVENESS_S, rng=random.Random(0),
-        on_rtt=lambda peer, rtt: pinged_kept.append(trio.current_time()) or True,
+    discovery = discovery_of(
+        late, on_rtt=lambda peer, rtt: pinged_kept.append(trio.current_time()) or True,
         members=lambda: [str(KEPT)],
     )
     async with trio.open_nursery() as nursery:
@@ -215,11 +208,8 @@ class CountingHost(JoiningHost):
 
 async def test_a_member_never_reached_stops_the_fast_tick_after_its_window(autojump_clock):
     host = CountingHost()
-    discovery = Discovery(
-        host, None, b"key", (),  # type: ignore[arg-type]
-        liveness_interval_s=LIVENESS_S, rng=random.Random(0),
-        members=lambda: [str(KEPT)],  # known, never connected, never measured
-    )
+    known = [str(KEPT)]  # known, never connected, never measured
+    discovery = discovery_of(host, members=lambda: known)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(discovery._liveness_loop)
         discovery.member_joined(str(KEPT))
@@ -251,11 +241,7 @@ class HangingHost(PingHost):
 async def test_a_ping_waiting_out_its_timeout_holds_back_no_other(autojump_clock):
     host = HangingHost()
     table_knows: set[str] = set()
-    discovery = Discovery(
-        host, None, b"key", (),  # type: ignore[arg-type]
-        liveness_interval_s=LIVENESS_S, rng=random.Random(0),
-        on_rtt=lambda peer, rtt: peer in table_knows,
-    )
+    discovery = discovery_of(host, on_rtt=lambda peer, rtt: peer in table_knows)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(discovery._liveness_loop)
         await trio.sleep(1.5)  # both pinged at 1.0 s; UNKEPT's hangs until 6.0 s

@@ -42,7 +42,7 @@ from .api import EngineError, SamplingParams, Verdict
 from .radix import RadixCache
 from .runner import Runner, SeqKV
 from .sampling import NOISE_ROWS, nucleus_masks, perturbed_scores
-from .verify_plan import VERIFY_CHUNK_TOKENS
+from .verify_plan import verify_chunks
 
 __all__ = [
     "BF16_LOGITS_GAP",
@@ -373,15 +373,17 @@ async def verify_output(
     engine.cache.lock(match)
     try:
         kv: SeqKV | None = None
-        while found is None and (kv is None or kv.length < len(full)):
+        for new, before in verify_chunks(n, len(output), match.num_tokens):
             async with engine.model_lock:  # no batch step meanwhile; steps between chunks
                 if kv is None:
                     kv = await trio.to_thread.run_sync(engine.runner.new_kv, match.values,
                                                        len(full))
-                end = min(len(full), kv.length + VERIFY_CHUNK_TOKENS)
                 found = await trio.to_thread.run_sync(
-                    score_chunk, engine.runner, kv, full, end, n, output, params, slack
+                    score_chunk, engine.runner, kv, full, before + new, n, output, params,
+                    slack,
                 )
+            if found is not None:
+                break
     except Exception as exc:  # torch failure: this verification fails, not the engine
         raise EngineError(f"verification failed: {type(exc).__name__}: {exc}") from exc
     finally:
