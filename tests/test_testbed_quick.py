@@ -227,6 +227,43 @@ def test_the_prediction_leaves_out_the_warm_up() -> None:
         predict(SimSetup((cal,), 256, 0.5, warmup_requests=20), "local", 0.0, reqs, seed=1)
 
 
+def test_predictions_made_again_replay_the_runs_own_arrivals() -> None:
+    """`repredict` gives each row the prediction of the workload its run sent: at a load
+    whose warm-up was paced, the paced arrivals (as the run's own prediction had them),
+    not the mix as drawn; a run from before pacing (no `warmup_pace`) is unpaced."""
+    from bench.sim.calibration import Calibration
+    from bench.testbed.predict import predict, setup_from_result
+    from bench.testbed.repredict import repredict
+    from bench.testbed.workload import run_workload
+
+    cal = Calibration("p", 0.004, 2e-5, 0.0, 0.002, "test")
+    params = {"shares": [0.5, 0.5], "isolated": False, "capacity_blocks": 64,
+              "summary_interval_s": 1.0, "warmup_requests": 30, "requests": 30,
+              "max_new_tokens": 2, "warmup_pace": {"half": 1.9, "high": 1.0},
+              "warmup_pause_s": 0.5}
+    rows = [{"policy": "local", "delay_ms": 0.0, "load": load, "rate_per_s": rate,
+             "seed": 4, "run": 0, "ttft_mean_s": 0.1, "hit_ratio": 0.5,
+             "forwarded_fraction": 0.0, "busiest_peer_utilization": 0.5}
+            for load, rate in (("half", 30.0), ("high", 60.0))]
+    result = {"params": params, "rows": rows,
+              "calibration": [{"calibration": cal.as_dict(), "background_cores": 0.0}] * 2}
+    data = _data()
+    repredict(result, data)
+    setup = setup_from_result(result)
+    for row in rows:
+        spec = WorkloadSpec(60, row["rate_per_s"], 2, 4)
+        pace = params["warmup_pace"][row["load"]]
+        sent = predict(setup, "local", 0.0, run_workload(data, spec, 30, pace, 0.5), 4)
+        assert row["predicted_ttft_mean_s"] == sent.ttft_mean_s
+        assert row["predicted_at_run"]["predicted_ttft_mean_s"] is None  # none before
+    half = rows[0]
+    unpaced = predict(setup, "local", 0.0, mixed_requests(data, WorkloadSpec(60, 30.0, 2, 4)), 4)
+    assert half["predicted_ttft_mean_s"] != unpaced.ttft_mean_s
+    del params["warmup_pace"]  # a run from before the paced warm-up
+    repredict(result, data)
+    assert half["predicted_ttft_mean_s"] == unpaced.ttft_mean_s
+
+
 def test_overheads_and_utilisation_as_the_testbed_reads_them() -> None:
     """The calibration's per-request overhead is its fixed term less a lone simulated
     step's fixed cost, split where the first token comes; a forward's CPU at the entry is

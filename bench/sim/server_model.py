@@ -104,12 +104,12 @@ class ServerModel:
 
         peer.queue.admit(self.params.max_running, join, hold)
         plan = peer.queue.plan(self.params.step_tokens)
-        if not plan and peer.overhead_s <= 0 and peer.running == 0 and peer.audits:
+        if not plan and peer.overhead_s <= 0:
+            if peer.running or not peer.audits:
+                peer.step_started = -1.0
+                return
             peer.overhead_s = peer.audits.pop(0)  # the engine is idle: one audit runs
             self.audits_run += 1
-        if not plan and peer.overhead_s <= 0:
-            peer.step_started = -1.0
-            return
         chunks = [(n, peer.queue.batch[rid].pos) for rid, n in plan.prefill]
         seconds = peer.cal.step_s(len(plan.decode), chunks) if plan else 0.0
         peer.step_overhead_s, peer.overhead_s = peer.overhead_s, 0.0
@@ -198,7 +198,9 @@ class ServerModel:
                                                     max(0.0, after_first_s))
 
     def _complete(self, peer: SimPeer, job: Job, now: float) -> int:
-        """The last token of ``job``: 1 for a client request, 0 for a shadow."""
+        """The last token of ``job`` at its server: 1 for a client request served at its
+        entry (or forwarded untracked, as the oracle does), 0 for a shadow or a forward,
+        which is done when its entry has relayed or re-scored it."""
         peer.cache.unlock(job.match)
         job.match = None
         peer.queue.finish(job.rid)
@@ -220,8 +222,6 @@ class ServerModel:
         peer.served += 1
         if self._measured(job):
             peer.served_after_warmup += 1
-        # a forwarded one is done when its entry has relayed it (`_forward_done`), or
-        # re-scored it (verified)
         return 0 if job.charge is not None else 1
 
     def _insert(self, peer: SimPeer, tokens: tuple[int, ...], now: float) -> None:

@@ -35,7 +35,7 @@ from bench.testbed.calibrate import (
 from bench.testbed.loads import PILOT_SEED_OFFSET, Pilot, first_pilot_rate, measured_rates
 from bench.testbed.predict import SimSetup, predict, rate_for_utilization, testbed_setup
 from bench.testbed.runner import run_policy, summarise
-from bench.testbed.workload import WorkloadSpec, describe, mixed_requests, paced_warmup
+from bench.testbed.workload import WorkloadSpec, describe, run_workload
 from bench.workloads import load_tokenized_mmlu
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -299,9 +299,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
 
             def workload_at(rate: float, seed: int = args.seed, pace: float = 1.0
                             ) -> list[Any]:
-                requests = mixed_requests(data, WorkloadSpec(args.warmup + args.requests,
-                                                             rate, args.max_new_tokens, seed))
-                return paced_warmup(requests, args.warmup, pace, WARMUP_PAUSE_S)
+                spec = WorkloadSpec(args.warmup + args.requests, rate, args.max_new_tokens,
+                                    seed)
+                return run_workload(data, spec, args.warmup, pace, WARMUP_PAUSE_S)
 
             bed.set_delay(args.delays_ms[0] / 1000)
             rates, pilots = await load_rates(bed, args, setup, speeds, workload_at)

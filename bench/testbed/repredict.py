@@ -19,27 +19,31 @@ from typing import Any
 
 from bench.report import emit_json
 from bench.testbed.predict import predict, setup_from_result
-from bench.testbed.workload import WorkloadSpec, mixed_requests
-from bench.workloads import load_tokenized_mmlu
+from bench.testbed.workload import WorkloadSpec, run_workload
+from bench.workloads import TokenizedMMLU, load_tokenized_mmlu
 
 PREDICTED = ("predicted_ttft_mean_s", "predicted_busiest_peer_utilization", "predicted_hit_ratio",
              "predicted_served_per_peer", "predicted_peer_utilization",
              "predicted_advertised_tokens_per_s")
 
 
-def repredict(result: dict[str, Any]) -> dict[str, Any]:
-    """`result` with every row's predictions made again (in place; returned)."""
+def repredict(result: dict[str, Any], data: TokenizedMMLU | None = None) -> dict[str, Any]:
+    """`result` with every row's predictions made again (in place; returned), each on
+    the very arrivals its run sent (`run_workload`: the paced warm-up included) drawn
+    from `data` (default: the tokenized MMLU the testbed uses)."""
     from bench.testbed.__main__ import summary
 
     params = result["params"]
     setup = setup_from_result(result)
-    data = load_tokenized_mmlu()
-    total = int(params.get("warmup_requests", 0)) + int(params["requests"])
+    data = data if data is not None else load_tokenized_mmlu()
+    warmup = int(params.get("warmup_requests", 0))
+    paces = params.get("warmup_pace") or {}  # runs before the paced warm-up have none
     for row in result["rows"]:
         row.setdefault("predicted_at_run", {k: row.get(k) for k in PREDICTED})
-        workload = mixed_requests(data, WorkloadSpec(total, float(row["rate_per_s"]),
-                                                     int(params["max_new_tokens"]),
-                                                     int(row["seed"])))
+        spec = WorkloadSpec(warmup + int(params["requests"]), float(row["rate_per_s"]),
+                            int(params["max_new_tokens"]), int(row["seed"]))
+        workload = run_workload(data, spec, warmup, float(paces.get(row["load"], 1.0)),
+                                float(params.get("warmup_pause_s", 0.0)))
         pred = predict(setup, row["policy"], float(row["delay_ms"]), workload, int(row["seed"]))
         row["predicted_ttft_mean_s"] = pred.ttft_mean_s
         row["predicted_busiest_peer_utilization"] = pred.busiest_peer_utilization

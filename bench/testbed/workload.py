@@ -97,6 +97,14 @@ def paced_warmup(workload: list[TokenRequest], warmup: int, pace: float,
     return head + [replace(r, arrival_s=r.arrival_s - shift) for r in workload[warmup:]]
 
 
+def run_workload(data: TokenizedMMLU, spec: WorkloadSpec, warmup: int, pace: float,
+                 pause_s: float) -> list[TokenRequest]:
+    """What a testbed run sends, in order: the mix, its first `warmup` requests paced
+    (`paced_warmup`). A run and every prediction of it (made then, or made again from
+    its rows) draw it here."""
+    return paced_warmup(mixed_requests(data, spec), warmup, pace, pause_s)
+
+
 def entry_peers(seed: int, requests: int, peers: int) -> list[int]:
     """The peer (bed order) each request of a run is sent to, seeded: the same entries for
     every policy, and the simulator's prediction is given the very same ones."""
