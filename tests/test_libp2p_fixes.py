@@ -80,3 +80,23 @@ def test_a_missing_module_global_is_reported_not_created(
     assert "happy-eyeballs-delay" not in in_force
     assert not hasattr(libp2p_swarm, "_HAPPY_EYEBALLS_DELAY")
     assert any("happy-eyeballs-delay skipped" in r.getMessage() for r in caplog.records)
+
+
+async def test_blacklisting_a_peer_whose_connection_died_meanwhile_is_no_error() -> None:
+    """The peer's stream is gone from `peers` by the time its reset returns (the
+    connection's own teardown removed it): the host must not fail on a KeyError."""
+    from types import SimpleNamespace
+
+    libp2p_fixes.apply()
+    forgotten: list[object] = []
+    pubsub = SimpleNamespace(peers={}, _forget_all_subscriptions=forgotten.append)
+
+    class DyingStream:
+        async def reset(self) -> None:
+            del pubsub.peers["p"]  # the race: removed while the reset awaited
+
+    pubsub.peers["p"] = DyingStream()
+    await Pubsub._teardown_if_connected(pubsub, "p")  # type: ignore[arg-type]
+    assert pubsub.peers == {} and forgotten == ["p"]
+    await Pubsub._teardown_if_connected(pubsub, "q")  # never connected
+    assert forgotten == ["p", "q"]

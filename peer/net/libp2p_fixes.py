@@ -152,6 +152,18 @@ def fixes() -> list[Fix]:
             lambda: _marked(Pubsub.continuously_read_stream, "_prefixswarm_guarded"),
             _guard_pubsub_decode,
         ),
+        # WORKAROUND(blacklist-teardown): blacklisting a connected peer runs
+        # Pubsub._teardown_if_connected, which resets the peer's stream (a wait) and then
+        # deletes it from `peers` by key. When the connection's own death removed it
+        # meanwhile, that `del` raises KeyError, the Pubsub service fails and the whole
+        # host with it (seen: an honest peer dying as it graylisted a flooding stranger,
+        # tests/test_gossip_gate_swarm.py). Forget the peer whether or not it is there.
+        Fix(
+            "blacklist-teardown",
+            lambda: _expect_parameters(Pubsub, "_teardown_if_connected", ("self", "peer_id")),
+            lambda: _marked(Pubsub._teardown_if_connected, "_prefixswarm"),
+            _teardown_whether_or_not_connected,
+        ),
         # WORKAROUND(yamux-window): py-libp2p's yamux answers nearly every read with a
         # WINDOW_UPDATE frame (window auto-tuning, "release on read"): one more encrypted
         # frame and socket write per message received, a large share of a gossiping
@@ -330,6 +342,27 @@ def _guard_pubsub_decode() -> None:
     Pubsub.continuously_read_stream = _guard_pubsub_reader(  # type: ignore[method-assign]
         Pubsub.continuously_read_stream
     )
+
+
+def _teardown_whether_or_not_connected() -> None:
+    Pubsub._teardown_if_connected = _teardown_if_connected  # type: ignore[method-assign]
+
+
+async def _teardown_if_connected(self: Pubsub, peer_id: ID) -> None:
+    """Pubsub._teardown_if_connected, with the peer's entry gone by the time the reset
+    returns taken as done rather than raised."""
+    stream = self.peers.get(peer_id)
+    if stream is not None:
+        with trio.move_on_after(RESET_TIMEOUT_S):
+            try:
+                await stream.reset()
+            except Exception as exc:
+                logger.debug("resetting %s's pubsub stream: %s", peer_id, exc)
+        self.peers.pop(peer_id, None)
+    self._forget_all_subscriptions(peer_id)
+
+
+_teardown_if_connected._prefixswarm = True  # type: ignore[attr-defined]
 
 
 def _give_back_window_in_batches() -> None:
