@@ -2,7 +2,7 @@
 
     python -m bench.engine --json out/engine.json [--model smollm2-135m] [--runs 5]
         [--concurrency 1,4,8,16] [--sweep-new-tokens 32] [--dtype float32] [--threads N]
-        [--compare transformers_cb] [--cb-page-size 16]
+        [--compile-decode] [--compare transformers_cb] [--cb-page-size 16]
 
 For a prompt of about --prompt-tokens tokens, median TTFT over --runs runs of:
   cold        fresh engine, nothing cached
@@ -24,7 +24,8 @@ concurrency 8 on an engine with a zero cache budget: batching alone, without reu
 
 Single-stream decode: `decode_tokens_per_s_c1`, --decode-tokens greedy tokens after the
 prompt (EOS ignored, so every format decodes as many), and `prefill_tokens_per_s_cold`,
-the prompt's tokens over the cold TTFT.
+the prompt's tokens over the cold TTFT. With --compile-decode a lone sequence's decode
+steps run compiled (peer/engine/compiled_decode.py; `compiled_decode_steps` counts them).
 
 --compare transformers_cb runs, at each sweep level right after ours, transformers' own
 continuous batching (bench/transformers_cb.py) on the same prompts and closed loop, with
@@ -314,7 +315,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     load_before = os.getloadavg()[0]
     log(f"loading {args.model} (load average {load_before:.1f} on {os.cpu_count()} CPUs)")
     loaded = await trio.to_thread.run_sync(
-        lambda: load_model(args.model, dtype=args.dtype, threads=args.threads)
+        lambda: load_model(args.model, dtype=args.dtype, threads=args.threads,
+                           compile_decode=args.compile_decode)
     )
     log(f"loaded in {time.perf_counter() - t0:.1f} s")
     subject, tokens, other = pick_prompt(loaded, args.prompt_tokens)
@@ -394,6 +396,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         **compared,
         "dtype": split_model_id(loaded.model_id)[1],
         "dtype_asked": args.dtype,
+        "compile_decode": args.compile_decode,
+        "compiled_decode_steps": getattr(loaded.decode_step, "steps", 0),
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "torch_threads": torch.get_num_threads(),
         "cpus": os.cpu_count(),
@@ -425,6 +429,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="single-stream decode: greedy tokens after the prompt")
     parser.add_argument("--dtype", default="auto", choices=DTYPES)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--compile-decode", action="store_true",
+                        help="compile a lone sequence's decode step (peer/engine/"
+                             "compiled_decode.py)")
     parser.add_argument("--compare", choices=["transformers_cb", "llama_cpp"], default=None,
                         help="also run the sweep on transformers' continuous batching, or "
                              "measure llama.cpp on the same GGUF")
@@ -449,6 +456,10 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--compare llama_cpp compares concurrency 8: include 8 in --concurrency")
         if not llama_cpp.available():
             print(llama_cpp.INSTALL_HINT, file=sys.stderr)
+            return 2
+        failed = llama_cpp.probe(smollm2_gguf_dir() / SMOLLM2_GGUF, args.threads or 1)
+        if failed is not None:
+            print(failed, file=sys.stderr)
             return 2
     if any(c < 1 for c in levels) or min(args.sweep_new_tokens, args.sweep_subjects,
                                          args.sweep_per_subject) < 1:

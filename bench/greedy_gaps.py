@@ -3,6 +3,7 @@ from the verifier's argmax do honest tokens sit?
 
     python -m bench.greedy_gaps --json PATH [--model smollm2-135m]
         [--dtypes float32,bfloat16,int8,int4] [--requests 30] [--concurrency 4] [--seed 0]
+        [--compile-decode]
 
 Per format, --requests seeded MMLU 5-shot requests (8 subjects, so prefixes repeat; 8 new
 tokens each) are answered greedily three ways: one at a time on an uncached engine (the
@@ -19,6 +20,9 @@ on a fresh caching engine (continuous batching and reuse). Per row:
   over_tolerance                    answers with a token past the format's greedy tolerance
                                     (`tolerance`): an honest peer the verifier
                                     would call a liar
+With --compile-decode the caching engines decode a lone sequence through the compiled
+step (peer/engine/compiled_decode.py) while the reference and the verifier stay eager: do
+a compiled peer's answers pass an eager peer's check?
 Progress goes to stderr; the JSON to --json and stdout.
 """
 
@@ -39,7 +43,7 @@ from bench.stats import percentile
 from bench.workloads import load_tokenized_mmlu, mmlu_requests
 from peer.engine.api import SamplingParams
 from peer.engine.engine import Engine, load_engine
-from peer.engine.model import DEFAULT_MODEL, DTYPES
+from peer.engine.model import DEFAULT_MODEL, DTYPES, load_model
 from peer.engine.verify import forward_chunk, greedy_gaps, tolerance
 from peer.engine.verify_plan import verify_chunks
 from protocols.ids import split_model_id
@@ -82,15 +86,22 @@ async def answers(engine: Engine, prompts: list[list[int]], concurrency: int
     return out
 
 
-async def measure(model: str, dtype: str, prompts: list[list[int]], concurrency: int
-                  ) -> dict[str, Any]:
+async def measure(model: str, dtype: str, prompts: list[list[int]], concurrency: int,
+                  compile_decode: bool = False) -> dict[str, Any]:
     def load(cache_bytes: int) -> Engine:
         return load_engine(model, cache_bytes, 16, dtype=dtype)
 
     reference_engine = await trio.to_thread.run_sync(load, 0)
     reference = await answers(reference_engine, prompts, 1)
-    cached = await answers(await trio.to_thread.run_sync(load, 10**9), prompts, 1)
-    batched = await answers(await trio.to_thread.run_sync(load, 10**9), prompts, concurrency)
+    if compile_decode:
+        compiled = await trio.to_thread.run_sync(
+            functools.partial(load_model, model, dtype=dtype, compile_decode=True))
+        cached = await answers(Engine.from_model(compiled, 10**9, 16), prompts, 1)
+        batched = await answers(Engine.from_model(compiled, 10**9, 16), prompts, concurrency)
+    else:
+        cached = await answers(await trio.to_thread.run_sync(load, 10**9), prompts, 1)
+        batched = await answers(await trio.to_thread.run_sync(load, 10**9), prompts,
+                                concurrency)
     greedy_slack = tolerance(split_model_id(reference_engine.model_id)[1]).greedy
     all_gaps: list[float] = []
     over = 0
@@ -117,6 +128,7 @@ async def measure(model: str, dtype: str, prompts: list[list[int]], concurrency:
         "tokens_scored": len(all_gaps),
         "gap_max": max(all_gaps, default=0.0), "gap_p99": percentile(all_gaps, 0.99),
         "greedy_tolerance": greedy_slack, "over_tolerance": over,
+        "compile_decode": compile_decode,
     }
 
 
@@ -126,7 +138,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     prompts = [list(r.prefix + r.suffix) for r in requests]
     rows = []
     for dtype in args.dtypes:
-        row = await measure(args.model, dtype, prompts, args.concurrency)
+        row = await measure(args.model, dtype, prompts, args.concurrency, args.compile_decode)
         log(f"{dtype}: {row['batched_differs']}/{row['requests']} batched and "
             f"{row['cached_differs']} cached answers differ; gap max {row['gap_max']:.3f}, "
             f"p99 {row['gap_p99']:.3f}; over the {row['greedy_tolerance']} tolerance: "
@@ -147,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=30)
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compile-decode", action="store_true",
+                   help="answer through the compiled decode step; verify eagerly")
     args = p.parse_args(argv)
     args.dtypes = [d for d in args.dtypes.split(",") if d]
     if not args.dtypes or any(d not in DTYPES or d == "auto" for d in args.dtypes):

@@ -13,7 +13,10 @@ logits, no sampler):
 from __future__ import annotations
 
 import importlib.util
+import signal
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -23,6 +26,17 @@ INSTALL_HINT = (
     "CMAKE_ARGS=-DGGML_NATIVE=ON .venv/bin/pip install -e '.[llama]' "
     "(it builds from source: cmake and a C++ compiler, ~20 minutes on 2 cores)"
 )
+# GGML_NATIVE compiles AMX tile code where the CPU lists AMX; a virtual machine that lists
+# it without enabling it kills the process on the first matrix product (SIGILL).
+NATIVE_HINT = (
+    "llama.cpp died of an illegal instruction: this build uses an instruction the machine "
+    "lists but does not allow (AMX tiles in a VM, with GGML_NATIVE=ON). Rebuild it with "
+    "explicit features, e.g. CMAKE_ARGS='-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON "
+    "-DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON "
+    "-DGGML_AVX512_BF16=ON' .venv/bin/pip install --force-reinstall --no-deps "
+    "--no-cache-dir llama-cpp-python"
+)
+PROBE_TIMEOUT_S = 120.0
 N_CTX = 4096
 N_BATCH = 2048
 
@@ -30,6 +44,24 @@ N_BATCH = 2048
 def available() -> bool:
     """Whether llama-cpp-python can be imported."""
     return importlib.util.find_spec("llama_cpp") is not None
+
+
+def probe(gguf: Path, threads: int) -> str | None:
+    """None where llama.cpp runs `gguf` (two tokens, in a child process, so that a build
+    the CPU cannot run fails here and not minutes into a benchmark), else what to do."""
+    code = ("import sys; from pathlib import Path; from bench.llama_cpp import LlamaCpp; "
+            "LlamaCpp(Path(sys.argv[1]), int(sys.argv[2])).generate(list(range(1, 40)), 2)")
+    try:
+        done = subprocess.run([sys.executable, "-c", code, str(gguf), str(threads)],
+                              capture_output=True, text=True, timeout=PROBE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return f"llama.cpp did not generate 2 tokens in {PROBE_TIMEOUT_S:.0f} s"
+    if done.returncode == -signal.SIGILL:
+        return NATIVE_HINT
+    if done.returncode != 0:
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        return f"llama.cpp failed on {gguf.name} (exit {done.returncode}): {tail}"
+    return None
 
 
 class LlamaCpp:

@@ -134,6 +134,7 @@ class PeerConfig:
     dtype: str = "auto"
     device: str = "auto"  # cuda, then mps, then cpu
     threads: int | None = None  # torch CPU threads; None: torch's default
+    compile_decode: bool = False  # compile a lone sequence's decode step (CPU, Llama)
     revision: str | None = None  # a hub id's branch, tag or commit
     max_model_len: int | None = None  # cap the context below the model's own
     chat_template: Path | None = None  # a Jinja file replacing the tokenizer's template
@@ -143,7 +144,7 @@ class PeerConfig:
         return {
             "dtype": self.dtype, "device": self.device, "threads": self.threads,
             "revision": self.revision, "max_model_len": self.max_model_len,
-            "chat_template": self.chat_template,
+            "chat_template": self.chat_template, "compile_decode": self.compile_decode,
         }  # fmt: skip
 
     def __post_init__(self) -> None:

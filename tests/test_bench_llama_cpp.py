@@ -27,6 +27,29 @@ def test_llama_cpp_compares_the_embedded_model_at_concurrency_8(tmp_path):
                            "--concurrency", "1,4"])
 
 
+def test_a_build_the_cpu_cannot_run_is_caught_before_the_benchmark(
+    monkeypatch, capsys, tmp_path
+):
+    """A llama.cpp child killed by SIGILL (a native build's AMX code in a VM) names the
+    rebuild; bench.engine then exits 2 before measuring anything."""
+    import subprocess
+    import sys
+
+    real_run = subprocess.run
+
+    def dies_of_sigill(cmd, **kwargs):
+        kill = "import os, signal; os.kill(os.getpid(), signal.SIGILL)"
+        return real_run([sys.executable, "-c", kill], **kwargs)
+
+    monkeypatch.setattr(llama_cpp.subprocess, "run", dies_of_sigill)
+    assert llama_cpp.probe(tmp_path / "model.gguf", 1) == llama_cpp.NATIVE_HINT
+    monkeypatch.setattr(llama_cpp, "available", lambda: True)
+    out = tmp_path / "out.json"
+    assert bench_engine.main(["--json", str(out), "--compare", "llama_cpp"]) == 2
+    assert "GGML_NATIVE=OFF" in capsys.readouterr().err
+    assert not out.exists()
+
+
 def test_common_prefix():
     assert llama_cpp.common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
     assert llama_cpp.common_prefix([], [1]) == 0

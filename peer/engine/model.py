@@ -87,6 +87,8 @@ class LoadedModel:
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    # compiled_decode.CompiledDecode where load_model(compile_decode=True) built one
+    decode_step: Any = None
 
 
 def cache_dir() -> Path:
@@ -392,10 +394,12 @@ def load_model(
     revision: str | None = None,
     max_model_len: int | None = None,
     chat_template: Path | None = None,
+    compile_decode: bool = False,
 ) -> LoadedModel:
     """Load an alias, a local checkpoint folder or a hub id (at `revision`). Heavy and
     blocking. `max_model_len` caps the context below the model's; `chat_template` (a Jinja
-    file) replaces the tokenizer's.
+    file) replaces the tokenizer's; `compile_decode` compiles a lone sequence's decode step
+    (compiled_decode.py; Llama models on the CPU).
 
     Raises ModelLoadError with a message saying what is missing and how to get it.
     """
@@ -459,6 +463,23 @@ def load_model(
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
     if chat_template is not None:
         tokenizer.chat_template = _read_chat_template(chat_template)
+    decode_step = None
+    if compile_decode:
+        from .compiled_decode import compile_decode as build_decode_step
+        from .compiled_decode import supported
+
+        refused = supported(model)
+        if refused is not None:
+            raise ModelLoadError(f"--compile-decode: {refused}")
+        try:
+            decode_step = build_decode_step(model)
+        except Exception as exc:
+            first = (str(exc).strip().splitlines() or [""])[0][:300]
+            raise ModelLoadError(
+                f"--compile-decode: compiling the decode step failed ({type(exc).__name__}: "
+                f"{first}); it needs a C++ compiler (g++ or clang++) on the PATH. Serve "
+                "without --compile-decode to decode eagerly"
+            ) from exc
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
@@ -470,4 +491,5 @@ def load_model(
         num_layers=int(cfg.num_hidden_layers),
         num_kv_heads=int(getattr(cfg, "num_key_value_heads", None) or num_heads),
         head_dim=int(head_dim),
+        decode_step=decode_step,
     )

@@ -15,9 +15,10 @@ SDPA's masks, so the loaded model still serves transformers' own API unchanged.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from transformers import AttentionInterface, AttentionMaskInterface
@@ -37,11 +38,12 @@ class SeqKV:
     of a large CPU allocation are not committed, so the unused tail costs address space only.
     """
 
-    __slots__ = ("data", "length")
+    __slots__ = ("data", "length", "zeroed_to")
 
     def __init__(self, data: torch.Tensor, length: int) -> None:
         self.data = data
         self.length = length
+        self.zeroed_to = 0  # positions below max(length, this) hold K/V or zeros, never garbage
 
     @property
     def capacity(self) -> int:
@@ -106,12 +108,26 @@ AttentionInterface.register(ATTENTION_NAME, _packed_attention)
 AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
 
 
-class Runner:
-    """Runs packed forwards of one model; owns no request state."""
+class DecodeStep(Protocol):
+    """One sequence, one new token (compiled_decode.CompiledDecode)."""
 
-    def __init__(self, model: Any, layout: KVLayout) -> None:
+    def accepts(self, kv: SeqKV) -> bool:
+        """Whether this step can feed `kv` its next token."""
+
+    def __call__(self, kv: SeqKV, token: int) -> torch.Tensor:
+        """Logits [1, vocab] (float32); kv advanced by one token."""
+
+
+class Runner:
+    """Runs packed forwards of one model; owns no request state. A lone sequence's decode
+    goes through `decode_step` where one is given (a compiled step); if that step refuses
+    an input, this step and every later one runs eagerly."""
+
+    def __init__(self, model: Any, layout: KVLayout, decode_step: DecodeStep | None = None
+                 ) -> None:
         self.model = model
         self.layout = layout
+        self.decode_step = decode_step
         first = next(model.parameters())
         self.dtype: torch.dtype = first.dtype
         self.device: torch.device = first.device
@@ -122,8 +138,8 @@ class Runner:
     def new_kv(self, blocks: Sequence[torch.Tensor], capacity: int) -> SeqKV:
         """A sequence buffer of `capacity` tokens starting with the given cached blocks."""
         lay = self.layout
-        data = torch.empty(
-            (lay.num_layers, 2, lay.num_kv_heads, capacity, lay.head_dim),
+        data = torch.empty(  # one spare position: compiled_decode's window is never whole
+            (lay.num_layers, 2, lay.num_kv_heads, capacity + 1, lay.head_dim),
             dtype=self.dtype,
             device=self.device,
         )
@@ -140,6 +156,16 @@ class Runner:
         """Feed each item's tokens after its cached ones; logits [k, vocab] (float32) of the
         last `want` tokens of each item (True: the last one), in order. Advances each
         SeqKV's length."""
+        if self.decode_step is not None and len(items) == 1 and len(items[0][1]) == 1 \
+                and want[0] == 1 and self.decode_step.accepts(items[0][0]):
+            kv, tokens = items[0]
+            try:
+                return self.decode_step(kv, int(tokens[0]))
+            except Exception as exc:
+                print(f"prefixswarm: the compiled decode step failed ({exc.__class__.__name__}:"
+                      f" {str(exc).splitlines()[0] if str(exc) else ''}); decoding eagerly "
+                      "from now on", file=sys.stderr, flush=True)
+                self.decode_step = None
         ids: list[int] = []
         positions: list[int] = []
         spans: list[_Span] = []

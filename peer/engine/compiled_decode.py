@@ -1,0 +1,168 @@
+"""One sequence's decode step, compiled ahead (torch.compile, inductor's CPU backend).
+
+A small model's decode step on a CPU is mostly the cost of dispatching its ~600 small ops
+one by one from Python (docs/engine.md, "Where a decode step's time goes"). Compiled, the
+pointwise ops between the projections fuse into C++ loops, the wrapper that calls them is
+C++ (`cpp_wrapper`) and the weights are frozen in as constants; the projections call the
+same kernels as the eager step. Only a lone decoding sequence takes this path
+(Runner.forward): the batch of one that a peer with a single client runs. The step reads
+the sequence's own KV buffer up to the next multiple of ATTEND_BLOCK positions, under a
+mask of the positions filled, so every length and capacity reuses the one compiled graph
+(the window is a dynamic dimension). The buffer is allocated uninitialised (Runner.new_kv),
+so the unfilled positions of the window are zeroed first: masked scores still multiply
+the values, and garbage there (a NaN) would reach the output.
+
+Llama-architecture models on the CPU only. Compiling SmolLM2 takes about a minute on two
+cores, at every start (inductor's cache on disk saved little of it here).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from .runner import SeqKV
+
+# Inductor: weights as constants, the wrapper in C++ (no Python between the kernels).
+INDUCTOR_OPTIONS: dict[str, str | int | bool | Callable[..., Any]] = {
+    "freezing": True, "cpp_wrapper": True,
+}
+ATTEND_BLOCK = 64  # the window read grows by this many positions at a time
+# The throw-away buffers that compile the step, (capacity, window): two different ones,
+# each window shorter than its buffer, so that the graph is built with both symbolic.
+_COMPILE_SHAPES = ((96, 48), (160, 80))
+
+
+class CompileDecodeError(RuntimeError):
+    """The model cannot take a compiled decode step; the message says why."""
+
+
+def supported(model: Any) -> str | None:
+    """None where `model` can take the compiled step, else why not."""
+    config = model.config
+    if config.model_type != "llama":
+        return f"the compiled decode step is written for Llama models, not {config.model_type}"
+    device = next(model.parameters()).device
+    if device.type != "cpu":
+        return f"the compiled decode step runs on the CPU, the model is on {device}"
+    if getattr(config, "pretraining_tp", 1) != 1:
+        return "the compiled decode step does not split projections (pretraining_tp > 1)"
+    return None
+
+
+class CompiledDecode:
+    """`step(kv, token)`: feed one token after `kv`'s cached ones through the compiled
+    graph; logits [1, vocab] (float32). Advances kv.length as Runner.forward does."""
+
+    def __init__(self, model: Any) -> None:
+        why = supported(model)
+        if why is not None:
+            raise CompileDecodeError(why)
+        self._model = model
+        self._layers = int(model.config.num_hidden_layers)
+        self._compiled = torch.compile(self._step, fullgraph=True, dynamic=False,
+                                       options=INDUCTOR_OPTIONS)
+        self._ready = False
+        self.steps = 0  # compiled steps run, the compile's own included
+
+    def _step(self, token: torch.Tensor, position: torch.Tensor,
+              kv: list[torch.Tensor]) -> torch.Tensor:
+        """The decode step written out over the model's own modules (what transformers'
+        LlamaForCausalLM computes for one new token, KV written in place)."""
+        inner = self._model.model
+        capacity = kv[0].shape[1]
+        h = inner.embed_tokens(token)
+        cos, sin = inner.rotary_emb(h, position_ids=position.view(1, 1))
+        mask = (torch.arange(capacity) <= position).view(1, 1, 1, capacity)
+        for index, layer in enumerate(inner.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(h)
+            shape = (1, 1, -1, attn.head_dim)
+            q = attn.q_proj(x).view(shape).transpose(1, 2)
+            k = attn.k_proj(x).view(shape).transpose(1, 2)
+            v = attn.v_proj(x).view(shape).transpose(1, 2)
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            keys, values = kv[2 * index], kv[2 * index + 1]
+            keys.index_copy_(1, position, k[0])
+            values.index_copy_(1, position, v[0])
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q, keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask,
+                scale=attn.scaling, enable_gqa=True,
+            )
+            h = h + attn.o_proj(out.transpose(1, 2).reshape(1, 1, -1))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        logits: torch.Tensor = self._model.lm_head(inner.norm(h))[0].float()
+        return logits
+
+    def _views(self, kv: SeqKV, window: int) -> list[torch.Tensor]:
+        """Each layer's K and V, [kv_heads, window, head_dim], the unfilled part zeroed."""
+        clean = max(kv.length, kv.zeroed_to)
+        if window > clean:
+            kv.data[:, :, :, clean:window].zero_()
+            kv.zeroed_to = window
+        views = [kv.data[layer, part, :, :window]
+                 for layer in range(self._layers) for part in (0, 1)]
+        for view in views:  # any window, any capacity: one graph
+            torch._dynamo.mark_dynamic(view, 1)
+        return views
+
+    def _run(self, kv: SeqKV, token: int, window: int | None = None) -> torch.Tensor:
+        if kv.length >= kv.capacity:
+            raise ValueError(f"cannot feed a token at {kv.length}/{kv.capacity} tokens")
+        if window is None:
+            blocks = kv.length // ATTEND_BLOCK + 1
+            window = min(kv.capacity - 1, blocks * ATTEND_BLOCK)
+        device = kv.data.device
+        with torch.inference_mode():
+            logits = self._compiled(
+                torch.tensor([[token]], dtype=torch.long, device=device),
+                torch.tensor([kv.length], dtype=torch.long, device=device),
+                self._views(kv, window),
+            )
+        kv.length += 1
+        self.steps += 1
+        return logits
+
+    def compile(self) -> float:
+        """Build the graph now (blocking: about a minute for SmolLM2 on two cores) on
+        throw-away buffers laid out as Runner.new_kv lays them; seconds taken."""
+        config = self._model.config
+        first = next(self._model.parameters())
+        heads = config.num_key_value_heads
+        head_dim = self._model.model.layers[0].self_attn.head_dim
+        start = time.perf_counter()
+        for capacity, window in _COMPILE_SHAPES:
+            data = torch.zeros((self._layers, 2, heads, capacity, head_dim),
+                               dtype=first.dtype, device=first.device)
+            self._run(SeqKV(data, 0), 1, window)
+        self._ready = True
+        return time.perf_counter() - start
+
+    def accepts(self, kv: SeqKV) -> bool:
+        """Whether `kv` has room for its next token short of its last position: the graph
+        is built for a window that is part of its buffer (Runner.new_kv keeps one spare)."""
+        return kv.length + 1 < kv.capacity
+
+    def __call__(self, kv: SeqKV, token: int) -> torch.Tensor:
+        """One compiled step; an input the graph was not built for raises (a recompile would
+        stall the engine for a minute), and the caller runs the eager step instead."""
+        if not self._ready:
+            raise CompileDecodeError("the decode step is not compiled yet")
+        with torch.compiler.set_stance("fail_on_recompile"):
+            return self._run(kv, token)
+
+
+def compile_decode(model: Any) -> CompiledDecode:
+    """A CompiledDecode for `model`, compiled now, with a line on stderr before and after."""
+    print("prefixswarm: compiling the decode step (about a minute on two cores)...",
+          file=sys.stderr, flush=True)
+    step = CompiledDecode(model)
+    seconds = step.compile()
+    print(f"prefixswarm: compiling the decode step: done in {seconds:.1f} s",
+          file=sys.stderr, flush=True)
+    return step

@@ -1,0 +1,187 @@
+"""The compiled decode step: the same logits and KV as the eager packed step, any buffer
+capacity on one graph, and the eager step whenever the compiled one refuses."""
+
+from __future__ import annotations
+
+import shutil
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from peer.engine.api import SamplingParams
+from peer.engine.compiled_decode import CompiledDecode, CompileDecodeError, supported
+from peer.engine.engine import Engine
+from peer.engine.kv import KVLayout
+from peer.engine.model import ModelLoadError, load_model
+from peer.engine.runner import Runner, SeqKV
+
+PROMPT = [(7 * i + 3) % 500 + 1 for i in range(37)]
+
+pytestmark = pytest.mark.skipif(
+    not any(shutil.which(cc) for cc in ("g++", "c++", "clang++")),
+    reason="torch.compile's CPU backend needs a C++ compiler; none is on the PATH",
+)
+
+
+@pytest.fixture(scope="module")
+def compiled_model():
+    """tiny-random (float32) with its decode step compiled (seconds; once per module)."""
+    return load_model("tiny-random", compile_decode=True)
+
+
+def runner_of(loaded, decode_step=None) -> Runner:
+    itemsize = next(loaded.model.parameters()).element_size()
+    layout = KVLayout(loaded.num_layers, loaded.num_kv_heads, loaded.head_dim, 16, itemsize)
+    return Runner(loaded.model, layout, decode_step)
+
+
+def prefilled(runner: Runner, capacity: int) -> tuple[SeqKV, int]:
+    kv = runner.new_kv([], capacity)
+    logits = runner.forward([(kv, PROMPT)], [1])
+    return kv, int(logits[0].argmax())
+
+
+def test_compiled_steps_give_the_eager_logits_and_kv(compiled_model):
+    eager = runner_of(compiled_model)
+    compiled = runner_of(compiled_model, compiled_model.decode_step)
+    kv_e, tok_e = prefilled(eager, len(PROMPT) + 12)
+    kv_c, tok_c = prefilled(compiled, len(PROMPT) + 12)
+    assert tok_e == tok_c
+    before = compiled_model.decode_step.steps
+    for _ in range(12):
+        logits_e = eager.forward([(kv_e, [tok_e])], [1])
+        logits_c = compiled.forward([(kv_c, [tok_c])], [1])
+        assert logits_c.shape == logits_e.shape
+        torch.testing.assert_close(logits_c, logits_e, atol=1e-4, rtol=1e-4)
+        tok_e, tok_c = int(logits_e[0].argmax()), int(logits_c[0].argmax())
+        assert tok_e == tok_c
+    assert compiled_model.decode_step.steps == before + 12  # the compiled path ran
+    assert kv_c.length == kv_e.length == len(PROMPT) + 12
+    filled = slice(0, kv_c.length)
+    torch.testing.assert_close(kv_c.data[:, :, :, filled], kv_e.data[:, :, :, filled],
+                               atol=1e-4, rtol=1e-4)
+
+
+def test_any_capacity_runs_on_the_one_graph(compiled_model):
+    step = compiled_model.decode_step
+    runner = runner_of(compiled_model, step)
+    for capacity in (len(PROMPT) + 1, len(PROMPT) + 300):
+        kv, tok = prefilled(runner, capacity)
+        before = step.steps
+        runner.forward([(kv, [tok])], [1])  # a recompile would raise and drop the step
+        assert step.steps == before + 1
+        assert runner.decode_step is step
+
+
+def test_only_a_lone_decoding_sequence_takes_the_compiled_step(compiled_model):
+    step = compiled_model.decode_step
+    runner = runner_of(compiled_model, step)
+    (kv_a, tok_a), (kv_b, tok_b) = prefilled(runner, 60), prefilled(runner, 60)
+    before = step.steps
+    runner.forward([(kv_a, [tok_a]), (kv_b, [tok_b])], [1, 1])  # a batch of two
+    runner.forward([(kv_a, [tok_a, tok_b])], [1])  # a chunk of two tokens
+    assert step.steps == before
+
+
+async def test_greedy_answers_are_the_same_compiled_or_not(compiled_model):
+    params = SamplingParams(max_new_tokens=24)
+    compiled = Engine.from_model(compiled_model)
+    assert compiled.runner.decode_step is compiled_model.decode_step
+    eager_model = load_model("tiny-random")
+    eager = Engine.from_model(eager_model)
+    assert eager.runner.decode_step is None
+    before = compiled_model.decode_step.steps
+    got = await compiled.generate(PROMPT, params)
+    want = await eager.generate(PROMPT, params)
+    assert got.token_ids == want.token_ids
+    assert compiled_model.decode_step.steps == before + 23  # every token after the first
+
+
+def test_a_refused_step_falls_back_to_the_eager_step(compiled_model, capsys):
+    calls = []
+
+    class Refusing:
+        def accepts(self, kv: SeqKV) -> bool:
+            return True
+
+        def __call__(self, kv: SeqKV, token: int) -> torch.Tensor:
+            calls.append(token)
+            raise CompileDecodeError("not built for this input")
+
+    runner = runner_of(compiled_model, Refusing())
+    eager = runner_of(compiled_model)
+    kv, tok = prefilled(runner, 50)
+    kv_e, _ = prefilled(eager, 50)
+    logits = runner.forward([(kv, [tok])], [1])
+    torch.testing.assert_close(logits, eager.forward([(kv_e, [tok])], [1]))
+    assert kv.length == len(PROMPT) + 1
+    assert calls == [tok] and runner.decode_step is None  # never asked again
+    assert "decoding eagerly from now on" in capsys.readouterr().err
+    runner.forward([(kv, [tok])], [1])
+    assert calls == [tok]
+
+
+def test_the_last_position_of_a_buffer_is_fed_eagerly(compiled_model):
+    """The graph is built for a window inside its buffer; a buffer's last position (a
+    buffer made without Runner.new_kv's spare one) goes through the eager step."""
+    step = compiled_model.decode_step
+    runner = runner_of(compiled_model, step)
+    kv = runner.new_kv([], len(PROMPT) + 2)
+    tok = int(runner.forward([(kv, PROMPT)], [1])[0].argmax())
+    before = step.steps
+    while kv.length < kv.capacity:
+        tok = int(runner.forward([(kv, [tok])], [1])[0].argmax())
+    assert step.steps == before + 2  # all but the spare, last position
+    assert runner.decode_step is step
+
+
+def test_a_step_not_compiled_yet_refuses(compiled_model):
+    step = CompiledDecode(compiled_model.model)
+    kv = runner_of(compiled_model).new_kv([], 8)
+    with pytest.raises(CompileDecodeError, match="not compiled"):
+        step(kv, 1)
+    assert kv.length == 0
+
+
+def test_models_it_cannot_compile_are_named():
+    cpu = torch.nn.Linear(1, 1)
+
+    def fake(model_type: str, tp: int = 1, device_module=cpu):
+        config = SimpleNamespace(model_type=model_type, pretraining_tp=tp)
+        return SimpleNamespace(config=config, parameters=device_module.parameters)
+
+    assert supported(fake("llama")) is None
+    assert "not gpt2" in (supported(fake("gpt2")) or "")
+    assert "pretraining_tp" in (supported(fake("llama", tp=2)) or "")
+    with pytest.raises(CompileDecodeError, match="Llama"):
+        CompiledDecode(fake("mistral"))
+
+
+def test_garbage_past_the_filled_positions_never_reaches_the_logits(compiled_model):
+    """A sequence's buffer is allocated uninitialised: what lies past its tokens (here
+    NaN) is zeroed before the compiled step reads it."""
+    compiled = runner_of(compiled_model, compiled_model.decode_step)
+    eager = runner_of(compiled_model)
+    kv_c, tok = prefilled(compiled, 300)
+    kv_e, _ = prefilled(eager, 300)
+    kv_c.data[:, :, :, kv_c.length:] = float("nan")
+    for _ in range(3):
+        logits = compiled.forward([(kv_c, [tok])], [1])
+        assert torch.isfinite(logits).all()
+        torch.testing.assert_close(logits, eager.forward([(kv_e, [tok])], [1]),
+                                   atol=1e-4, rtol=1e-4)
+        tok = int(logits[0].argmax())
+    assert compiled.decode_step is compiled_model.decode_step
+    assert torch.isnan(kv_c.data[:, :, :, 128:]).all()  # past the window: never touched
+
+
+def test_a_failed_compile_is_one_clear_load_error(monkeypatch):
+    import peer.engine.compiled_decode as compiled_decode
+
+    def no_compiler(self):
+        raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found")
+
+    monkeypatch.setattr(compiled_decode.CompiledDecode, "compile", no_compiler)
+    with pytest.raises(ModelLoadError, match=r"C\+\+ compiler.*without --compile-decode"):
+        load_model("tiny-random", compile_decode=True)
