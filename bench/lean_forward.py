@@ -5,7 +5,8 @@ kernels directly, on the same KV buffers.
     python -m bench.lean_forward --json out/lean_forward.json [--model smollm2-135m]
         [--dtypes float32,int8] [--threads 2] [--context 400] [--steps 24] [--batches 1,8]
 
-The lean forward is a Llama decode step written out: embedding, rotary, per layer the
+The lean forward is a Llama decode step written out (peer/engine/compiled_decode.py
+`written_out_step`, the step that --compile-decode compiles): embedding, rotary, per layer the
 norms, the projections (the loaded `nn.Linear` or quantized layers, called directly), the
 per-sequence K/V write and transformers' own SDPA function, the MLP, the final norm and the
 head. It skips what a step through the model's `forward` adds: the module and kwargs
@@ -30,10 +31,10 @@ from typing import Any
 
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from bench.decode_profile import make_runner
 from bench.report import emit_json
+from peer.engine.compiled_decode import written_out_step
 from peer.engine.model import DEFAULT_MODEL, DTYPES, LoadedModel, load_model
 from peer.engine.runner import Runner, SeqKV
 
@@ -46,21 +47,15 @@ def log(msg: str) -> None:
 
 def lean_decode(model: Any, seqs: Seqs) -> torch.Tensor:
     """One decode step of every sequence (one token each) over the model's own layers,
-    called directly; logits [len(seqs), vocab] (float32). Advances each SeqKV."""
-    inner = model.model
-    n = len(seqs)
+    called directly (peer/engine/compiled_decode.py `written_out_step`, the step that
+    `--compile-decode` compiles), each sequence's K and V written into its own buffer and
+    attended with transformers' SDPA function; logits [len(seqs), vocab] (float32).
+    Advances each SeqKV."""
     ids = torch.tensor([[tok for _, tok in seqs]], dtype=torch.long)
     positions = torch.tensor([[kv.length for kv, _ in seqs]], dtype=torch.long)
-    h = inner.embed_tokens(ids)
-    cos, sin = inner.rotary_emb(h, position_ids=positions)
-    for index, layer in enumerate(inner.layers):
-        attn = layer.self_attn
-        x = layer.input_layernorm(h)
-        shape = (1, n, -1, attn.head_dim)
-        q = attn.q_proj(x).view(shape).transpose(1, 2)
-        k = attn.k_proj(x).view(shape).transpose(1, 2)
-        v = attn.v_proj(x).view(shape).transpose(1, 2)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+
+    def attend(index: int, attn: Any, q: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor) -> torch.Tensor:
         outs = []
         for j, (kv, _) in enumerate(seqs):
             buf, at = kv.data[index], kv.length
@@ -71,10 +66,9 @@ def lean_decode(model: Any, seqs: Seqs) -> torch.Tensor:
                 buf[1, :, : at + 1].unsqueeze(0), None, dropout=0.0, scaling=attn.scaling,
             )
             outs.append(out)
-        o = torch.cat(outs, dim=1) if n > 1 else outs[0]
-        h = h + attn.o_proj(o.reshape(1, n, -1).contiguous())
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
-    logits: torch.Tensor = model.lm_head(inner.norm(h))[0].float()
+        return torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
+
+    logits = written_out_step(model, ids, positions, attend)
     for kv, _ in seqs:
         kv.length += 1
     return logits

@@ -53,7 +53,8 @@ def probe(gguf: Path, threads: int) -> str | None:
             "LlamaCpp(Path(sys.argv[1]), int(sys.argv[2])).generate(list(range(1, 40)), 2)")
     try:
         done = subprocess.run([sys.executable, "-c", code, str(gguf), str(threads)],
-                              capture_output=True, text=True, timeout=PROBE_TIMEOUT_S)
+                              capture_output=True, text=True, timeout=PROBE_TIMEOUT_S,
+                              cwd=Path(__file__).resolve().parent.parent)  # finds `bench`
     except subprocess.TimeoutExpired:
         return f"llama.cpp did not generate 2 tokens in {PROBE_TIMEOUT_S:.0f} s"
     if done.returncode == -signal.SIGILL:

