@@ -1,4 +1,5 @@
-"""bench.lean_forward: the written-out decode step computes exactly what the runner does."""
+"""bench.lean_forward: the written-out decode step computes exactly what the runner does
+(quantized, with its fused projections)."""
 
 import json
 
@@ -11,7 +12,7 @@ from peer.engine.model import load_model
 from peer.engine.runner import SeqKV
 
 
-@pytest.mark.parametrize("dtype", ["float32", "int8"])
+@pytest.mark.parametrize("dtype", ["float32", "int8", "int4"])
 def test_lean_decode_equals_the_runner_step_for_step(dtype):
     loaded = load_model("tiny-random", dtype=dtype, device="cpu")
     runner = make_runner(loaded)

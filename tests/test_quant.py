@@ -8,15 +8,18 @@ import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from peer.engine import quant
 from peer.engine.api import QUANT_FORMATS, SamplingParams
 from peer.engine.engine import Engine
 from peer.engine.model import ModelLoadError, load_model
 from peer.engine.quant import (
     ACTIVATION_DTYPE,
+    FusedProjections,
     Int4Linear,
     Int8Linear,
     quantize_int4,
     quantize_int8,
+    quantize_model,
 )
 from protocols.ids import split_model_id
 from tests.helpers_engine import assert_greedy_equal_up_to_ties, assert_serves_like_transformers
@@ -85,6 +88,56 @@ def test_the_layers_compute_x_times_their_dequantized_weights(layer):
     assert got.shape == (2, 5, 32) and got.dtype == ACTIVATION_DTYPE
     assert torch.allclose(got.float(), want, atol=0.05, rtol=0.02)
     assert not torch.allclose(got.float(), x.float() @ w.T * 0, atol=0.05)  # not trivially 0
+
+
+@pytest.mark.parametrize("layer", [Int8Linear, Int4Linear])
+def test_fused_projections_compute_exactly_their_parts_in_shared_memory(layer):
+    torch.manual_seed(5)
+    sizes = (128, 64, 192) if layer is Int4Linear else (48, 16, 32)
+    parts = [layer(torch.randn(n, 64) * 0.1, None) for n in sizes]
+    x = torch.randn(7, 64).to(ACTIVATION_DTYPE)
+    before = [part(x) for part in parts]
+    fused = FusedProjections(parts)
+    for rows, want in ((x[:1], [ref[:1] for ref in before]), (x, before),
+                       (x.view(1, 7, 64), [ref.view(1, 7, -1) for ref in before])):
+        got = fused(rows)
+        assert [out.shape[-1] for out in got] == list(sizes)
+        for part, out, ref in zip(parts, got, want, strict=True):
+            assert torch.equal(out, ref)  # bit for bit: each channel is computed on its own
+            assert torch.equal(part(rows), ref)  # the parts, now views, compute the same
+    weight = "packed" if layer is Int4Linear else "weight_int8"
+    storage = fused.weight.untyped_storage().data_ptr()
+    assert all(getattr(p, weight).untyped_storage().data_ptr() == storage for p in parts)
+
+
+def test_only_alike_bias_free_projections_of_one_input_fuse():
+    w = torch.randn(32, 64) * 0.1
+    with pytest.raises(ValueError, match="Int4Linear or Int8Linear"):
+        FusedProjections([Int4Linear(w, None), Int8Linear(w, None)])
+    with pytest.raises(ValueError, match="bias"):
+        FusedProjections([Int8Linear(w, torch.zeros(32)), Int8Linear(w, None)])
+    with pytest.raises(ValueError, match="input sizes"):
+        FusedProjections([Int8Linear(w, None), Int8Linear(torch.randn(32, 96), None)])
+    with pytest.raises(ValueError, match="two or more"):
+        FusedProjections([Int8Linear(w, None)])
+    with pytest.raises(ValueError, match="blocks of 64"):  # the kernel's packing would not slice
+        FusedProjections([Int4Linear(torch.randn(64, 64), None), Int4Linear(w, None)])
+
+
+@pytest.mark.parametrize("fmt", QUANT_FORMATS)
+def test_fusing_leaves_the_weights_and_so_the_model_id_unchanged(fmt, monkeypatch):
+    """The fingerprint hashes the state dict: fusion must neither add to it nor change it."""
+    fused_model = load_model("tiny-random", device="cpu").model
+    counts = quantize_model(fused_model, fmt)
+    layers = fused_model.config.num_hidden_layers
+    # tiny-random's k and v have 32 outputs: in int4 only gate and up fuse
+    assert counts["FusedProjections"] == (layers if fmt == "int4" else 2 * layers)
+    monkeypatch.setattr(quant, "fuse_projections", lambda model: 0)
+    plain_model = load_model("tiny-random", device="cpu").model
+    quantize_model(plain_model, fmt)
+    fused_state, plain_state = fused_model.state_dict(), plain_model.state_dict()
+    assert list(fused_state) == list(plain_state)
+    assert all(torch.equal(fused_state[k], plain_state[k]) for k in plain_state)
 
 
 @pytest.fixture(scope="module", params=QUANT_FORMATS)

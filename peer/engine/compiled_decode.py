@@ -4,13 +4,15 @@ A small model's decode step on a CPU is mostly the cost of dispatching its ~600 
 one by one from Python (docs/engine.md, "Where a decode step's time goes"). Compiled, the
 pointwise ops between the projections fuse into C++ loops, the wrapper that calls them is
 C++ (`cpp_wrapper`) and the weights are frozen in as constants; the projections call the
-same kernels as the eager step. Only a lone decoding sequence takes this path
-(Runner.forward): the batch of one that a peer with a single client runs. The step reads
-the sequence's own KV buffer up to the next multiple of ATTEND_BLOCK positions, under a
-mask of the positions filled, so every length and capacity reuses the one compiled graph
-(the window is a dynamic dimension). The buffer is allocated uninitialised (Runner.new_kv),
-so the unfilled positions of the window are zeroed first: masked scores still multiply
-the values, and garbage there (a NaN) would reach the output.
+same kernels as the eager step, a quantized layer's projections of one input (q, k, v;
+gate, up) in one call each (quant.FusedProjections: the same outputs, bit for bit). Only
+a lone decoding sequence takes this path (Runner.forward): the batch of one that a peer
+with a single client runs. The step reads the sequence's own KV buffer up to the next
+multiple of ATTEND_BLOCK positions, under a mask of the positions filled, so every length
+and capacity reuses the one compiled graph (the window is a dynamic dimension). The
+buffer is allocated uninitialised (Runner.new_kv), so the unfilled positions of the window
+are zeroed first: masked scores still multiply the values, and garbage there (a NaN)
+would reach the output.
 
 Llama-architecture models on the CPU only. Compiling SmolLM2 takes one to three minutes
 on two cores, at every start (inductor's cache on disk saved little of it here).
@@ -43,6 +45,16 @@ _COMPILE_SHAPES = ((96, 48), (160, 80))
 Attend = Callable[[int, Any, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+def _projections(owner: Any, fused: str, names: tuple[str, ...], x: torch.Tensor
+                 ) -> tuple[torch.Tensor, ...]:
+    """`owner`'s projections `names` of `x`: one call of its fused module where quantization
+    made one (quant.fuse_projections), else one call each."""
+    module = getattr(owner, fused, None)
+    if module is not None:
+        return tuple(module(x))
+    return tuple(getattr(owner, name)(x) for name in names)
+
+
 def written_out_step(model: Any, ids: torch.Tensor, positions: torch.Tensor,
                      attend: Attend) -> torch.Tensor:
     """One decode step of a Llama model over its own modules, `ids` and `positions` [1, n]
@@ -57,12 +69,14 @@ def written_out_step(model: Any, ids: torch.Tensor, positions: torch.Tensor,
         attn = layer.self_attn
         x = layer.input_layernorm(h)
         shape = (1, n, -1, attn.head_dim)
-        q = attn.q_proj(x).view(shape).transpose(1, 2)
-        k = attn.k_proj(x).view(shape).transpose(1, 2)
-        v = attn.v_proj(x).view(shape).transpose(1, 2)
+        q, k, v = (p.reshape(shape).transpose(1, 2) for p in _projections(
+            attn, "qkv_fused", ("q_proj", "k_proj", "v_proj"), x))
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         h = h + attn.o_proj(attend(index, attn, q, k, v).reshape(1, n, -1))
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        mlp = layer.mlp
+        gate, up = _projections(mlp, "gate_up_fused", ("gate_proj", "up_proj"),
+                                layer.post_attention_layernorm(h))
+        h = h + mlp.down_proj(mlp.act_fn(gate) * up)
     logits: torch.Tensor = model.lm_head(inner.norm(h))[0].float()
     return logits
 
