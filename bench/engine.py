@@ -34,7 +34,12 @@ block sharing and without (the keys: bench/transformers_cb.py `transformers_cb_k
 bench extra: without it the bench says how to install it and exits 2) on the GGUF file our
 smollm2-135m is loaded from, with our thread count, on the same prompt and sweep prompts:
 `ratio_prefill_vs_llama_cpp`, `ratio_decode_c1_vs_llama_cpp` and `ratio_c8_vs_llama_cpp`
-(our closed loop at 8 against llama.cpp's prompts one after another) are ours over its.
+(our closed loop at 8 against llama.cpp's prompts one after another) are ours over its;
+the decode ratio is the median over --decode-pairs (6, an even number: each engine goes
+first in half) single-stream decodes of both engines back to back, each after three
+untimed ones of its own, so that each is measured as it runs alone (`decode_c1_pairs`,
+bench/llama_cpp.py `decode_pairs`; the two figures measured minutes apart give
+`ratio_decode_c1_vs_llama_cpp_apart`).
 Progress goes to stderr; the JSON to --json and stdout.
 """
 
@@ -86,6 +91,7 @@ DEFAULT_SWEEP_PROMPT_TOKENS = 400
 DEFAULT_SWEEP_SUBJECTS = 4
 DEFAULT_SWEEP_PER_SUBJECT = 4
 DEFAULT_DECODE_TOKENS = 64
+DEFAULT_DECODE_PAIRS = 6  # --compare llama_cpp: single-stream decodes of both, back to back
 
 
 def log(msg: str) -> None:
@@ -134,17 +140,32 @@ async def engine_decode(loaded: LoadedModel, tokens: list[int], new_tokens: int
     return done.usage.decode_tokens_per_s, list(done.token_ids)
 
 
-def llama_cpp_keys(args: argparse.Namespace, tokens: list[int], sweep_prompts_: list[list[int]],
-                   ours: dict[str, Any], our_decode_tokens: list[int]) -> dict[str, Any]:
-    """llama.cpp measured on the same GGUF and prompts, and our figures over its."""
-    theirs = llama_cpp.measure(
-        smollm2_gguf_dir() / SMOLLM2_GGUF, torch.get_num_threads(), tokens, args.runs,
-        args.decode_tokens, sweep_prompts_, args.sweep_new_tokens,
-    )
+def llama_cpp_keys(loaded: LoadedModel, args: argparse.Namespace, tokens: list[int],
+                   sweep_prompts_: list[list[int]], ours: dict[str, Any],
+                   our_decode_tokens: list[int]) -> dict[str, Any]:
+    """llama.cpp measured on the same GGUF and prompts, our figures over its, and then
+    --decode-pairs single-stream decodes of both, back to back (runs in a worker thread:
+    ours are sent back to the Trio loop)."""
+    engine = llama_cpp.LlamaCpp(smollm2_gguf_dir() / SMOLLM2_GGUF, torch.get_num_threads())
+    theirs = llama_cpp.measure(engine, tokens, args.runs, args.decode_tokens, sweep_prompts_,
+                               args.sweep_new_tokens)
     log(f"llama.cpp: prefill {theirs['llama_cpp_prefill_tokens_per_s']:.0f} tokens/s, decode "
         f"{theirs['llama_cpp_decode_tokens_per_s']:.1f} tokens/s, c8 (one after another) "
         f"{theirs['llama_cpp_tokens_per_s_c8']:.1f} tokens/s")
-    return llama_cpp.compare_keys(ours, theirs, our_decode_tokens)
+
+    def ours_decode() -> float:
+        return trio.from_thread.run(engine_decode, loaded, tokens, args.decode_tokens)[0]
+
+    def their_decode() -> float:
+        _, decode_s, out = engine.generate(tokens, args.decode_tokens)
+        return (len(out) - 1) / decode_s
+
+    pairs = llama_cpp.decode_pairs(ours_decode, their_decode, args.decode_pairs)
+    for i, pair in enumerate(pairs):
+        log(f"decode pair {i + 1}/{len(pairs)} ({pair['first']} first): ours "
+            f"{pair['ours_tokens_per_s']:.1f}, llama.cpp {pair['llama_cpp_tokens_per_s']:.1f} "
+            f"tokens/s, ratio {pair['ratio']:.2f}")
+    return llama_cpp.compare_keys(ours, theirs, our_decode_tokens, pairs)
 
 
 def transformers_ttft(
@@ -369,7 +390,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         f"{decode_tps:.1f} tokens/s")
     compared = (
         await trio.to_thread.run_sync(
-            llama_cpp_keys, args, tokens, swept_prompts, ours, decode_tokens)
+            llama_cpp_keys, loaded, args, tokens, swept_prompts, ours, decode_tokens)
         if args.compare == "llama_cpp" else {}
     )
     return {
@@ -437,7 +458,13 @@ def main(argv: list[str] | None = None) -> int:
                              "measure llama.cpp on the same GGUF")
     parser.add_argument("--cb-page-size", type=int, default=DEFAULT_PAGE_SIZE,
                         help="transformers' page size (tokens) under --compare")
+    parser.add_argument("--decode-pairs", type=int, default=DEFAULT_DECODE_PAIRS,
+                        help="under --compare llama_cpp: single-stream decodes of both "
+                             "engines, back to back, alternating which goes first (even)")
     args = parser.parse_args(argv)
+    if args.decode_pairs < 0 or args.decode_pairs % 2:
+        parser.error("--decode-pairs must be an even number >= 0 (each engine goes first in "
+                     "half of them)")
     if args.runs < 1 or args.prompt_tokens < 32 or min(args.check_tokens,
                                                        args.decode_tokens) < 1:
         parser.error("--runs, --check-tokens and --decode-tokens must be >= 1, "

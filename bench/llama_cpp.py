@@ -8,6 +8,9 @@ logits, no sampler):
   decode    single-stream tokens/s after that prompt
   c8        the sweep's prompts served one after another (the high-level binding runs one
             sequence per context), generated tokens over the wall time
+and then single-stream decode again in pairs, ours and llama.cpp's one right after the
+other (`decode_pairs`): on a machine whose speed drifts by tens of percent between
+minutes, a ratio of two figures measured minutes apart says more about the drift.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +80,8 @@ class LlamaCpp:
         self.llm = Llama(model_path=str(gguf), n_threads=threads, n_threads_batch=threads,
                          n_ctx=N_CTX, n_batch=N_BATCH, verbose=False)
         self.version = __import__("llama_cpp").__version__
+        self.threads = threads
+        self.gguf = gguf
 
     def _argmax(self) -> int:
         """The argmax of the last evaluated token's logits, read from the context: the
@@ -98,10 +104,9 @@ class LlamaCpp:
         return first - start, time.perf_counter() - first, out
 
 
-def measure(gguf: Path, threads: int, prompt: list[int], runs: int, decode_tokens: int,
+def measure(engine: LlamaCpp, prompt: list[int], runs: int, decode_tokens: int,
             sweep: list[list[int]], sweep_new_tokens: int) -> dict[str, Any]:
     """llama.cpp's keys: prefill and decode on `prompt`, the sweep one after another."""
-    engine = LlamaCpp(gguf, threads)
     engine.generate(prompt[:64], 2)  # one-time costs
     ttfts = [engine.generate(prompt, 1)[0] for _ in range(runs)]
     _, decode_s, tokens = engine.generate(prompt, decode_tokens)
@@ -110,8 +115,8 @@ def measure(gguf: Path, threads: int, prompt: list[int], runs: int, decode_token
     wall = time.perf_counter() - start
     return {
         "llama_cpp_version": engine.version,
-        "llama_cpp_gguf": gguf.name,
-        "llama_cpp_threads": threads,
+        "llama_cpp_gguf": engine.gguf.name,
+        "llama_cpp_threads": engine.threads,
         "llama_cpp_prefill_tokens_per_s": len(prompt) / statistics.median(ttfts),
         "llama_cpp_ttft_samples_s": ttfts,
         "llama_cpp_decode_tokens_per_s": (len(tokens) - 1) / decode_s,
@@ -119,6 +124,39 @@ def measure(gguf: Path, threads: int, prompt: list[int], runs: int, decode_token
         "llama_cpp_c8_mode": "one after another (one sequence per context)",
         "llama_cpp_greedy_tokens": tokens,
     }
+
+
+# Untimed runs of an engine before each timed one: on the Intel kind llama.cpp decoded
+# 106-117 tokens/s in its first two runs after ours and 128-140 from the third on (six
+# runs in a row, three blocks: docs/engine.md), ours 100-108 throughout.
+WARM_RUNS = 3
+
+
+def decode_pairs(ours: Callable[[], float], theirs: Callable[[], float], pairs: int,
+                 warm_runs: int = WARM_RUNS) -> list[dict[str, Any]]:
+    """`pairs` single-stream decode measurements of each engine (`ours()` and `theirs()`
+    return tokens/s), one right after the other, which goes first alternating (ours in
+    the even pairs): give an even number, so that each goes first as often. Each timed run
+    follows `warm_runs` untimed ones of the same engine, so that each is measured as it
+    runs alone: right after the other engine's runs, llama.cpp decodes up to a fifth
+    slower for a few seconds."""
+    def settled(measure: Callable[[], float]) -> float:
+        for _ in range(warm_runs):
+            measure()
+        return measure()
+
+    rows = []
+    for i in range(pairs):
+        if i % 2 == 0:
+            mine = settled(ours)
+            other = settled(theirs)
+        else:
+            other = settled(theirs)
+            mine = settled(ours)
+        rows.append({"ours_tokens_per_s": mine, "llama_cpp_tokens_per_s": other,
+                     "ratio": mine / other, "first": "ours" if i % 2 == 0 else "llama_cpp",
+                     "warm_runs": warm_runs})
+    return rows
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -132,15 +170,27 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def compare_keys(ours: dict[str, Any], theirs: dict[str, Any],
-                 our_decode_tokens: list[int]) -> dict[str, Any]:
-    """`--compare llama_cpp`'s keys: llama.cpp's figures (`measure`) and ours over them."""
+                 our_decode_tokens: list[int], pairs: list[dict[str, Any]]) -> dict[str, Any]:
+    """`--compare llama_cpp`'s keys: llama.cpp's figures (`measure`) and ours over them.
+    With decode pairs, `ratio_decode_c1_vs_llama_cpp` is the median of their ratios, the
+    mean ratio of the pairs that each engine began is kept (which goes first can matter),
+    and the ratio of the two figures measured apart is `..._apart`."""
+    apart = ours["decode_tokens_per_s_c1"] / theirs["llama_cpp_decode_tokens_per_s"]
+    by_first = {
+        f"ratio_decode_c1_{first}_first_mean": statistics.mean(ratios)
+        for first in ("ours", "llama_cpp")
+        if (ratios := [p["ratio"] for p in pairs if p.get("first") == first])
+    }
     return {
         "compare": "llama_cpp",
         **theirs,
         "ratio_prefill_vs_llama_cpp": (ours["prefill_tokens_per_s_cold"]
                                        / theirs["llama_cpp_prefill_tokens_per_s"]),
-        "ratio_decode_c1_vs_llama_cpp": (ours["decode_tokens_per_s_c1"]
-                                         / theirs["llama_cpp_decode_tokens_per_s"]),
+        "ratio_decode_c1_vs_llama_cpp": (statistics.median(p["ratio"] for p in pairs)
+                                         if pairs else apart),
+        "ratio_decode_c1_vs_llama_cpp_apart": apart,
+        "decode_c1_pairs": pairs,
+        **by_first,
         "ratio_c8_vs_llama_cpp": (ours["tokens_per_s_by_concurrency"]["8"]
                                   / theirs["llama_cpp_tokens_per_s_c8"]),
         "greedy_tokens_shared_with_llama_cpp": common_prefix(

@@ -1,5 +1,6 @@
 """bench.engine --compare llama_cpp: without llama-cpp-python it says how to install it and
-exits 2; it refuses workloads it cannot compare."""
+exits 2; it refuses workloads it cannot compare; its decode ratio is the median of pairs
+measured back to back."""
 
 import pytest
 
@@ -16,6 +17,12 @@ def test_without_llama_cpp_python_the_bench_says_how_to_install_it_and_exits_2(
     err = capsys.readouterr().err
     assert "pip install" in err and "llama-cpp-python" in err
     assert not out.exists()
+
+
+def test_decode_pairs_come_in_an_even_number(tmp_path):
+    with pytest.raises(SystemExit):
+        bench_engine.main(["--json", str(tmp_path / "o.json"), "--compare", "llama_cpp",
+                           "--decode-pairs", "5"])
 
 
 def test_llama_cpp_compares_the_embedded_model_at_concurrency_8(tmp_path):
@@ -75,3 +82,43 @@ def test_greedy_tokens_are_the_argmax_of_the_last_logits():
         ref.eval([expected[-1]])
     assert tokens == expected
     assert len(set(tokens)) > 1 or tokens[0] != 0
+
+
+def test_decode_pairs_alternate_which_engine_goes_first_each_measured_warm():
+    calls = []
+
+    def ours():
+        calls.append("ours")
+        return 90.0
+
+    def theirs():
+        calls.append("theirs")
+        return 100.0
+
+    pairs = llama_cpp.decode_pairs(ours, theirs, 3, warm_runs=1)
+    # each timed run right after an untimed one of the same engine
+    assert calls == ["ours", "ours", "theirs", "theirs", "theirs", "theirs", "ours", "ours",
+                     "ours", "ours", "theirs", "theirs"]
+    assert [p["first"] for p in pairs] == ["ours", "llama_cpp", "ours"]
+    assert all(p["ratio"] == 0.9 for p in pairs)
+    assert llama_cpp.decode_pairs(ours, theirs, 0) == []
+    calls.clear()
+    llama_cpp.decode_pairs(ours, theirs, 1)
+    assert calls == ["ours"] * (llama_cpp.WARM_RUNS + 1) + ["theirs"] * (llama_cpp.WARM_RUNS + 1)
+
+
+def test_the_decode_ratio_is_the_median_of_the_pairs_and_the_apart_one_is_kept():
+    ours = {"prefill_tokens_per_s_cold": 500.0, "decode_tokens_per_s_c1": 50.0,
+            "tokens_per_s_by_concurrency": {"8": 80.0}}
+    theirs = {"llama_cpp_prefill_tokens_per_s": 250.0, "llama_cpp_decode_tokens_per_s": 100.0,
+              "llama_cpp_tokens_per_s_c8": 20.0, "llama_cpp_greedy_tokens": [1, 2, 3]}
+    pairs = [{"ratio": r, "first": f}
+             for r, f in ((0.8, "ours"), (1.1, "llama_cpp"), (0.95, "ours"))]
+    keys = llama_cpp.compare_keys(ours, theirs, [1, 2, 4], pairs)
+    assert keys["ratio_decode_c1_vs_llama_cpp"] == 0.95
+    assert keys["ratio_decode_c1_ours_first_mean"] == pytest.approx(0.875)
+    assert keys["ratio_decode_c1_llama_cpp_first_mean"] == 1.1
+    assert keys["ratio_decode_c1_vs_llama_cpp_apart"] == 0.5
+    assert keys["ratio_prefill_vs_llama_cpp"] == 2.0 and keys["ratio_c8_vs_llama_cpp"] == 4.0
+    assert keys["greedy_tokens_shared_with_llama_cpp"] == 2
+    assert llama_cpp.compare_keys(ours, theirs, [1], [])["ratio_decode_c1_vs_llama_cpp"] == 0.5
