@@ -185,3 +185,31 @@ def test_a_failed_compile_is_one_clear_load_error(monkeypatch):
     monkeypatch.setattr(compiled_decode.CompiledDecode, "compile", no_compiler)
     with pytest.raises(ModelLoadError, match=r"C\+\+ compiler.*without --compile-decode"):
         load_model("tiny-random", compile_decode=True)
+
+
+def test_a_thread_with_another_torch_thread_count_still_takes_the_compiled_step(compiled_model):
+    """The graph is built for the thread count at compile time; a worker thread whose
+    count differs (OpenMP's is per thread) gets the compile-time count back, not a
+    recompile and the eager step from then on."""
+    import threading
+
+    runner = runner_of(compiled_model, compiled_model.decode_step)
+    kv, tok = prefilled(runner, len(PROMPT) + 8)
+    compiled_at = torch.get_num_threads()
+    before = compiled_model.decode_step.steps
+    seen = []
+
+    def other_count() -> None:
+        torch.set_num_threads(compiled_at + 1)
+        runner.forward([(kv, [tok])], [1])
+        seen.append(torch.get_num_threads())
+
+    worker = threading.Thread(target=other_count)
+    worker.start()
+    worker.join()
+    try:
+        assert runner.decode_step is compiled_model.decode_step  # no fallback to eager
+        assert compiled_model.decode_step.steps == before + 1
+        assert seen == [compiled_at]
+    finally:
+        torch.set_num_threads(compiled_at)
