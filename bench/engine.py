@@ -156,11 +156,8 @@ def llama_cpp_keys(loaded: LoadedModel, args: argparse.Namespace, tokens: list[i
     def ours_decode() -> float:
         return trio.from_thread.run(engine_decode, loaded, tokens, args.decode_tokens)[0]
 
-    def their_decode() -> float:
-        _, decode_s, out = engine.generate(tokens, args.decode_tokens)
-        return (len(out) - 1) / decode_s
-
-    pairs = llama_cpp.decode_pairs(ours_decode, their_decode, args.decode_pairs)
+    pairs = llama_cpp.decode_pairs(
+        ours_decode, lambda: engine.decode_rate(tokens, args.decode_tokens), args.decode_pairs)
     for i, pair in enumerate(pairs):
         log(f"decode pair {i + 1}/{len(pairs)} ({pair['first']} first): ours "
             f"{pair['ours_tokens_per_s']:.1f}, llama.cpp {pair['llama_cpp_tokens_per_s']:.1f} "

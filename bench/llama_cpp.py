@@ -103,6 +103,12 @@ class LlamaCpp:
             out.append(self._argmax())
         return first - start, time.perf_counter() - first, out
 
+    def decode_rate(self, tokens: list[int], new_tokens: int) -> float:
+        """Single-stream decode tokens/s after a cold `tokens`: `new_tokens` greedy ones,
+        the first (the prompt's) left out."""
+        _, decode_s, out = self.generate(tokens, new_tokens)
+        return (len(out) - 1) / decode_s
+
 
 def measure(engine: LlamaCpp, prompt: list[int], runs: int, decode_tokens: int,
             sweep: list[list[int]], sweep_new_tokens: int) -> dict[str, Any]:

@@ -33,7 +33,7 @@ def compiled_model():
 def runner_of(loaded, decode_step=None) -> Runner:
     itemsize = next(loaded.model.parameters()).element_size()
     layout = KVLayout(loaded.num_layers, loaded.num_kv_heads, loaded.head_dim, 16, itemsize)
-    return Runner(loaded.model, layout, decode_step)
+    return Runner(loaded.model, layout, decode_step, loaded.threads)
 
 
 def prefilled(runner: Runner, capacity: int) -> tuple[SeqKV, int]:
@@ -189,13 +189,14 @@ def test_a_failed_compile_is_one_clear_load_error(monkeypatch):
 
 def test_a_thread_with_another_torch_thread_count_still_takes_the_compiled_step(compiled_model):
     """The graph is built for the thread count at compile time; a worker thread whose
-    count differs (OpenMP's is per thread) gets the compile-time count back, not a
-    recompile and the eager step from then on."""
+    count differs (OpenMP's is per thread) gets the model's count back from the runner,
+    not a recompile and the eager step from then on."""
     import threading
 
     runner = runner_of(compiled_model, compiled_model.decode_step)
     kv, tok = prefilled(runner, len(PROMPT) + 8)
     compiled_at = torch.get_num_threads()
+    assert compiled_model.threads == compiled_at
     before = compiled_model.decode_step.steps
     seen = []
 

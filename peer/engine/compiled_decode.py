@@ -111,7 +111,6 @@ class CompiledDecode:
         self._compiled = torch.compile(self._step, fullgraph=True, dynamic=False,
                                        options=INDUCTOR_OPTIONS)
         self._ready = False
-        self._threads = 0  # torch's thread count when compiled: the graph is built for it
         self.steps = 0  # compiled steps run, the compile's own included
 
     def _step(self, token: torch.Tensor, position: torch.Tensor,
@@ -171,7 +170,6 @@ class CompiledDecode:
         heads = config.num_key_value_heads
         head_dim = self._model.model.layers[0].self_attn.head_dim
         start = time.perf_counter()
-        self._threads = torch.get_num_threads()
         for capacity, window in _COMPILE_SHAPES:
             data = torch.zeros((self._layers, 2, heads, capacity, head_dim),
                                dtype=first.dtype, device=first.device)
@@ -189,11 +187,6 @@ class CompiledDecode:
         stall the engine for a minute), and the caller runs the eager step instead."""
         if not self._ready:
             raise CompileDecodeError("the decode step is not compiled yet")
-        if torch.get_num_threads() != self._threads:
-            # The graph is built for the count set when the model was loaded (a guard), and a
-            # thread that ran torch before that keeps its old count (OpenMP's is per thread):
-            # the engine's worker threads run with the count the model was loaded with.
-            torch.set_num_threads(self._threads)
         with torch.compiler.set_stance("fail_on_recompile"):
             return self._run(kv, token)
 

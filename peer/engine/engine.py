@@ -84,7 +84,8 @@ class Engine(BatchLoop):
             block_size, self.layout.capacity_blocks(cache_bytes), self.hasher
         )
         super().__init__(
-            Runner(self._model, self.layout, loaded.decode_step), cache, block_size,
+            Runner(self._model, self.layout, loaded.decode_step, loaded.threads), cache,
+            block_size,
             loaded.eos_token_ids, step_tokens, max_running, cache_generated,
         )
         self._stats.update(verifications=0, verifications_failed=0, verified_tokens=0)

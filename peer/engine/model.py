@@ -92,6 +92,9 @@ class LoadedModel:
     head_dim: int
     # where load_model(compile_decode=True) built one (compiled_decode.CompiledDecode)
     decode_step: DecodeStep | None = None
+    # torch's CPU thread count that every forward runs with (Runner): the one asked for,
+    # or the one a compiled step was built for; None leaves torch's as it is
+    threads: int | None = None
 
 
 def cache_dir() -> Path:
@@ -494,4 +497,5 @@ def load_model(
         num_kv_heads=int(getattr(cfg, "num_key_value_heads", None) or num_heads),
         head_dim=int(head_dim),
         decode_step=decode_step,
+        threads=threads if threads is not None or not compile_decode else torch.get_num_threads(),
     )

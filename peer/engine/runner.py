@@ -121,13 +121,17 @@ class DecodeStep(Protocol):
 class Runner:
     """Runs packed forwards of one model; owns no request state. A lone sequence's decode
     goes through `decode_step` where one is given (a compiled step); if that step refuses
-    an input, this step and every later one runs eagerly."""
+    an input, this step and every later one runs eagerly. Every forward runs with `threads`
+    torch CPU threads where given: OpenMP's count is per thread, so a worker thread that
+    ran torch before the model was loaded keeps its old count otherwise (and a compiled
+    step, built for one count, would refuse it)."""
 
-    def __init__(self, model: Any, layout: KVLayout, decode_step: DecodeStep | None = None
-                 ) -> None:
+    def __init__(self, model: Any, layout: KVLayout, decode_step: DecodeStep | None = None,
+                 threads: int | None = None) -> None:
         self.model = model
         self.layout = layout
         self.decode_step = decode_step
+        self.threads = threads
         first = next(model.parameters())
         self.dtype: torch.dtype = first.dtype
         self.device: torch.device = first.device
@@ -156,6 +160,8 @@ class Runner:
         """Feed each item's tokens after its cached ones; logits [k, vocab] (float32) of the
         last `want` tokens of each item (True: the last one), in order. Advances each
         SeqKV's length."""
+        if self.threads is not None and torch.get_num_threads() != self.threads:
+            torch.set_num_threads(self.threads)
         if self.decode_step is not None and len(items) == 1 and len(items[0][1]) == 1 \
                 and want[0] == 1 and self.decode_step.accepts(items[0][0]):
             kv, tokens = items[0]
