@@ -214,3 +214,38 @@ def test_a_thread_with_another_torch_thread_count_still_takes_the_compiled_step(
         assert seen == [compiled_at]
     finally:
         torch.set_num_threads(compiled_at)
+
+
+@pytest.fixture(scope="module")
+def compiled_int4():
+    """tiny-random in int4, its decode step compiled; and how many of the step's products
+    inductor wrote as its own C++ kernels while compiling it."""
+    from torch._dynamo.utils import counters
+
+    before = counters["inductor"]["cpp_templated_kernel_counter"]
+    loaded = load_model("tiny-random", dtype="int4", compile_decode=True)
+    return loaded, counters["inductor"]["cpp_templated_kernel_counter"] - before
+
+
+def test_a_quantized_step_is_compiled_on_frozen_weights_and_keeps_the_eager_logits(
+        compiled_int4):
+    """The weights are frozen into the graph (Dynamo reads `freezing` from the global
+    config: passed only as a compile option it froze nothing), which is what lets the
+    int4 and int8 products become inductor's C++ kernels. They sum in another order and
+    round to bfloat16 elsewhere, so each step's logits, fed the same tokens, are the
+    eager step's to a few bfloat16 steps (logits here reach ~8, where one step is 1/32);
+    a wrong weight or layout would be off by whole units."""
+    loaded, templated = compiled_int4
+    assert templated > 0
+    eager = runner_of(loaded)
+    compiled = runner_of(loaded, loaded.decode_step)
+    kv_e, tok = prefilled(eager, len(PROMPT) + 12)
+    kv_c, _ = prefilled(compiled, len(PROMPT) + 12)
+    before = loaded.decode_step.steps
+    for _ in range(12):
+        logits_e = eager.forward([(kv_e, [tok])], [1])
+        logits_c = compiled.forward([(kv_c, [tok])], [1])
+        gap = (logits_c - logits_e).abs()
+        assert float(gap.max()) < 0.4 and float(gap.mean()) < 0.08
+        tok = int(logits_e[0].argmax())
+    assert loaded.decode_step.steps == before + 12

@@ -3,9 +3,12 @@
 A small model's decode step on a CPU is mostly the cost of dispatching its ~600 small ops
 one by one from Python (docs/engine.md, "Where a decode step's time goes"). Compiled, the
 pointwise ops between the projections fuse into C++ loops, the wrapper that calls them is
-C++ (`cpp_wrapper`) and the weights are frozen in as constants; the projections call the
-same kernels as the eager step, a quantized layer's projections of one input (q, k, v;
-gate, up) in one call each (quant.FusedProjections: the same outputs, bit for bit). Only
+C++ (`cpp_wrapper`) and the weights are frozen in as constants. A quantized layer's
+projections of one input (q, k, v; gate, up) are one product each
+(quant.FusedProjections), and each matrix product (int4, int8 or bfloat16) is inductor's
+own C++ kernel for its shape, built for the frozen weight, where that times faster than
+torch's kernel at compile time (max-autotune). It sums in another order, so the compiled
+step's logits are the eager step's to a few bfloat16 steps, not bit for bit. Only
 a lone decoding sequence takes this path (Runner.forward): the batch of one that a peer
 with a single client runs. The step reads the sequence's own KV buffer up to the next
 multiple of ATTEND_BLOCK positions, under a mask of the positions filled, so every length
@@ -20,9 +23,10 @@ on two cores, at every start (inductor's cache on disk saved little of it here).
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -30,9 +34,12 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from .runner import SeqKV
 
-# Inductor: weights as constants, the wrapper in C++ (no Python between the kernels).
+# Inductor: weights as constants, the wrapper in C++ (no Python between the kernels),
+# each matrix product the faster of torch's kernel and inductor's C++ one for its shape.
 INDUCTOR_OPTIONS: dict[str, str | int | bool | Callable[..., Any]] = {
     "freezing": True, "cpp_wrapper": True,
+    "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
+    "max_autotune_report_choices_stats": False,
 }
 ATTEND_BLOCK = 64  # the window read grows by this many positions at a time
 # The throw-away buffers that compile the step, (capacity, window): two different ones,
@@ -96,6 +103,23 @@ def supported(model: Any) -> str | None:
     if getattr(config, "pretraining_tp", 1) != 1:
         return "the compiled decode step does not split projections (pretraining_tp > 1)"
     return None
+
+
+@contextlib.contextmanager
+def _compile_settings() -> Iterator[None]:
+    """What must hold while Dynamo traces, beyond the options given to the compile: it
+    reads `freezing` from the global config (the option alone leaves every weight a graph
+    input, so nothing is frozen and no C++ product applies), and the autotuner's table of
+    timings per product stays off stderr."""
+    from torch._inductor import select_algorithm
+
+    printed = select_algorithm.PRINT_AUTOTUNE
+    select_algorithm.PRINT_AUTOTUNE = False
+    try:
+        with torch._inductor.config.patch(freezing=True):
+            yield
+    finally:
+        select_algorithm.PRINT_AUTOTUNE = printed
 
 
 class CompiledDecode:
@@ -170,10 +194,11 @@ class CompiledDecode:
         heads = config.num_key_value_heads
         head_dim = self._model.model.layers[0].self_attn.head_dim
         start = time.perf_counter()
-        for capacity, window in _COMPILE_SHAPES:
-            data = torch.zeros((self._layers, 2, heads, capacity, head_dim),
-                               dtype=first.dtype, device=first.device)
-            self._run(SeqKV(data, 0), 1, window)
+        with _compile_settings():
+            for capacity, window in _COMPILE_SHAPES:
+                data = torch.zeros((self._layers, 2, heads, capacity, head_dim),
+                                   dtype=first.dtype, device=first.device)
+                self._run(SeqKV(data, 0), 1, window)
         self._ready = True
         return time.perf_counter() - start
 
