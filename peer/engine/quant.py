@@ -77,8 +77,42 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1]).contiguous()
 
 
-class Int8Linear(nn.Module):
+def _int8_product(flat: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor
+                  ) -> torch.Tensor:
+    """flat [M, K] times int8 `weight` [N, K] with per-channel `scales`: [M, N]."""
+    y: torch.Tensor = torch.ops.aten._weight_int8pack_mm(flat, weight, scales)
+    return y
+
+
+def _int4_product(flat: torch.Tensor, packed: torch.Tensor, group: int,
+                  scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    """flat [M, K] times the CPU kernel's packed int4 weight: [M, N]."""
+    y: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, packed, group,
+                                                                 scales_and_zeros)
+    return y
+
+
+class _QuantLinear(nn.Module):
+    """What both quantized layers share: y = product(x) (+ bias), in x's leading shape."""
+
+    out_features: int
+    bias: nn.Parameter | None
+
+    def _product(self, flat: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._product(_flat(x))
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
+class Int8Linear(_QuantLinear):
     """y = x W^T (+ b) with W int8 per output channel; x in ACTIVATION_DTYPE."""
+
+    weight_int8: torch.Tensor
+    scales: torch.Tensor
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
@@ -89,20 +123,19 @@ class Int8Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(
             bias.detach().to(ACTIVATION_DTYPE), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y: torch.Tensor = torch.ops.aten._weight_int8pack_mm(
-            _flat(x), self.weight_int8, self.scales)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.reshape(*x.shape[:-1], self.out_features)
+    def _product(self, flat: torch.Tensor) -> torch.Tensor:
+        return _int8_product(flat, self.weight_int8, self.scales)
 
 
-class Int4Linear(nn.Module):
+class Int4Linear(_QuantLinear):
     """y = x W^T (+ b) with W int4 in groups along the input; x in ACTIVATION_DTYPE.
 
     The kernel's packed layout is the kernel's business (and may change with torch), so
     the state dict, which the model id's fingerprint hashes, holds a digest of the 4-bit
     values, scales and zeros instead of the packed bytes."""
+
+    packed: torch.Tensor
+    scales_and_zeros: torch.Tensor
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
                  group: int = INT4_GROUP) -> None:
@@ -121,12 +154,8 @@ class Int4Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(
             bias.detach().to(ACTIVATION_DTYPE), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            _flat(x), self.packed, self.group, self.scales_and_zeros)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.reshape(*x.shape[:-1], self.out_features)
+    def _product(self, flat: torch.Tensor) -> torch.Tensor:
+        return _int4_product(flat, self.packed, self.group, self.scales_and_zeros)
 
 
 class FusedProjections(nn.Module):
@@ -137,6 +166,9 @@ class FusedProjections(nn.Module):
     projections' own weight tensors become views of the fused one, so both share its
     memory; int4's scales and zeros are copied (their layout does not slice into
     contiguous parts), about a tenth of the fused weight's bytes."""
+
+    weight: torch.Tensor
+    scales: torch.Tensor
 
     def __init__(self, parts: Sequence[Any]) -> None:
         super().__init__()
@@ -171,13 +203,10 @@ class FusedProjections(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         flat = _flat(x)
-        if self.int4:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.weight, self.group,
-                                                           self.scales)
-        else:
-            y = torch.ops.aten._weight_int8pack_mm(flat, self.weight, self.scales)
+        y = (_int4_product(flat, self.weight, self.group, self.scales) if self.int4
+             else _int8_product(flat, self.weight, self.scales))
         y = y.reshape(*x.shape[:-1], sum(self.sizes))
-        return tuple(y.split(self.sizes, dim=-1))
+        return tuple(torch.split(y, self.sizes, dim=-1))
 
 
 # (module holding the projections, their names, the name of their fused module)
