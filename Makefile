@@ -58,7 +58,7 @@ lint: $(STAMP)
 		peer/engine/scheduler.py peer/engine/verify_plan.py peer/engine/api.py peer/engine/text.py peer/routing/probing.py peer/routing/decide.py \
 		peer/request/generation.py peer/api/face.py peer/swarm/local_summary.py \
 		peer/swarm/incremental_bloom.py peer/swarm/admission.py peer/net/dial_candidates.py bench/testbed/link.py bench/sim/quota.py peer/request/budget.py peer/routing/evidence.py \
-		peer/net/keyed_budget.py peer/swarm/gossip_gate.py peer/swarm/delivery_counts.py peer/request/served_log.py peer/routing/forward_overhead.py
+		peer/net/keyed_budget.py peer/swarm/gossip_gate.py peer/swarm/delivery_counts.py peer/swarm/rejections.py peer/request/served_log.py peer/routing/forward_overhead.py
 	# shells typed as strictly (pyproject's second strict override): the request path and
 	# the library entry
 	$(BIN)/mypy peer/api/http.py peer/api/responses.py peer/api/auth.py peer/request/serving.py \

@@ -49,6 +49,7 @@ from peer.swarm.local_summary import build_summary
 from peer.swarm.neighbourhood import Neighbourhood
 from peer.swarm.peer_table import MAX_PEERS, PeerTable, Verdict
 from peer.swarm.publish_policy import PublishPolicy
+from peer.swarm.rejections import Rejections
 from peer.version import version
 from protocols.bloom import BloomFilter
 from protocols.errors import RemoteProtocolError
@@ -59,7 +60,6 @@ logger = logging.getLogger(__name__)
 SOFTWARE = f"prefixswarm/{version()}"  # in every summary: peers flag older software
 
 PUBLISH_TIMEOUT_S = 5.0  # publishing queues to mesh peers; a stall must not stop the loop
-MAX_LOGGED_REJECTIONS = 256  # (sender, reason) pairs logged at WARNING; later ones at DEBUG
 # Table verdicts that say nothing bad about the message: relayed, not applied.
 _NOT_THE_SENDERS_FAULT = frozenset({Verdict.STALE_SEQ, Verdict.TABLE_FULL, Verdict.UNPROVEN_FULL})
 
@@ -126,8 +126,7 @@ class Gossip:
         # rebuilt from every cached hash (~20 us per hash) at each publish.
         self._filter = CacheFilter(fp_rate)
         self._publishing = True
-        self._logged: set[tuple[str, str]] = set()
-        self._rejected: dict[str, int] = {}
+        self._rejections = Rejections(logger)
         # per sender, for as many senders as the table holds peers
         self._delivery = DeliveryCounts(MAX_PEERS)
         self._cpu_s = 0.0
@@ -218,8 +217,8 @@ class Gossip:
             "extra_peers": sorted(self._extra),
             "mesh_peers": len(getattr(router, "mesh", {}).get(self._topic, ())),
             "topic_peers": len(self._pubsub.peer_topics.get(self._topic, ())),
-            "rejected": dict(self._rejected),
-            "rejected_total": sum(self._rejected.values()),
+            "rejected": self._rejections.counts,
+            "rejected_total": sum(self._rejections.counts.values()),
             "gate": {str(v): n for v, n in self._gate.counts.items()},
             "graylisted": self._gate.graylisted,
             "seq": self._seq,
@@ -443,7 +442,7 @@ class Gossip:
             return self._check(msg, owner)
         except Exception:  # a bug here must not kill pubsub's task: reject and say so
             logger.exception("summary validator failed")
-            self._rejected["internal_error"] = self._rejected.get("internal_error", 0) + 1
+            self._rejections.count("internal_error")
             return False
         finally:
             self._cpu_s += time.thread_time() - start
@@ -495,11 +494,4 @@ class Gossip:
         return True
 
     def _reject(self, source: str, reason: str, detail: str) -> bool:
-        self._rejected[reason] = self._rejected.get(reason, 0) + 1
-        key = (source, reason)
-        if key not in self._logged and len(self._logged) < MAX_LOGGED_REJECTIONS:
-            self._logged.add(key)
-            logger.warning("rejected summary from %s: %s (%s)", source, reason, detail)
-        else:
-            logger.debug("rejected summary from %s: %s (%s)", source, reason, detail)
-        return False
+        return self._rejections.reject(source, reason, detail)
