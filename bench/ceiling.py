@@ -33,7 +33,7 @@ from typing import Any
 from bench.stats import percentile
 from bench.swarm import add_workload_arguments, swarm_workload
 from bench.workloads import TokenRequest
-from peer.engine.model import TINY_CONFIG, TINY_RANDOM
+from peer.engine.embedded import TINY_CONFIG, TINY_RANDOM
 from peer.engine.radix import RadixCache
 from protocols.blocks import BlockHasher
 

@@ -70,14 +70,13 @@ from bench.transformers_cb import (
     transformers_cb_keys,
 )
 from peer.demo_data import NUM_SHOTS, by_subject, five_shot_prompt, load_mmlu
+from peer.engine.embedded import SMOLLM2_GGUF, smollm2_gguf_dir
 from peer.engine.engine import Engine, SamplingParams
 from peer.engine.model import (
     DEFAULT_MODEL,
     DTYPES,
-    SMOLLM2_GGUF,
     LoadedModel,
     load_model,
-    smollm2_gguf_dir,
 )
 from protocols.ids import split_model_id
 

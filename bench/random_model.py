@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from peer.engine.model import TINY_CONFIG, load_smollm2_tokenizer, random_llama
+from peer.engine.embedded import TINY_CONFIG, load_smollm2_tokenizer, random_llama
 
 
 def build(path: Path, hidden: int, layers: int, seed: int) -> Any:

@@ -391,7 +391,7 @@ def tokenize_mmlu(encode: Encoder, tokenizer: str,
 
 def smollm2_encoder() -> tuple[Encoder, str]:
     """The SmolLM2 tokenizer as an Encoder (loaded through peer.engine.model's cache)."""
-    from peer.engine.model import load_smollm2_tokenizer
+    from peer.engine.embedded import load_smollm2_tokenizer
 
     tok: Any = load_smollm2_tokenizer()
 
@@ -404,7 +404,7 @@ def smollm2_encoder() -> tuple[Encoder, str]:
 def mmlu_tokens_path() -> Path:
     """Where the tokenized MMLU workload is cached: $PREFIXSWARM_CACHE_DIR (or
     ~/.cache/prefixswarm/models) / MMLU_TOKENS_FILE."""
-    from peer.engine.model import cache_dir
+    from peer.engine.embedded import cache_dir
 
     return cache_dir() / MMLU_TOKENS_FILE
 

