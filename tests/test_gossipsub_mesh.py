@@ -31,8 +31,7 @@ from peer.node import MESH_DEGREE, MESH_DEGREE_HIGH, MESH_DEGREE_LOW
 TOPIC = "/prefixswarm/summary/1/test"
 
 
-@pytest.fixture
-def router() -> Iterator[GossipSub]:
+def _new_router() -> GossipSub:
     """Our GossipSub, attached to a Pubsub on a host that is never started."""
     libp2p_fixes.apply()
     host = SwarmHost(new_host(key_pair=create_new_key_pair()), [])
@@ -42,7 +41,12 @@ def router() -> Iterator[GossipSub]:
     router = pubsub.router
     assert isinstance(router, GossipSub)
     router.mesh[TOPIC] = set()
-    yield router
+    return router
+
+
+@pytest.fixture
+def router() -> Iterator[GossipSub]:
+    yield _new_router()
 
 
 def _peers(n: int) -> list[ID]:
@@ -86,6 +90,36 @@ async def test_a_prune_we_send_backs_us_off_that_peer(router: GossipSub) -> None
     assert router._check_back_off(peer, TOPIC)
     graft, _prune = router.mesh_heartbeat()
     assert peer not in graft
+
+
+async def test_two_peers_mesh_again_once_a_prune_back_off_is_over(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each side grafts the other at its first heartbeat after its own back-off, and
+    that GRAFT is accepted: neither side still holds the other in back-off then (were
+    it refused, the PRUNE answering it would renew both back-offs, again and again)."""
+    now = [1_000.3]
+    monkeypatch.setattr(time, "time", lambda: now[0])
+    a, b = _new_router(), _new_router()
+    assert a.pubsub is not None and b.pubsub is not None
+    a_id, b_id = a.pubsub.my_id, b.pubsub.my_id
+    _subscribed(a, [b_id])
+    _subscribed(b, [a_id])
+    await a.emit_prune(TOPIC, b_id, False, False)  # e.g. a's heartbeat trimmed a full mesh
+    now[0] += 0.4  # the PRUNE crosses the network
+    await b.handle_prune(rpc_pb2.ControlPrune(topicID=TOPIC, backoff=a.prune_back_off), a_id)
+    for grafter, accepter, grafter_id, accepter_id in ((b, a, b_id, a_id), (a, b, a_id, b_id)):
+        for _heartbeat in range(30):
+            now[0] += 1.0
+            graft, _prune = grafter.mesh_heartbeat()
+            if accepter_id in graft:
+                break
+        else:
+            pytest.fail("never grafted again")
+        await accepter.handle_graft(rpc_pb2.ControlGraft(topicID=TOPIC), grafter_id)
+        assert grafter_id in accepter.mesh[TOPIC]
+        accepter.mesh[TOPIC].discard(grafter_id)  # the next direction starts from empty meshes
+        grafter.mesh[TOPIC].discard(accepter_id)
 
 
 def test_expired_back_offs_are_forgotten_even_for_topics_no_longer_heard(

@@ -1,5 +1,6 @@
 """GossipSub's mesh, patched (applied by peer/net/libp2p_fixes.py, which checks each
-target first): a peer that prunes backs off too (WORKAROUND(prune-backoff)), no
+target first): both sides of a PRUNE back off, and each waits a little longer before
+grafting than it takes to accept a GRAFT (WORKAROUND(prune-backoff)), no
 opportunistic grafting (WORKAROUND(opportunistic-graft)), and IHAVE gossip to backed-off
 peers (WORKAROUND(gossip-backoff)). libp2p_fixes.fixes() says why each one is needed.
 """
@@ -23,30 +24,43 @@ __all__ = [
     "no_opportunistic_grafting",
 ]
 
-PRUNE_BACKOFF_SLACK_S = 2  # a peer we pruned is not grafted again for the prune back-off
-#   plus this (two 1 s heartbeats, as go-libp2p): the pruned side counts its back-off from
-#   when the PRUNE arrived, and py-libp2p rounds back-offs to whole seconds
+PRUNE_BACKOFF_SLACK_S = 2  # after a PRUNE, either side grafts the other only once the
+#   back-off plus this has passed, but accepts its GRAFT as soon as the back-off itself
+#   has (go-libp2p's slack of heartbeats): the two sides start their clocks a network
+#   delay apart and py-libp2p rounds back-offs to whole seconds. Were one side to hold
+#   out longer than the other waits, each early GRAFT would be refused with a PRUNE that
+#   renews both back-offs, over and over: the pair never meshes again
 GOSSIP_LAZY_PEERS = 6  # IHAVE goes to at least this many non-mesh peers per heartbeat...
 GOSSIP_FACTOR = 0.25  # ...or this share of them, whichever is more (GossipSub's D_lazy
 #   and gossip factor; py-libp2p's own values with its adaptive gossip off)
 
 
 def back_off_from_peers_we_prune() -> None:
-    if not getattr(GossipSub.mesh_heartbeat, "_prefixswarm", False):
-        GossipSub.mesh_heartbeat = _backing_off_pruned(  # type: ignore[method-assign]
-            GossipSub.mesh_heartbeat
-        )
-    if not getattr(GossipSub.emit_prune, "_prefixswarm", False):
-        GossipSub.emit_prune = _backing_off_on_prune(  # type: ignore[method-assign]
-            GossipSub.emit_prune
-        )
+    for name, patched in (
+        ("mesh_heartbeat", _backing_off_pruned),
+        ("emit_prune", _backing_off_on_prune),
+        ("handle_prune", _slack_after_prune_received),
+        ("handle_graft", _graft_accepted_after_back_off),
+    ):
+        method = getattr(GossipSub, name)
+        if not getattr(method, "_prefixswarm", False):
+            setattr(GossipSub, name, patched(method))
 
 
 def _back_off_after_our_prune(router: GossipSub, peer: ID, topic: str, unsubscribing: bool) -> None:
     """We pruned `peer` from `topic`'s mesh: do not graft it for the back-off we asked of
-    it, plus slack for its clock starting later than ours."""
+    it, plus the slack."""
     back_off = router.unsubscribe_back_off if unsubscribing else router.prune_back_off
     router._add_back_off(peer, topic, unsubscribing, back_off + PRUNE_BACKOFF_SLACK_S)
+
+
+def _back_off_proper_ended(router: GossipSub, peer: ID, topic: str) -> None:
+    """A GRAFT from `peer`: forget its back-off if only the slack is left of it. Every
+    back-off we record carries the slack, which delays our own GRAFTs, not theirs."""
+    peers = router.back_off.get(topic, {})
+    until = peers.get(peer)
+    if until is not None and until - PRUNE_BACKOFF_SLACK_S <= int(time.time()):
+        del peers[peer]
 
 
 def _forget_expired_back_offs(router: GossipSub) -> None:
@@ -83,6 +97,26 @@ def _backing_off_on_prune(emit_prune: Any) -> Any:
 
     prune._prefixswarm = True  # type: ignore[attr-defined]
     return prune
+
+
+def _slack_after_prune_received(handle_prune: Any) -> Any:
+    async def prune(self: GossipSub, prune_msg: Any, sender_peer_id: ID) -> None:
+        back_off = prune_msg.backoff if prune_msg.backoff > 0 else self.prune_back_off
+        slacked = back_off + PRUNE_BACKOFF_SLACK_S
+        self._add_back_off(sender_peer_id, prune_msg.topicID, False, slacked)
+        await handle_prune(self, prune_msg, sender_peer_id)
+
+    prune._prefixswarm = True  # type: ignore[attr-defined]
+    return prune
+
+
+def _graft_accepted_after_back_off(handle_graft: Any) -> Any:
+    async def graft(self: GossipSub, graft_msg: Any, sender_peer_id: ID) -> None:
+        _back_off_proper_ended(self, sender_peer_id, graft_msg.topicID)
+        await handle_graft(self, graft_msg, sender_peer_id)
+
+    graft._prefixswarm = True  # type: ignore[attr-defined]
+    return graft
 
 
 def no_opportunistic_grafting() -> None:
