@@ -44,6 +44,7 @@ from bench.swarm import (
     swarm_workload,
 )
 from bench.workloads import TokenRequest
+from peer.engine.compute_thread import compute_thread
 from peer.engine.model import DTYPES
 from peer.processes import (
     PeerProcess,
@@ -207,7 +208,7 @@ async def references(
     """The honest model's text for every request (this process, an uncached engine)."""
     from peer.engine.engine import SamplingParams, load_engine
 
-    engine = await trio.to_thread.run_sync(
+    engine = await compute_thread().run(
         functools.partial(load_engine, args.model, 0, 16, dtype=args.dtype)
     )
     out = []

@@ -25,14 +25,13 @@ import statistics
 import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from bench.report import emit_json
+from bench.step_bench import step_bench_main
 from peer.engine import compiled_decode
-from peer.engine.model import DEFAULT_MODEL, DTYPES, load_model
+from peer.engine.model import load_model
 from peer.engine.runner import SeqKV
 
 OLD_OPTIONS = {"freezing": True, "cpp_wrapper": True}  # the options before the fix
@@ -104,22 +103,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m bench.compile_options", description=(__doc__ or "").split("\n")[0]
-    )
-    parser.add_argument("--json", type=Path, required=True)
-    parser.add_argument("--model", default=DEFAULT_MODEL)
-    parser.add_argument("--dtype", default="int4", choices=[d for d in DTYPES if d != "auto"])
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--context", type=int, default=700)
-    parser.add_argument("--blocks", type=int, default=6)
-    parser.add_argument("--steps", type=int, default=30)
-    args = parser.parse_args(argv)
-    if min(args.threads, args.context, args.blocks, args.steps) < 1:
-        parser.error("--threads, --context, --blocks and --steps must be >= 1")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    emit_json(run(args), args.json)
-    return 0
+    return step_bench_main("python -m bench.compile_options", __doc__, run, argv)
 
 
 if __name__ == "__main__":

@@ -70,6 +70,7 @@ from bench.transformers_cb import (
     transformers_cb_keys,
 )
 from peer.demo_data import NUM_SHOTS, by_subject, five_shot_prompt, load_mmlu
+from peer.engine.compute_thread import compute_thread
 from peer.engine.embedded import SMOLLM2_GGUF, smollm2_gguf_dir
 from peer.engine.engine import Engine, SamplingParams
 from peer.engine.model import (
@@ -145,9 +146,11 @@ def llama_cpp_keys(loaded: LoadedModel, args: argparse.Namespace, tokens: list[i
     """llama.cpp measured on the same GGUF and prompts, our figures over its, and then
     --decode-pairs single-stream decodes of both, back to back (runs in a worker thread:
     ours are sent back to the Trio loop)."""
-    engine = llama_cpp.LlamaCpp(smollm2_gguf_dir() / SMOLLM2_GGUF, torch.get_num_threads())
-    theirs = llama_cpp.measure(engine, tokens, args.runs, args.decode_tokens, sweep_prompts_,
-                               args.sweep_new_tokens)
+    compute = compute_thread()  # llama.cpp's OpenMP work too: the only team, as when alone
+    engine = compute.call(llama_cpp.LlamaCpp, smollm2_gguf_dir() / SMOLLM2_GGUF,
+                          torch.get_num_threads())
+    theirs = compute.call(llama_cpp.measure, engine, tokens, args.runs, args.decode_tokens,
+                          sweep_prompts_, args.sweep_new_tokens)
     log(f"llama.cpp: prefill {theirs['llama_cpp_prefill_tokens_per_s']:.0f} tokens/s, decode "
         f"{theirs['llama_cpp_decode_tokens_per_s']:.1f} tokens/s, c8 (one after another) "
         f"{theirs['llama_cpp_tokens_per_s_c8']:.1f} tokens/s")
@@ -156,7 +159,8 @@ def llama_cpp_keys(loaded: LoadedModel, args: argparse.Namespace, tokens: list[i
         return trio.from_thread.run(engine_decode, loaded, tokens, args.decode_tokens)[0]
 
     pairs = llama_cpp.decode_pairs(
-        ours_decode, lambda: engine.decode_rate(tokens, args.decode_tokens), args.decode_pairs)
+        ours_decode, lambda: compute.call(engine.decode_rate, tokens, args.decode_tokens),
+        args.decode_pairs)
     for i, pair in enumerate(pairs):
         log(f"decode pair {i + 1}/{len(pairs)} ({pair['first']} first): ours "
             f"{pair['ours_tokens_per_s']:.1f}, llama.cpp {pair['llama_cpp_tokens_per_s']:.1f} "
@@ -264,7 +268,7 @@ async def sweep(loaded: LoadedModel, args: argparse.Namespace) -> dict[str, Any]
     log(f"sweep: {len(prompts)} prompts of {min(map(len, prompts))}-{max(map(len, prompts))} "
         f"tokens from {sorted({s for s, _ in pairs})}, {args.sweep_new_tokens} new tokens each")
     await engine_concurrent(loaded, prompts[:2], 2, 2)  # one-time costs, not counted
-    hf_tps, hf_outs = await trio.to_thread.run_sync(
+    hf_tps, hf_outs = await compute_thread().run(
         transformers_sequential, loaded, prompts, args.sweep_new_tokens
     )
     log(f"transformers sequential: {hf_tps:.1f} tokens/s")
@@ -286,7 +290,7 @@ async def sweep(loaded: LoadedModel, args: argparse.Namespace) -> dict[str, Any]
             f"identical {identical[str(c)]}")
         for name, sharing in CB_CORES if cores else []:
             reset_peak_rss()
-            cb = await trio.to_thread.run_sync(
+            cb = await compute_thread().run(
                 lambda sharing=sharing, c=c: transformers_cb_concurrent(
                     loaded.model, prompts, c, args.sweep_new_tokens, block_sharing=sharing,
                     page_size=args.cb_page_size,
@@ -331,7 +335,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     t0 = time.perf_counter()
     load_before = os.getloadavg()[0]
     log(f"loading {args.model} (load average {load_before:.1f} on {os.cpu_count()} CPUs)")
-    loaded = await trio.to_thread.run_sync(
+    loaded = await compute_thread().run(
         lambda: load_model(args.model, dtype=args.dtype, threads=args.threads,
                            compile_decode=args.compile_decode)
     )
@@ -350,7 +354,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         results = {"cold": await engine_ttft(loaded, tokens, None)}
         for name, prime in primes.items():
             results[name] = await engine_ttft(loaded, tokens, prime)
-        hf_s, _ = await trio.to_thread.run_sync(transformers_ttft, loaded, tokens)
+        hf_s, _ = await compute_thread().run(transformers_ttft, loaded, tokens)
         if i > 0:
             for name, r in results.items():
                 samples[name].append(r["ttft_s"])
@@ -364,7 +368,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
     log(f"checking greedy outputs for {args.check_tokens} tokens")
     check = SamplingParams(max_new_tokens=args.check_tokens)
-    _, hf_tokens = await trio.to_thread.run_sync(
+    _, hf_tokens = await compute_thread().run(
         transformers_ttft, loaded, tokens, args.check_tokens
     )
     engine = Engine.from_model(loaded)

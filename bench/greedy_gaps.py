@@ -42,6 +42,7 @@ from bench.report import emit_json
 from bench.stats import percentile
 from bench.workloads import load_tokenized_mmlu, mmlu_requests
 from peer.engine.api import SamplingParams
+from peer.engine.compute_thread import compute_thread
 from peer.engine.engine import Engine, load_engine
 from peer.engine.model import DEFAULT_MODEL, DTYPES, load_model
 from peer.engine.verify import forward_chunk, greedy_gaps, tolerance
@@ -91,16 +92,16 @@ async def measure(model: str, dtype: str, prompts: list[list[int]], concurrency:
     def load(cache_bytes: int) -> Engine:
         return load_engine(model, cache_bytes, 16, dtype=dtype)
 
-    reference_engine = await trio.to_thread.run_sync(load, 0)
+    reference_engine = await compute_thread().run(load, 0)
     reference = await answers(reference_engine, prompts, 1)
     if compile_decode:
-        compiled = await trio.to_thread.run_sync(
+        compiled = await compute_thread().run(
             functools.partial(load_model, model, dtype=dtype, compile_decode=True))
         cached = await answers(Engine.from_model(compiled, 10**9, 16), prompts, 1)
         batched = await answers(Engine.from_model(compiled, 10**9, 16), prompts, concurrency)
     else:
-        cached = await answers(await trio.to_thread.run_sync(load, 10**9), prompts, 1)
-        batched = await answers(await trio.to_thread.run_sync(load, 10**9), prompts,
+        cached = await answers(await compute_thread().run(load, 10**9), prompts, 1)
+        batched = await answers(await compute_thread().run(load, 10**9), prompts,
                                 concurrency)
     greedy_slack = tolerance(split_model_id(reference_engine.model_id)[1]).greedy
     all_gaps: list[float] = []
@@ -109,7 +110,7 @@ async def measure(model: str, dtype: str, prompts: list[list[int]], concurrency:
         for prompt, output in zip(prompts, got, strict=True):
             if not output:
                 continue
-            gaps = await trio.to_thread.run_sync(
+            gaps = await compute_thread().run(
                 answer_gaps, reference_engine, prompt, list(output)
             )
             all_gaps += gaps

@@ -66,6 +66,7 @@ from libp2p.peer.id import ID
 from bench.rogues import freeloader, probation_launderer, punch_scanner, reachability_liar
 from bench.rogues.lies import forged_message, out_of_nucleus, poisoned_summary, wrong_tokens
 from peer.config import PeerConfig
+from peer.engine.compute_thread import compute_thread
 from peer.engine.model import DTYPES
 from peer.net.wire import FrameStream, StreamBroken
 from peer.node import Peer, open_peer
@@ -292,7 +293,7 @@ class Rogue:
             return out
 
         async with engine.model_lock:  # never while a batch step runs the model
-            tokens: list[int] = await trio.to_thread.run_sync(run)
+            tokens: list[int] = await compute_thread().run(run)
         return tokens
 
 
@@ -344,7 +345,7 @@ async def run(args: argparse.Namespace) -> None:
 
     mode = Mode(args.mode)
     rng = random.Random(args.seed)
-    engine = await trio.to_thread.run_sync(
+    engine = await compute_thread().run(
         functools.partial(load_engine, args.model, args.cache_bytes, 16, dtype=args.dtype)
     )
     rogue = Rogue(mode, engine, rng)

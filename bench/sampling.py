@@ -46,6 +46,7 @@ import trio
 from bench.engine import pick_prompt
 from bench.report import emit_json
 from bench.verify import machine
+from peer.engine.compute_thread import compute_thread
 from peer.engine.engine import Engine, SamplingParams
 from peer.engine.model import DEFAULT_MODEL, LoadedModel, load_model
 from peer.engine.sampling import sample_seeded
@@ -147,7 +148,7 @@ def agreement(alone: list[list[int]], batched: list[list[int]]) -> dict[str, Any
 
 async def one_dtype(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
     t0 = time.perf_counter()
-    loaded = await trio.to_thread.run_sync(lambda: load_model(args.model, dtype=dtype))
+    loaded = await compute_thread().run(lambda: load_model(args.model, dtype=dtype))
     _, tokens, _ = pick_prompt(loaded, args.prompt_tokens)
     out: dict[str, Any] = {"prompt_tokens": len(tokens)}
     for temperature, top_p in SETTINGS:
@@ -155,7 +156,7 @@ async def one_dtype(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
                                  top_p=top_p, seed=1000 + i) for i in range(args.answers)]
         alone, batched = await answers_both_ways(loaded, tokens, params)
         row: dict[str, Any] = agreement(alone, batched)
-        both = await trio.to_thread.run_sync(
+        both = await compute_thread().run(
             score_answers, loaded, tokens, alone + batched, params + params
         )
         row.update(both)

@@ -32,6 +32,7 @@ import trio
 
 from bench.engine import DEFAULT_PROMPT_TOKENS, FIRST_TOKEN, pick_prompt
 from bench.report import emit_json
+from peer.engine.compute_thread import compute_thread
 from peer.engine.engine import Engine, SamplingParams
 from peer.engine.model import DEFAULT_MODEL, LoadedModel, load_model
 from peer.engine.verify import accepted_fraction
@@ -112,7 +113,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     t0 = time.perf_counter()
     load_before = os.getloadavg()[0]
     log(f"loading {args.model} (load average {load_before:.1f} on {os.cpu_count()} CPUs)")
-    loaded = await trio.to_thread.run_sync(load_model, args.model)
+    loaded = await compute_thread().run(load_model, args.model)
     subject, tokens, _ = pick_prompt(loaded, args.prompt_tokens)
     log(f"prompt: MMLU 5-shot '{subject}', {len(tokens)} tokens")
     modes = {
@@ -147,7 +148,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "honest_all_verified": all(r["verify_cold_ok"] and r["verify_cached_ok"] for r in runs),
             "tampered_caught": await tampered_caught(loaded, tokens, runs[-1]["answer"], params),
             # the chance that a random token put at an answer position passes the check
-            "random_substitute_pass": await trio.to_thread.run_sync(
+            "random_substitute_pass": await compute_thread().run(
                 random_substitute_pass, loaded, tokens, runs[-1]["answer"], params
             ),
             "samples": [{k: v for k, v in r.items() if k != "answer"} for r in runs],

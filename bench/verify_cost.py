@@ -34,6 +34,7 @@ from bench.report import emit_json
 from bench.stats import percentile
 from bench.workloads import load_tokenized_mmlu
 from peer.config import DEFAULT_VERIFY_FRACTION, PeerConfig, Policy
+from peer.engine.compute_thread import compute_thread
 from peer.engine.engine import SamplingParams, load_engine
 from peer.node import Peer, open_peer
 
@@ -98,7 +99,7 @@ async def one_request(
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     log(f"loading two {args.model} engines")
-    engines = [await trio.to_thread.run_sync(load_engine, args.model) for _ in range(2)]
+    engines = [await compute_thread().run(load_engine, args.model) for _ in range(2)]
     context = engines[0].max_context
     work = prompts(
         WARMUP_REQUESTS + args.requests * len(SETTINGS), min(context, args.max_prompt_tokens)

@@ -30,6 +30,7 @@ import trio
 from peer.cli_clients import EXIT_FAILURE, run_generate, run_status
 from peer.cli_clients import say as _say
 from peer.config import DEFAULT_CACHE_BYTES, DEFAULT_MODEL, PeerConfig, Policy
+from peer.engine.compute_thread import compute_thread
 from peer.local_swarm import LOCAL_SUMMARY_INTERVAL_S
 from peer.logs import root_cause, setup_logging
 from peer.settings import (
@@ -256,7 +257,7 @@ async def run_serve(args: argparse.Namespace, config: PeerConfig, options: Serve
                 _say(f"loading model {config.model}...")
             started = trio.current_time()
             engine = await trio.to_thread.run_sync(  # type: ignore[call-arg]
-                _load_engine, config,
+                compute_thread().call, _load_engine, config,
                 abandon_on_cancel=True,  # a signal during loading stops the process at once
             )
             _say(f"model {engine.model_id} ready in {trio.current_time() - started:.1f} s")

@@ -24,6 +24,7 @@ from libp2p.pubsub.pubsub import Pubsub
 from peer import views
 from peer.config import GossipMode, PeerConfig
 from peer.engine.api import EngineView, GeneratingEngine
+from peer.engine.compute_thread import compute_thread
 from peer.net.discovery import Discovery
 from peer.net.host import SwarmHost, open_host
 from peer.net.host_services import new_dht, new_pubsub, run_service
@@ -286,7 +287,7 @@ def _note_peer(table: PeerTable, host: SwarmHost, peer_id: str, rtt_s: float) ->
 async def open_peer(config: PeerConfig, engine: EngineView | None = None) -> AsyncIterator[Peer]:
     """Start a peer (loading the model from config.model unless `engine` is given)."""
     if engine is None:
-        engine = await trio.to_thread.run_sync(_load_engine, config)
+        engine = await compute_thread().run(_load_engine, config)
     async with open_host(config) as host:
         self_id = host.peer_id.to_base58()
         table = PeerTable(

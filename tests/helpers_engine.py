@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import contextlib
+import shutil
 from collections.abc import AsyncGenerator
 from typing import Any
 
+import pytest
 import trio
 
 from peer.engine.engine import SamplingParams, TokenEvent
+
+NEEDS_CXX = pytest.mark.skipif(  # for tests that compile a step
+    not any(shutil.which(cc) for cc in ("g++", "c++", "clang++")),
+    reason="torch.compile's CPU backend needs a C++ compiler; none is on the PATH",
+)
 
 
 class SlowEngine:

@@ -2,16 +2,13 @@
 in its own blocks."""
 
 import json
-import shutil
 
 import pytest
 
 from bench import compile_options
+from tests.helpers_engine import NEEDS_CXX
 
-pytestmark = pytest.mark.skipif(
-    not any(shutil.which(cc) for cc in ("g++", "c++", "clang++")),
-    reason="torch.compile's CPU backend needs a C++ compiler; none is on the PATH",
-)
+pytestmark = NEEDS_CXX
 
 
 def test_old_and_new_builds_are_timed_alternately(tmp_path):

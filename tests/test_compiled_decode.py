@@ -3,7 +3,6 @@ capacity on one graph, and the eager step whenever the compiled one refuses."""
 
 from __future__ import annotations
 
-import shutil
 from types import SimpleNamespace
 
 import pytest
@@ -15,13 +14,11 @@ from peer.engine.engine import Engine
 from peer.engine.kv import KVLayout
 from peer.engine.model import ModelLoadError, load_model
 from peer.engine.runner import Runner, SeqKV
+from tests.helpers_engine import NEEDS_CXX
 
 PROMPT = [(7 * i + 3) % 500 + 1 for i in range(37)]
 
-pytestmark = pytest.mark.skipif(
-    not any(shutil.which(cc) for cc in ("g++", "c++", "clang++")),
-    reason="torch.compile's CPU backend needs a C++ compiler; none is on the PATH",
-)
+pytestmark = NEEDS_CXX
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from peer.engine.api import MAX_NEW_TOKENS
+from peer.engine.compute_thread import compute_thread
 from peer.engine.engine import (
     Completion,
     InvalidRequest,
@@ -431,7 +432,7 @@ async def test_an_idle_engine_backs_off_its_warm_ups(tiny_engine, autojump_clock
     async def in_this_thread(fn: Any, *args: Any, **kwargs: Any) -> Any:
         return fn(*args)  # a thread would let the autojump clock run ahead of it
 
-    monkeypatch.setattr(trio.to_thread, "run_sync", in_this_thread)
+    monkeypatch.setattr(compute_thread(), "run", in_this_thread)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(tiny_engine.refresh_speeds, 0.05, 0.4)
         await trio.sleep(1.6)

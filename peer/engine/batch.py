@@ -23,6 +23,7 @@ import torch
 import trio
 
 from .api import SEED_BITS, Completion, EngineError, SamplingParams, TokenEvent, Usage
+from .compute_thread import compute_thread
 from .radix import RadixCache
 from .requests import RequestState, StopTracker, sample_token
 from .runner import Runner, SeqKV
@@ -218,7 +219,7 @@ class BatchLoop:
             end = req.pos + n
             work.append((req, req.tokens[req.pos : end], end == len(req.tokens)))
         try:
-            sampled, blocks, seconds = await trio.to_thread.run_sync(self._compute, work)
+            sampled, blocks, seconds = await compute_thread().run(self._compute, work)
             self._apply(plan, work, sampled, blocks, seconds)
         except Exception as exc:  # torch failure: this step's requests fail, not the engine
             for req, _, _ in work:
@@ -345,7 +346,7 @@ class BatchLoop:
                 for full, first, kv, _ in spans
             ]
 
-        copies = await trio.to_thread.run_sync(copy)
+        copies = await compute_thread().run(copy)
         now = trio.current_time()
         for (full, first, _, salt), blocks in zip(spans, copies, strict=True):
             self.insert_blocks(full, first, blocks, now, salt)

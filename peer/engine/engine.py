@@ -25,6 +25,7 @@ from .api import (
     Verdict,
 )
 from .batch import BatchLoop
+from .compute_thread import compute_thread
 from .kv import DEFAULT_CACHE_BYTES, KVLayout
 from .model import LoadedModel, load_model
 from .radix import RadixCache
@@ -111,9 +112,9 @@ class Engine(BatchLoop):
         block_size: int = DEFAULT_BLOCK_SIZE,
         **load: Any,
     ) -> Engine:
-        """Load `name` in a worker thread (seconds; minutes on first use) and warm it up.
-        `load` goes to load_model (dtype, device, threads)."""
-        return await trio.to_thread.run_sync(
+        """Load `name` on the compute thread (seconds; minutes on first use) and warm it
+        up. `load` goes to load_model (dtype, device, threads)."""
+        return await compute_thread().run(
             lambda: load_engine(name, cache_bytes, block_size, **load)
         )
 
@@ -194,7 +195,7 @@ class Engine(BatchLoop):
                 wait = interval_s  # requests keep the speeds fresh
             else:
                 async with self.model_lock:
-                    await trio.to_thread.run_sync(self.warmup)
+                    await compute_thread().run(self.warmup)
                 wait = min(2 * wait, max_interval_s)
             seen = self._speed_samples
 
@@ -253,7 +254,7 @@ def load_engine(
     warmup: bool = True,
     **load: Any,
 ) -> Engine:
-    """Load a model and build its engine. Heavy and blocking: call via trio.to_thread.
+    """Load a model and build its engine. Heavy and blocking: call on the compute thread.
     `load` goes to load_model (dtype, device, threads)."""
     engine = Engine(load_model(name, **load), cache_bytes, block_size)
     if warmup:

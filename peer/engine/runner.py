@@ -38,12 +38,14 @@ class SeqKV:
     of a large CPU allocation are not committed, so the unused tail costs address space only.
     """
 
-    __slots__ = ("data", "length", "zeroed_to")
+    __slots__ = ("data", "length", "step_views", "zeroed_to")
 
     def __init__(self, data: torch.Tensor, length: int) -> None:
         self.data = data
         self.length = length
         self.zeroed_to = 0  # positions below max(length, this) hold K/V or zeros, never garbage
+        # compiled_decode's views of this buffer for its current window, made once a window
+        self.step_views: tuple[int, list[torch.Tensor]] | None = None
 
     @property
     def capacity(self) -> int:

@@ -39,6 +39,7 @@ import trio
 from protocols.ids import split_model_id
 
 from .api import EngineError, SamplingParams, Verdict
+from .compute_thread import compute_thread
 from .radix import RadixCache
 from .runner import Runner, SeqKV
 from .sampling import NOISE_ROWS, nucleus_masks, perturbed_scores
@@ -376,9 +377,9 @@ async def verify_output(
         for new, before in verify_chunks(n, len(output), match.num_tokens):
             async with engine.model_lock:  # no batch step meanwhile; steps between chunks
                 if kv is None:
-                    kv = await trio.to_thread.run_sync(engine.runner.new_kv, match.values,
-                                                       len(full))
-                found = await trio.to_thread.run_sync(
+                    kv = await compute_thread().run(engine.runner.new_kv, match.values,
+                                                    len(full))
+                found = await compute_thread().run(
                     score_chunk, engine.runner, kv, full, before + new, n, output, params,
                     slack,
                 )
