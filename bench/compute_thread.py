@@ -92,16 +92,16 @@ def second_team() -> Iterator[None]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     compute = compute_thread()
 
-    def build() -> tuple[CompiledDecode, SeqKV, Any]:
+    def build() -> tuple[CompiledDecode, SeqKV]:
         loaded = load_model(args.model, dtype=args.dtype, device="cpu", threads=args.threads)
         step = CompiledDecode(loaded.model)
         seconds = step.compile()
         log(f"compiled in {seconds:.1f} s")
         data = torch.randn((loaded.num_layers, 2, loaded.num_kv_heads, args.context + 200,
                             loaded.head_dim), generator=torch.Generator().manual_seed(0))
-        return step, SeqKV(data.to(next(loaded.model.parameters()).dtype), args.context), loaded
+        return step, SeqKV(data.to(next(loaded.model.parameters()).dtype), args.context)
 
-    step, kv, _loaded = compute.call(build)
+    step, kv = compute.call(build)
 
     def block() -> tuple[float, float]:
         return timed_block(step, kv, args.context, args.steps, args.threads)

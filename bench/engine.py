@@ -140,34 +140,6 @@ async def engine_decode(loaded: LoadedModel, tokens: list[int], new_tokens: int
     return done.usage.decode_tokens_per_s, list(done.token_ids)
 
 
-def llama_cpp_keys(loaded: LoadedModel, args: argparse.Namespace, tokens: list[int],
-                   sweep_prompts_: list[list[int]], ours: dict[str, Any],
-                   our_decode_tokens: list[int]) -> dict[str, Any]:
-    """llama.cpp measured on the same GGUF and prompts, our figures over its, and then
-    --decode-pairs single-stream decodes of both, back to back (runs in a worker thread:
-    ours are sent back to the Trio loop)."""
-    compute = compute_thread()  # llama.cpp's OpenMP work too: the only team, as when alone
-    engine = compute.call(llama_cpp.LlamaCpp, smollm2_gguf_dir() / SMOLLM2_GGUF,
-                          torch.get_num_threads())
-    theirs = compute.call(llama_cpp.measure, engine, tokens, args.runs, args.decode_tokens,
-                          sweep_prompts_, args.sweep_new_tokens)
-    log(f"llama.cpp: prefill {theirs['llama_cpp_prefill_tokens_per_s']:.0f} tokens/s, decode "
-        f"{theirs['llama_cpp_decode_tokens_per_s']:.1f} tokens/s, c8 (one after another) "
-        f"{theirs['llama_cpp_tokens_per_s_c8']:.1f} tokens/s")
-
-    def ours_decode() -> float:
-        return trio.from_thread.run(engine_decode, loaded, tokens, args.decode_tokens)[0]
-
-    pairs = llama_cpp.decode_pairs(
-        ours_decode, lambda: compute.call(engine.decode_rate, tokens, args.decode_tokens),
-        args.decode_pairs)
-    for i, pair in enumerate(pairs):
-        log(f"decode pair {i + 1}/{len(pairs)} ({pair['first']} first): ours "
-            f"{pair['ours_tokens_per_s']:.1f}, llama.cpp {pair['llama_cpp_tokens_per_s']:.1f} "
-            f"tokens/s, ratio {pair['ratio']:.2f}")
-    return llama_cpp.compare_keys(ours, theirs, our_decode_tokens, pairs)
-
-
 def transformers_ttft(
     loaded: LoadedModel, tokens: list[int], new_tokens: int = 1
 ) -> tuple[float, list[int]]:
@@ -388,9 +360,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     log(f"ours: prefill {ours['prefill_tokens_per_s_cold']:.0f} tokens/s, decode "
         f"{decode_tps:.1f} tokens/s")
+    def ours_decode() -> float:  # from llama_cpp.compare's worker thread
+        return trio.from_thread.run(engine_decode, loaded, tokens, args.decode_tokens)[0]
+
     compared = (
         await trio.to_thread.run_sync(
-            llama_cpp_keys, loaded, args, tokens, swept_prompts, ours, decode_tokens)
+            llama_cpp.compare, smollm2_gguf_dir() / SMOLLM2_GGUF, torch.get_num_threads(),
+            args, tokens, swept_prompts, ours, decode_tokens, ours_decode, log)
         if args.compare == "llama_cpp" else {}
     )
     return {

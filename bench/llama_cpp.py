@@ -25,6 +25,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from peer.engine.compute_thread import compute_thread
+
 INSTALL_HINT = (
     "llama-cpp-python is not installed; it is the optional bench extra: "
     "CMAKE_ARGS=-DGGML_NATIVE=ON .venv/bin/pip install -e '.[llama]' "
@@ -163,6 +165,31 @@ def decode_pairs(ours: Callable[[], float], theirs: Callable[[], float], pairs: 
                      "ratio": mine / other, "first": "ours" if i % 2 == 0 else "llama_cpp",
                      "warm_runs": warm_runs})
     return rows
+
+
+def compare(gguf: Path, threads: int, args: Any, tokens: list[int], sweep: list[list[int]],
+            ours: dict[str, Any], our_decode_tokens: list[int],
+            ours_decode: Callable[[], float], log: Callable[[str], None]) -> dict[str, Any]:
+    """llama.cpp measured on `gguf` with the same prompts (`measure`), then --decode-pairs
+    single-stream decodes of both engines back to back (`ours_decode` measures ours), and
+    the `compare_keys`. Blocking: run it in a worker thread. llama.cpp runs on the compute
+    thread, as ours does (its OpenMP team is then the only one while it runs, as when it
+    runs alone: docs/engine.md, "One thread for torch")."""
+    compute = compute_thread()
+    engine = compute.call(LlamaCpp, gguf, threads)
+    theirs = compute.call(measure, engine, tokens, args.runs, args.decode_tokens, sweep,
+                          args.sweep_new_tokens)
+    log(f"llama.cpp: prefill {theirs['llama_cpp_prefill_tokens_per_s']:.0f} tokens/s, decode "
+        f"{theirs['llama_cpp_decode_tokens_per_s']:.1f} tokens/s, c8 (one after another) "
+        f"{theirs['llama_cpp_tokens_per_s_c8']:.1f} tokens/s")
+    pairs = decode_pairs(
+        ours_decode, lambda: compute.call(engine.decode_rate, tokens, args.decode_tokens),
+        args.decode_pairs)
+    for i, pair in enumerate(pairs):
+        log(f"decode pair {i + 1}/{len(pairs)} ({pair['first']} first): ours "
+            f"{pair['ours_tokens_per_s']:.1f}, llama.cpp {pair['llama_cpp_tokens_per_s']:.1f} "
+            f"tokens/s, ratio {pair['ratio']:.2f}")
+    return compare_keys(ours, theirs, our_decode_tokens, pairs)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

@@ -96,7 +96,8 @@ _shared_lock = threading.Lock()
 def compute_thread() -> ComputeThread:
     """The process's compute thread, started on first use."""
     global _shared
-    with _shared_lock:
-        if _shared is None:
-            _shared = ComputeThread()
-        return _shared
+    if _shared is None:  # every step asks: no lock once it exists
+        with _shared_lock:
+            if _shared is None:
+                _shared = ComputeThread()
+    return _shared
