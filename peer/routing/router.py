@@ -42,6 +42,7 @@ from peer.routing.cost import (
     Cost,
     LocalState,
     PeerEstimate,
+    aged_queue,
     as_measured_here,
     candidates_of,
     estimate_cost,
@@ -279,6 +280,9 @@ class Router:
             local.running_requests + sum(row[1].running_requests + row[3] for row in rows)
         ) / (1 + len(rows))
         remote_best = max(map(_MATCH_BLOCKS, rows), default=0)
+        swarm_queue = (
+            sum(row[1].queued_prompt_tokens for row in rows) / len(rows) if rows else 0.0
+        )
         best_match = max(local.match_tokens, remote_best * block_size)
         holder_network_s = 0.0
         if best_match > local.match_tokens:  # the nearest holder of the longest match
@@ -293,7 +297,7 @@ class Router:
         suspects: list[Candidate] = []
         trust = self.trust
         probation: list[Candidate] = []
-        for peer_id, summary, rtt, forwards, forwarded_tokens, match_blocks in rows:
+        for peer_id, summary, rtt, forwards, forwarded_tokens, match_blocks, age_s in rows:
             if peer_id == local_id:
                 continue  # the table never holds us; a shell mistake must not duplicate us
             if rtt is None and self._require_rtt:
@@ -332,7 +336,9 @@ class Router:
                 slots, step_tokens = summary.batch_slots, summary.step_tokens
             prefill = as_measured_here(prefill_s, prefill_prior)
             decode = as_measured_here(decode_s, decode_prior)
-            queued = summary.queued_prompt_tokens + forwarded_tokens
+            queued = round(aged_queue(summary.queued_prompt_tokens, swarm_queue,
+                                      summary.prefill_tokens_per_s, age_s)
+                           ) + forwarded_tokens
             running = summary.running_requests + forwards
             rtt_known = rtt is not None
             if rtt is None:
