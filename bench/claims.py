@@ -73,6 +73,13 @@ TESTBED_INTEL_AGAIN_TITLE = ("The Intel Xeon partial run again (the same rates a
 TESTBED_INTEL_AGAIN_COMMAND = (
     "sudo .venv/bin/python -m bench.testbed --json docs/results/testbed_intel_d0_again.json "
     "--delays-ms 0 --runs 2 --rates half=6.07303172332896,high=16.92160037775222")
+# ... and again with aged queue reports (peer/routing/cost.py aged_queue), same rates and seeds
+TESTBED_INTEL_AGED_JSON = ROOT / "docs" / "results" / "testbed_intel_d0_aged.json"
+TESTBED_INTEL_AGED_TITLE = ("The Intel Xeon partial run with aged queue reports (the same rates "
+                            "and seeds)")
+TESTBED_INTEL_AGED_COMMAND = (
+    "sudo .venv/bin/python -m bench.testbed --json docs/results/testbed_intel_d0_aged.json "
+    "--delays-ms 0 --runs 2 --rates half=6.07303172332896,high=16.92160037775222")
 # The full run on tiny-random, the testbed's default model before random-256x2: a
 # request is mostly the peer's own overhead there, so no routing can pay
 TESTBED_TINY_JSON = ROOT / "docs" / "results" / "testbed_tiny.json"
@@ -457,6 +464,8 @@ def main(argv: list[str] | None = None) -> int:
                                      TESTBED_INTEL_COMMAND)
             + "\n" + testbed_section(TESTBED_INTEL_AGAIN_JSON, TESTBED_INTEL_AGAIN_TITLE,
                                      TESTBED_INTEL_AGAIN_COMMAND)
+            + "\n" + testbed_section(TESTBED_INTEL_AGED_JSON, TESTBED_INTEL_AGED_TITLE,
+                                     TESTBED_INTEL_AGED_COMMAND)
             + "\n" + testbed_section(TESTBED_R256_JSON, TESTBED_R256_TITLE, TESTBED_R256_COMMAND)
             + "\n" + testbed_section(TESTBED_TINY_JSON, TESTBED_TINY_TITLE, TESTBED_TINY_COMMAND)
             + "\n" + testbed_section(TESTBED_MID_JSON, TESTBED_MID_TITLE, TESTBED_MID_COMMAND))
