@@ -38,7 +38,6 @@ from bench.report import emit_json
 from peer.engine.compute_thread import compute_thread
 from peer.engine.engine import Engine, SamplingParams
 from peer.engine.model import DEFAULT_MODEL, DTYPES, LoadedModel, load_model
-from peer.engine.quant import ACTIVATION_DTYPE
 from peer.engine.scheduler import DEFAULT_STEP_TOKENS
 
 CALL_ROWS = (1, 2, 8, 32, 33, 64, 256)
@@ -51,14 +50,18 @@ def log(msg: str) -> None:
     print(f"[bench.exactness] {msg}", file=sys.stderr, flush=True)
 
 
+def _activations(loaded: LoadedModel) -> torch.dtype:
+    """The dtype the model computes in: its parameters' (bfloat16 in int4 and int8, whose
+    quantized weights are buffers)."""
+    return next(loaded.model.parameters()).dtype
+
+
 def linear_rows_differing(loaded: LoadedModel, rows: int) -> dict[str, int]:
     """Rows of layer 0's gate projection that differ between one call over `rows` rows
     and calls of m rows, per m."""
     proj = loaded.model.model.layers[0].mlp.gate_proj
-    weight_dtype = next(loaded.model.parameters()).dtype
-    dtype = weight_dtype if weight_dtype.is_floating_point else ACTIVATION_DTYPE
     x = torch.randn(1, rows, loaded.model.config.hidden_size, generator=torch.Generator()
-                    .manual_seed(0)).to(dtype)
+                    .manual_seed(0)).to(_activations(loaded))
     with torch.inference_mode():
         whole = proj(x)[0]
         out = {}
@@ -75,8 +78,7 @@ def attention_rows_differing(loaded: LoadedModel) -> dict[str, dict[str, int]]:
     config = loaded.model.config
     heads = config.num_attention_heads
     head_dim = loaded.head_dim
-    dtype = next(loaded.model.parameters()).dtype
-    dtype = dtype if dtype.is_floating_point else ACTIVATION_DTYPE
+    dtype = _activations(loaded)
     sdpa = torch.nn.functional.scaled_dot_product_attention
     gen = torch.Generator().manual_seed(1)
     out: dict[str, dict[str, int]] = {}
