@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import operator
 import random
+import statistics
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -168,13 +169,20 @@ def forward_network_s(rtt_s: float, extra_s: float) -> float:
     return ROUND_TRIPS_PER_FORWARD * rtt_s + extra_s
 
 
-def aged_queue(reported: float, swarm_mean: float, prefill_tokens_per_s: float,
+def median_queue(reported: Sequence[int]) -> float:
+    """The swarm's typical queue, from every live summary's report: the median, so that one
+    peer reporting an absurd queue (anything up to the 2**40 a summary may carry) cannot
+    make every other peer's aged report look loaded. 0 for no reports."""
+    return float(statistics.median(reported)) if reported else 0.0
+
+
+def aged_queue(reported: float, typical: float, prefill_tokens_per_s: float,
                age_s: float) -> float:
     """A peer's queued prompt tokens as the router believes them `age_s` after its summary
-    reported `reported`: the report, pulled toward `swarm_mean` (the mean that all live
-    summaries report) as it ages, by exp(-age / turnover), where turnover is the time the
-    peer takes to read the larger of the two queues at the prefill speed its summary
-    claims (a claim can only shorten how long the peer's own report is believed).
+    reported `reported`: the report, pulled toward `typical` (median_queue of all live
+    summaries) as it ages, by exp(-age / turnover), where turnover is the time the peer
+    takes to read the larger of the two queues at the prefill speed its summary claims (a
+    claim can only shorten how long the peer's own report is believed).
 
     A queue changes within its own turnover (a GPU reads a few hundred queued tokens in
     tens of milliseconds; summaries come every second or two), so an old report says
@@ -187,9 +195,9 @@ def aged_queue(reported: float, swarm_mean: float, prefill_tokens_per_s: float,
     """
     if age_s <= 0.0:
         return reported
-    turnover_s = max(reported, swarm_mean, 1.0) / max(prefill_tokens_per_s, MIN_TOKENS_PER_S)
+    turnover_s = max(reported, typical, 1.0) / max(prefill_tokens_per_s, MIN_TOKENS_PER_S)
     weight = math.exp(-age_s / turnover_s)
-    return weight * reported + (1.0 - weight) * swarm_mean
+    return weight * reported + (1.0 - weight) * typical
 
 
 def estimate_cost(
