@@ -73,10 +73,10 @@ TESTBED_INTEL_AGAIN_TITLE = ("The Intel Xeon partial run again (the same rates a
 TESTBED_INTEL_AGAIN_COMMAND = (
     "sudo .venv/bin/python -m bench.testbed --json docs/results/testbed_intel_d0_again.json "
     "--delays-ms 0 --runs 2 --rates half=6.07303172332896,high=16.92160037775222")
-# ... and again with aged queue reports (peer/routing/cost.py aged_queue), same rates and seeds
+# ... and again at ca72241, whose aged queue reports were withdrawn after (same rates, seeds)
 TESTBED_INTEL_AGED_JSON = ROOT / "docs" / "results" / "testbed_intel_d0_aged.json"
-TESTBED_INTEL_AGED_TITLE = ("The Intel Xeon partial run with aged queue reports (the same rates "
-                            "and seeds)")
+TESTBED_INTEL_AGED_TITLE = ("The Intel Xeon partial run at ca72241, with aged queue reports, a "
+                            "rule since withdrawn (the same rates and seeds)")
 TESTBED_INTEL_AGED_COMMAND = (
     "sudo .venv/bin/python -m bench.testbed --json docs/results/testbed_intel_d0_aged.json "
     "--delays-ms 0 --runs 2 --rates half=6.07303172332896,high=16.92160037775222")

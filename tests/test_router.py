@@ -10,7 +10,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from peer.config import Policy
-from peer.routing.cost import aged_queue, median_queue
 from peer.routing.router import (
     DEFAULT_DECODE_TOKENS_PER_S,
     DEFAULT_PREFILL_TOKENS_PER_S,
@@ -215,9 +214,7 @@ def reference_rank(
 ) -> list[Candidate]:
     """rank() spelled out the slow way: views, one Bloom walk per peer, rank_estimates."""
     estimates = [router.local_estimate(local)]
-    views = table.views(now)
-    typical = median_queue([v.summary.queued_prompt_tokens for v in views])
-    for view in views if policy is not Policy.LOCAL else []:
+    for view in table.views(now) if policy is not Policy.LOCAL else []:
         s = view.summary
         match = table.estimate_match(view.peer_id, chain) if policy in USES_MATCHES else 0
         ours = router.local_estimate(local)
@@ -225,8 +222,7 @@ def reference_rank(
         decode = as_measured_here(s.decode_tokens_per_s, ours.decode_tokens_per_s)
         estimates.append(PeerEstimate(
             view.peer_id, False, match, match * BS,
-            round(aged_queue(s.queued_prompt_tokens, typical, s.prefill_tokens_per_s,
-                             view.age_s)) + view.forwarded_prompt_tokens,
+            s.queued_prompt_tokens + view.forwarded_prompt_tokens,
             s.running_requests + view.forwards_since_summary, prefill, decode,
             DEFAULT_RTT_PRIOR_S if view.rtt_s is None else view.rtt_s, view.rtt_s is not None,
             s.prefill_tokens_per_s > 0 and s.decode_tokens_per_s > 0,
@@ -372,66 +368,3 @@ def test_ranked_costs_are_estimate_cost_with_the_swarm_busy(
         assert c.cost_s == pytest.approx(expected.total_s)
         assert c.cost.prefill_s == pytest.approx(expected.prefill_s)
         assert c.queue_s == pytest.approx(expected.queue_s)
-
-
-@settings(max_examples=200, deadline=None)
-@given(
-    reported=st.floats(0, 5000), mean=st.floats(0, 5000), prefill=st.floats(0, 20000),
-    age=st.floats(0, 30), later=st.floats(0, 30),
-)
-def test_an_aging_queue_report_moves_from_itself_to_the_swarm_mean(
-    reported: float, mean: float, prefill: float, age: float, later: float
-) -> None:
-    assert aged_queue(reported, mean, prefill, 0.0) == reported
-    now = aged_queue(reported, mean, prefill, age)
-    assert min(reported, mean) - 1e-6 <= now <= max(reported, mean) + 1e-6
-    older = aged_queue(reported, mean, prefill, age + later)
-    assert abs(older - mean) <= abs(now - mean) + 1e-6
-
-
-def test_an_old_report_of_an_empty_queue_no_longer_draws_every_request() -> None:
-    """Two peers hold the prompt's prefix at the same speed; one reported an empty queue
-    two seconds ago, the other 500 queued tokens just now. At 10,000 tokens/s a queue
-    turns over in a tenth of a second, so the old report counts as the swarm's typical
-    queue (the median report, 2,250 tokens here) and the fresh one wins; while both are fresh, the empty
-    queue does."""
-    chain = chain_of(32)
-    now = 10.0
-
-    def ranked(empty_age: float) -> list[str]:
-        table = PeerTable(SELF, MODEL, BS, 6.0)
-        for peer_id, held, queued, age in (("peerA", chain, 0, empty_age),
-                                           ("peerB", chain, 500, 0.0),
-                                           ("peerC", [], 4000, 0.0),
-                                           ("peerD", [], 4000, 0.0)):
-            s = summary(peer_id, held, queued=queued, prefill=10_000.0, decode=100.0)
-            assert table.apply(s, peer_id, now - age).accepted
-            table.record_rtt(peer_id, 0.002, now - age)
-        router = Router(Policy.COST, random.Random(0), block_size=BS)
-        local = LocalState(SELF, 0, 0, 0, 10_000.0, 100.0)
-        return [c.peer_id for c in router.rank(chain, 32 * BS + 5, NEW, local, table, now)]
-
-    fresh, old = ranked(0.0), ranked(2.0)
-    assert fresh.index("peerA") < fresh.index("peerB")
-    assert old.index("peerB") < old.index("peerA")
-
-
-def test_one_absurd_queue_report_does_not_make_every_stale_peer_look_loaded() -> None:
-    """A summary may report up to 2**40 queued tokens. The typical queue that stale reports
-    fade to is the median of all reports, so one such report leaves it at the honest ones."""
-    assert median_queue([]) == 0.0
-    assert median_queue([0, 500, 2**40]) == 500.0
-    chain = chain_of(32)
-    now = 10.0
-    table = PeerTable(SELF, MODEL, BS, 6.0)
-    for peer_id, held, queued, age in (("peerA", chain, 0, 2.0), ("peerB", [], 500, 0.0),
-                                       ("rogue", [], 2**40, 0.0)):
-        s = summary(peer_id, held, queued=queued, prefill=10_000.0, decode=100.0)
-        assert table.apply(s, peer_id, now - age).accepted
-        table.record_rtt(peer_id, 0.002, now - age)
-    router = Router(Policy.COST, random.Random(0), block_size=BS)
-    local = LocalState(SELF, 0, 0, 0, 10_000.0, 100.0)
-    ranked = router.rank(chain, 32 * BS + 5, NEW, local, table, now)
-    holder = next(c for c in ranked if c.peer_id == "peerA")
-    assert holder.estimate.queued_prompt_tokens <= 500
-    assert ranked[0].peer_id == "peerA"  # the prefix holder, not driven away

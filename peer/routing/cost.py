@@ -10,10 +10,8 @@ reason and the measurements behind them.
 
 from __future__ import annotations
 
-import math
 import operator
 import random
-import statistics
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -167,37 +165,6 @@ def forward_network_s(rtt_s: float, extra_s: float) -> float:
     """A forward's network time as the model prices it: its round trips, plus what
     forwards were seen to take at their entry beyond them (forward_overhead.py)."""
     return ROUND_TRIPS_PER_FORWARD * rtt_s + extra_s
-
-
-def median_queue(reported: Sequence[int]) -> float:
-    """The swarm's typical queue, from every live summary's report: the median, so that one
-    peer reporting an absurd queue (anything up to the 2**40 a summary may carry) cannot
-    make every other peer's aged report look loaded. 0 for no reports."""
-    return float(statistics.median(reported)) if reported else 0.0
-
-
-def aged_queue(reported: float, typical: float, prefill_tokens_per_s: float,
-               age_s: float) -> float:
-    """A peer's queued prompt tokens as the router believes them `age_s` after its summary
-    reported `reported`: the report, pulled toward `typical` (median_queue of all live
-    summaries) as it ages, by exp(-age / turnover), where turnover is the time the peer
-    takes to read the larger of the two queues at the prefill speed its summary claims (a
-    claim can only shorten how long the peer's own report is believed).
-
-    A queue changes within its own turnover (a GPU reads a few hundred queued tokens in
-    tens of milliseconds; summaries come every second or two), so an old report says
-    little about the queue now, and the lowest reports are the most wrong: every entry
-    sends its requests to the peer that reported the shortest queue, and the queue that
-    the router picks was measured 4x longer than the report in the simulator (gpu regime,
-    load 2.5; docs/cost-model.md). Fresh reports stand; stale ones count as the swarm's
-    typical queue, so the router decides by match, speed and round trip, and by its own
-    forwards since the report, which it adds to this figure.
-    """
-    if age_s <= 0.0:
-        return reported
-    turnover_s = max(reported, typical, 1.0) / max(prefill_tokens_per_s, MIN_TOKENS_PER_S)
-    weight = math.exp(-age_s / turnover_s)
-    return weight * reported + (1.0 - weight) * typical
 
 
 def estimate_cost(

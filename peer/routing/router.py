@@ -42,12 +42,10 @@ from peer.routing.cost import (
     Cost,
     LocalState,
     PeerEstimate,
-    aged_queue,
     as_measured_here,
     candidates_of,
     estimate_cost,
     forward_network_s,
-    median_queue,
     order_candidates,
     rank_estimates,
     single_stream_decode,
@@ -281,7 +279,6 @@ class Router:
             local.running_requests + sum(row[1].running_requests + row[3] for row in rows)
         ) / (1 + len(rows))
         remote_best = max(map(_MATCH_BLOCKS, rows), default=0)
-        typical_queue = median_queue([row[1].queued_prompt_tokens for row in rows])
         best_match = max(local.match_tokens, remote_best * block_size)
         holder_network_s = 0.0
         if best_match > local.match_tokens:  # the nearest holder of the longest match
@@ -296,7 +293,7 @@ class Router:
         suspects: list[Candidate] = []
         trust = self.trust
         probation: list[Candidate] = []
-        for peer_id, summary, rtt, forwards, forwarded_tokens, match_blocks, age_s in rows:
+        for peer_id, summary, rtt, forwards, forwarded_tokens, match_blocks in rows:
             if peer_id == local_id:
                 continue  # the table never holds us; a shell mistake must not duplicate us
             if rtt is None and self._require_rtt:
@@ -335,9 +332,7 @@ class Router:
                 slots, step_tokens = summary.batch_slots, summary.step_tokens
             prefill = as_measured_here(prefill_s, prefill_prior)
             decode = as_measured_here(decode_s, decode_prior)
-            queued = round(aged_queue(summary.queued_prompt_tokens, typical_queue,
-                                      summary.prefill_tokens_per_s, age_s)
-                           ) + forwarded_tokens
+            queued = summary.queued_prompt_tokens + forwarded_tokens
             running = summary.running_requests + forwards
             rtt_known = rtt is not None
             if rtt is None:

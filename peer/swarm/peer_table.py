@@ -64,7 +64,6 @@ class RoutingRow(NamedTuple):
     forwards_since_summary: int
     forwarded_prompt_tokens: int
     match_blocks: int  # estimate_match for the chain; 0 without a chain
-    summary_age_s: float  # seconds since the summary arrived
 
 
 class ForwardCharge(NamedTuple):
@@ -479,8 +478,7 @@ class PeerTable:
                 if probes is None:
                     probes = self._probe_cache.probes(chain)
                 match = e.bloom.count_prefix(probes)
-            row = (peer_id, e.summary, e.rtt_s, e.forwards, e.forwarded_tokens, match,
-                   now - e.received_at)
+            row = (peer_id, e.summary, e.rtt_s, e.forwards, e.forwarded_tokens, match)
             out.append(_new_row(RoutingRow, row))
         return out
 
