@@ -2,7 +2,8 @@
 
     python -m bench.engine --json out/engine.json [--model smollm2-135m] [--runs 5]
         [--concurrency 1,4,8,16] [--sweep-new-tokens 32] [--dtype float32] [--threads N]
-        [--compile-decode] [--compare transformers_cb] [--cb-page-size 16]
+        [--compile-decode] [--attention auto|sdpa|fixed] [--compare transformers_cb]
+        [--cb-page-size 16]
 
 For a prompt of about --prompt-tokens tokens, median TTFT over --runs runs of:
   cold        fresh engine, nothing cached
@@ -26,6 +27,7 @@ Single-stream decode: `decode_tokens_per_s_c1`, --decode-tokens greedy tokens af
 prompt (EOS ignored, so every format decodes as many), and `prefill_tokens_per_s_cold`,
 the prompt's tokens over the cold TTFT. With --compile-decode a lone sequence's decode
 steps run compiled (peer/engine/compiled_decode.py; `compiled_decode_steps` counts them).
+--attention picks the kernel (load_model's; `attention` says which ran).
 
 --compare transformers_cb runs, at each sweep level right after ours, transformers' own
 continuous batching (bench/transformers_cb.py) on the same prompts and closed loop, with
@@ -70,6 +72,7 @@ from bench.transformers_cb import (
     transformers_cb_keys,
 )
 from peer.demo_data import NUM_SHOTS, by_subject, five_shot_prompt, load_mmlu
+from peer.engine.api import ATTENTIONS
 from peer.engine.compute_thread import compute_thread
 from peer.engine.embedded import SMOLLM2_GGUF, smollm2_gguf_dir
 from peer.engine.engine import Engine, SamplingParams
@@ -309,7 +312,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     log(f"loading {args.model} (load average {load_before:.1f} on {os.cpu_count()} CPUs)")
     loaded = await compute_thread().run(
         lambda: load_model(args.model, dtype=args.dtype, threads=args.threads,
-                           compile_decode=args.compile_decode)
+                           compile_decode=args.compile_decode, attention=args.attention)
     )
     log(f"loaded in {time.perf_counter() - t0:.1f} s")
     subject, tokens, other = pick_prompt(loaded, args.prompt_tokens)
@@ -394,6 +397,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "dtype": split_model_id(loaded.model_id)[1],
         "dtype_asked": args.dtype,
         "compile_decode": args.compile_decode,
+        "attention": loaded.attention,
         "compiled_decode_steps": getattr(loaded.decode_step, "steps", 0),
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "torch_threads": torch.get_num_threads(),
@@ -426,6 +430,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="single-stream decode: greedy tokens after the prompt")
     parser.add_argument("--dtype", default="auto", choices=DTYPES)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--attention", default="auto", choices=ATTENTIONS,
+                        help="the attention kernel (load_model's; auto: fixed in int8/int4)")
     parser.add_argument("--compile-decode", action="store_true",
                         help="compile a lone sequence's decode step (peer/engine/"
                              "compiled_decode.py)")

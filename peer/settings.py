@@ -103,6 +103,9 @@ FIELD_HELP = {
     "threads": "torch CPU threads (none: torch's default)",
     "compile_decode": "compile a lone request's decode step at start-up (CPU, Llama models; "
                       "one to three minutes on two cores)",
+    "attention": "attention kernel: auto (fixed in int8 and int4, sdpa otherwise), sdpa, or "
+                 "fixed (every row rounded alike in any batch: batched and cached answers "
+                 "equal sequential ones where the products are row-invariant; slower)",
     "revision": "a hub id's branch, tag or commit",
     "max_model_len": "cap the context (prompt + output tokens) below the model's own",
     "chat_template": "a Jinja file replacing the tokenizer's chat template",

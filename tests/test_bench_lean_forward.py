@@ -14,7 +14,7 @@ from peer.engine.runner import SeqKV
 
 @pytest.mark.parametrize("dtype", ["float32", "int8", "int4"])
 def test_lean_decode_equals_the_runner_step_for_step(dtype):
-    loaded = load_model("tiny-random", dtype=dtype, device="cpu")
+    loaded = load_model("tiny-random", dtype=dtype, device="cpu", attention="sdpa")
     runner = make_runner(loaded)
     with torch.inference_mode():
         ours = lean_forward.prefilled(runner, loaded, 3, 20, 8)

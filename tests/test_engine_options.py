@@ -1,6 +1,6 @@
-"""--dtype, --device, --threads: float32 and bfloat16 both serve on this CPU, the dtype is
-part of the model id (so caches of different precision are never shared), bad values are
-clear errors."""
+"""--dtype, --device, --threads, --attention: float32 and bfloat16 both serve on this CPU,
+the dtype is part of the model id (so caches of different precision are never shared),
+the attention kernel is chosen at load, bad values are clear errors."""
 
 import pytest
 import torch
@@ -15,6 +15,7 @@ from peer.engine.model import (
     load_model,
     resolve_device,
 )
+from peer.engine.runner import FIXED_ATTENTION_NAME
 from protocols.ids import split_model_id
 from tests.helpers_engine import assert_serves_like_transformers
 
@@ -87,12 +88,27 @@ def test_auto_names_the_dtype_it_chose(capsys):
     assert "--dtype auto: float32 (tiny-random is a test model)" in capsys.readouterr().err
 
 
+async def test_the_attention_kernel_is_chosen_at_load_and_generate_uses_it():
+    assert load_model("tiny-random", dtype="float32", device="cpu").attention == "sdpa"
+    fixed = load_model("tiny-random", dtype="float32", device="cpu", attention="fixed")
+    assert fixed.attention == "fixed"
+    engine = Engine.from_model(fixed)
+    assert fixed.model.config._attn_implementation == FIXED_ATTENTION_NAME  # kept by the engine
+    await assert_serves_like_transformers(engine, fixed.model, prompt(40))
+    with pytest.raises(ModelLoadError, match="unknown attention"):
+        load_model("tiny-random", attention="flash")
+
+
 def test_cli_flags_reach_the_config():
     args = cli.build_parser().parse_args(
-        ["serve", "--dtype", "bfloat16", "--device", "cpu", "--threads", "2", "--identity", ""]
+        ["serve", "--dtype", "bfloat16", "--device", "cpu", "--threads", "2", "--identity", "",
+         "--attention", "fixed"]
     )
     config = cli.config_from_args(args)
     assert (config.dtype, config.device, config.threads) == ("bfloat16", "cpu", 2)
+    assert config.attention == "fixed" and PeerConfig().attention == "auto"
+    with pytest.raises(ValueError, match="attention"):
+        PeerConfig(attention="flash")
     assert PeerConfig().dtype == "auto" and PeerConfig().device == "auto"
     with pytest.raises(ValueError, match="dtype"):
         PeerConfig(dtype="float8")

@@ -216,8 +216,7 @@ def test_batching_alone_is_bit_for_bit_in_the_quantized_formats(quant_model):
     """Prompts read whole in one packed step and then decoded together get exactly the
     logits each gets alone: the int4 and int8 products compute every row on its own, and
     attention runs per sequence. (Reading a prompt in chunks, or after cached tokens, is
-    not bit for bit: torch's attention kernel blocks its rows by the call's size;
-    bench.exactness measures both on SmolLM2.)"""
+    bit for bit only with the fixed-order attention: next test.)"""
     runner = Engine.from_model(quant_model, cache_bytes=0).runner
     prompts = [prompt(23), prompt(40, start=900), prompt(7, start=3000)]
 
@@ -239,3 +238,39 @@ def test_batching_alone_is_bit_for_bit_in_the_quantized_formats(quant_model):
     alone, together = decode(False), decode(True)
     for one, packed in zip(alone, together, strict=True):
         assert all(torch.equal(a, b) for a, b in zip(one, packed, strict=True))
+
+
+def test_chunks_and_cached_tokens_are_bit_for_bit_with_the_fixed_order_attention(quant_model):
+    """The quantized formats load with the fixed-order attention (attention auto), so a
+    prompt read in chunks, partly from copied cache blocks, then decoded beside another
+    sequence, gets exactly the logits of the prompt read whole and decoded alone."""
+    assert quant_model.attention == "fixed"
+    runner = Engine.from_model(quant_model, cache_bytes=0).runner
+    block = 16
+    text = prompt(70, start=400)
+    other = prompt(33, start=2000)
+
+    def run(chunks: list[int], cached_blocks: int, beside: bool) -> list[torch.Tensor]:
+        seen = []
+        source = runner.new_kv([], len(text) + 4)
+        runner.forward([(source, text[: cached_blocks * block])], [0]) if cached_blocks else None
+        kv = runner.new_kv(source.blocks(0, cached_blocks, block), len(text) + 4)
+        fed = cached_blocks * block
+        for size in chunks:
+            seen.append(runner.forward([(kv, text[fed : fed + size])], [1])[0])
+            fed += size
+        assert fed == len(text)
+        neighbour = runner.new_kv([], len(other) + 4)
+        runner.forward([(neighbour, other)], [1])
+        token, other_token = int(seen[-1].argmax()), 7
+        for _ in range(3):
+            items = [(kv, [token]), (neighbour, [other_token])] if beside else [(kv, [token])]
+            rows = runner.forward(items, [1] * len(items))
+            seen.append(rows[0])
+            token = int(rows[0].argmax())
+        return [seen[len(chunks) - 1], *seen[len(chunks):]]
+
+    whole = run([len(text)], 0, beside=False)
+    for chunks, cached in (([13, 1, 40, 16], 0), ([5, 1, 32], 2), ([1] * 6, 4)):
+        got = run(chunks, cached, beside=True)
+        assert all(torch.equal(a, b) for a, b in zip(whole, got, strict=True)), (chunks, cached)

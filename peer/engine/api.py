@@ -24,6 +24,7 @@ from protocols.blocks import BlockHasher
 from .radix import CacheEvent
 
 __all__ = [
+    "ATTENTIONS",
     "AUTO_DTYPE",
     "DEVICES",
     "DTYPES",
@@ -65,6 +66,10 @@ QUANT_FORMATS = ("int8", "int4")
 AUTO_DTYPE = "auto"  # model.py's choose_dtype: bfloat16 where the hardware has it, else float32
 DTYPES = (AUTO_DTYPE, "float32", "bfloat16", "float16", *QUANT_FORMATS)  # float16: not CPU
 DEVICES = ("auto", "cpu", "cuda", "mps")  # auto: cuda, then mps, then cpu
+# Attention kernels (runner.py): transformers' SDPA, or fixed_attention.py's, whose rows
+# round alike in every call; auto: fixed where the products are row-invariant too (the
+# quantized formats), so that batched and cached answers are the sequential ones.
+ATTENTIONS = ("auto", "sdpa", "fixed")
 
 
 class ModelLoadError(RuntimeError):

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from peer.progress import stage
 from protocols.ids import model_id_for
 
-from .api import AUTO_DTYPE, DEVICES, DTYPES, QUANT_FORMATS, ModelLoadError
+from .api import ATTENTIONS, AUTO_DTYPE, DEVICES, DTYPES, QUANT_FORMATS, ModelLoadError
 from .embedded import (
     ALIASES,
     DEFAULT_MODEL,
@@ -66,6 +66,8 @@ class LoadedModel:
     head_dim: int
     # where load_model(compile_decode=True) built one (compiled_decode.CompiledDecode)
     decode_step: DecodeStep | None = None
+    # the attention kernel every forward of the model runs ("sdpa" or "fixed": ATTENTIONS)
+    attention: str = "sdpa"
     # torch's CPU thread count that every forward runs with (Runner): the one asked for,
     # or the one a compiled step was built for; None leaves torch's as it is
     threads: int | None = None
@@ -249,11 +251,13 @@ def load_model(
     max_model_len: int | None = None,
     chat_template: Path | None = None,
     compile_decode: bool = False,
+    attention: str = "auto",
 ) -> LoadedModel:
     """Load an alias, a local checkpoint folder or a hub id (at `revision`). Heavy and
     blocking. `max_model_len` caps the context below the model's; `chat_template` (a Jinja
     file) replaces the tokenizer's; `compile_decode` compiles a lone sequence's decode step
-    (compiled_decode.py; Llama models on the CPU).
+    (compiled_decode.py; Llama models on the CPU); `attention` picks the kernel of every
+    forward (ATTENTIONS; auto: the fixed-order one for int8 and int4, SDPA otherwise).
 
     Raises ModelLoadError with a message saying what is missing and how to get it.
     """
@@ -264,6 +268,8 @@ def load_model(
         raise ModelLoadError(f"empty model name; expected one of {ALIASES}, a folder or a hub id")
     if dtype not in DTYPES:
         raise ModelLoadError(f"unknown dtype {dtype!r}: expected one of {DTYPES}")
+    if attention not in ATTENTIONS:
+        raise ModelLoadError(f"unknown attention {attention!r}: expected one of {ATTENTIONS}")
     target = resolve_device(device)
     if dtype == AUTO_DTYPE:
         cuda_bf16 = target == "cuda" and torch.cuda.is_bf16_supported()
@@ -312,7 +318,13 @@ def load_model(
             quantize_model(model, dtype)
     with stage("fingerprinting the weights"):
         model_id = model_id_for(model_id, dtype, weights_fingerprint(model))
+    if attention == "auto":
+        attention = "fixed" if quantized else "sdpa"
     cfg = model.config
+    if attention == "fixed":
+        from .runner import FIXED_ATTENTION_NAME
+
+        cfg._attn_implementation = FIXED_ATTENTION_NAME
     num_heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
     if chat_template is not None:
@@ -333,6 +345,11 @@ def load_model(
                 f"{first}); it needs a C++ compiler (g++ or clang++) on the PATH. Serve "
                 "without --compile-decode to decode eagerly"
             ) from exc
+        if attention == "fixed":
+            print("prefixswarm: --compile-decode: a lone request's decode steps run the "
+                  "compiled step's own products and attention, so answers are no longer bit "
+                  "for bit those of the fixed-order attention's batches", file=sys.stderr,
+                  flush=True)
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
@@ -345,5 +362,6 @@ def load_model(
         num_kv_heads=int(getattr(cfg, "num_key_value_heads", None) or num_heads),
         head_dim=int(head_dim),
         decode_step=decode_step,
+        attention=attention,
         threads=threads if threads is not None or not compile_decode else torch.get_num_threads(),
     )

@@ -11,12 +11,16 @@ forward computes (same kernel, same mask rule, same GQA handling).
 
 Outside a packed step (`model.generate`, say) the registered function is plain SDPA with
 SDPA's masks, so the loaded model still serves transformers' own API unchanged.
+
+A model loaded with the fixed-order attention (fixed_attention.py; load_model's
+``attention``) names FIXED_ATTENTION_NAME instead: packed steps and plain forwards alike
+then compute every row with that kernel, so `generate` stays the engine's reference.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -25,9 +29,11 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
+from .fixed_attention import fixed_order_attention, fixed_order_decode
 from .kv import KVLayout
 
 ATTENTION_NAME = "prefixswarm_packed"
+FIXED_ATTENTION_NAME = "prefixswarm_fixed"
 _BATCH_KWARG = "prefixswarm_batch"
 
 
@@ -79,7 +85,7 @@ class _Batch:
     spans: list[_Span]
 
 
-def _packed_attention(
+def _attention(
     module: Any,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -87,27 +93,87 @@ def _packed_attention(
     attention_mask: torch.Tensor | None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
+    """The function registered under both names; the model's config says which it runs."""
     batch: _Batch | None = kwargs.pop(_BATCH_KWARG, None)
+    if module.config._attn_implementation == FIXED_ATTENTION_NAME:
+        return _fixed_attention(module, query, key, value, attention_mask, batch,
+                                kwargs.get("scaling")), None
     if batch is None:  # not a packed step: behave exactly as "sdpa"
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    return _per_span(module, query, key, value, batch, lambda sp, q, k, v: sdpa_attention_forward(
+        module, q, k, v, sp.mask, **kwargs)[0])
+
+
+def _fixed_attention(
+    module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    attention_mask: torch.Tensor | None, batch: _Batch | None, scaling: float | None,
+) -> torch.Tensor:
+    """fixed_attention.py's kernel: per chunk, and all of a step's decodes in one call."""
+    if scaling is None:
+        scaling = module.scaling
+    if batch is None:  # a plain forward: causal, or the boolean mask transformers built
+        if attention_mask is not None and attention_mask.dtype != torch.bool:
+            raise ValueError("the fixed-order attention takes boolean masks only")
+        return fixed_order_attention(query, key, value, scaling, allowed=attention_mask).to(
+            query.dtype)
+    layer = module.layer_idx
+    outs: list[torch.Tensor | None] = []
+    decodes: list[int] = []
+    for i, sp in enumerate(batch.spans):
+        _write_span(sp, layer, key, value)
+        if sp.end - sp.start == 1:  # decodes: one call for all of them, after the loop
+            decodes.append(i)
+            outs.append(None)
+            continue
+        k, v = _span_kv(sp, layer)
+        outs.append(fixed_order_attention(query[:, :, sp.start : sp.end], k, v, scaling,
+                                          offset=sp.pos).to(query.dtype))
+    if decodes:
+        rows = torch.stack([query[0, :, batch.spans[i].start] for i in decodes])[:, :, None]
+        kvs = [_span_kv(batch.spans[i], layer) for i in decodes]
+        together = fixed_order_decode(rows, [k for k, _ in kvs], [v for _, v in kvs], scaling)
+        for j, i in enumerate(decodes):
+            outs[i] = together[j : j + 1].to(query.dtype)
+    done = [o for o in outs if o is not None]
+    return torch.cat(done, dim=1) if len(done) > 1 else done[0]
+
+
+def _per_span(
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    batch: _Batch,
+    attend: Callable[[_Span, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+) -> tuple[torch.Tensor, None]:
+    """Each span's new K/V written into its own buffer, then ``attend`` over its cached +
+    new K/V ([1, n, heads, head_dim] per span), concatenated in the packed row's order."""
     layer = module.layer_idx
     outs = []
     for sp in batch.spans:
-        n = sp.end - sp.start
-        buf = sp.kv.data[layer]
-        buf[0, :, sp.pos : sp.pos + n] = key[0, :, sp.start : sp.end]
-        buf[1, :, sp.pos : sp.pos + n] = value[0, :, sp.start : sp.end]
-        k = buf[0, :, : sp.pos + n].unsqueeze(0)
-        v = buf[1, :, : sp.pos + n].unsqueeze(0)
-        out, _ = sdpa_attention_forward(
-            module, query[:, :, sp.start : sp.end], k, v, sp.mask, **kwargs
-        )
-        outs.append(out)  # [1, n, heads, head_dim]
+        _write_span(sp, layer, key, value)
+        k, v = _span_kv(sp, layer)
+        outs.append(attend(sp, query[:, :, sp.start : sp.end], k, v))  # [1, n, heads, head_dim]
     return torch.cat(outs, dim=1) if len(outs) > 1 else outs[0], None
 
 
-AttentionInterface.register(ATTENTION_NAME, _packed_attention)
-AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+def _write_span(sp: _Span, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+    """The span's new K/V into its sequence's buffer."""
+    buf = sp.kv.data[layer]
+    buf[0, :, sp.pos : sp.pos + sp.end - sp.start] = key[0, :, sp.start : sp.end]
+    buf[1, :, sp.pos : sp.pos + sp.end - sp.start] = value[0, :, sp.start : sp.end]
+
+
+def _span_kv(sp: _Span, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The span's cached + new K and V, [1, kv_heads, tokens, head_dim] each."""
+    buf = sp.kv.data[layer]
+    end = sp.pos + sp.end - sp.start
+    return buf[0, :, :end].unsqueeze(0), buf[1, :, :end].unsqueeze(0)
+
+
+for _name in (ATTENTION_NAME, FIXED_ATTENTION_NAME):
+    AttentionInterface.register(_name, _attention)
+    AttentionMaskInterface.register(_name, sdpa_mask)
 
 
 class DecodeStep(Protocol):
@@ -137,7 +203,8 @@ class Runner:
         first = next(model.parameters())
         self.dtype: torch.dtype = first.dtype
         self.device: torch.device = first.device
-        model.config._attn_implementation = ATTENTION_NAME  # falls back to SDPA outside steps
+        if model.config._attn_implementation != FIXED_ATTENTION_NAME:
+            model.config._attn_implementation = ATTENTION_NAME  # SDPA outside steps
         # A 4-D mask is taken as given: the packed step needs no mask built for the row.
         self._no_mask = torch.zeros((1, 1, 1, 1), dtype=torch.bool, device=self.device)
 
