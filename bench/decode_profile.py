@@ -4,7 +4,7 @@ profiled with torch.profiler and split by op category.
 
     python -m bench.decode_profile --json out/decode_profile.json [--model smollm2-135m]
         [--dtypes float32,bfloat16,int8,int4] [--threads 2] [--context 400] [--steps 16]
-        [--batch 8] [--prefill-tokens 1000]
+        [--batch 8] [--prefill-tokens 1000] [--attention auto|sdpa|fixed]
 
 Per format: `step_ms` (median wall time of one decode step of --batch sequences, each
 after --context prompt tokens), `decode_tokens_per_s` (--batch / step), `step_cpu_ms`
@@ -14,7 +14,8 @@ a shared machine inflate far less than the wall time), and
 thread (an op's children, and the intra-op threads it waits for, count within it):
   linear     nn.Linear and the quantized layers' kernels (aten::linear, mm, addmm, the
              int8/int4 weight-only matmuls)
-  attention  aten::scaled_dot_product_attention
+  attention  aten::scaled_dot_product_attention, or the fixed-order attention's labelled
+             span (peer/engine/runner.py; its KV writes and Python inside it)
   other_ops  every other top-level op (norms, rotary, activations, copies, cat, argmax)
   python     the step's wall time less all top-level ops: the module stack, the runner's
              packing and bookkeeping, the profiler's own cost (so an upper bound)
@@ -38,16 +39,19 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench.report import emit_json
+from peer.engine.api import ATTENTIONS
 from peer.engine.kv import KVLayout
 from peer.engine.model import DEFAULT_MODEL, DTYPES, LoadedModel, load_model
-from peer.engine.runner import Runner
+from peer.engine.runner import FIXED_ATTENTION_LABEL, Runner
 from peer.engine.scheduler import DEFAULT_STEP_TOKENS
 
 LINEAR_OPS = frozenset({
     "aten::linear", "aten::mm", "aten::addmm", "aten::matmul",
     "aten::_weight_int8pack_mm", "aten::_weight_int4pack_mm_for_cpu",
 })
-ATTENTION_OPS = frozenset({"aten::scaled_dot_product_attention"})
+# the fixed-order attention's label spans its whole registered function, KV writes and
+# its Python included (SDPA's op is the kernel alone)
+ATTENTION_OPS = frozenset({"aten::scaled_dot_product_attention", FIXED_ATTENTION_LABEL})
 CATEGORIES = ("linear", "attention", "other_ops", "python")
 
 
@@ -157,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--dtypes", default="float32,bfloat16,int8,int4")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--attention", default="auto", choices=ATTENTIONS,
+                        help="the attention kernel (auto: fixed in int8 and int4)")
     parser.add_argument("--context", type=int, default=400)
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--batch", type=int, default=8,
@@ -179,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
         "by_dtype": {},
     }
     for dtype in dtypes:
-        loaded = load_model(args.model, dtype=dtype, device="cpu", threads=args.threads)
+        loaded = load_model(args.model, dtype=dtype, device="cpu", threads=args.threads,
+                            attention=args.attention)
         with torch.inference_mode():
             r = measure(loaded, args.context, args.steps, 1)
             if args.batch:
@@ -188,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.prefill_tokens:
                 r.update(prefill(loaded, args.prefill_tokens))
         r["model_id"] = loaded.model_id
+        r["attention"] = loaded.attention
         out["by_dtype"][dtype] = r
         cats = ", ".join(f"{k} {v:.1f}" for k, v in r["profile_ms_per_step"].items())
         log(f"{dtype}: {r['step_ms']:.1f} ms/step ({r['step_cpu_ms']:.1f} ms CPU), "

@@ -34,6 +34,9 @@ from .kv import KVLayout
 
 ATTENTION_NAME = "prefixswarm_packed"
 FIXED_ATTENTION_NAME = "prefixswarm_fixed"
+FIXED_ATTENTION_LABEL = "prefixswarm::fixed_order_attention"  # its calls, in a profile
+# whether a torch profiler records: what record_function checks itself (not exported)
+_profiling: Callable[[], bool] = torch.autograd._profiler_enabled  # type: ignore[attr-defined]
 _BATCH_KWARG = "prefixswarm_batch"
 
 
@@ -96,6 +99,10 @@ def _attention(
     """The function registered under both names; the model's config says which it runs."""
     batch: _Batch | None = kwargs.pop(_BATCH_KWARG, None)
     if module.config._attn_implementation == FIXED_ATTENTION_NAME:
+        if _profiling():  # one labelled span per call, for a profile
+            with torch.profiler.record_function(FIXED_ATTENTION_LABEL):
+                return _fixed_attention(module, query, key, value, attention_mask, batch,
+                                        kwargs.get("scaling")), None
         return _fixed_attention(module, query, key, value, attention_mask, batch,
                                 kwargs.get("scaling")), None
     if batch is None:  # not a packed step: behave exactly as "sdpa"
