@@ -449,7 +449,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
 
 def _params(args: argparse.Namespace, workload: Sequence[TokenRequest]) -> dict[str, Any]:
     return {
-        "honest_peers": HONEST_PEERS, "model": args.model, "requests": len(workload),
+        "honest_peers": HONEST_PEERS, "model": args.model, "dtype": args.dtype,
+        "requests": len(workload),
         "concurrency": args.concurrency, "max_new_tokens": args.max_new_tokens,
         "peer_args": args.peer_args, "sybil_identities": SYBIL_IDENTITIES,
         "forged_identities": FORGED_IDENTITIES,

@@ -297,7 +297,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             "peers": args.peers, "model": args.model, "requests": args.requests,
             "rate_per_s": args.rate, "zipf_s": args.zipf, "subjects": args.subjects,
             "max_new_tokens": args.max_new_tokens, "cache_bytes": args.cache_bytes,
-            "summary_interval_s": args.summary_interval,
+            "summary_interval_s": args.summary_interval, "peer_args": args.peer_args,
             "seed": args.seed, "prompt_tokens_mean": statistics.fmean(prompt_tokens),
             "requests_sent": len(workload), "left_out_over_context": left_out,
             "context_tokens": context,
