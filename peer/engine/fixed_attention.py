@@ -86,7 +86,7 @@ def fixed_order_attention(
         if rows > n:
             mask[:, :, n:] = mask[:, :, n - 1 : n]
         grid.masked_fill_(~mask[:, :, None], float("-inf"))
-    out = _softmax_times_values(scores, grid, v, none_allowed=allowed is not None)
+    out = _softmax_times_values(scores, v, none_allowed=allowed is not None)
     out = out.view(batch, kv_heads, heads // kv_heads, rows, dim)[:, :, :, :n]
     return out.reshape(batch, heads, n, dim).transpose(1, 2)
 
@@ -120,7 +120,7 @@ def fixed_order_decode(
     ends = torch.tensor(lengths, device=q.device)
     beyond = torch.arange(padded, device=q.device)[None, :] >= ends[:, None]
     scores.masked_fill_(beyond[:, None, None], float("-inf"))  # past each sequence's keys
-    out = _softmax_times_values(scores, scores, v, none_allowed=False)
+    out = _softmax_times_values(scores, v, none_allowed=False)
     return out[:, :, :group].reshape(count, 1, heads, dim)
 
 
@@ -176,14 +176,14 @@ def _scores(q: torch.Tensor, k: torch.Tensor, scaling: float) -> torch.Tensor:
     return scores.mul_(scaling)
 
 
-def _softmax_times_values(scores: torch.Tensor, grid: torch.Tensor, v: torch.Tensor,
+def _softmax_times_values(scores: torch.Tensor, v: torch.Tensor,
                           none_allowed: bool) -> torch.Tensor:
-    """The masked ``scores`` (``grid``: the same storage by row) made softmax weights in
-    place, times the values summed in KEY_BLOCK blocks; [B, Hkv, group * rows, D]."""
-    top = grid.amax(dim=-1, keepdim=True)
+    """The masked ``scores`` made softmax weights in place, times the values summed in
+    KEY_BLOCK blocks; [B, Hkv, group * rows, D]. ``none_allowed``: a row may have no key."""
+    top = scores.amax(dim=-1, keepdim=True)
     if none_allowed:
         top.nan_to_num_(neginf=0.0)  # a row with nothing allowed: exp(-inf) = 0 throughout
-    grid.sub_(top).exp_()
+    scores.sub_(top).exp_()
     total: torch.Tensor | None = None
     for start in range(0, scores.shape[-1], KEY_BLOCK):
         part = torch.matmul(scores[..., start : start + KEY_BLOCK],

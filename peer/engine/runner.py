@@ -19,6 +19,7 @@ then compute every row with that kernel, so `generate` stays the engine's refere
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -80,7 +81,7 @@ class _Span:
     end: int
     kv: SeqKV
     pos: int  # tokens already in kv before this step
-    mask: torch.Tensor | None  # [1, 1, n, pos + n] bool for a chunk after cached tokens
+    mask: torch.Tensor | None  # [1, 1, n, pos + n] bool for a chunk after cached tokens (SDPA)
 
 
 @dataclass
@@ -99,12 +100,11 @@ def _attention(
     """The function registered under both names; the model's config says which it runs."""
     batch: _Batch | None = kwargs.pop(_BATCH_KWARG, None)
     if module.config._attn_implementation == FIXED_ATTENTION_NAME:
-        if _profiling():  # one labelled span per call, for a profile
-            with torch.profiler.record_function(FIXED_ATTENTION_LABEL):
-                return _fixed_attention(module, query, key, value, attention_mask, batch,
-                                        kwargs.get("scaling")), None
-        return _fixed_attention(module, query, key, value, attention_mask, batch,
-                                kwargs.get("scaling")), None
+        # one labelled span per call while a profiler records (bench.decode_profile)
+        with torch.profiler.record_function(FIXED_ATTENTION_LABEL) if _profiling() \
+                else contextlib.nullcontext():
+            return _fixed_attention(module, query, key, value, attention_mask, batch,
+                                    kwargs.get("scaling")), None
     if batch is None:  # not a packed step: behave exactly as "sdpa"
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     return _per_span(module, query, key, value, batch, lambda sp, q, k, v: sdpa_attention_forward(
@@ -210,7 +210,8 @@ class Runner:
         first = next(model.parameters())
         self.dtype: torch.dtype = first.dtype
         self.device: torch.device = first.device
-        if model.config._attn_implementation != FIXED_ATTENTION_NAME:
+        self._sdpa = model.config._attn_implementation != FIXED_ATTENTION_NAME
+        if self._sdpa:
             model.config._attn_implementation = ATTENTION_NAME  # SDPA outside steps
         # A 4-D mask is taken as given: the packed step needs no mask built for the row.
         self._no_mask = torch.zeros((1, 1, 1, 1), dtype=torch.bool, device=self.device)
@@ -261,7 +262,8 @@ class Runner:
             ids.extend(tokens)
             positions.extend(range(kv.length, kv.length + n))
             mask = None
-            if n > 1 and kv.length > 0:  # chunk after cached tokens: causal, offset by pos
+            if n > 1 and kv.length > 0 and self._sdpa:  # SDPA's mask for a chunk after
+                # cached tokens: causal, offset by pos (the fixed-order kernel takes pos)
                 q = torch.arange(kv.length, kv.length + n, device=self.device)[:, None]
                 k = torch.arange(kv.length + n, device=self.device)[None, :]
                 mask = (k <= q)[None, None]
