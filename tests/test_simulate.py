@@ -359,6 +359,30 @@ def tiny_grid() -> experiments.Grid:
                             experiments=("delay", "skew", "load"))
 
 
+def test_a_short_mmlu_run_draws_requests_for_its_minimum_length() -> None:
+    data = synthetic_mmlu()
+    sim = SimParams(peers=4, capacity_blocks=128)
+    plain = experiments.Base(peers=4, requests=120, sim=sim)
+    at_least = dataclasses.replace(plain, min_run_s=60.0)
+    short, rate = experiments.make_workload(data, plain, 4, 1.0, 2.0, 120)
+    assert len(short) == 120 and short[-1].arrival_s < 60.0  # the case the floor is for
+    longer, rate2 = experiments.make_workload(data, at_least, 4, 1.0, 2.0, 120)
+    assert longer[-1].arrival_s >= 0.9 * 60.0 and len(longer) > 120
+    assert rate2 == pytest.approx(rate, rel=0.1)  # the same load: the rate is the load's
+    light, _ = experiments.make_workload(data, at_least, 4, 1.0, 0.01, 120)
+    same, _ = experiments.make_workload(data, plain, 4, 1.0, 0.01, 120)
+    assert light == same  # a run already long enough keeps its draw
+
+
+def test_the_quick_grid_sweeps_the_gpu_regime_to_a_higher_load() -> None:
+    grid = experiments.quick_grid()
+    assert grid.base.min_run_s == experiments.QUICK_MIN_RUN_S > 0
+    assert grid.loads_for("cpu") == experiments.QUICK_LOADS
+    assert max(grid.loads_for("gpu")) > max(experiments.QUICK_LOADS)
+    loads = {(s.regime, s.load) for s in experiments.specs(grid) if s.experiment == "load"}
+    assert ("gpu", 3.0) in loads and ("cpu", 3.0) not in loads
+
+
 def test_grid_rows_and_cli_json(tmp_path, monkeypatch) -> None:
     import bench.simulate as cli
 

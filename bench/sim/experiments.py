@@ -10,6 +10,7 @@ With reuse the swarm can carry more than load 1.0.
 from __future__ import annotations
 
 import dataclasses
+import math
 import multiprocessing
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -63,8 +64,10 @@ PRESSURE_POLICIES = (
 )
 MULTI_TURN_POLICIES = (Policy.LOCAL.value, *QUICK_POLICIES)
 # The quick grid's load sweep: up to where the busiest peer is >= 90% busy under `cost` in
-# both regimes (row `busiest_peer_utilization`; cpu ~0.94 at load 2, gpu ~0.85 at 2).
+# both regimes (row `busiest_peer_utilization`; tuning seeds: cpu 0.91 at load 2, gpu 0.89
+# at 2.5 and 0.93 at 3, runs of QUICK_MIN_RUN_S or more).
 QUICK_LOADS = (0.5, 1.0, 1.5, 2.0, 2.5)
+QUICK_GPU_LOADS = (*QUICK_LOADS, 3.0)
 REQUIRED_ROW_KEYS = (
     "experiment", "policy", "peers", "delay_ms", "zipf_s", "load",
     "ttft_mean_s", "ttft_p99_s", "e2e_mean_s", "hit_ratio", "load_cov",
@@ -77,6 +80,11 @@ WORKLOADS = ("mmlu", "chat", "agent")
 MULTI_TURN_CAPACITY_BLOCKS = 1024  # 16k tokens a peer for the chat and agent workloads
 TURNS_PER_SESSION = 4  # chat_requests' and agent_requests' mean turns (2-6 uniform)
 PY_LIBP2P_CPU_S_PER_MESSAGE = 0.007  # docs/libp2p.md: ~7 ms CPU per gossip message received
+# The quick grid's MMLU runs last at least this long (ten default summary intervals): a
+# run of its 1,200 requests at the gpu regime's top load arrived in 4.3 s, of which the
+# warm-up (the first summary interval) left 2.3 s measured while the queues were still
+# building; the cpu regime's shortest run lasts 50 s (docs/benchmarks.md, "Run length").
+QUICK_MIN_RUN_S = 20.0
 
 
 @dataclass(frozen=True)
@@ -91,6 +99,7 @@ class Base:
     max_new_tokens: int = 8  # the answer letter and a short continuation
     subjects: int | None = None  # None: all 57 MMLU subjects
     seed: int = 1
+    min_run_s: float = 0.0  # MMLU runs draw more requests where theirs arrive in less time
     sim: SimParams = field(default_factory=SimParams)
     regime: str = "cpu"  # the regime `sim` is calibrated for
 
@@ -120,6 +129,8 @@ class Grid:
     seeds: tuple[int, ...] = ()  # workload seeds; empty: the base's seed only
     # delay sweep points of a regime other than the base's (default: the regime's own)
     delays_by_regime: tuple[tuple[str, tuple[float, ...]], ...] = ()
+    # load sweep points of a regime, where they differ from `loads`
+    loads_by_regime: tuple[tuple[str, tuple[float, ...]], ...] = ()
     pressures: tuple[float, ...] = (0.25, 0.5, 1.0, 2.0, 4.0)  # x the working set
     pressure_policies: tuple[str, ...] = PRESSURE_POLICIES
     pressure_regimes: tuple[str, ...] = ("cpu", "gpu", "mixed")
@@ -132,10 +143,15 @@ class Grid:
             return self.delays_ms
         return dict(self.delays_by_regime).get(name, regime(name).delays_ms)
 
+    def loads_for(self, name: str) -> tuple[float, ...]:
+        """The load sweep's points in regime `name`."""
+        return dict(self.loads_by_regime).get(name, self.loads)
 
-def _cpu_base(seed: int, requests: int = Base.requests) -> Base:
+
+def _cpu_base(seed: int, requests: int = Base.requests, min_run_s: float = 0.0) -> Base:
     cal = regime("cpu").calibration
-    return Base(requests=requests, seed=seed, sim=SimParams(calibration=cal), regime="cpu")
+    return Base(requests=requests, seed=seed, sim=SimParams(calibration=cal), regime="cpu",
+                min_run_s=min_run_s)
 
 
 def quick_grid(seed: int = 1, seeds: int = 1) -> Grid:
@@ -143,7 +159,7 @@ def quick_grid(seed: int = 1, seeds: int = 1) -> Grid:
     run (`seeds` workload seeds from `seed` on)."""
     regimes = ("cpu", "gpu")
     return Grid(
-        base=_cpu_base(seed, 1200),
+        base=_cpu_base(seed, 1200, QUICK_MIN_RUN_S),
         delays_ms=regime("cpu").quick_delays_ms,
         zipf_s=(0.0, 1.0, 1.5),
         loads=QUICK_LOADS,
@@ -152,6 +168,7 @@ def quick_grid(seed: int = 1, seeds: int = 1) -> Grid:
         regimes=regimes,
         seeds=tuple(range(seed, seed + seeds)),
         delays_by_regime=tuple((r, regime(r).quick_delays_ms) for r in regimes),
+        loads_by_regime=(("gpu", QUICK_GPU_LOADS),),
     )
 
 
@@ -228,22 +245,24 @@ def make_workload(
     *, kind: str = "mmlu", seed: int | None = None, sim: SimParams | None = None,
 ) -> tuple[list[TokenRequest], float]:
     """The workload at `load`, and its request rate. MMLU arrivals are drawn at rate 1 and
-    scaled, so every load sees the same sequence of questions (common random numbers).
-    Chat and agent sessions keep their think and tool times: their session rate is set
-    from a first draw's requests per session and mean service time."""
+    scaled, so every load sees the same sequence of questions (common random numbers),
+    unless `requests` of them arrive in less than `base.min_run_s` at that rate: the run
+    then draws as many as arrive in that time (its own sequence). Chat and agent sessions
+    keep their think and tool times: their session rate is set from a first draw's
+    requests per session and mean service time."""
     seed = base.seed if seed is None else seed
     sim = base.sim if sim is None else sim
     if kind == "mmlu":
-        unit = mmlu_requests(
-            data,
-            n=requests,
-            rate_per_s=1.0,
-            zipf_s=zipf_s,
-            max_new_tokens=base.max_new_tokens,
-            seed=seed,
-            subjects=base.subjects,
-        )
+        def unit_draw(n: int) -> list[TokenRequest]:
+            return mmlu_requests(data, n=n, rate_per_s=1.0, zipf_s=zipf_s,
+                                 max_new_tokens=base.max_new_tokens, seed=seed,
+                                 subjects=base.subjects)
+
+        unit = unit_draw(requests)
         rate = arrival_rate(unit, sim, peers, load)
+        if unit[-1].arrival_s < base.min_run_s * rate:  # at rate 1, arrival times are counts
+            unit = unit_draw(math.ceil(base.min_run_s * rate))
+            rate = arrival_rate(unit, sim, peers, load)
         scaled = [dataclasses.replace(r, arrival_s=r.arrival_s / rate) for r in unit]
         return scaled, rate
     if kind not in WORKLOADS:
@@ -312,7 +331,7 @@ def _regime_specs(grid: Grid, name: str, seed: int, working_set: int | None,
             for p in bc_policies:
                 at("skew", p, zipf_s=s)
     if "load" in grid.experiments:
-        for load in grid.loads:
+        for load in grid.loads_for(name):
             for p in bc_policies:
                 at("load", p, load=load)
     adaptive = (Policy.LONGEST_PREFIX.value, Policy.COST.value)
@@ -392,6 +411,7 @@ def run_spec(spec: RunSpec) -> dict[str, Any]:
         "bloom_bits_per_entry": sim.bloom_bits_per_entry,
         "capacity_blocks": sim.capacity_blocks,
         "requests": spec.requests,
+        "requests_drawn": len(workload),  # more where the run's minimum length asks for them
         **m,
         "wall_s": wall,
     }
