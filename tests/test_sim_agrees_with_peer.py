@@ -38,6 +38,8 @@ SIMULATOR_OWN = {
     "SIM_SEED_OFFSET",
     "TURNS_PER_SESSION",
     "QUICK_LOADS",
+    "QUICK_GPU_LOADS",
+    "QUICK_MIN_RUN_S",  # how long a grid run lasts: the experiment's, not a peer's
     "GREEDY",
     # The machine a testbed peer runs on: the kernel's CFS period, float slack, and how
     # many periods' throttling is remembered (quota.py).
