@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from peer.config import Policy
+from peer.routing.cost import aged_queue
 from peer.routing.router import (
     DEFAULT_DECODE_TOKENS_PER_S,
     DEFAULT_PREFILL_TOKENS_PER_S,
@@ -24,7 +25,7 @@ from peer.routing.router import (
     rank_estimates,
     swarm_busy,
 )
-from peer.swarm.peer_table import PeerTable
+from peer.swarm.peer_table import QUEUE_MEAN_WEIGHT, PeerTable
 from protocols.bloom import BloomFilter
 from protocols.summary import CacheSummary
 from tests.helpers_ranking import assert_cost_order
@@ -222,7 +223,8 @@ def reference_rank(
         decode = as_measured_here(s.decode_tokens_per_s, ours.decode_tokens_per_s)
         estimates.append(PeerEstimate(
             view.peer_id, False, match, match * BS,
-            s.queued_prompt_tokens + view.forwarded_prompt_tokens,
+            round(aged_queue(s.queued_prompt_tokens, view.queue_mean, s.prefill_tokens_per_s,
+                             view.age_s)) + view.forwarded_prompt_tokens,
             s.running_requests + view.forwards_since_summary, prefill, decode,
             DEFAULT_RTT_PRIOR_S if view.rtt_s is None else view.rtt_s, view.rtt_s is not None,
             s.prefill_tokens_per_s > 0 and s.decode_tokens_per_s > 0,
@@ -368,3 +370,56 @@ def test_ranked_costs_are_estimate_cost_with_the_swarm_busy(
         assert c.cost_s == pytest.approx(expected.total_s)
         assert c.cost.prefill_s == pytest.approx(expected.prefill_s)
         assert c.queue_s == pytest.approx(expected.queue_s)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    reported=st.floats(0, 5000), usual=st.floats(0, 5000), prefill=st.floats(0, 20000),
+    age=st.floats(0, 30), later=st.floats(0, 30),
+)
+def test_an_aging_queue_report_moves_from_itself_to_the_peers_usual_queue(
+    reported: float, usual: float, prefill: float, age: float, later: float
+) -> None:
+    assert aged_queue(reported, usual, prefill, 0.0) == reported
+    now = aged_queue(reported, usual, prefill, age)
+    assert min(reported, usual) - 1e-6 <= now <= max(reported, usual) + 1e-6
+    older = aged_queue(reported, usual, prefill, age + later)
+    assert abs(older - usual) <= abs(now - usual) + 1e-6
+
+
+def test_a_busy_peers_old_report_of_an_empty_queue_no_longer_draws_every_request() -> None:
+    """Two peers hold the prompt's prefix at the same speed. peerA's reports said 2,000
+    queued tokens, then its last one, two seconds ago, an empty queue; peerB reported 500
+    just now. At 10,000 tokens/s a queue turns over in a fraction of a second, so the old
+    report counts as peerA's usual queue and peerB wins; while both are fresh, the empty
+    queue does."""
+    chain = chain_of(32)
+    now = 10.0
+
+    def ranked(empty_age: float) -> list[str]:
+        table = PeerTable(SELF, MODEL, BS, 6.0)
+        for i in range(5):  # peerA's history: long queues
+            s = summary("peerA", chain, queued=2000, prefill=10_000.0, decode=100.0, seq=i)
+            assert table.apply(s, "peerA", now - empty_age - 5 + i).accepted
+        for peer_id, queued, age, seq in (("peerA", 0, empty_age, 9), ("peerB", 500, 0.0, 1)):
+            s = summary(peer_id, chain, queued=queued, prefill=10_000.0, decode=100.0, seq=seq)
+            assert table.apply(s, peer_id, now - age).accepted
+            table.record_rtt(peer_id, 0.002, now - age)
+        router = Router(Policy.COST, random.Random(0), block_size=BS)
+        local = LocalState(SELF, 0, 0, 0, 10_000.0, 100.0)
+        return [c.peer_id for c in router.rank(chain, 32 * BS + 5, NEW, local, table, now)]
+
+    fresh, old = ranked(0.0), ranked(2.0)
+    assert fresh.index("peerA") < fresh.index("peerB")
+    assert old.index("peerB") < old.index("peerA")
+
+
+def test_a_peers_usual_queue_is_moved_by_its_own_reports_only() -> None:
+    table = PeerTable(SELF, MODEL, BS, 6.0)
+    chain = chain_of(4)
+    assert table.apply(summary("peerA", chain, queued=100, seq=1), "peerA", 1.0).accepted
+    assert table.apply(summary("peerB", chain, queued=2**40, seq=1), "peerB", 1.0).accepted
+    assert table.apply(summary("peerA", chain, queued=300, seq=2), "peerA", 2.0).accepted
+    view = table.get("peerA", 2.0)
+    assert view is not None
+    assert view.queue_mean == pytest.approx(100 + QUEUE_MEAN_WEIGHT * 200)

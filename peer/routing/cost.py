@@ -10,6 +10,7 @@ reason and the measurements behind them.
 
 from __future__ import annotations
 
+import math
 import operator
 import random
 from collections.abc import Sequence
@@ -165,6 +166,26 @@ def forward_network_s(rtt_s: float, extra_s: float) -> float:
     """A forward's network time as the model prices it: its round trips, plus what
     forwards were seen to take at their entry beyond them (forward_overhead.py)."""
     return ROUND_TRIPS_PER_FORWARD * rtt_s + extra_s
+
+
+def aged_queue(reported: float, usual: float, prefill_tokens_per_s: float,
+               age_s: float) -> float:
+    """A peer's queued prompt tokens as the router believes them `age_s` after its summary
+    reported `reported`: the report, moving toward `usual` (the mean of the peer's own
+    reports) by exp(-age / turnover), where turnover is the time the peer takes to read
+    the larger of the two at the prefill speed its summary claims.
+
+    A queue changes within its turnover (a GPU reads a few hundred tokens in tens of
+    milliseconds; summaries come every second or two), so an old report says little
+    about the queue now beyond what the peer usually has, and the router that takes the
+    lowest reports at face value picks the most wrong ones, as every other entry does
+    (docs/cost-model.md). Fresh reports stand; old ones count as the peer's usual queue.
+    """
+    if age_s <= 0.0:
+        return reported
+    turnover_s = max(reported, usual, 1.0) / max(prefill_tokens_per_s, MIN_TOKENS_PER_S)
+    weight = math.exp(-age_s / turnover_s)
+    return weight * reported + (1.0 - weight) * usual
 
 
 def estimate_cost(

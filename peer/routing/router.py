@@ -42,6 +42,7 @@ from peer.routing.cost import (
     Cost,
     LocalState,
     PeerEstimate,
+    aged_queue,
     as_measured_here,
     candidates_of,
     estimate_cost,
@@ -293,7 +294,8 @@ class Router:
         suspects: list[Candidate] = []
         trust = self.trust
         probation: list[Candidate] = []
-        for peer_id, summary, rtt, forwards, forwarded_tokens, match_blocks in rows:
+        for (peer_id, summary, rtt, forwards, forwarded_tokens, match_blocks, age_s,
+             queue_mean) in rows:
             if peer_id == local_id:
                 continue  # the table never holds us; a shell mistake must not duplicate us
             if rtt is None and self._require_rtt:
@@ -332,7 +334,8 @@ class Router:
                 slots, step_tokens = summary.batch_slots, summary.step_tokens
             prefill = as_measured_here(prefill_s, prefill_prior)
             decode = as_measured_here(decode_s, decode_prior)
-            queued = summary.queued_prompt_tokens + forwarded_tokens
+            queued = round(aged_queue(summary.queued_prompt_tokens, queue_mean,
+                                      summary.prefill_tokens_per_s, age_s)) + forwarded_tokens
             running = summary.running_requests + forwards
             rtt_known = rtt is not None
             if rtt is None:

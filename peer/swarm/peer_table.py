@@ -40,6 +40,10 @@ RTT_WINDOW = 6  # round trips whose minimum is the path's delay: ~30 s of 5 s li
 #   pings, so a path that got slower is followed within that, and 5 of 6 pings may be late
 MAX_ADDRS_PER_PEER = 16  # libp2p peers announce a handful; the rest is noise
 MAX_ADDR_CHARS = 256  # a multiaddr with DNS name, port, /p2p/ id fits easily
+# Weight of each new report in a peer's mean reported queue: about its last ten reports.
+# A stale report is believed less as it ages and this mean more (cost.aged_queue); the
+# mean is the peer's own, so a peer's reports move only its own estimate.
+QUEUE_MEAN_WEIGHT = 0.1
 
 
 class PeerView(NamedTuple):
@@ -53,6 +57,7 @@ class PeerView(NamedTuple):
     forwards_since_summary: int  # requests this peer forwarded there since the summary
     forwarded_prompt_tokens: int  # their prompt tokens
     addrs: tuple[str, ...]  # listen addresses the shell noted, if any
+    queue_mean: float = 0.0  # the peer's reported queues, averaged (QUEUE_MEAN_WEIGHT)
 
 
 class RoutingRow(NamedTuple):
@@ -64,6 +69,8 @@ class RoutingRow(NamedTuple):
     forwards_since_summary: int
     forwarded_prompt_tokens: int
     match_blocks: int  # estimate_match for the chain; 0 without a chain
+    summary_age_s: float  # seconds since the summary was accepted
+    queue_mean: float  # the peer's reported queues, averaged (QUEUE_MEAN_WEIGHT)
 
 
 class ForwardCharge(NamedTuple):
@@ -91,6 +98,7 @@ class _Entry:
     addrs: tuple[str, ...] = field(default=())
     decoded: BloomFilter | None = None  # summary.bloom_filter(), made on first use
     proven: bool = False  # reached: a connection seen by the shell, or a round trip
+    queue_mean: float = 0.0  # moving mean of the queues its summaries reported
 
     @property
     def bloom(self) -> BloomFilter:
@@ -234,11 +242,14 @@ class PeerTable:
             slot = self._acquire(shape)
         if slot >= 0:
             self._banks[shape].put(slot, summary.bloom)
-        entry = _Entry(summary=summary, received_at=now, shape=shape, slot=slot)
+        entry = _Entry(summary=summary, received_at=now, shape=shape, slot=slot,
+                       queue_mean=float(summary.queued_prompt_tokens))
         if old is not None:  # keep what we measured; forwards start again from zero
             entry.rtt_s = old.rtt_s
             entry.rtt_samples = old.rtt_samples
             entry.addrs = old.addrs
+            entry.queue_mean = old.queue_mean + QUEUE_MEAN_WEIGHT * (
+                summary.queued_prompt_tokens - old.queue_mean)
         else:
             self._order = None
         entry.proven = proven
@@ -410,6 +421,7 @@ class PeerTable:
             entry.forwards,
             entry.forwarded_tokens,
             entry.addrs,
+            entry.queue_mean,
         )
 
     def get(self, peer_id: str, now: float) -> PeerView | None:
@@ -478,7 +490,8 @@ class PeerTable:
                 if probes is None:
                     probes = self._probe_cache.probes(chain)
                 match = e.bloom.count_prefix(probes)
-            row = (peer_id, e.summary, e.rtt_s, e.forwards, e.forwarded_tokens, match)
+            row = (peer_id, e.summary, e.rtt_s, e.forwards, e.forwarded_tokens, match,
+                   now - e.received_at, e.queue_mean)
             out.append(_new_row(RoutingRow, row))
         return out
 
