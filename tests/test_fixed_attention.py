@@ -52,12 +52,20 @@ def test_decodes_together_get_the_bits_each_gets_alone(shape, lengths, seed):
     heads, kv_heads, dim = shape
     seqs = [qkv(heads, kv_heads, dim, n, seed + i) for i, n in enumerate(lengths)]
     query = torch.cat([q[:, :, -1:] for q, _, _ in seqs])
-    together = fixed_order_decode(query, [k for _, k, _ in seqs], [v for _, _, v in seqs],
-                                  dim**-0.5)
+    keys, values = [k for _, k, _ in seqs], [v for _, _, v in seqs]
+    together = fixed_order_decode(query, keys, values, dim**-0.5)
     assert together.shape == (len(lengths), 1, heads, dim)
     for i, (q, k, v) in enumerate(seqs):
         alone = fixed_order_attention(q[:, :, -1:], k, v, dim**-0.5)
         assert torch.equal(together[i : i + 1], alone)
+    # straight into the model's dtype: the same bits as casting the float32 result
+    as_model = fixed_order_decode(query, keys, values, dim**-0.5, out_dtype=torch.bfloat16)
+    assert as_model.dtype == torch.bfloat16
+    assert torch.equal(as_model, together.to(torch.bfloat16))
+    if len(lengths) > 2:  # other lengths, then these again: the kept mask follows them
+        assert torch.equal(fixed_order_decode(query[1:], keys[1:], values[1:], dim**-0.5),
+                           together[1:])
+        assert torch.equal(fixed_order_decode(query, keys, values, dim**-0.5), together)
 
 
 @pytest.mark.parametrize("length", [1, MIN_QUERY_ROWS - 1, 100, 300])

@@ -92,36 +92,56 @@ def fixed_order_attention(
 
 
 def fixed_order_decode(
-    query: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], scaling: float
+    query: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], scaling: float,
+    out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """One new row per sequence: ``query`` [S, Hq, 1, D], sequence s attending all of
-    ``keys[s]`` / ``values[s]`` ([1, Hkv, L_s, D]); [S, 1, Hq, D] float32, each row bit for
-    bit what `fixed_order_attention` gives it alone. A kv head's group of query rows is
-    padded to MIN_QUERY_ROWS rows (the products' rows do not depend on their count from
-    there), not each row to MIN_QUERY_ROWS as a call of one row is."""
+    ``keys[s]`` / ``values[s]`` ([1, Hkv, L_s, D]); [S, 1, Hq, D] in ``out_dtype``, each row
+    bit for bit what `fixed_order_attention` gives it alone, cast to that dtype. A kv head's
+    group of query rows is padded to MIN_QUERY_ROWS rows (the products' rows do not depend
+    on their count from there), not each row to MIN_QUERY_ROWS as a call of one row is.
+    Every layer of a step calls this with the same lengths: the mask is made once."""
     count, heads, n, dim = query.shape
     if n != 1 or count != len(keys) or count != len(values) or not count:
         raise ValueError(f"one row per sequence: {tuple(query.shape)}, {len(keys)} sequences")
     kv_heads = keys[0].shape[1]
-    lengths = [int(k.shape[2]) for k in keys]
+    lengths = tuple(int(k.shape[2]) for k in keys)
     if min(lengths) < 1 or heads % kv_heads:
         raise ValueError(f"cannot attend {tuple(query.shape)} over lengths {lengths}")
     group = heads // kv_heads
     rows = max(group, MIN_QUERY_ROWS)
     padded = _padded(max(lengths))
     q = _scratch("q", (count, kv_heads, rows, dim), query.device)
-    q[:, :, :group].copy_(query.view(count, kv_heads, group, dim))
+    q[:, :, :group].copy_(query.reshape(count, kv_heads, group, dim))
     if rows > group:  # padding rows repeat the group's last: valid, and dropped at the end
         q[:, :, group:].copy_(q[:, :, group - 1 : group])
     k, v = _keys_and_values(count, kv_heads, padded, dim, query.device)
     for s, (key, value) in enumerate(zip(keys, values, strict=True)):
         _fill(k, v, slice(s, s + 1), key, value)
     scores = _scores(q, k, scaling)  # [S, Hkv, rows, padded]
-    ends = torch.tensor(lengths, device=q.device)
-    beyond = torch.arange(padded, device=q.device)[None, :] >= ends[:, None]
-    scores.masked_fill_(beyond[:, None, None], float("-inf"))  # past each sequence's keys
-    out = _softmax_times_values(scores, v, none_allowed=False)
-    return out[:, :, :group].reshape(count, 1, heads, dim)
+    if count == 1:
+        if padded > lengths[0]:
+            scores[..., lengths[0]:] = float("-inf")  # the padding past its keys
+    else:
+        scores.masked_fill_(_beyond(lengths, padded, q.device), float("-inf"))
+    total = _weighted_values(scores, v, none_allowed=False)
+    # every row has a key, so its denominator is >= 1: the clamp of the general case is moot
+    out = torch.empty((count, kv_heads, group, dim), dtype=out_dtype, device=query.device)
+    torch.div(total[:, :, :group, :dim], total[:, :, :group, dim:], out=out)
+    return out.view(count, 1, heads, dim)
+
+
+def _beyond(lengths: tuple[int, ...], padded: int, device: torch.device) -> torch.Tensor:
+    """[S, 1, 1, padded]: True past each sequence's keys; the last one made is kept for
+    the next call (a step's layers share their lengths)."""
+    key = (lengths, padded, device, torch.is_inference_mode_enabled())
+    kept: tuple[object, torch.Tensor] | None = getattr(_scratch_pools, "beyond", None)
+    if kept is not None and kept[0] == key:
+        return kept[1]
+    ends = torch.tensor(lengths, device=device)
+    mask = (torch.arange(padded, device=device)[None, :] >= ends[:, None])[:, None, None]
+    _scratch_pools.beyond = (key, mask)
+    return mask
 
 
 def _padded(length: int) -> int:
@@ -180,6 +200,15 @@ def _softmax_times_values(scores: torch.Tensor, v: torch.Tensor,
                           none_allowed: bool) -> torch.Tensor:
     """The masked ``scores`` made softmax weights in place, times the values summed in
     KEY_BLOCK blocks; [B, Hkv, group * rows, D]. ``none_allowed``: a row may have no key."""
+    total = _weighted_values(scores, v, none_allowed)
+    dim = v.shape[-1] - 1
+    # the denominator is >= 1 for a row with any allowed key (its maximum adds exp(0))
+    return total[..., :dim] / total[..., dim:].clamp_min(1.0)
+
+
+def _weighted_values(scores: torch.Tensor, v: torch.Tensor, none_allowed: bool) -> torch.Tensor:
+    """exp(scores - row max) in place, times [values | 1] summed in KEY_BLOCK blocks:
+    [B, Hkv, group * rows, D + 1], the softmax's numerators then its denominator."""
     top = scores.amax(dim=-1, keepdim=True)
     if none_allowed:
         top.nan_to_num_(neginf=0.0)  # a row with nothing allowed: exp(-inf) = 0 throughout
@@ -190,6 +219,4 @@ def _softmax_times_values(scores: torch.Tensor, v: torch.Tensor,
                             v[:, :, start : start + KEY_BLOCK])
         total = part if total is None else total.add_(part)
     assert total is not None
-    dim = v.shape[-1] - 1
-    # the denominator is >= 1 for a row with any allowed key (its maximum adds exp(0))
-    return total[..., :dim] / total[..., dim:].clamp_min(1.0)
+    return total

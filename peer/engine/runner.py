@@ -136,11 +136,16 @@ def _fixed_attention(
         outs.append(fixed_order_attention(query[:, :, sp.start : sp.end], k, v, scaling,
                                           offset=sp.pos).to(query.dtype))
     if decodes:
-        rows = torch.stack([query[0, :, batch.spans[i].start] for i in decodes])[:, :, None]
+        if len(decodes) == 1:  # a view: [1, heads, 1, head_dim]
+            start = batch.spans[decodes[0]].start
+            rows = query[:, :, start : start + 1]
+        else:
+            rows = torch.stack([query[0, :, batch.spans[i].start] for i in decodes])[:, :, None]
         kvs = [_span_kv(batch.spans[i], layer) for i in decodes]
-        together = fixed_order_decode(rows, [k for k, _ in kvs], [v for _, v in kvs], scaling)
+        together = fixed_order_decode(rows, [k for k, _ in kvs], [v for _, v in kvs], scaling,
+                                      out_dtype=query.dtype)
         for j, i in enumerate(decodes):
-            outs[i] = together[j : j + 1].to(query.dtype)
+            outs[i] = together[j : j + 1]
     done = [o for o in outs if o is not None]
     return torch.cat(done, dim=1) if len(done) > 1 else done[0]
 
