@@ -80,6 +80,23 @@ TESTBED_INTEL_AGED_TITLE = ("The Intel Xeon partial run at ca72241, with aged qu
 TESTBED_INTEL_AGED_COMMAND = (
     "sudo .venv/bin/python -m bench.testbed --json docs/results/testbed_intel_d0_aged.json "
     "--delays-ms 0 --runs 2 --rates half=6.07303172332896,high=16.92160037775222")
+# ... the same rates and seeds on b39c480 (stale queue reports age toward each peer's usual
+# queue), then on the code before it (a294b3b), one invocation after the other
+TESTBED_INTEL_USUAL_JSON = ROOT / "docs" / "results" / "testbed_intel_d0_usual_queue.json"
+TESTBED_INTEL_USUAL_TITLE = ("The Intel Xeon partial run at b39c480: stale queue reports age "
+                             "toward each peer's usual queue (the same rates and seeds)")
+TESTBED_INTEL_USUAL_COMMAND = (
+    "sudo .venv/bin/python -m bench.testbed --json "
+    "docs/results/testbed_intel_d0_usual_queue.json --delays-ms 0 --runs 2 --rates "
+    "half=6.07303172332896,high=16.92160037775222")
+TESTBED_INTEL_BEFORE_JSON = (ROOT / "docs" / "results"
+                             / "testbed_intel_d0_before_usual_queue.json")
+TESTBED_INTEL_BEFORE_TITLE = ("The same at a294b3b, without the rule, right after (the same "
+                              "rates and seeds)")
+TESTBED_INTEL_BEFORE_COMMAND = (
+    "sudo .venv/bin/python -m bench.testbed --json "
+    "docs/results/testbed_intel_d0_before_usual_queue.json --delays-ms 0 --runs 2 --rates "
+    "half=6.07303172332896,high=16.92160037775222 (at a294b3b)")
 # The full run on tiny-random, the testbed's default model before random-256x2: a
 # request is mostly the peer's own overhead there, so no routing can pay
 TESTBED_TINY_JSON = ROOT / "docs" / "results" / "testbed_tiny.json"
@@ -471,6 +488,10 @@ def main(argv: list[str] | None = None) -> int:
                                      TESTBED_INTEL_AGAIN_COMMAND)
             + "\n" + testbed_section(TESTBED_INTEL_AGED_JSON, TESTBED_INTEL_AGED_TITLE,
                                      TESTBED_INTEL_AGED_COMMAND)
+            + "\n" + testbed_section(TESTBED_INTEL_USUAL_JSON, TESTBED_INTEL_USUAL_TITLE,
+                                     TESTBED_INTEL_USUAL_COMMAND)
+            + "\n" + testbed_section(TESTBED_INTEL_BEFORE_JSON, TESTBED_INTEL_BEFORE_TITLE,
+                                     TESTBED_INTEL_BEFORE_COMMAND)
             + "\n" + testbed_section(TESTBED_R256_JSON, TESTBED_R256_TITLE, TESTBED_R256_COMMAND)
             + "\n" + testbed_section(TESTBED_TINY_JSON, TESTBED_TINY_TITLE, TESTBED_TINY_COMMAND)
             + "\n" + testbed_section(TESTBED_MID_JSON, TESTBED_MID_TITLE, TESTBED_MID_COMMAND))
