@@ -64,8 +64,8 @@ PRESSURE_POLICIES = (
 )
 MULTI_TURN_POLICIES = (Policy.LOCAL.value, *QUICK_POLICIES)
 # The quick grid's load sweep: up to where the busiest peer is >= 90% busy under `cost` in
-# both regimes (row `busiest_peer_utilization`; tuning seeds: cpu 0.91 at load 2, gpu 0.89
-# at 2.5 and 0.93 at 3, runs of QUICK_MIN_RUN_S or more).
+# both regimes (row `busiest_peer_utilization`; tuning seeds: cpu 0.92 at load 2, gpu 0.91
+# at 2.5 and 0.94 at 3, runs of QUICK_MIN_RUN_S or more).
 QUICK_LOADS = (0.5, 1.0, 1.5, 2.0, 2.5)
 QUICK_GPU_LOADS = (*QUICK_LOADS, 3.0)
 REQUIRED_ROW_KEYS = (
