@@ -27,84 +27,11 @@ from bench.report import emit_json
 from bench.sim.experiments import DEPLOYABLE
 from bench.stats import mean_ci95
 from bench.testbed.report import section as testbed_section
+from bench.testbed_pages import FULL_RUN, TESTBED_PAGES
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK_JSON = ROOT / "docs" / "results" / "quick.json"
 FINAL_JSON = ROOT / "docs" / "results" / "final.json"
-TESTBED_JSON = ROOT / "docs" / "results" / "testbed.json"  # bench.testbed's full run
-# A what-if: the testbed on a larger random model, where a prefill is most of a request
-TESTBED_MID_JSON = ROOT / "docs" / "results" / "testbed_mid512.json"
-TESTBED_MID_TITLE = ("The testbed on a larger random model (a what-if: hidden 512, 4 layers, "
-                     "where a prefill is most of a request)")
-TESTBED_MID_COMMAND = (
-    "python -m bench.random_model /tmp/models/mid512x4 --hidden 512 --layers 4 && sudo "
-    ".venv/bin/python -m bench.testbed --json docs/results/testbed_mid512.json --model "
-    "/tmp/models/mid512x4 --cache-bytes 16000000 --policies cost,local --delays-ms 20 "
-    "--runs 3 --rates half=2.9,high=6.5")
-# The same model as the full run's, before its warm-up was paced (80 unmeasured requests
-# at each load's own rate): ~56 minutes here
-TESTBED_R256_JSON = ROOT / "docs" / "results" / "testbed_r256.json"
-TESTBED_R256_TITLE = ("The testbed's model with an unpaced 80-request warm-up (the run before "
-                      "the full run's; --model given as a folder)")
-TESTBED_R256_COMMAND = (
-    "python -m bench.random_model /tmp/models/r256x2 --hidden 256 --layers 2 && sudo "
-    ".venv/bin/python -m bench.testbed --json docs/results/testbed_r256.json --model "
-    "/tmp/models/r256x2 --cache-bytes 8000000 --runs 5 --warmup 80 (with the warm-up "
-    "unpaced, at b101006)")
-# The full run again, on the code after its review mends, at the first run's rates (the
-# same workloads): how far one full run's verdicts carry
-TESTBED_REPEAT_JSON = ROOT / "docs" / "results" / "testbed_repeat.json"
-TESTBED_REPEAT_TITLE = ("The testbed's full run again (the same rates and seeds, the code "
-                        "after its review mends)")
-TESTBED_REPEAT_COMMAND = (
-    "sudo .venv/bin/python -m bench.testbed --json docs/results/testbed_repeat.json "
-    "--rates half=11.84761583608273,high=26.669759680950357")
-# The testbed on another machine kind (an Intel Xeon with AMX), d = 0 only, two runs
-TESTBED_INTEL_JSON = ROOT / "docs" / "results" / "testbed_intel_d0.json"
-TESTBED_INTEL_TITLE = ("The testbed on an Intel Xeon (AMX): d = 0 ms only, two runs per point, "
-                       "at its own pilots' rates")
-TESTBED_INTEL_COMMAND = (
-    "sudo .venv/bin/python -m bench.testbed --json docs/results/testbed_intel_d0.json "
-    "--delays-ms 0 --runs 2")
-# ... the same again (rates and seeds), with five calibration draws a point
-TESTBED_INTEL_AGAIN_JSON = ROOT / "docs" / "results" / "testbed_intel_d0_again.json"
-TESTBED_INTEL_AGAIN_TITLE = ("The Intel Xeon partial run again (the same rates and seeds, "
-                             "five calibration draws a point)")
-TESTBED_INTEL_AGAIN_COMMAND = (
-    "sudo .venv/bin/python -m bench.testbed --json docs/results/testbed_intel_d0_again.json "
-    "--delays-ms 0 --runs 2 --rates half=6.07303172332896,high=16.92160037775222")
-# ... and again at ca72241, whose aged queue reports were withdrawn after (same rates, seeds)
-TESTBED_INTEL_AGED_JSON = ROOT / "docs" / "results" / "testbed_intel_d0_aged.json"
-TESTBED_INTEL_AGED_TITLE = ("The Intel Xeon partial run at ca72241, with aged queue reports, a "
-                            "rule since withdrawn (the same rates and seeds)")
-TESTBED_INTEL_AGED_COMMAND = (
-    "sudo .venv/bin/python -m bench.testbed --json docs/results/testbed_intel_d0_aged.json "
-    "--delays-ms 0 --runs 2 --rates half=6.07303172332896,high=16.92160037775222")
-# ... the same rates and seeds on b39c480 (stale queue reports age toward each peer's usual
-# queue), then on the code before it (a294b3b), one invocation after the other
-TESTBED_INTEL_USUAL_JSON = ROOT / "docs" / "results" / "testbed_intel_d0_usual_queue.json"
-TESTBED_INTEL_USUAL_TITLE = ("The Intel Xeon partial run at b39c480: stale queue reports age "
-                             "toward each peer's usual queue (the same rates and seeds)")
-TESTBED_INTEL_USUAL_COMMAND = (
-    "sudo .venv/bin/python -m bench.testbed --json "
-    "docs/results/testbed_intel_d0_usual_queue.json --delays-ms 0 --runs 2 --rates "
-    "half=6.07303172332896,high=16.92160037775222")
-TESTBED_INTEL_BEFORE_JSON = (ROOT / "docs" / "results"
-                             / "testbed_intel_d0_before_usual_queue.json")
-TESTBED_INTEL_BEFORE_TITLE = ("The same at a294b3b, without the rule, right after (the same "
-                              "rates and seeds)")
-TESTBED_INTEL_BEFORE_COMMAND = (
-    "sudo .venv/bin/python -m bench.testbed --json "
-    "docs/results/testbed_intel_d0_before_usual_queue.json --delays-ms 0 --runs 2 --rates "
-    "half=6.07303172332896,high=16.92160037775222 (at a294b3b)")
-# The full run on tiny-random, the testbed's default model before random-256x2: a
-# request is mostly the peer's own overhead there, so no routing can pay
-TESTBED_TINY_JSON = ROOT / "docs" / "results" / "testbed_tiny.json"
-TESTBED_TINY_TITLE = ("The testbed on tiny-random (hidden 64: the default model before; "
-                      "a request is mostly its peer's overhead)")
-TESTBED_TINY_COMMAND = (
-    "sudo .venv/bin/python -m bench.testbed --json docs/results/testbed_tiny.json --model "
-    "tiny-random --cache-bytes 2000000 --warmup 80 (with the warm-up unpaced, at b427f72)")
 RESULTS_MD = ROOT / "docs" / "RESULTS.md"
 MARGIN = 1.05  # "never more than 5% behind the best deployable policy"
 ORACLE_BOUND = 1.2  # "at most 1.2x the oracle's at the highest load"
@@ -479,22 +406,8 @@ def main(argv: list[str] | None = None) -> int:
     params = {"regimes": {**qparams.get("regimes", {}), **fparams.get("regimes", {})},
               "quick_wall_s": qparams.get("wall_s"), "quick_runs": len(quick),
               "final_wall_s": fparams.get("wall_s"), "final_runs": len(final)}
-    page = (render(quick, final, params, result, seeds) + "\n" + testbed_section(TESTBED_JSON)
-            + "\n" + testbed_section(TESTBED_REPEAT_JSON, TESTBED_REPEAT_TITLE,
-                                     TESTBED_REPEAT_COMMAND)
-            + "\n" + testbed_section(TESTBED_INTEL_JSON, TESTBED_INTEL_TITLE,
-                                     TESTBED_INTEL_COMMAND)
-            + "\n" + testbed_section(TESTBED_INTEL_AGAIN_JSON, TESTBED_INTEL_AGAIN_TITLE,
-                                     TESTBED_INTEL_AGAIN_COMMAND)
-            + "\n" + testbed_section(TESTBED_INTEL_AGED_JSON, TESTBED_INTEL_AGED_TITLE,
-                                     TESTBED_INTEL_AGED_COMMAND)
-            + "\n" + testbed_section(TESTBED_INTEL_USUAL_JSON, TESTBED_INTEL_USUAL_TITLE,
-                                     TESTBED_INTEL_USUAL_COMMAND)
-            + "\n" + testbed_section(TESTBED_INTEL_BEFORE_JSON, TESTBED_INTEL_BEFORE_TITLE,
-                                     TESTBED_INTEL_BEFORE_COMMAND)
-            + "\n" + testbed_section(TESTBED_R256_JSON, TESTBED_R256_TITLE, TESTBED_R256_COMMAND)
-            + "\n" + testbed_section(TESTBED_TINY_JSON, TESTBED_TINY_TITLE, TESTBED_TINY_COMMAND)
-            + "\n" + testbed_section(TESTBED_MID_JSON, TESTBED_MID_TITLE, TESTBED_MID_COMMAND))
+    page = "\n".join([render(quick, final, params, result, seeds), testbed_section(FULL_RUN),
+                       *(testbed_section(*p) for p in TESTBED_PAGES)])
     if args.check:
         same = args.write.is_file() and args.write.read_text() == page
         print(f"{args.write}: {'matches' if same else 'differs from'} the rows", file=sys.stderr)

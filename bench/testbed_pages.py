@@ -1,0 +1,113 @@
+"""The testbed runs that docs/RESULTS.md shows after the grids, in its order: each run's
+committed rows, the section's title and the command that made them (`bench.claims`
+renders each with bench/testbed/report.py `section`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import NamedTuple
+
+RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
+
+
+class CommittedRun(NamedTuple):
+    """One committed testbed run on the page."""
+
+    path: Path
+    title: str
+    command: str
+
+
+# the full run (its title and command are report.py's own), then the what-ifs
+FULL_RUN = RESULTS / "testbed.json"
+TESTBED_PAGES = (
+    # the full run again, on the code after its review mends, at the first run's rates
+    # (the same workloads): how far one full run's verdicts carry
+    CommittedRun(
+        RESULTS / "testbed_repeat.json",
+        "The testbed's full run again (the same rates and seeds, the code after its "
+        "review mends)",
+        "sudo .venv/bin/python -m bench.testbed --json "
+        "docs/results/testbed_repeat.json --rates "
+        "half=11.84761583608273,high=26.669759680950357",
+    ),
+    # the testbed on another machine kind (an Intel Xeon with AMX), d = 0 only, two runs
+    CommittedRun(
+        RESULTS / "testbed_intel_d0.json",
+        "The testbed on an Intel Xeon (AMX): d = 0 ms only, two runs per point, at "
+        "its own pilots' rates",
+        "sudo .venv/bin/python -m bench.testbed --json "
+        "docs/results/testbed_intel_d0.json --delays-ms 0 --runs 2",
+    ),
+    # ... the same again (rates and seeds), with five calibration draws a point
+    CommittedRun(
+        RESULTS / "testbed_intel_d0_again.json",
+        "The Intel Xeon partial run again (the same rates and seeds, five calibration"
+        " draws a point)",
+        "sudo .venv/bin/python -m bench.testbed --json "
+        "docs/results/testbed_intel_d0_again.json --delays-ms 0 --runs 2 --rates "
+        "half=6.07303172332896,high=16.92160037775222",
+    ),
+    # ... and again at ca72241, whose aged queue reports (toward the swarm's mean) were
+    # withdrawn after
+    CommittedRun(
+        RESULTS / "testbed_intel_d0_aged.json",
+        "The Intel Xeon partial run at ca72241, with aged queue reports, a rule since"
+        " withdrawn (the same rates and seeds)",
+        "sudo .venv/bin/python -m bench.testbed --json "
+        "docs/results/testbed_intel_d0_aged.json --delays-ms 0 --runs 2 --rates "
+        "half=6.07303172332896,high=16.92160037775222",
+    ),
+    # ... the same rates and seeds on b39c480 (stale queue reports age toward each peer's
+    # usual queue)
+    CommittedRun(
+        RESULTS / "testbed_intel_d0_usual_queue.json",
+        "The Intel Xeon partial run at b39c480: stale queue reports age toward each "
+        "peer's usual queue (the same rates and seeds)",
+        "sudo .venv/bin/python -m bench.testbed --json "
+        "docs/results/testbed_intel_d0_usual_queue.json --delays-ms 0 --runs 2 "
+        "--rates half=6.07303172332896,high=16.92160037775222",
+    ),
+    # ... then on the code before it (a294b3b), one invocation after the other
+    CommittedRun(
+        RESULTS / "testbed_intel_d0_before_usual_queue.json",
+        "The same at a294b3b, without the rule, right after (the same rates and "
+        "seeds)",
+        "sudo .venv/bin/python -m bench.testbed --json "
+        "docs/results/testbed_intel_d0_before_usual_queue.json --delays-ms 0 --runs 2"
+        " --rates half=6.07303172332896,high=16.92160037775222 (at a294b3b)",
+    ),
+    # the same model as the full run's, before its warm-up was paced (80 unmeasured
+    # requests at each load's own rate): ~56 minutes here
+    CommittedRun(
+        RESULTS / "testbed_r256.json",
+        "The testbed's model with an unpaced 80-request warm-up (the run before the "
+        "full run's; --model given as a folder)",
+        "python -m bench.random_model /tmp/models/r256x2 --hidden 256 --layers 2 && "
+        "sudo .venv/bin/python -m bench.testbed --json docs/results/testbed_r256.json"
+        " --model /tmp/models/r256x2 --cache-bytes 8000000 --runs 5 --warmup 80 (with"
+        " the warm-up unpaced, at b101006)",
+    ),
+    # the full run on tiny-random, the testbed's default model before random-256x2: a
+    # request is mostly the peer's own overhead there, so no routing can pay
+    CommittedRun(
+        RESULTS / "testbed_tiny.json",
+        "The testbed on tiny-random (hidden 64: the default model before; a request "
+        "is mostly its peer's overhead)",
+        "sudo .venv/bin/python -m bench.testbed --json docs/results/testbed_tiny.json"
+        " --model tiny-random --cache-bytes 2000000 --warmup 80 (with the warm-up "
+        "unpaced, at b427f72)",
+    ),
+    # a what-if: the testbed on a larger random model, where a prefill is most of a
+    # request
+    CommittedRun(
+        RESULTS / "testbed_mid512.json",
+        "The testbed on a larger random model (a what-if: hidden 512, 4 layers, where"
+        " a prefill is most of a request)",
+        "python -m bench.random_model /tmp/models/mid512x4 --hidden 512 --layers 4 &&"
+        " sudo .venv/bin/python -m bench.testbed --json "
+        "docs/results/testbed_mid512.json --model /tmp/models/mid512x4 --cache-bytes "
+        "16000000 --policies cost,local --delays-ms 20 --runs 3 --rates "
+        "half=2.9,high=6.5",
+    ),
+)
