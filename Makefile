@@ -50,7 +50,7 @@ system-packages:
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	# protocols/ and every pure core (the strict modules of pyproject.toml's [tool.mypy])
-	$(BIN)/mypy protocols peer/routing/router.py peer/routing/cost.py peer/swarm/peer_table.py peer/swarm/summary_checks.py peer/config.py \
+	$(BIN)/mypy protocols peer/routing/router.py peer/routing/cost.py peer/swarm/peer_table.py peer/swarm/peer_rows.py peer/swarm/summary_checks.py peer/config.py \
 		peer/request/admission.py peer/swarm/bloom_sizing.py peer/swarm/publish_policy.py peer/swarm/neighbourhood.py \
 		peer/swarm/interest.py peer/swarm/providers.py peer/demo_data.py peer/engine/radix.py \
 		peer/engine/speeds.py peer/routing/trust.py peer/routing/claims.py peer/routing/reliability.py peer/routing/shadow.py peer/request/request_log.py peer/settings.py \

@@ -14,9 +14,9 @@ import math
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 from peer.swarm.admission import UNPROVEN_SHARE, Admission, decide
+from peer.swarm.peer_rows import ForwardCharge, PeerView, RoutingRow
 from peer.swarm.summary_checks import ApplyResult, Verdict, bloom_verdict, header_verdict
 from protocols.bloom import BloomFilter, ProbeCache, Probes
 from protocols.bloom_bank import BloomBank, KeyChain
@@ -44,42 +44,6 @@ MAX_ADDR_CHARS = 256  # a multiaddr with DNS name, port, /p2p/ id fits easily
 # A stale report is believed less as it ages and this mean more (cost.aged_queue); the
 # mean is the peer's own, so a peer's reports move only its own estimate.
 QUEUE_MEAN_WEIGHT = 0.1
-
-
-class PeerView(NamedTuple):
-    """A snapshot of one live peer (immutable; taken by `views` / `get`)."""
-
-    peer_id: str
-    summary: CacheSummary
-    received_at: float  # when the summary was accepted
-    age_s: float  # now - received_at
-    rtt_s: float | None  # least of the last RTT_WINDOW round trips, None until measured
-    forwards_since_summary: int  # requests this peer forwarded there since the summary
-    forwarded_prompt_tokens: int  # their prompt tokens
-    addrs: tuple[str, ...]  # listen addresses the shell noted, if any
-    queue_mean: float = 0.0  # the peer's reported queues, averaged (QUEUE_MEAN_WEIGHT)
-
-
-class RoutingRow(NamedTuple):
-    """What a routing decision reads about one live peer (built by `routing_rows`)."""
-
-    peer_id: str
-    summary: CacheSummary
-    rtt_s: float | None  # least of the last RTT_WINDOW round trips, None until measured
-    forwards_since_summary: int
-    forwarded_prompt_tokens: int
-    match_blocks: int  # estimate_match for the chain; 0 without a chain
-    summary_age_s: float  # seconds since the summary was accepted
-    queue_mean: float  # the peer's reported queues, averaged (QUEUE_MEAN_WEIGHT)
-
-
-class ForwardCharge(NamedTuple):
-    """A forward as `record_forward` counted it: against which summary, and how much."""
-
-    peer_id: str
-    summary_seq: int  # given back only while this summary is current: a newer one
-    #   reports the peer's load itself, forwards included
-    prompt_tokens: int
 
 
 _new_row = tuple.__new__  # NamedTuple's __new__ is a Python function; this is ~2x cheaper
@@ -242,14 +206,14 @@ class PeerTable:
             slot = self._acquire(shape)
         if slot >= 0:
             self._banks[shape].put(slot, summary.bloom)
+        queued = float(summary.queued_prompt_tokens)
         entry = _Entry(summary=summary, received_at=now, shape=shape, slot=slot,
-                       queue_mean=float(summary.queued_prompt_tokens))
+                       queue_mean=queued if old is None
+                       else old.queue_mean + QUEUE_MEAN_WEIGHT * (queued - old.queue_mean))
         if old is not None:  # keep what we measured; forwards start again from zero
             entry.rtt_s = old.rtt_s
             entry.rtt_samples = old.rtt_samples
             entry.addrs = old.addrs
-            entry.queue_mean = old.queue_mean + QUEUE_MEAN_WEIGHT * (
-                summary.queued_prompt_tokens - old.queue_mean)
         else:
             self._order = None
         entry.proven = proven
