@@ -10,7 +10,7 @@ The last test runs real hosts on loopback.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import AsyncExitStack
 
 import pytest
@@ -219,14 +219,35 @@ async def test_a_loopback_swarm_settles_its_mesh_and_delivers_everything() -> No
                     await a.connect(b.multiaddrs[0])
             subscriptions = [await p.subscribe(TOPIC) for p in pubsubs]
             await _settled_meshes(pubsubs)
-        sizes = [len(getattr(p.router, "mesh", {}).get(TOPIC, ())) for p in pubsubs]
-        assert not settling.cancelled_caught, f"unsettled after {SETTLE_DEADLINE_S} s: {sizes}"
+        assert not settling.cancelled_caught, (
+            f"unsettled after {SETTLE_DEADLINE_S} s: {_mesh_report(pubsubs)}"
+        )
         for i, pubsub in enumerate(pubsubs):
             await pubsub.publish(TOPIC, f"from {i}".encode())
         with trio.fail_after(10):
             for subscription in subscriptions:  # our own messages come back too
                 got = {(await subscription.get()).data for _ in range(LOOPBACK_PEERS)}
                 assert got == {f"from {i}".encode() for i in range(LOOPBACK_PEERS)}
+
+
+def _mesh_report(pubsubs: list[Pubsub]) -> list[str]:
+    """Per host: its mesh, the subscribers it knows of and the peers it backs off from,
+    by host index: enough to tell a lost subscription from a back-off loop."""
+    index = {p.my_id: i for i, p in enumerate(pubsubs)}
+
+    def hosts(peers: Iterable[ID]) -> str:
+        return ",".join(sorted(str(index.get(p, "?")) for p in peers))
+
+    report = []
+    for i, pubsub in enumerate(pubsubs):
+        router = pubsub.router
+        mesh = getattr(router, "mesh", {}).get(TOPIC, ())
+        back_off = getattr(router, "back_off", {}).get(TOPIC, {})
+        known = pubsub.peer_topics.get(TOPIC, ())
+        report.append(
+            f"{i}: mesh [{hosts(mesh)}] knows [{hosts(known)}] backs off [{hosts(back_off)}]"
+        )
+    return report
 
 
 async def _settled_meshes(pubsubs: list[Pubsub]) -> None:

@@ -34,7 +34,7 @@ from libp2p.pubsub.gossipsub import GossipSub
 from libp2p.pubsub.pubsub import Pubsub
 from libp2p.stream_muxer.yamux.yamux import YamuxStream
 
-from peer.net import gossipsub_fixes, pipelined_select, sent_record
+from peer.net import gossipsub_fixes, pipelined_select, pubsub_hello, sent_record
 
 __all__ = [
     "MAX_REMEMBERED_RECORDS",
@@ -192,6 +192,11 @@ def fixes() -> list[Fix]:
             ),
             _remember_signed_records_in_pubsub,
         ),
+        # WORKAROUND(hello-race): a topic joined or left while a pubsub stream is being
+        # opened is missing from that peer's hello and from the announcement, which goes
+        # only to peers registered already: the peer never learns it, so our meshes
+        # never form (peer/net/pubsub_hello.py).
+        Fix("hello-race", pubsub_hello.problem, pubsub_hello.installed, pubsub_hello.install),
         # WORKAROUND(prune-backoff): a peer that sends a PRUNE does not put the pruned
         # peer in back-off on its own side (go-libp2p does): neither the heartbeat that
         # trims a mesh over D_high nor the PRUNE answering an unwanted GRAFT. Its next
