@@ -48,6 +48,27 @@ def test_overheads_outside_the_engine_take_the_peers_cpu() -> None:
     assert over.metrics["hit_ratio"] == base.metrics["hit_ratio"]
 
 
+def test_the_client_path_reaches_the_client_not_the_peers() -> None:
+    """`client_path_s` is wall time between a client and its entry: every request that
+    enters at that peer reaches its client that much later, first token and last, and
+    nothing a peer does or decides changes with it."""
+    cal = Calibration("flat", 0.0, 1e-3, 0.0, 0.01, "test", batch_step_slope=1.0)
+    reqs = [TokenRequest(0.05 * i, i % 5, tuple(range(i % 5, i % 5 + 100)), (), 3)
+            for i in range(60)]
+    params = SimParams(policy="cost", peers=3, delay_ms=5.0, jitter=0.0, calibration=cal,
+                       warmup_fraction=0.0)
+    far = dataclasses.replace(cal, client_path_s=0.004)
+    paths = dataclasses.replace(params, peer_calibrations=(cal, far, cal))
+    plain, pathed = Simulator(params, reqs), Simulator(paths, reqs)
+    base, shifted = plain.run(), pathed.run()
+    extra = [0.004 if job.entry == 1 else 0.0 for job in sorted(pathed.jobs, key=lambda j: j.rid)]
+    assert 0 < sum(1 for e in extra if e) < len(extra)
+    assert shifted.ttft_s == pytest.approx([t + e for t, e in zip(base.ttft_s, extra, strict=True)])
+    assert shifted.e2e_s == pytest.approx([t + e for t, e in zip(base.e2e_s, extra, strict=True)])
+    assert [j.target for j in pathed.jobs] == [j.target for j in plain.jobs]
+    assert [p.busy_s for p in pathed.peers] == [p.busy_s for p in plain.peers]
+
+
 def test_every_summary_takes_its_publishers_and_each_receivers_cpu() -> None:
     """`summary_publish_s` per summary a peer sends and `summary_receive_s` per summary
     it gets (full gossip: from every other peer): busy time grows by exactly that, and

@@ -33,7 +33,9 @@ the serving peer's stream beyond what a request of its own HTTP clients costs it
 for each cache summary, the publisher's CPU (`summary_publish_s`) and every receiver's
 (`summary_receive_s`: decrypting, checking and applying it, relaying it on). An engine
 measured alone has none (all 0); a calibration measured through a peer's API
-(bench/testbed/calibrate.py) has them.
+(bench/testbed/calibrate.py) has them. Such a calibration also has what a lone request's
+wall clock shows beyond its peer's CPU (`client_path_s`: the client's side and the hops
+between it and its entry), which every request entering there carries to its client.
 """
 
 from __future__ import annotations
@@ -67,6 +69,9 @@ class Calibration:
     served_overhead_s: float = 0.0  # serving peer's CPU per forwarded request, beyond a local one
     summary_publish_s: float = 0.0  # publisher's CPU per cache summary it sends
     summary_receive_s: float = 0.0  # a receiver's CPU per cache summary it gets
+    client_path_s: float = 0.0  # wall time between a client and this entry that uses no
+    #   peer's CPU (the client's HTTP stack, a testbed's link emulator): in each request's
+    #   reported TTFT and end to end, never in a peer's work; not scaled with its speed
 
     def __post_init__(self) -> None:
         for name in (
@@ -76,6 +81,7 @@ class Calibration:
             "served_overhead_s",
             "summary_publish_s",
             "summary_receive_s",
+            "client_path_s",
             "prefill_fixed_s",
             "prefill_s_per_token",
             "prefill_s_per_token_ctx",
@@ -158,6 +164,7 @@ class Calibration:
             "served_overhead_s": self.served_overhead_s,
             "summary_publish_s": self.summary_publish_s,
             "summary_receive_s": self.summary_receive_s,
+            "client_path_s": self.client_path_s,
             "source": self.source,
         }
 

@@ -346,8 +346,10 @@ class Simulator(ServerModel, RoutingModel, GossipModel):
             if not math.isnan(job.e2e):
                 completions[job.rid] += 1
         kept = [j for j in jobs if self._measured(j)]
-        ttft = [j.ttft for j in kept]
-        e2e = [j.e2e for j in kept]
+        # as the client sees them: over the path between it and its entry as well
+        path = [self.peers[j.entry].cal.client_path_s for j in kept]
+        ttft = [j.ttft + p for j, p in zip(kept, path, strict=True)]
+        e2e = [j.e2e + p for j, p in zip(kept, path, strict=True)]
         prompt = sum(len(j.tokens) for j in kept)
         reused = sum(j.cached for j in kept)
         served = [p.served_after_warmup for p in self.peers]

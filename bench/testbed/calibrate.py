@@ -13,6 +13,13 @@ stream, the sampler), which the simulator has no other place for. Decode per tok
 the difference between a request with DECODE_TOKENS new tokens and one with one, over
 DECODE_TOKENS - 1 (CPU), or (end - first token) / (DECODE_TOKENS - 1) (wall clock).
 
+A lone request's wall clock holds more than its peer's CPU: the client's HTTP stack, the
+hops through the link emulator, thread hand-offs. With CPU groups, a short cold
+request's TTFT less the CPU its peer spent before the first token (at a core's speed, as
+a quota lets a lone request run) is the calibration's `client_path_s`, which the
+simulator adds to every request that enters at that peer (0 without CPU groups: the
+wall clock is the measure there).
+
 A peer also spends CPU with no request at all (gossip, pings, the DHT): `IDLE_S` of
 idleness first measure that rate, and requests get the share less it (their CPU less
 that rate over their wall time, over share - rate), since the simulator gives a peer's
@@ -121,6 +128,7 @@ async def measure_peer(url: str, model: str, name: str, seed: int, cpu: Clock | 
     background = 0.0  # cores the idle peer uses (measured below, with `cpu`)
 
     fractions: list[float] = []  # wall TTFT over end to end, short cold prompts
+    paths: list[float] = []  # their wall TTFT less the CPU before it, at a core's speed
 
     async def timed(client: httpx.AsyncClient, prompt: list[int],
                     max_tokens: int = 1) -> float:
@@ -131,8 +139,10 @@ async def measure_peer(url: str, model: str, name: str, seed: int, cpu: Clock | 
             fractions.append(ttft / e2e)
         if not cpu:
             return ttft
-        used = cpu() - before - background * (trio.current_time() - start)
-        return max(used, 0.0) / (share - background)
+        used = max(cpu() - before - background * (trio.current_time() - start), 0.0)
+        if len(prompt) == COLD_LENGTHS[0] and max_tokens == 1 and e2e > 0:
+            paths.append(ttft - used * ttft / e2e)
+        return used / (share - background)
 
     samples: dict[tuple[int, int], list[float]] = {}
     decodes: list[float] = []
@@ -164,7 +174,9 @@ async def measure_peer(url: str, model: str, name: str, seed: int, cpu: Clock | 
            else "client-side TTFT")
     source = f"bench.testbed.calibrate: {how} at {url}, median of {REPEATS}"
     fraction = statistics.median(fractions) if fractions else 1.0
-    return PeerSpeed(points, decode, fit(points, decode, name, source), background, fraction)
+    path = max(0.0, statistics.median(paths)) if paths else 0.0
+    calibration = replace(fit(points, decode, name, source), client_path_s=path)
+    return PeerSpeed(points, decode, calibration, background, fraction)
 
 
 @dataclass(frozen=True)
