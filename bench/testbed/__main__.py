@@ -190,7 +190,7 @@ async def calibrate(bed: Bed, args: argparse.Namespace) -> tuple[
             f"{c.served_overhead_s * 1e3:.1f} ms), prefill "
             f"{c.prefill_s_per_token * 1e3:.3f} ms/token, decode "
             f"{c.decode_s_per_token * 1e3:.1f} ms/token; cold 512: "
-            f"{c.prefill_s(512, 0) * 1e3:.0f} ms")
+            f"{c.prefill_s(512, 0) * 1e3:.0f} ms; client path {c.client_path_s * 1e3:.1f} ms")
     setup = testbed_setup(calibrations, [s.background_cores for s in speeds], args.shares,
                           bed.isolated, capacity, args.summary_interval, args.warmup, gossip)
     return setup, speeds, forward, gossip

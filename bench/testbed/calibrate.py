@@ -16,7 +16,8 @@ DECODE_TOKENS - 1 (CPU), or (end - first token) / (DECODE_TOKENS - 1) (wall cloc
 A lone request's wall clock holds more than its peer's CPU: the client's HTTP stack, the
 hops through the link emulator, thread hand-offs. With CPU groups, a short cold
 request's TTFT less the CPU its peer spent before the first token (at a core's speed, as
-a quota lets a lone request run) is the calibration's `client_path_s`, which the
+a quota lets a lone request run; each such request after a rest of QUOTA_REST_S, so that
+it finds a full quota period) is the calibration's `client_path_s`, which the
 simulator adds to every request that enters at that peer (0 without CPU groups: the
 wall clock is the measure there).
 
@@ -73,6 +74,8 @@ MAX_BACKGROUND = 0.5  # of the share: more says the measurement broke, not the p
 FORWARD_REQUESTS = 40  # one after another at one entry of a `random` swarm
 FORWARD_PROMPT_TOKENS = 32
 SETTLE_S = 0.3  # after each: the entry's work after the stream (verdicts, shadows) ends
+QUOTA_REST_S = 0.25  # before a lone request: > two 100 ms quota periods, a full budget
+#   (right after the decode pair, the 0.2-core peer's quota was spent: +42 ms of wait)
 GOSSIP_WINDOW_S = 10.0  # idle, then churning: the periodic work (pings, dial-backs) evens out
 GOSSIP_CYCLES = 2  # churning windows, each between idle ones
 GOSSIP_REQUEST_GAP_S = 0.3  # > the early-publish gap (a quarter interval): a summary each
@@ -131,7 +134,11 @@ async def measure_peer(url: str, model: str, name: str, seed: int, cpu: Clock | 
     paths: list[float] = []  # their wall TTFT less the CPU before it, at a core's speed
 
     async def timed(client: httpx.AsyncClient, prompt: list[int],
-                    max_tokens: int = 1) -> float:
+                    max_tokens: int = 1, lone: bool = False) -> float:
+        """The request's time (above); `lone`: after a rest that gives it a full quota
+        period, as a request finds an idle peer, its client path is read too."""
+        if lone and cpu:
+            await trio.sleep(QUOTA_REST_S)
         before = cpu() if cpu else 0.0
         start = trio.current_time()
         ttft, e2e = await _ttft(client, url, model, prompt, max_tokens)
@@ -140,7 +147,7 @@ async def measure_peer(url: str, model: str, name: str, seed: int, cpu: Clock | 
         if not cpu:
             return ttft
         used = max(cpu() - before - background * (trio.current_time() - start), 0.0)
-        if len(prompt) == COLD_LENGTHS[0] and max_tokens == 1 and e2e > 0:
+        if lone and e2e > 0:
             paths.append(ttft - used * ttft / e2e)
         return used / (share - background)
 
@@ -156,7 +163,8 @@ async def measure_peer(url: str, model: str, name: str, seed: int, cpu: Clock | 
         for _ in range(REPEATS):
             for length in COLD_LENGTHS:
                 prompt = tokens(length)
-                samples.setdefault((0, length), []).append(await timed(client, prompt))
+                cold = await timed(client, prompt, lone=length == COLD_LENGTHS[0])
+                samples.setdefault((0, length), []).append(cold)
                 cached = length // block_size * block_size
                 warm = await timed(client, prompt + tokens(EXTENSION_TOKENS))
                 new = length + EXTENSION_TOKENS - cached
