@@ -77,6 +77,24 @@ TESTBED_PAGES = (
         "docs/results/testbed_intel_d0_before_usual_queue.json --delays-ms 0 --runs 2"
         " --rates half=6.07303172332896,high=16.92160037775222 (at a294b3b)",
     ),
+    # ... and at b785fee, whose simulator adds each entry's measured client path
+    CommittedRun(
+        RESULTS / "testbed_intel_d0_client_path.json",
+        "The Intel Xeon partial run at b785fee: the simulator adds the path between a "
+        "client and its entry (the same rates and seeds)",
+        "sudo .venv/bin/python -m bench.testbed --json "
+        "docs/results/testbed_intel_d0_client_path.json --delays-ms 0 --runs 2 "
+        "--rates half=6.07303172332896,high=16.92160037775222",
+    ),
+    # ... and with every share and both rates halved (one run): the peers' contention
+    CommittedRun(
+        RESULTS / "testbed_intel_d0_half_shares.json",
+        "The same with every share and both rates halved, one run (at b785fee; a test"
+        " of the simulator, not a verdict)",
+        "sudo .venv/bin/python -m bench.testbed --json "
+        "docs/results/testbed_intel_d0_half_shares.json --delays-ms 0 --runs 1 "
+        "--shares 0.1,0.15,0.2,0.25 --rates half=3.03651586166448,high=8.46080018887611",
+    ),
     # the same model as the full run's, before its warm-up was paced (80 unmeasured
     # requests at each load's own rate): ~56 minutes here
     CommittedRun(
