@@ -22,7 +22,8 @@ from peer.demo_data import MmluQuestion
 
 ROW_KEYS = {"policy", "delay_ms", "load", "run", "seed", "requests", "ttft_mean_s", "ttft_p99_s",
             "e2e_mean_s", "hit_ratio", "busiest_peer_utilization", "predicted_ttft_mean_s",
-            "forwarded_fraction", "failed", "gossip_delivered_fraction", "shares", "model"}
+            "forwarded_fraction", "failed", "gossip_delivered_fraction", "shares", "model",
+            "ttft_mean_outside_entry_s"}
 
 
 def _data():  # type: ignore[no-untyped-def]
@@ -172,6 +173,8 @@ def test_quick_run_on_isolated_peers(tmp_path: Path) -> None:
         assert row["quick"] and row["requests"] == cli.QUICK["requests"]
         assert row["failed"] <= row["requests"] // 10
         assert 0 < row["ttft_mean_s"] <= row["e2e_mean_s"]
+        # the entry's own TTFT lies inside the client's: what is left is outside it
+        assert 0 <= row["ttft_mean_outside_entry_s"] < row["ttft_mean_s"]
         assert 0 < row["busiest_peer_utilization"] <= 1.2  # a quota is a ceiling
         assert row["predicted_ttft_mean_s"] > 0
         assert sum(row["served_per_peer"]) == row["requests"] - row["failed"]

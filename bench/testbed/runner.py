@@ -34,6 +34,9 @@ from bench.workloads import TokenRequest
 class Timed(Outcome):
     arrival_s: float = 0.0
     index: int = 0
+    # the entry's own TTFT (admission to first token, x_prefixswarm's ttft_s): the
+    # client's TTFT less this is the path outside the entry (HTTP, links to the client)
+    entry_ttft_s: float = math.nan
 
 
 @dataclass
@@ -70,7 +73,13 @@ async def _send(client: httpx.AsyncClient, peer: SwarmPeer, request: TokenReques
         e2e_s=got.end - got.start, prompt_tokens=got.usage["prompt_tokens"],
         cached_tokens=got.usage["prompt_tokens_details"]["cached_tokens"],
         forwarded=served_by != peer.peer_id, arrival_s=request.arrival_s, index=index,
+        entry_ttft_s=_seconds(got.extension.get("ttft_s")),
     )
+
+
+def _seconds(value: Any) -> float:
+    """A duration a peer reported, or NaN where it sent none or not a number."""
+    return float(value) if isinstance(value, int | float) and value >= 0 else math.nan
 
 
 @dataclass(frozen=True)
@@ -258,6 +267,9 @@ def summarise(measured: RunMeasurement) -> dict[str, Any]:
                                   for pid in measured.peer_ids],
         "ttft_mean_forwarded_s": _mean([o.ttft_s for o in ok if o.forwarded]),
         "ttft_mean_served_at_entry_s": _mean([o.ttft_s for o in ok if not o.forwarded]),
+        # the client's TTFT less the entry's own (from admission): outside the entry
+        "ttft_mean_outside_entry_s": _mean([o.ttft_s - o.entry_ttft_s for o in ok
+                                            if not math.isnan(o.entry_ttft_s)]),
         # summaries delivered of those that could have arrived (GossipDelivery)
         "gossip_delivered_fraction": gossip.delivered_fraction if gossip else None,
         "gossip_late_fraction": gossip.late_fraction if gossip else None,
