@@ -9,19 +9,21 @@ from typing import Any
 
 import pytest
 import trio
+from libp2p.pubsub.pubsub import Pubsub
 
 from peer.config import PeerConfig
+from peer.net import pubsub_hello
 from peer.net.host import open_host
 from peer.net.host_services import new_pubsub, run_service
-from peer.net.pubsub_hello import topics_to_announce
 
 TOPIC = "/prefixswarm/summary/1/hello-test"
 KEPT = "/prefixswarm/summary/1/kept"  # in every hello: B has read A's hello once it knows
 
 
 def test_only_what_the_hello_got_wrong_is_announced() -> None:
-    assert topics_to_announce({"a", "b"}, {"a", "b"}) == []
-    assert topics_to_announce({"a", "gone"}, {"a", "new"}) == [("new", True), ("gone", False)]
+    announce = pubsub_hello.topics_to_announce
+    assert announce({"a", "b"}, {"a", "b"}) == []
+    assert announce({"a", "gone"}, {"a", "new"}) == [("new", True), ("gone", False)]
 
 
 class _HeldStream:
@@ -83,3 +85,14 @@ async def test_a_subscription_changed_during_the_hello_reaches_the_peer(
                 await trio.sleep(0.01)
             while (pubsub_a.my_id in pubsub_b.peer_topics.get(TOPIC, ())) == joined_before:
                 await trio.sleep(0.01)
+
+
+def test_the_fix_stands_aside_when_a_method_it_wraps_takes_other_parameters(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async def changed(self: object, peer_id: object, extra: int) -> None: ...
+
+    monkeypatch.setattr(Pubsub, "_handle_new_peer", changed)
+    assert pubsub_hello.problem() == (
+        "Pubsub._handle_new_peer takes ('self', 'peer_id', 'extra'), expected ('self', 'peer_id')"
+    )
