@@ -64,3 +64,21 @@ def test_no_probe_when_none_is_worth_it_or_the_request_is_private():
     none = next_step(ranked, None, 0.0, router=s.pipeline.router, table=s.table,
                      settings=ProbeSettings(max_probes=0))
     assert none == RaceThese(list(ranked))
+
+
+def test_rounds_that_held_their_requests_long_stop_the_probing_until_forgotten():
+    """The router's ProbeWaits: where this entry's rounds waited out their deadline (peers
+    out of CPU answer late), a probe costs that wait, not its round trips, and is not
+    worth it; requests routed without one age the figure until a probe is tried again."""
+    s, ranked = scenario()
+    waits = s.pipeline.router.probe_waits
+    assert isinstance(step(s, ranked, None), ProbeFirst)
+    for _ in range(3):  # each waited out the default deadline, far beyond its round trips
+        waits.waited(SETTINGS.max_wait_s, 0.001)
+    assert step(s, ranked, None) == RaceThese(list(ranked))
+    aged = 0
+    while step(s, ranked, None) == RaceThese(list(ranked)):
+        waits.not_probed()
+        aged += 1
+        assert aged < 2000
+    assert aged > 50  # not at the next request: a slow figure holds for a while

@@ -16,9 +16,11 @@ from peer.routing.probing import (
     MAX_PROBES,
     NO_PROBE,
     PROBE_ROUND_TRIPS,
+    PROBE_WAIT_BOUND_S,
     ProbePlan,
     ProbeRound,
     ProbeSettings,
+    ProbeWaits,
     fresh_estimate,
     plan_probes,
 )
@@ -153,6 +155,46 @@ def test_a_peer_that_failed_recently_is_not_probed():
         ]
     )
     assert "A" not in plan_probes(ranked, ProbeSettings()).peers
+
+
+def test_a_probe_costs_its_round_trips_and_what_this_entrys_rounds_waited_beyond_them():
+    ranked = ranking(
+        [estimate("me", local=True), estimate("A", match=39, running=6), estimate("B", match=20)]
+    )
+    a = next(c for c in ranked if c.peer_id == "A")
+    gain = ranked[0].cost_s - (a.cost_s - a.queue_s)
+    trips = PROBE_ROUND_TRIPS * 0.002
+    free = ProbeSettings(cost_fraction=math.inf)
+    assert plan_probes(ranked, free).rtt_s == 0.002
+    assert plan_probes(ranked, free, (gain - trips) * 0.99).peers == ("A",)
+    assert plan_probes(ranked, free, (gain - trips) * 1.01) == NO_PROBE  # the wait eats it
+    late = gain * 0.5
+    share = (trips + late) / ranked[0].cost_s  # and within the cost budget:
+    assert plan_probes(ranked, ProbeSettings(cost_fraction=share * 1.01), late).probes
+    assert plan_probes(ranked, ProbeSettings(cost_fraction=share * 0.99), late) == NO_PROBE
+
+
+def test_probe_waits_learns_a_rounds_wait_beyond_its_round_trips_and_forgets_it():
+    waits = ProbeWaits(weight=0.1)
+    assert waits.late_s == 0.0
+    rtt = 0.002
+    waits.waited(PROBE_ROUND_TRIPS * rtt + 0.02, rtt)
+    waits.waited(PROBE_ROUND_TRIPS * rtt + 0.04, rtt)
+    assert waits.late_s == pytest.approx(0.03)  # a plain mean of the first ones
+    for _ in range(200):
+        waits.waited(PROBE_ROUND_TRIPS * rtt * 0.5, rtt)  # on time: nothing beyond the model
+    assert waits.late_s == pytest.approx(0.0, abs=1e-9)
+    waits.waited(1e6, rtt)  # one round counts at most the bound
+    assert 0 < waits.late_s <= 0.1 * PROBE_WAIT_BOUND_S + 1e-9
+    before = waits.late_s
+    waits.not_probed()
+    assert waits.late_s == pytest.approx(before * 0.99)
+    assert waits.statistics()["probe_rounds_seen"] == 203
+    for bad in ((-1.0, rtt), (math.nan, rtt), (0.01, -rtt)):
+        with pytest.raises(ValueError):
+            waits.waited(*bad)
+    with pytest.raises(ValueError):
+        ProbeWaits(weight=0.0)
 
 
 def test_settings_are_validated():

@@ -263,7 +263,13 @@ class Pipeline:
             ),
             ProbeFirst,
         ):
+            started = trio.current_time()
             reports = await probe_loads(self._host, step.round, self.stats)
+            waited = trio.current_time() - started
+            self.router.probe_waits.waited(waited, step.round.plan.rtt_s)
+            self.stats["probe_wait_ms"] += round(waited * 1e3)
+        if reports is None and not private:
+            self.router.probe_waits.not_probed()
         if step.changed:
             self.stats["probe_changed_choice"] += 1
         return Ranked(step.candidates, probation)

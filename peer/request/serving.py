@@ -326,6 +326,7 @@ class Serving:
             "served_for": self.served.statistics(),
             "router": self.router.statistics()._asdict(),
             "forward_overhead": self.router.forward_overhead.statistics(),
+            "probe_waits": self.router.probe_waits.statistics(),
             "trust": self.trust.statistics(),
             "requests": self.requests.statistics(),
         }

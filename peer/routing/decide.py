@@ -56,7 +56,7 @@ def next_step(
     if private:
         return RaceThese([c for c in ranked if c.is_local])
     if reports is None:
-        plan = plan_probes(ranked, settings)
+        plan = plan_probes(ranked, settings, router.probe_waits.late_s)
         if not plan.probes:
             return RaceThese(list(ranked))
         return ProbeFirst(ProbeRound(plan, now, not_after=not_after))

@@ -36,6 +36,7 @@ __all__ = [
     "ProbePlan",
     "ProbeRound",
     "ProbeSettings",
+    "ProbeWaits",
     "fresh_estimate",
     "plan_probes",
 ]
@@ -54,6 +55,13 @@ DEFAULT_MIN_WAIT_S = 0.02  # loopback round trips are ~4 ms but 20+ ms on a load
 # is the margin within which the router is held to the best other policy;
 # docs/cost-model.md has the sweep behind it.
 DEFAULT_COST_FRACTION = 0.05
+# What a probe costs is learned from the entry's own rounds (ProbeWaits): each round's share
+# of the moving mean (a plain mean of the first ones, as ForwardOverhead's), and how much
+# each request routed without a probe shrinks it, so that a mean measured while the
+# answering peers were starved of CPU cannot stop probing for good (halved in ~70).
+PROBE_WAIT_WEIGHT = 0.1
+PROBE_WAIT_FORGET = 0.01
+PROBE_WAIT_BOUND_S = DEFAULT_LOAD_PROBE_WAIT_S  # one round counts at most the default wait
 # How far off the best's cost its gossiped load may be (a close call below it): a
 # judgement, not a fit; 0.5 and 2.0 gave the same TTFT within noise in the simulator at
 # load 1.5 (docs/cost-model.md).
@@ -92,6 +100,7 @@ class ProbePlan(NamedTuple):
     peers: tuple[str, ...]
     wait_s: float  # 0.0 when ``peers`` is empty
     gains_s: tuple[float, ...]  # per probed peer: the most its answer could save
+    rtt_s: float = 0.0  # the slowest probed peer's estimated round trip
 
     @property
     def probes(self) -> bool:
@@ -101,10 +110,14 @@ class ProbePlan(NamedTuple):
 NO_PROBE = ProbePlan((), 0.0, ())
 
 
-def plan_probes(ranked: Sequence[Candidate], settings: ProbeSettings) -> ProbePlan:
-    """The probes worth their round trips for this ranking: remote candidates whose fresh
-    load could change the choice by more than the probe costs, at most ``max_probes``,
-    none when the probe is dearer than ``cost_fraction`` of the best's cost."""
+def plan_probes(ranked: Sequence[Candidate], settings: ProbeSettings,
+                late_s: float = 0.0) -> ProbePlan:
+    """The probes worth their cost for this ranking: remote candidates whose fresh load
+    could change the choice by more than the probe costs, at most ``max_probes``, none
+    when the probe is dearer than ``cost_fraction`` of the best's cost. A probe costs its
+    round trips and what this entry's rounds were seen to wait beyond theirs
+    (``late_s``, ProbeWaits.late_s): an answer that comes late (a peer out of CPU) or
+    never holds the request to the round's deadline."""
     if settings.max_probes == 0 or len(ranked) < 2 or ranked[0].policy is not Policy.COST:
         return NO_PROBE
     best = ranked[0]
@@ -120,19 +133,19 @@ def plan_probes(ranked: Sequence[Candidate], settings: ProbeSettings) -> ProbePl
             gain = settings.margin_fraction * top - (runner_up - top)
         else:
             gain = top - (c.cost_s - c.queue_s)
-        if gain > PROBE_ROUND_TRIPS * e.rtt_s:
+        if gain > PROBE_ROUND_TRIPS * e.rtt_s + late_s:
             worth.append((gain, index, c))
     if not worth:
         return NO_PROBE
     worth.sort(key=lambda item: (-item[0], item[1]))
     chosen = sorted(worth[: settings.max_probes], key=lambda item: item[1])
     rtt = max(c.estimate.rtt_s for _, _, c in chosen)
-    if PROBE_ROUND_TRIPS * rtt > settings.cost_fraction * top:
+    if PROBE_ROUND_TRIPS * rtt + late_s > settings.cost_fraction * top:
         return NO_PROBE  # the probe alone would cost more than it is worth on average
     most = max(gain for gain, _, _ in chosen)
     wait = min(settings.max_wait_s, most, max(settings.min_wait_s, PROBE_DEADLINE_RTTS * rtt))
     return ProbePlan(
-        tuple(c.peer_id for _, _, c in chosen), wait, tuple(gain for gain, _, _ in chosen)
+        tuple(c.peer_id for _, _, c in chosen), wait, tuple(gain for gain, _, _ in chosen), rtt
     )
 
 
@@ -165,6 +178,51 @@ class ProbeRound:
     def done(self) -> bool:
         """Every peer asked has answered: no reason to wait for the deadline."""
         return len(self.reports) == len(self._asked)
+
+
+class ProbeWaits:
+    """A moving mean of how long this entry's probe rounds held their requests beyond
+    their round trips, from a round's start to its decision (pure; it moves with
+    requests, not with a clock).
+
+    plan_probes prices a probe at its round trips, which is what it costs where peers
+    answer at once. A peer held to a small CPU quota answers only when its quota lets it
+    run, and on a testbed of such peers many rounds waited out their whole deadline:
+    every request that probed paid it, and few choices changed. The router keeps one
+    (Router.probe_waits); the live pipeline and the simulator feed it alike."""
+
+    __slots__ = ("_mean", "_seen", "weight")
+
+    def __init__(self, weight: float = PROBE_WAIT_WEIGHT) -> None:
+        if not 0 < weight <= 1:
+            raise ValueError(f"weight must be in (0, 1], got {weight}")
+        self.weight = weight
+        self._mean = 0.0
+        self._seen = 0
+
+    def waited(self, seconds: float, rtt_s: float) -> None:
+        """A probe round held its request ``seconds``; its slowest probed peer was
+        estimated ``rtt_s`` away (PROBE_ROUND_TRIPS of those are the model's part)."""
+        for name, value in (("seconds", seconds), ("rtt_s", rtt_s)):
+            if not value >= 0:  # NaN too
+                raise ValueError(f"{name} must be >= 0, got {value}")
+        late = min(max(0.0, seconds - PROBE_ROUND_TRIPS * rtt_s), PROBE_WAIT_BOUND_S)
+        self._seen += 1
+        w = max(self.weight, 1.0 / self._seen)  # a plain mean of the first ones
+        self._mean += w * (late - self._mean)
+
+    def not_probed(self) -> None:
+        """A request was routed without a probe round (PROBE_WAIT_FORGET)."""
+        self._mean -= PROBE_WAIT_FORGET * self._mean
+
+    @property
+    def late_s(self) -> float:
+        """Seconds a probe round is expected to wait beyond its round trips (0 before
+        any)."""
+        return self._mean
+
+    def statistics(self) -> dict[str, float]:
+        return {"probe_late_mean_s": round(self._mean, 4), "probe_rounds_seen": self._seen}
 
 
 def fresh_estimate(

@@ -53,7 +53,7 @@ from peer.routing.cost import (
     swarm_busy,
 )
 from peer.routing.forward_overhead import ForwardOverhead
-from peer.routing.probing import fresh_estimate
+from peer.routing.probing import ProbeWaits, fresh_estimate
 from peer.routing.trust import TrustLedger
 from peer.swarm.peer_table import PeerTable
 from protocols.load import LoadReport
@@ -145,6 +145,7 @@ class Router:
         self._fail_streak: dict[str, int] = {}  # consecutive failures, per peer in _failed_at
         self.trust = trust
         self.forward_overhead = ForwardOverhead()  # a forward's time here beyond the model
+        self.probe_waits = ProbeWaits()  # what a load probe round holds a request here
         self._require_rtt = require_rtt
         self._unproven = 0
         self._quarantined = 0
