@@ -95,6 +95,25 @@ TESTBED_PAGES = (
         "docs/results/testbed_intel_d0_half_shares.json --delays-ms 0 --runs 1 "
         "--shares 0.1,0.15,0.2,0.25 --rates half=3.03651586166448,high=8.46080018887611",
     ),
+    # ... and at 6acd5a3, whose router prices a load probe at what its rounds waited
+    CommittedRun(
+        RESULTS / "testbed_intel_d0_probe_waits.json",
+        "The Intel Xeon partial run with probes priced at their measured wait (the "
+        "tree of 6acd5a3 before its commit; the same rates and seeds)",
+        "sudo .venv/bin/python -m bench.testbed --json "
+        "docs/results/testbed_intel_d0_probe_waits.json --delays-ms 0 --runs 2 "
+        "--rates half=6.07303172332896,high=16.92160037775222",
+    ),
+    # ... and five runs at 6acd5a3: the host sped up after the calibration, so "high"
+    # left the busiest peer under 0.6 busy
+    CommittedRun(
+        RESULTS / "testbed_intel_d0_probe_waits_5runs.json",
+        "The same, five runs at 6acd5a3 (a host faster than at its calibration: the "
+        "busiest peer 0.28-0.65 busy at high)",
+        "sudo .venv/bin/python -m bench.testbed --json "
+        "docs/results/testbed_intel_d0_probe_waits_5runs.json --delays-ms 0 --runs 5 "
+        "--rates half=6.07303172332896,high=16.92160037775222",
+    ),
     # the same model as the full run's, before its warm-up was paced (80 unmeasured
     # requests at each load's own rate): ~56 minutes here
     CommittedRun(
