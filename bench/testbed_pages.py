@@ -114,6 +114,24 @@ TESTBED_PAGES = (
         "docs/results/testbed_intel_d0_probe_waits_5runs.json --delays-ms 0 --runs 5 "
         "--rates half=6.07303172332896,high=16.92160037775222",
     ),
+    # ... and side by side: the code before the rule, then 5f9b486, one invocation after
+    # the other (cost, longest_prefix and local)
+    CommittedRun(
+        RESULTS / "testbed_intel_d0_probe_ab_before.json",
+        "Before the probe rule (a7f6eb1), cost, longest_prefix and local, two runs",
+        "sudo .venv/bin/python -m bench.testbed --json "
+        "docs/results/testbed_intel_d0_probe_ab_before.json --delays-ms 0 --runs 2 "
+        "--policies cost,longest_prefix,local --rates "
+        "half=6.07303172332896,high=16.92160037775222 (at a7f6eb1)",
+    ),
+    CommittedRun(
+        RESULTS / "testbed_intel_d0_probe_ab_after.json",
+        "With the probe rule (5f9b486), right after, the same policies, rates and seeds",
+        "sudo .venv/bin/python -m bench.testbed --json "
+        "docs/results/testbed_intel_d0_probe_ab_after.json --delays-ms 0 --runs 2 "
+        "--policies cost,longest_prefix,local --rates "
+        "half=6.07303172332896,high=16.92160037775222",
+    ),
     # the same model as the full run's, before its warm-up was paced (80 unmeasured
     # requests at each load's own rate): ~56 minutes here
     CommittedRun(
