@@ -132,6 +132,23 @@ TESTBED_PAGES = (
         "--policies cost,longest_prefix,local --rates "
         "half=6.07303172332896,high=16.92160037775222",
     ),
+    # ... and the pair again in the other order: the rule first (a3ab359), then a7f6eb1
+    CommittedRun(
+        RESULTS / "testbed_intel_d0_probe_ab2_after.json",
+        "The pair again, the rule first (a3ab359), the same policies, rates and seeds",
+        "sudo .venv/bin/python -m bench.testbed --json "
+        "docs/results/testbed_intel_d0_probe_ab2_after.json --delays-ms 0 --runs 2 "
+        "--policies cost,longest_prefix,local --rates "
+        "half=6.07303172332896,high=16.92160037775222",
+    ),
+    CommittedRun(
+        RESULTS / "testbed_intel_d0_probe_ab2_before.json",
+        "Then before the rule (a7f6eb1), right after",
+        "sudo .venv/bin/python -m bench.testbed --json "
+        "docs/results/testbed_intel_d0_probe_ab2_before.json --delays-ms 0 --runs 2 "
+        "--policies cost,longest_prefix,local --rates "
+        "half=6.07303172332896,high=16.92160037775222 (at a7f6eb1)",
+    ),
     # the same model as the full run's, before its warm-up was paced (80 unmeasured
     # requests at each load's own rate): ~56 minutes here
     CommittedRun(
