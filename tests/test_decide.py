@@ -76,9 +76,9 @@ def test_rounds_that_held_their_requests_long_stop_the_probing_until_forgotten()
     for _ in range(3):  # each waited out the default deadline, far beyond its round trips
         waits.waited(SETTINGS.max_wait_s, 0.001)
     assert step(s, ranked, None) == RaceThese(list(ranked))
-    aged = 0
+    aged = 0  # each request routed without a probe ages the figure (next_step does)
     while step(s, ranked, None) == RaceThese(list(ranked)):
-        waits.not_probed()
         aged += 1
         assert aged < 2000
     assert aged > 50  # not at the next request: a slow figure holds for a while
+    assert step(s, ranked, None, private=True) == RaceThese([c for c in ranked if c.is_local])

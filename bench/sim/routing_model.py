@@ -182,8 +182,6 @@ class RoutingModel:
             waited = self._probe(step.round, now)
             reports = step.round.reports
             entry.router.probe_waits.waited(waited, step.round.plan.rtt_s)  # as live
-        if reports is None:
-            entry.router.probe_waits.not_probed()
         self._probe_stats["changed"] += step.changed
         chosen = job.chosen = step.candidates[0]
         return self._index[chosen.peer_id], min(chosen.match_tokens, len(job.tokens) - 1), waited

@@ -268,8 +268,6 @@ class Pipeline:
             waited = trio.current_time() - started
             self.router.probe_waits.waited(waited, step.round.plan.rtt_s)
             self.stats["probe_wait_ms"] += round(waited * 1e3)
-        if reports is None and not private:
-            self.router.probe_waits.not_probed()
         if step.changed:
             self.stats["probe_changed_choice"] += 1
         return Ranked(step.candidates, probation)

@@ -58,6 +58,7 @@ def next_step(
     if reports is None:
         plan = plan_probes(ranked, settings, router.probe_waits.late_s)
         if not plan.probes:
+            router.probe_waits.not_probed()  # routed without a probe: the figure ages
             return RaceThese(list(ranked))
         return ProbeFirst(ProbeRound(plan, now, not_after=not_after))
     if not reports:
