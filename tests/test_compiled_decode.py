@@ -216,11 +216,14 @@ def test_a_thread_with_another_torch_thread_count_still_takes_the_compiled_step(
 @pytest.fixture(scope="module")
 def compiled_int4():
     """tiny-random in int4, its decode step compiled; and how many of the step's products
-    inductor wrote as its own C++ kernels while compiling it."""
+    inductor wrote as its own C++ kernels while compiling it (with its caches off: a
+    graph read back from an earlier run's cache on disk counts none)."""
     from torch._dynamo.utils import counters
+    from torch._inductor import config as inductor_config
 
     before = counters["inductor"]["cpp_templated_kernel_counter"]
-    loaded = load_model("tiny-random", dtype="int4", compile_decode=True)
+    with inductor_config.patch(force_disable_caches=True):
+        loaded = load_model("tiny-random", dtype="int4", compile_decode=True)
     return loaded, counters["inductor"]["cpp_templated_kernel_counter"] - before
 
 

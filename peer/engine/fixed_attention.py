@@ -9,14 +9,18 @@ batched, chunked, cached answer is bit for bit the one a sequential forward give
 
 - scores are one matrix product of at least MIN_QUERY_ROWS query rows (torch's product
   of 1 or 2 rows takes another path that sums the head dimension in another order; from
-  7 rows on every row's dot products were the same at every call size measured);
+  7 rows on every row's dot products were the same at every call size measured on
+  AVX-512 machines; on an AVX2-only one, MKL's products of 9 to 11 rows round their rows
+  past the eighth another way, so those counts are padded to ODD_ROWS_PADDED_TO, and
+  products fewer than MIN_VALUE_COLUMNS wide round a row by its position in the call, so
+  the values get zero columns up to that width);
 - masked and padding keys get -inf, so they add exactly 0; the row maximum is exact in any
   order; the key axis is padded to KEY_LANE so that the exponential takes the vector path
   for every element (its scalar tail can differ in the last bit);
 - the weighted sum of values and the softmax denominator (a column of ones appended to
   the values) are summed in blocks of KEY_BLOCK keys at fixed positions from key 0, one
   matrix product per block (a longer product splits its keys where its own blocking
-  decides), added block after block.
+  decides), added block after block; the last block is 64, 128 or 256 keys wide (`_padded`).
 
 Computed in float32 whatever the model's dtype; the caller casts the result back. Slower
 than SDPA (more, smaller operations): the engine uses it where it buys exactness.
@@ -34,6 +38,8 @@ import torch
 __all__ = ["KEY_BLOCK", "KEY_LANE", "MIN_QUERY_ROWS", "fixed_order_attention", "fixed_order_decode"]
 
 MIN_QUERY_ROWS = 8  # fewer query rows are padded to this many (see above)
+ODD_ROWS_PADDED_TO = 12  # ...and more than MIN_QUERY_ROWS but fewer than this, to this many
+MIN_VALUE_COLUMNS = 16  # [values | 1] is widened with zero columns to at least this
 KEY_LANE = 64  # the key axis is padded to a multiple of this: 2 AVX-512 vectors of floats
 KEY_BLOCK = 256  # keys summed per matrix product; a multiple of KEY_LANE
 # Scratch buffers are kept per thread and reused by the next call (every layer of a step
@@ -61,7 +67,7 @@ def fixed_order_attention(
     kv_heads, length = key.shape[1], key.shape[2]
     if n < 1 or length < 1 or heads % kv_heads:
         raise ValueError(f"cannot attend {tuple(query.shape)} over {tuple(key.shape)}")
-    rows = max(n, MIN_QUERY_ROWS)
+    rows = _query_rows(n)
     padded = _padded(length)
     q = _scratch("q", (batch, heads, rows, dim), query.device)
     q[:, :, :n].copy_(query)
@@ -86,7 +92,7 @@ def fixed_order_attention(
         if rows > n:
             mask[:, :, n:] = mask[:, :, n - 1 : n]
         grid.masked_fill_(~mask[:, :, None], float("-inf"))
-    out = _softmax_times_values(scores, v, none_allowed=allowed is not None)
+    out = _softmax_times_values(scores, v, dim, none_allowed=allowed is not None)
     out = out.view(batch, kv_heads, heads // kv_heads, rows, dim)[:, :, :, :n]
     return out.reshape(batch, heads, n, dim).transpose(1, 2)
 
@@ -109,7 +115,7 @@ def fixed_order_decode(
     if min(lengths) < 1 or heads % kv_heads:
         raise ValueError(f"cannot attend {tuple(query.shape)} over lengths {lengths}")
     group = heads // kv_heads
-    rows = max(group, MIN_QUERY_ROWS)
+    rows = _query_rows(group)
     padded = _padded(max(lengths))
     q = _scratch("q", (count, kv_heads, rows, dim), query.device)
     q[:, :, :group].copy_(query.reshape(count, kv_heads, group, dim))
@@ -127,7 +133,7 @@ def fixed_order_decode(
     total = _weighted_values(scores, v, none_allowed=False)
     # every row has a key, so its denominator is >= 1: the clamp of the general case is moot
     out = torch.empty((count, kv_heads, group, dim), dtype=out_dtype, device=query.device)
-    torch.div(total[:, :, :group, :dim], total[:, :, :group, dim:], out=out)
+    torch.div(total[:, :, :group, :dim], total[:, :, :group, dim : dim + 1], out=out)
     return out.view(count, 1, heads, dim)
 
 
@@ -144,17 +150,30 @@ def _beyond(lengths: tuple[int, ...], padded: int, device: torch.device) -> torc
     return mask
 
 
+def _query_rows(n: int) -> int:
+    """How many rows a product of ``n`` query rows is padded to (see above)."""
+    rows = max(n, MIN_QUERY_ROWS)
+    return ODD_ROWS_PADDED_TO if MIN_QUERY_ROWS < rows < ODD_ROWS_PADDED_TO else rows
+
+
 def _padded(length: int) -> int:
-    return -(-length // KEY_LANE) * KEY_LANE
+    """The key axis: a multiple of KEY_LANE whose last KEY_BLOCK block is a power of two
+    wide (an AVX2-only machine's MKL sums a 192-key product in another order than a
+    256-key one whose last 64 weights are zero; 64 and 128 keys, the same)."""
+    padded = -(-length // KEY_LANE) * KEY_LANE
+    tail = padded % KEY_BLOCK
+    return padded if tail & (tail - 1) == 0 else padded - tail + KEY_BLOCK
 
 
 def _keys_and_values(
     batch: int, kv_heads: int, padded: int, dim: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Float32 buffers for the keys, and for the values with their last column all ones:
-    it sums the softmax's denominator in the same products as the values."""
-    v = _scratch("v", (batch, kv_heads, padded, dim + 1), device)
+    """Float32 buffers for the keys, and for the values with a column of ones after them
+    (it sums the softmax's denominator in the same products as the values), then zero
+    columns up to MIN_VALUE_COLUMNS."""
+    v = _scratch("v", (batch, kv_heads, padded, max(dim + 1, MIN_VALUE_COLUMNS)), device)
     v[..., dim] = 1.0
+    v[..., dim + 1 :] = 0.0
     return _scratch("k", (batch, kv_heads, padded, dim), device), v
 
 
@@ -179,7 +198,7 @@ def _scratch(role: str, shape: tuple[int, ...], device: torch.device) -> torch.T
 def _fill(k: torch.Tensor, v: torch.Tensor, rows: slice, key: torch.Tensor,
           value: torch.Tensor) -> None:
     """Copy ``key`` / ``value`` into batch rows ``rows`` of the buffers, whose values'
-    last column is all ones (`_keys_and_values`); the padding keys' scores are masked
+    column ``dim`` is all ones (`_keys_and_values`); the padding keys' scores are masked
     whatever they hold, their values (and ones) must be 0."""
     length, dim = key.shape[2], key.shape[3]
     k[rows, :, :length].copy_(key)
@@ -196,14 +215,13 @@ def _scores(q: torch.Tensor, k: torch.Tensor, scaling: float) -> torch.Tensor:
     return scores.mul_(scaling)
 
 
-def _softmax_times_values(scores: torch.Tensor, v: torch.Tensor,
+def _softmax_times_values(scores: torch.Tensor, v: torch.Tensor, dim: int,
                           none_allowed: bool) -> torch.Tensor:
     """The masked ``scores`` made softmax weights in place, times the values summed in
     KEY_BLOCK blocks; [B, Hkv, group * rows, D]. ``none_allowed``: a row may have no key."""
     total = _weighted_values(scores, v, none_allowed)
-    dim = v.shape[-1] - 1
     # the denominator is >= 1 for a row with any allowed key (its maximum adds exp(0))
-    return total[..., :dim] / total[..., dim:].clamp_min(1.0)
+    return total[..., :dim] / total[..., dim : dim + 1].clamp_min(1.0)
 
 
 def _weighted_values(scores: torch.Tensor, v: torch.Tensor, none_allowed: bool) -> torch.Tensor:
