@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from bench.testbed import __main__ as cli
-from bench.testbed.calibrate import fit
+from bench.testbed.calibrate import QUICK_EFFORT, fit
 from bench.testbed.runner import gossip_delivery, pipeline_events, trusted_pair_fraction
 from bench.testbed.workload import GROUP_STRIDE, WorkloadSpec, mixed_requests, paced_warmup
 from bench.workloads import tokenize_mmlu
@@ -153,11 +153,13 @@ def _unsupported() -> str | None:
 @pytest.mark.skipif(_unsupported() is not None, reason=f"testbed: {_unsupported()}")
 def test_quick_run_on_isolated_peers(tmp_path: Path) -> None:
     out = tmp_path / "quick.json"
+    # a guard against a hang, not a speed check: 4.6 min alone on a slow 2-core machine
     done = subprocess.run([sys.executable, "-m", "bench.testbed", "--quick", "--json", str(out)],
-                          capture_output=True, text=True, timeout=360, check=False)
+                          capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["complete"] and result["params"]["isolated"] and result["params"]["quick"]
+    assert result["params"]["calibration_effort"]["repeats"] == QUICK_EFFORT.repeats
     gossip = result["gossip_cost"]  # calibrated: summaries beyond the idle ones were sent
     assert gossip["publishes"] >= 1 and gossip["receive_cpu_s"] >= 0
     assert all(c["calibration"]["summary_receive_s"] >= 0 for c in result["calibration"])

@@ -4,6 +4,7 @@ next to the simulator's prediction. docs/testbed.md says what a run does and cos
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -24,6 +25,8 @@ from bench.report import emit_json
 from bench.stats import mean_ci95
 from bench.testbed.beds import Bed, PeerSettings, log, open_bed
 from bench.testbed.calibrate import (
+    QUICK_EFFORT,
+    Effort,
     ForwardCost,
     GossipCost,
     measure_forward,
@@ -32,7 +35,14 @@ from bench.testbed.calibrate import (
     served_extra_cpu,
     with_overheads,
 )
-from bench.testbed.loads import PILOT_SEED_OFFSET, Pilot, first_pilot_rate, measured_rates
+from bench.testbed.loads import (
+    PILOT_MAX_S,
+    PILOT_SEED_OFFSET,
+    QUICK_PILOT_MAX_S,
+    Pilot,
+    first_pilot_rate,
+    measured_rates,
+)
 from bench.testbed.predict import SimSetup, predict, rate_for_utilization, testbed_setup
 from bench.testbed.runner import run_policy, summarise
 from bench.testbed.workload import WorkloadSpec, describe, run_workload
@@ -59,10 +69,13 @@ LOADS = {"half": 0.5, "high": 0.95}
 # The warm-up arrives faster, by the ratio of the top load's target to its own (`half`:
 # 0.95 / 0.5), then pauses WARMUP_PAUSE_S (bench/testbed/workload.py `paced_warmup`);
 # pilots are not paced.
+# `effort` and `pilot_max_s`: how much the calibration and the first pilot measure
+# (bench/testbed/calibrate.py `Effort`, bench/testbed/loads.py).
 FULL = {"delays_ms": (0.0, 20.0, 50.0), "loads": ("half", "high"), "runs": 5, "requests": 200,
-        "warmup": 60}
+        "warmup": 60, "effort": Effort(), "pilot_max_s": PILOT_MAX_S}
 WARMUP_PAUSE_S = 0.5
-QUICK = {"delays_ms": (20.0,), "loads": ("high",), "runs": 1, "requests": 60, "warmup": 60}
+QUICK = {"delays_ms": (20.0,), "loads": ("high",), "runs": 1, "requests": 60, "warmup": 60,
+         "effort": QUICK_EFFORT, "pilot_max_s": QUICK_PILOT_MAX_S}
 ROW_KEYS = ("ttft_mean_s", "ttft_p99_s", "e2e_mean_s", "hit_ratio", "busiest_peer_utilization",
             "predicted_ttft_mean_s", "forwarded_fraction")
 
@@ -108,6 +121,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.runs = args.runs or plan["runs"]
     args.requests = args.requests or plan["requests"]
     args.warmup = plan["warmup"] if args.warmup is None else args.warmup
+    args.effort, args.pilot_max_s = plan["effort"], plan["pilot_max_s"]
     if args.warmup < 0:
         p.error("--warmup must be >= 0")
     if set(args.loads) - set(LOADS) or set(args.policies) - set(POLICIES):
@@ -146,12 +160,14 @@ async def calibrate(bed: Bed, args: argparse.Namespace) -> tuple[
         cpus = ([functools.partial(swarm.cpu_seconds, i) for i in range(len(urls))]
                 if bed.isolated else None)
         speeds = await measure_peers(urls, args.model_path, names, args.seed, parallel=False,
-                                     cpus=cpus, shares=args.shares)
+                                     cpus=cpus, shares=args.shares,
+                                     repeats=args.effort.repeats)
         gossip = None
         if cpus is not None:
             log("calibrating: a cache summary's CPU at its publisher and its receivers")
             gossip = await measure_gossip(urls, args.model_path, entry_of(args.shares), args.seed,
-                                          cpus, args.summary_interval)
+                                          cpus, args.summary_interval,
+                                          window_s=args.effort.gossip_window_s)
             log(f"a summary costs its publisher {gossip.publish_cpu_s * 1e3:.1f} ms CPU and "
                 f"each receiver {gossip.receive_cpu_s * 1e3:.1f} ms ({gossip.publishes} "
                 f"summaries)")
@@ -166,6 +182,7 @@ async def calibrate(bed: Bed, args: argparse.Namespace) -> tuple[
         forward = await measure_forward(swarm.peers[entry].http or "", args.model_path,
                                         swarm.peers[entry].peer_id, args.seed,
                                         functools.partial(swarm.cpu_seconds, entry),
+                                        requests=args.effort.forward_requests,
                                         servers=servers)
     log(f"a forward costs its entry {forward.forwarded_cpu_s * 1e3:.1f} ms CPU "
         f"({forward.forwarded} of {forward.requests} forwarded; "
@@ -207,7 +224,7 @@ async def load_rates(bed: Bed, args: argparse.Namespace, setup: SimSetup, speeds
         return rates, []
     low = min(LOADS.values())  # the first pilot below saturation, whichever loads are run
     simulated, util = rate_for_utilization(setup, low, workload_at, policy=LOAD_POLICY)
-    first = first_pilot_rate(simulated, args.warmup + args.requests)
+    first = first_pilot_rate(simulated, args.warmup + args.requests, args.pilot_max_s)
     log(f"loads: the simulator puts {LOAD_POLICY}'s busiest peer at {util:.2f} busy at "
         f"{simulated:.2f} requests/s; two {LOAD_POLICY} pilots measure it, the first at "
         f"{first:.2f}/s")
@@ -313,6 +330,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 "rates_from": "given" if set(args.loads) <= set(args.rates) else "pilots",
                 "runs": args.runs, "requests": args.requests,
                 "warmup_requests": args.warmup,
+                "calibration_effort": dataclasses.asdict(args.effort),
+                "pilot_max_s": args.pilot_max_s,
                 "warmup_pace": {load: warmup_pace(load) for load in args.loads},
                 "warmup_pause_s": WARMUP_PAUSE_S,
                 "cache_bytes": args.cache_bytes, "capacity_blocks": setup.capacity_blocks,

@@ -83,6 +83,21 @@ GOSSIP_PROMPT_TOKENS = 512  # 32 blocks of 16: > CHANGE_FRACTION of the testbed'
 
 
 @dataclass(frozen=True)
+class Effort:
+    """How much a calibration measures: draws per point, forwarded requests, the gossip
+    windows' length. The full run's are the constants above; `--quick`, a smoke test of
+    the whole path, measures less (QUICK_EFFORT: on a slow 2-core machine its calibration
+    took 4 of its 8 minutes)."""
+
+    repeats: int = REPEATS
+    forward_requests: int = FORWARD_REQUESTS
+    gossip_window_s: float = GOSSIP_WINDOW_S
+
+
+QUICK_EFFORT = Effort(repeats=2, forward_requests=12, gossip_window_s=4.0)
+
+
+@dataclass(frozen=True)
 class PeerSpeed:
     """One peer's measured points and the calibration fitted to them."""
 
@@ -117,7 +132,8 @@ Clock = Callable[[], float]  # seconds of some kind, read before and after a req
 
 
 async def measure_peer(url: str, model: str, name: str, seed: int, cpu: Clock | None = None,
-                       share: float = 1.0, block_size: int = 16) -> PeerSpeed:
+                       share: float = 1.0, block_size: int = 16,
+                       repeats: int = REPEATS) -> PeerSpeed:
     """Measure the peer at `url` (nothing else should be sent to it meanwhile).
 
     With `cpu` (the peer's CPU seconds so far, from its CPU group) a request's time is
@@ -160,7 +176,7 @@ async def measure_peer(url: str, model: str, name: str, seed: int, cpu: Clock | 
             await trio.sleep(IDLE_S)
             rate = (cpu() - idle_from) / (trio.current_time() - idle_start)
             background = min(max(rate, 0.0), MAX_BACKGROUND * share)
-        for _ in range(REPEATS):
+        for _ in range(repeats):
             for length in COLD_LENGTHS:
                 prompt = tokens(length)
                 cold = await timed(client, prompt, lone=length == COLD_LENGTHS[0])
@@ -180,7 +196,7 @@ async def measure_peer(url: str, model: str, name: str, seed: int, cpu: Clock | 
     decode = max(statistics.median(decodes), MIN_S_PER_TOKEN)
     how = (f"CPU seconds / ({share:g} core less {background:.3f} idle)" if cpu
            else "client-side TTFT")
-    source = f"bench.testbed.calibrate: {how} at {url}, median of {REPEATS}"
+    source = f"bench.testbed.calibrate: {how} at {url}, median of {repeats}"
     fraction = statistics.median(fractions) if fractions else 1.0
     path = max(0.0, statistics.median(paths)) if paths else 0.0
     calibration = replace(fit(points, decode, name, source), client_path_s=path)
@@ -280,9 +296,10 @@ async def _published(client: httpx.AsyncClient, url: str) -> int:
 
 
 async def measure_gossip(urls: Sequence[str], model: str, publisher: int, seed: int,
-                         cpus: Sequence[Clock], interval_s: float) -> GossipCost:
+                         cpus: Sequence[Clock], interval_s: float,
+                         window_s: float = GOSSIP_WINDOW_S) -> GossipCost:
     """GossipCost of a swarm that nothing else is sent to meanwhile (module docstring):
-    every peer's idle rate over GOSSIP_CYCLES + 1 idle windows of GOSSIP_WINDOW_S, and
+    every peer's idle rate over GOSSIP_CYCLES + 1 idle windows of `window_s`, and
     between them as long of fresh prompts to `publisher`, one every GOSSIP_REQUEST_GAP_S.
     (With one idle window before only, one calibration measured the extra CPU as below
     idle, a cost of 0; with one churning window between two idle ones, another did, on
@@ -300,7 +317,7 @@ async def measure_gossip(urls: Sequence[str], model: str, publisher: int, seed: 
     async def idle_window() -> None:
         nonlocal idle_s
         c0, t0 = read()
-        await trio.sleep(GOSSIP_WINDOW_S)
+        await trio.sleep(window_s)
         c1, t1 = read()
         idle_s += t1 - t0
         for i in range(n):
@@ -311,7 +328,7 @@ async def measure_gossip(urls: Sequence[str], model: str, publisher: int, seed: 
         for _ in range(GOSSIP_CYCLES):  # churn between idle windows: a drift or a burst
             seq0 = await _published(client, urls[publisher])  # in one window weighs less
             c2, t2 = read()
-            while trio.current_time() < t2 + GOSSIP_WINDOW_S:
+            while trio.current_time() < t2 + window_s:
                 prompt = [rng.randrange(*TOKEN_RANGE) for _ in range(GOSSIP_PROMPT_TOKENS)]
                 before = cpus[publisher]()
                 await _ttft(client, urls[publisher], model, prompt)
@@ -403,7 +420,8 @@ def fit(points: Sequence[tuple[int, int, float]], decode_s_per_token: float, nam
 
 async def measure_peers(urls: Sequence[str], model: str, names: Sequence[str], seed: int,
                         parallel: bool, cpus: Sequence[Clock] | None = None,
-                        shares: Sequence[float] | None = None) -> list[PeerSpeed]:
+                        shares: Sequence[float] | None = None,
+                        repeats: int = REPEATS) -> list[PeerSpeed]:
     """Every peer's speed (by CPU seconds over share where `cpus` and `shares` are
     given); all at once when `parallel`, else one after another."""
     out: list[PeerSpeed | None] = [None] * len(urls)
@@ -411,7 +429,8 @@ async def measure_peers(urls: Sequence[str], model: str, names: Sequence[str], s
     async def one(i: int) -> None:
         cpu = cpus[i] if cpus is not None else None
         share = shares[i] if shares is not None else 1.0
-        out[i] = await measure_peer(urls[i], model, names[i], seed, cpu, share)
+        out[i] = await measure_peer(urls[i], model, names[i], seed, cpu, share,
+                                    repeats=repeats)
 
     if parallel:
         async with trio.open_nursery() as nursery:

@@ -26,11 +26,13 @@ MIN_SLOPE = 1e-6
 # gives a point of the line, and a simulator whose calibration overcharges (one put a
 # larger model's busiest peer at 0.79 busy at 0.5 requests/s) must not make it last minutes.
 PILOT_MAX_S = 60.0
+QUICK_PILOT_MAX_S = 20.0
 
 
-def first_pilot_rate(simulated_rate: float, requests: int) -> float:
-    """The simulator's rate for the lowest load, raised so the pilot lasts PILOT_MAX_S."""
-    return max(simulated_rate, requests / PILOT_MAX_S)
+def first_pilot_rate(simulated_rate: float, requests: int, max_s: float = PILOT_MAX_S) -> float:
+    """The simulator's rate for the lowest load, raised so the pilot lasts at most `max_s`
+    (PILOT_MAX_S; `--quick`, QUICK_PILOT_MAX_S)."""
+    return max(simulated_rate, requests / max_s)
 
 
 @dataclass(frozen=True)
