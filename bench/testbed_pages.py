@@ -149,6 +149,16 @@ TESTBED_PAGES = (
         "--policies cost,longest_prefix,local --rates "
         "half=6.07303172332896,high=16.92160037775222 (at a7f6eb1)",
     ),
+    # an AMD EPYC without AVX-512 (about half as fast): the high load at all three
+    # delays, three runs each (the half load's 200 requests at 1.4/s are 2.5 minutes a
+    # policy run there)
+    CommittedRun(
+        RESULTS / "testbed_epyc_avx2_high.json",
+        "The testbed on an AVX2-only EPYC (no AVX-512) at 1a17b39: the high load at d = "
+        "0, 20 and 50 ms, three runs per point, at its own pilots' rate",
+        "sudo .venv/bin/python -m bench.testbed --json "
+        "docs/results/testbed_epyc_avx2_high.json --loads high --runs 3",
+    ),
     # the same model as the full run's, before its warm-up was paced (80 unmeasured
     # requests at each load's own rate): ~56 minutes here
     CommittedRun(
