@@ -26,7 +26,7 @@ MIN_SLOPE = 1e-6
 # gives a point of the line, and a simulator whose calibration overcharges (one put a
 # larger model's busiest peer at 0.79 busy at 0.5 requests/s) must not make it last minutes.
 PILOT_MAX_S = 60.0
-QUICK_PILOT_MAX_S = 20.0
+QUICK_PILOT_MAX_S = 40.0  # quick: 3 requests/s, light even on a slow machine under load
 
 
 def first_pilot_rate(simulated_rate: float, requests: int, max_s: float = PILOT_MAX_S) -> float:
