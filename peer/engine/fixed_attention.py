@@ -104,8 +104,9 @@ def fixed_order_decode(
     """One new row per sequence: ``query`` [S, Hq, 1, D], sequence s attending all of
     ``keys[s]`` / ``values[s]`` ([1, Hkv, L_s, D]); [S, 1, Hq, D] in ``out_dtype``, each row
     bit for bit what `fixed_order_attention` gives it alone, cast to that dtype. A kv head's
-    group of query rows is padded to MIN_QUERY_ROWS rows (the products' rows do not depend
-    on their count from there), not each row to MIN_QUERY_ROWS as a call of one row is.
+    group of query rows is padded as one call's rows are (`_query_rows`: the products' rows
+    do not depend on their count from there), not each row on its own as a call of one row
+    is.
     Every layer of a step calls this with the same lengths: the mask is made once."""
     count, heads, n, dim = query.shape
     if n != 1 or count != len(keys) or count != len(values) or not count:
