@@ -34,7 +34,13 @@ from libp2p.pubsub.gossipsub import GossipSub
 from libp2p.pubsub.pubsub import Pubsub
 from libp2p.stream_muxer.yamux.yamux import YamuxStream
 
-from peer.net import gossipsub_fixes, pipelined_select, pubsub_hello, sent_record
+from peer.net import (
+    cancel_safe,
+    gossipsub_fixes,
+    pipelined_select,
+    pubsub_hello,
+    sent_record,
+)
 
 __all__ = [
     "MAX_REMEMBERED_RECORDS",
@@ -253,6 +259,26 @@ def fixes() -> list[Fix]:
         # the envelope serialised again): several times per summary received. Rebuilt
         # at most once per RECHECK_S (peer/net/sent_record.py).
         Fix("sent-record", sent_record.problem, sent_record.installed, sent_record.install),
+        # WORKAROUND(noise-write): a Noise write encrypts (the nonce moves on) and then
+        # awaits the socket; cancelled there, it has sent nothing, the peer cannot
+        # authenticate the next message and drops the connection with all its streams.
+        # Encrypt and send shielded, or not at all (peer/net/cancel_safe.py).
+        Fix(
+            "noise-write",
+            cancel_safe.noise_write_problem,
+            cancel_safe.noise_write_installed,
+            cancel_safe.install_noise_write,
+        ),
+        # WORKAROUND(yamux-open): Yamux.open_stream gives its backlog slot back when the
+        # SYN fails with an Exception, not when it is cancelled: each cancelled open leaks
+        # one of the connection's 256 slots, and then no stream opens on it. Reset the
+        # stream (or give the slot back) on any failure (peer/net/cancel_safe.py).
+        Fix(
+            "yamux-open",
+            cancel_safe.open_stream_problem,
+            cancel_safe.open_stream_installed,
+            cancel_safe.install_open_stream,
+        ),
         # WORKAROUND(select-rtt): protocol negotiation waits for the multistream header's
         # echo before proposing a protocol: two round trips before every new stream
         # carries a byte. Send both at once (peer/net/pipelined_select.py).
