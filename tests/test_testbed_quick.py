@@ -154,7 +154,9 @@ def _unsupported() -> str | None:
 def test_quick_run_on_isolated_peers(tmp_path: Path) -> None:
     out = tmp_path / "quick.json"
     # a guard against a hang, not a speed check: 4.6 min alone on a slow 2-core machine
-    done = subprocess.run([sys.executable, "-m", "bench.testbed", "--quick", "--json", str(out)],
+    traces = tmp_path / "traces"
+    done = subprocess.run([sys.executable, "-m", "bench.testbed", "--quick", "--json", str(out),
+                           "--traces", str(traces)],
                           capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
@@ -180,6 +182,23 @@ def test_quick_run_on_isolated_peers(tmp_path: Path) -> None:
         assert 0 < row["busiest_peer_utilization"] <= 1.2  # a quota is a ceiling
         assert row["predicted_ttft_mean_s"] > 0
         assert sum(row["served_per_peer"]) == row["requests"] - row["failed"]
+        # per entry, measured and simulated: the matrix's columns are served_per_peer
+        for prefix in ("", "predicted_"):
+            matrix = row[f"{prefix}served_matrix"]
+            served = [sum(column) for column in zip(*matrix, strict=True)]
+            assert served == row[f"{prefix}served_per_peer"]
+        if row["policy"] == "local":
+            assert all(f in (0.0, None) for f in row["forwarded_fraction_per_entry"])
+        # the run's traces: every measured request, and the routers' reasons
+        name = f"d{row['delay_ms']:g}_high_run0_{row['policy']}.json"
+        traced = json.loads((traces / name).read_text())
+        assert len(traced["requests"]) == row["requests"]
+        assert sum(r["served_by"] == r["entry"] for r in traced["requests"]) == round(
+            (1 - row["forwarded_fraction"]) * (row["requests"] - row["failed"]))
+        assert all(r["route"] for r in traced["requests"] if r["ok"])
+        reasons = [step["reason"] for log in traced["request_logs"] if log for rec in log
+                   for step in rec["route"]]
+        assert any(f"[{row['policy']}]" in reason for reason in reasons)
         # every entry counted its requests (warm-up included) in /metrics
         assert row["pipeline_events"]["requests"] >= row["requests"]
         if row["policy"] != "local":

@@ -339,6 +339,10 @@ class Simulator(ServerModel, RoutingModel, GossipModel):
         first_id, first_arrival_s = self._warmup
         return job.rid >= first_id and job.arrival >= first_arrival_s
 
+    def measured_jobs(self) -> list[Job]:
+        """The requests the run's metrics count (after the warm-up), in arrival order."""
+        return sorted((j for j in self.jobs if self._measured(j)), key=lambda j: j.rid)
+
     def _result(self) -> RunResult:
         jobs = sorted(self.jobs, key=lambda j: j.rid)
         completions = [0] * len(self.workload)

@@ -44,7 +44,7 @@ from bench.testbed.loads import (
     measured_rates,
 )
 from bench.testbed.predict import SimSetup, predict, rate_for_utilization, testbed_setup
-from bench.testbed.runner import run_policy, summarise
+from bench.testbed.runner import RunMeasurement, run_policy, summarise, trace
 from bench.testbed.workload import WorkloadSpec, describe, run_workload
 from bench.workloads import load_tokenized_mmlu
 
@@ -105,6 +105,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rates", help="arrival rates per load, e.g. half=8,high=15 (default: "
                    "from the calibration)")
     p.add_argument("--calibration-json", help="also write the calibration here")
+    p.add_argument("--traces", metavar="DIR",
+                   help="also write each run's requests, routes and the routers' reasons "
+                   "here, one JSON file a run (bench/testbed/runner.py `trace`)")
     p.add_argument("--peer-log", default=os.devnull, help="peers' stderr goes here")
     p.add_argument("--peer-args", default="",
                    help="more `serve` flags for every peer, for what-ifs (rows record them; "
@@ -278,6 +281,15 @@ def warmup_pace(load: str) -> float:
     return max(1.0, max(LOADS.values()) / LOADS[load])
 
 
+def write_trace(folder: str, row: dict[str, Any], measured: RunMeasurement) -> None:
+    """One run's traces (runner.py `trace`) next to its row's point, policy and seed."""
+    name = f"d{row['delay_ms']:g}_{row['load']}_run{row['run']}_{row['policy']}.json"
+    point = {k: row[k] for k in ("policy", "delay_ms", "load", "rate_per_s", "run", "seed")}
+    path = Path(folder) / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({**point, **trace(measured)}) + "\n")
+
+
 def entry_of(shares: Sequence[float]) -> int:
     """The peer with the largest share: its quota throttles the measured work least."""
     return max(range(len(shares)), key=lambda i: shares[i])
@@ -371,6 +383,10 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                                 round(u, 4) for u in pred.peer_utilization]
                             row["predicted_advertised_tokens_per_s"] = [
                                 list(a) for a in pred.advertised]
+                            for key, value in pred.per_entry.items():
+                                row[f"predicted_{key}"] = value
+                            if args.traces:
+                                write_trace(args.traces, row, measured)
                             result["rows"].append(row)
                             save()
                             log(f"d={delay_ms:g} ms {load} run {run} {policy}: ttft "

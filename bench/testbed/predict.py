@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from bench.sim.calibration import Calibration
 from bench.sim.model import Simulator
 from bench.sim.params import COLD, SimParams
 from bench.testbed.calibrate import GossipCost, usable_cores
+from bench.testbed.routes import Routed, by_entry
 from bench.testbed.workload import entry_peers
 from bench.workloads import TokenRequest
 
@@ -117,6 +118,8 @@ class Prediction:
     peer_utilization: tuple[float, ...] = ()
     # per peer, its own (prefill, decode) tokens/s at the end, as it advertised them
     advertised: tuple[tuple[float, float], ...] = ()
+    # per entry peer, as the rows give them measured (bench/testbed/routes.py `by_entry`)
+    per_entry: dict[str, Any] = field(default_factory=dict)
 
 
 def predict(setup: SimSetup, policy: str, delay_ms: float, workload: Sequence[TokenRequest],
@@ -138,7 +141,16 @@ def predict(setup: SimSetup, policy: str, delay_ms: float, workload: Sequence[To
                       result.metrics["hit_ratio"], result.metrics["forwarded_fraction"],
                       tuple(p.served_after_warmup for p in sim.peers), utilization,
                       tuple((round(p.prefill_tps, 1), round(p.decode_tps, 1))
-                            for p in sim.peers))
+                            for p in sim.peers),
+                      by_entry(simulated_routes(setup, sim), len(sim.peers)))
+
+
+def simulated_routes(setup: SimSetup, sim: Simulator) -> list[Routed]:
+    """The simulated run's measured requests as `by_entry` reads them, each TTFT as the
+    client sees it (over its entry's client path, as the simulator's own mean counts it)."""
+    return [Routed(j.entry, j.target, len(j.tokens), j.cached,
+                   j.ttft + sim.peers[j.entry].cal.client_path_s)
+            for j in sim.measured_jobs() if not math.isnan(j.ttft)]
 
 
 def peer_utilization(setup: SimSetup, sim: Simulator) -> tuple[float, ...]:

@@ -114,6 +114,59 @@ def _paced(params: dict[str, Any]) -> str:
     return f" (arriving {faster}, then {params.get('warmup_pause_s', 0):g} s of pause)"
 
 
+def _entry_means(rows: Sequence[Row], key: str) -> list[float]:
+    """Per entry peer, the mean over runs of a per-entry list (NaN where no run has one)."""
+    width = max((len(r.get(key) or ()) for r in rows), default=0)
+    out = []
+    for i in range(width):
+        vals = [float(r[key][i]) for r in rows if r.get(key) and r[key][i] is not None]
+        out.append(sum(vals) / len(vals) if vals else math.nan)
+    return out
+
+
+def _pairs(real: Sequence[float], sim: Sequence[float], digits: int) -> str:
+    def one(v: float) -> str:
+        return "-" if math.isnan(v) else f"{v:.{digits}f}"
+
+    return ", ".join(f"{one(a)} / {one(b)}" for a, b in zip(real, sim, strict=True))
+
+
+def _per_entry(by_policy: dict[str, list[Row]]) -> list[str]:
+    """The point's per-entry table (rows with `served_matrix` only: older runs have no
+    per-entry prediction): each entry peer's TTFT, hit ratio and forwarded fraction,
+    measured / simulated, and where its requests went (the served matrix, summed over
+    runs, measured then simulated)."""
+    if not any(r.get("served_matrix") for rs in by_policy.values() for r in rs):
+        return []
+    lines = ["Per entry peer (bed order; measured / simulated, means over runs; `sent to`: "
+             "row i lists how many of entry i's requests each peer served, summed over "
+             "runs):", "",
+             "| policy | TTFT | hit | forwarded | sent to, measured | sent to, simulated |",
+             "|---|---|---|---|---|---|"]
+    for policy in POLICIES:
+        rs = [r for r in by_policy.get(policy, []) if r.get("served_matrix")]
+        if not rs:
+            continue
+
+        def mean(key: str, rows: Sequence[Row] = rs) -> list[float]:
+            return _entry_means(rows, key)
+
+        def summed(key: str, rows: Sequence[Row] = rs) -> str:
+            total = [[sum(r[key][i][j] for r in rows) for j in range(len(rows[0][key]))]
+                     for i in range(len(rows[0][key]))]
+            return "; ".join(" ".join(str(n) for n in row) for row in total)
+
+        def both(key: str, digits: int) -> str:
+            return _pairs(mean(key), mean(f"predicted_{key}"), digits)
+
+        lines.append(
+            f"| {policy} | {both('ttft_mean_per_entry_s', 3)} | "
+            f"{both('hit_ratio_per_entry', 2)} | {both('forwarded_fraction_per_entry', 2)} | "
+            f"{summed('served_matrix')} | {summed('predicted_served_matrix')} |")
+    lines.append("")
+    return lines
+
+
 def section(path: Path, title: str = TITLE, command: str = COMMAND) -> str:
     """A testbed section of the page (the full run's, or a what-if's with its own title
     and command); a line saying there are no rows when `path` is absent."""
@@ -187,6 +240,7 @@ def section(path: Path, title: str = TITLE, command: str = COMMAND) -> str:
                 f"{_fmt_util(_mean(rs, 'predicted_busiest_peer_utilization')[0])} | "
                 + (f"{_at_run(rs):.3f} | " if again else "") + f"{len(rs)} |")
         lines.append("")
+        lines += _per_entry(by_policy)
     lines += ["### The targets, point by point", "",
               "| d ms | load | cost lowest | clear of random | clear of local | "
               "within 5% of longest_prefix | predictions within 25% |",

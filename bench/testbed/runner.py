@@ -26,6 +26,7 @@ from bench.testbed.beds import (
     Bed,
     SwarmPeer,
 )
+from bench.testbed.routes import UNKNOWN_SERVER, Routed, by_entry
 from bench.testbed.workload import entry_peers
 from bench.workloads import TokenRequest
 
@@ -57,6 +58,9 @@ class RunMeasurement:
     # each peer's own advertised (prefill, decode) tokens/s at the end (bed order): what
     # the routers priced it at, next to what the calibration measured
     advertised: list[tuple[float, float] | None] = field(default_factory=list)
+    # each peer's recent requests as its page lists them (GET /v1/requests `recent`: the
+    # router's reason for every candidate tried), read at the end; None where it failed
+    request_logs: list[list[dict[str, Any]] | None] = field(default_factory=list)
 
 
 async def _send(client: httpx.AsyncClient, peer: SwarmPeer, request: TokenRequest,
@@ -74,6 +78,7 @@ async def _send(client: httpx.AsyncClient, peer: SwarmPeer, request: TokenReques
         cached_tokens=got.usage["prompt_tokens_details"]["cached_tokens"],
         forwarded=served_by != peer.peer_id, arrival_s=request.arrival_s, index=index,
         entry_ttft_s=_seconds(got.extension.get("ttft_s")),
+        route=list(got.extension.get("route", ())),
     )
 
 
@@ -122,6 +127,23 @@ def gossip_delivery(views: Sequence[dict[str, Any] | None],
     if expected == 0:
         return None
     return GossipDelivery(arrived / expected, late / expected, in_flight_max)
+
+
+async def _request_logs(client: httpx.AsyncClient, peers: Sequence[SwarmPeer]) -> list[
+        list[dict[str, Any]] | None]:
+    """Every peer's recent requests (bed order; None where asking fails): the routes and
+    the reasons behind them, for the run's traces."""
+    out: list[list[dict[str, Any]] | None] = [None] * len(peers)
+
+    async def one(i: int, p: SwarmPeer) -> None:
+        with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, TypeError):
+            recent = (await client.get(f"{p.http}/v1/requests", timeout=10.0)).json()["recent"]
+            out[i] = list(recent)
+
+    async with trio.open_nursery() as nursery:
+        for i, p in enumerate(peers):
+            nursery.start_soon(one, i, p)
+    return out
 
 
 async def _views(client: httpx.AsyncClient, peers: Sequence[SwarmPeer]) -> list[
@@ -208,6 +230,7 @@ async def run_policy(bed: Bed, policy: str, workload: Sequence[TokenRequest], mo
                            for a, b, share in zip(cpu0, cpu1, swarm.shares, strict=True)]
             views: list[dict[str, Any] | None] = []
             events: dict[str, float] = {}
+            request_logs: list[list[dict[str, Any]] | None] = []
 
             async def read_views() -> None:
                 views.extend(await _views(client, swarm.peers))
@@ -215,9 +238,13 @@ async def run_policy(bed: Bed, policy: str, workload: Sequence[TokenRequest], mo
             async def read_events() -> None:
                 events.update(await _events(client, swarm.peers))
 
+            async def read_request_logs() -> None:
+                request_logs.extend(await _request_logs(client, swarm.peers))
+
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(read_views)
                 nursery.start_soon(read_events)
+                nursery.start_soon(read_request_logs)
         delivery = gossip_delivery(views, [p.peer_id for p in swarm.peers])
     outcomes = sorted((o for o in outcomes if o.index >= warmup), key=lambda o: o.index)
     return RunMeasurement(outcomes, wall, utilization, delivery, setup_s, swarm.up_s,
@@ -225,7 +252,8 @@ async def run_policy(bed: Bed, policy: str, workload: Sequence[TokenRequest], mo
                           trusted_pair_fraction=trusted_pair_fraction(views),
                           forward_extra_s=[(v or {}).get("self", {}).get("forward_extra_s")
                                            for v in views],
-                          advertised=[advertised(v) for v in views])
+                          advertised=[advertised(v) for v in views],
+                          request_logs=request_logs)
 
 
 def advertised(view: dict[str, Any] | None) -> tuple[float, float] | None:
@@ -239,6 +267,37 @@ def advertised(view: dict[str, Any] | None) -> tuple[float, float] | None:
 
 def _mean(values: Sequence[float]) -> float | None:
     return statistics.fmean(values) if values else None
+
+
+def routed(measured: RunMeasurement) -> list[Routed]:
+    """The run's answered requests as `by_entry` reads them (peers in bed order)."""
+    index = {pid: i for i, pid in enumerate(measured.peer_ids)}
+    return [Routed(index[o.entry], index.get(o.served_by, UNKNOWN_SERVER), o.prompt_tokens,
+                   o.cached_tokens, o.ttft_s)
+            for o in measured.outcomes if o.ok and o.entry in index]
+
+
+def trace(measured: RunMeasurement) -> dict[str, Any]:
+    """The run's traces (`--traces`): every measured request as the client saw it, peers
+    by their index in the bed, and each peer's recent requests with the router's reasons
+    (its page's list: the last 50 it entered, so the end of a longer run)."""
+    index = {pid: i for i, pid in enumerate(measured.peer_ids)}
+
+    def peer(pid: str) -> int | str:
+        return index.get(pid, pid)
+
+    requests = [{
+        "index": o.index, "arrival_s": round(o.arrival_s, 6), "entry": peer(o.entry),
+        "ok": o.ok, "served_by": peer(o.served_by) if o.served_by else None,
+        "prompt_tokens": o.prompt_tokens, "cached_tokens": o.cached_tokens,
+        "ttft_s": round(o.ttft_s, 6) if o.ok else None,
+        "entry_ttft_s": None if math.isnan(o.entry_ttft_s) else round(o.entry_ttft_s, 6),
+        "route": [{**a, "peer_id": peer(str(a.get("peer_id", "")))} for a in o.route
+                  if isinstance(a, dict)],
+        "error": o.error,
+    } for o in measured.outcomes]
+    return {"peers": list(measured.peer_ids), "requests": requests,
+            "request_logs": measured.request_logs}
 
 
 def summarise(measured: RunMeasurement) -> dict[str, Any]:
@@ -262,9 +321,10 @@ def summarise(measured: RunMeasurement) -> dict[str, Any]:
         # measured requests each peer served (bed order): where the policy sent the work
         "served_per_peer": [sum(1 for o in ok if o.served_by == pid)
                             for pid in measured.peer_ids],
-        # where the time went: TTFT by entry peer (bed order) and by where it was served
-        "ttft_mean_per_entry_s": [_mean([o.ttft_s for o in ok if o.entry == pid])
-                                  for pid in measured.peer_ids],
+        # per entry peer (bed order): where its requests went, its hit ratio, forwarded
+        # fraction and mean TTFT (bench/testbed/routes.py)
+        **by_entry(routed(measured), len(measured.peer_ids)),
+        # where the time went: TTFT by where it was served
         "ttft_mean_forwarded_s": _mean([o.ttft_s for o in ok if o.forwarded]),
         "ttft_mean_served_at_entry_s": _mean([o.ttft_s for o in ok if not o.forwarded]),
         # the client's TTFT less the entry's own (from admission): outside the entry
