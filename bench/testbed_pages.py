@@ -159,6 +159,33 @@ TESTBED_PAGES = (
         "sudo .venv/bin/python -m bench.testbed --json "
         "docs/results/testbed_epyc_avx2_high.json --loads high --runs 3",
     ),
+    # d = 0 again on that EPYC, five runs a point: the diagnostic run whose traces found
+    # connections lost to cancelled writes (no fix; scratch scripts ran beside it), then
+    # quiet runs before the fix and with it (peer/net/cancel_safe.py)
+    CommittedRun(
+        RESULTS / "testbed_epyc_avx2_d0_loaded.json",
+        "The AVX2-only EPYC at d = 0, high load, five runs: the diagnostic run (before "
+        "peer/net/cancel_safe.py, other work on the machine)",
+        "sudo .venv/bin/python -m bench.testbed --json "
+        "docs/results/testbed_epyc_avx2_d0_loaded.json --delays-ms 0 --loads high --runs 5"
+        " --rates high=6.75 --traces DIR (the tree of the per-entry rows, without the fix)",
+    ),
+    CommittedRun(
+        RESULTS / "testbed_epyc_avx2_d0_before.json",
+        "The same at ce2cd19, before the fix, on a quiet machine (the same rates and "
+        "seeds)",
+        "sudo .venv/bin/python -m bench.testbed --json "
+        "docs/results/testbed_epyc_avx2_d0_before.json --delays-ms 0 --loads high --runs 5"
+        " --rates high=6.75 (at ce2cd19)",
+    ),
+    CommittedRun(
+        RESULTS / "testbed_epyc_avx2_d0_cancel_safe.json",
+        "The same with cancelled writes and stream opens made safe (peer/net/"
+        "cancel_safe.py), on a quiet machine",
+        "sudo .venv/bin/python -m bench.testbed --json "
+        "docs/results/testbed_epyc_avx2_d0_cancel_safe.json --delays-ms 0 --loads high "
+        "--runs 5 --rates high=6.75 --traces DIR",
+    ),
     # the same model as the full run's, before its warm-up was paced (80 unmeasured
     # requests at each load's own rate): ~56 minutes here
     CommittedRun(
