@@ -126,7 +126,7 @@ class _Host:
 
 
 def test_a_peers_signed_record_is_verified_again_only_when_it_changes() -> None:
-    from peer.net.libp2p_fixes import SIGNED_RECORD_RECHECK_S, _remember_signed_records
+    from peer.net.received_record import RECHECK_S, remembering
 
     verified: list[tuple[str, str, bytes]] = []
     now = [0.0]
@@ -135,7 +135,7 @@ def test_a_peers_signed_record_is_verified_again_only_when_it_changes() -> None:
         verified.append((host.get_id(), peer, msg.senderRecord))
         return msg.senderRecord != b"forged"
 
-    consume = _remember_signed_records(verify, clock=lambda: now[0])
+    consume = remembering(verify, clock=lambda: now[0])
     a, b = _Host("A"), _Host("B")
     assert all(consume(_Rpc(b"r1"), a, "P") for _ in range(5))
     assert verified == [("A", "P", b"r1")]  # four RPCs later, still checked once
@@ -144,7 +144,7 @@ def test_a_peers_signed_record_is_verified_again_only_when_it_changes() -> None:
     assert not consume(_Rpc(b"forged"), a, "P")
     assert not consume(_Rpc(b"forged"), a, "P")  # a rejected record is never remembered
     assert consume(_Rpc(b""), a, "Q")  # no record at all: nothing to check
-    now[0] = SIGNED_RECORD_RECHECK_S
+    now[0] = RECHECK_S
     assert consume(_Rpc(b"r2"), a, "P")  # and once a minute anyway (the TTL refresh)
     assert [v[2] for v in verified] == [b"r1", b"r1", b"r2", b"forged", b"forged", b"r2"]
 

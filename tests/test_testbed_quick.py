@@ -15,7 +15,12 @@ import pytest
 
 from bench.testbed import __main__ as cli
 from bench.testbed.calibrate import QUICK_EFFORT, fit
-from bench.testbed.runner import gossip_delivery, pipeline_events, trusted_pair_fraction
+from bench.testbed.runner import (
+    gossip_delivery,
+    pipeline_events,
+    summed_events,
+    trusted_pair_fraction,
+)
 from bench.testbed.workload import GROUP_STRIDE, WorkloadSpec, mixed_requests, paced_warmup
 from bench.workloads import tokenize_mmlu
 from peer.demo_data import MmluQuestion
@@ -107,6 +112,9 @@ def test_trust_and_events_are_read_from_views_and_metrics() -> None:
                'prefixswarm_pipeline_events_created{event="shadow_sent"} 1.7e9\n'
                'prefixswarm_requests_total{route="x"} 3.0\n')
     assert pipeline_events(metrics) == {"shadow_sent": 12.0}
+    # summed over the peers that answered; one that did not (None) is left out
+    assert summed_events([{"shadow_sent": 12.0}, None, {"shadow_sent": 3.0, "hedges": 1.0}]) == {
+        "hedges": 1.0, "shadow_sent": 15.0}
 
 
 def test_fit_recovers_a_calibration_and_falls_back_when_noise_wins() -> None:

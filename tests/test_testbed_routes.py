@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from bench.testbed.routes import UNKNOWN_SERVER, Routed, by_entry
-from bench.testbed.runner import RunMeasurement, Timed, routed, summarise, trace
+from bench.testbed.runner import RunMeasurement, Timed, _recent, routed, summarise, trace
 
 
 def test_each_entry_gets_its_own_matrix_row_hits_forwards_and_ttft() -> None:
@@ -132,3 +132,17 @@ def test_the_page_shows_each_entry_measured_next_to_simulated(tmp_path: Path) ->
         del row["served_matrix"]
     path.write_text(json.dumps({"rows": rows, "params": {}}))
     assert "Per entry peer" not in section(path)
+
+
+def test_a_peers_recent_requests_are_read_only_as_a_list_of_records() -> None:
+    import httpx
+
+    def answer(body: object) -> httpx.Response:
+        return httpx.Response(200, json=body)
+
+    assert _recent(answer({"recent": [{"route": []}]})) == [{"route": []}]
+    for bad in ({"recent": {"route": []}}, {"recent": ["x"]}, {"recent": None}):
+        with pytest.raises(TypeError):
+            _recent(answer(bad))
+    with pytest.raises(KeyError):
+        _recent(answer({}))

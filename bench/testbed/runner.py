@@ -10,9 +10,9 @@ import math
 import statistics
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import trio
@@ -29,6 +29,8 @@ from bench.testbed.beds import (
 from bench.testbed.routes import UNKNOWN_SERVER, Routed, by_entry
 from bench.testbed.workload import entry_peers
 from bench.workloads import TokenRequest
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -129,16 +131,15 @@ def gossip_delivery(views: Sequence[dict[str, Any] | None],
     return GossipDelivery(arrived / expected, late / expected, in_flight_max)
 
 
-async def _request_logs(client: httpx.AsyncClient, peers: Sequence[SwarmPeer]) -> list[
-        list[dict[str, Any]] | None]:
-    """Every peer's recent requests (bed order; None where asking fails): the routes and
-    the reasons behind them, for the run's traces."""
-    out: list[list[dict[str, Any]] | None] = [None] * len(peers)
+async def _ask_each(client: httpx.AsyncClient, peers: Sequence[SwarmPeer], path: str,
+                    read: Callable[[httpx.Response], T]) -> list[T | None]:
+    """GET `path` of every peer at once: `read` of each answer in bed order, None where
+    asking fails or the answer does not read."""
+    out: list[T | None] = [None] * len(peers)
 
     async def one(i: int, p: SwarmPeer) -> None:
         with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, TypeError):
-            recent = (await client.get(f"{p.http}/v1/requests", timeout=10.0)).json()["recent"]
-            out[i] = list(recent)
+            out[i] = read(await client.get(f"{p.http}{path}", timeout=10.0))
 
     async with trio.open_nursery() as nursery:
         for i, p in enumerate(peers):
@@ -146,19 +147,13 @@ async def _request_logs(client: httpx.AsyncClient, peers: Sequence[SwarmPeer]) -
     return out
 
 
-async def _views(client: httpx.AsyncClient, peers: Sequence[SwarmPeer]) -> list[
-        dict[str, Any] | None]:
-    """Every peer's /v1/swarm (bed order), asked of all at once; None where it fails."""
-    out: list[dict[str, Any] | None] = [None] * len(peers)
-
-    async def one(i: int, p: SwarmPeer) -> None:
-        with contextlib.suppress(httpx.HTTPError, ValueError):
-            out[i] = (await client.get(f"{p.http}/v1/swarm", timeout=10.0)).json()
-
-    async with trio.open_nursery() as nursery:
-        for i, p in enumerate(peers):
-            nursery.start_soon(one, i, p)
-    return out
+def _recent(answer: httpx.Response) -> list[dict[str, Any]]:
+    """A peer's recent requests from its GET /v1/requests (the routes and the reasons
+    behind them, for the run's traces); TypeError when it is not a list of records."""
+    recent = answer.json()["recent"]
+    if not isinstance(recent, list) or not all(isinstance(r, dict) for r in recent):
+        raise TypeError("recent is not a list of records")
+    return recent
 
 
 EVENTS_SAMPLE = "prefixswarm_pipeline_events_total"  # peer/api/metrics.py's counter
@@ -170,20 +165,14 @@ def pipeline_events(text: str) -> dict[str, float]:
             for s in family.samples if s.name == EVENTS_SAMPLE and "event" in s.labels}
 
 
-async def _events(client: httpx.AsyncClient, peers: Sequence[SwarmPeer]) -> dict[str, float]:
+def summed_events(per_peer: Sequence[dict[str, float] | None]) -> dict[str, float]:
     """The entry-side pipeline events (requests, forwards, hedges, shadow_*, audits...)
-    of every peer's /metrics, summed: what the swarm did besides serving its clients.
-    A peer that does not answer, or answers what does not parse, is left out."""
+    of every peer, summed: what the swarm did besides serving its clients. A peer that
+    did not answer, or answered what does not parse (None), is left out."""
     total: Counter[str] = Counter()
-
-    async def one(p: SwarmPeer) -> None:
-        with contextlib.suppress(httpx.HTTPError, ValueError):
-            text = (await client.get(f"{p.http}/metrics", timeout=10.0)).text
-            total.update(pipeline_events(text))
-
-    async with trio.open_nursery() as nursery:
-        for p in peers:
-            nursery.start_soon(one, p)
+    for events in per_peer:
+        if events is not None:
+            total.update(events)
     return dict(sorted(total.items()))
 
 
@@ -233,13 +222,16 @@ async def run_policy(bed: Bed, policy: str, workload: Sequence[TokenRequest], mo
             request_logs: list[list[dict[str, Any]] | None] = []
 
             async def read_views() -> None:
-                views.extend(await _views(client, swarm.peers))
+                views.extend(await _ask_each(client, swarm.peers, "/v1/swarm",
+                                             lambda r: dict(r.json())))
 
             async def read_events() -> None:
-                events.update(await _events(client, swarm.peers))
+                events.update(summed_events(await _ask_each(
+                    client, swarm.peers, "/metrics", lambda r: pipeline_events(r.text))))
 
             async def read_request_logs() -> None:
-                request_logs.extend(await _request_logs(client, swarm.peers))
+                request_logs.extend(await _ask_each(client, swarm.peers, "/v1/requests",
+                                                    _recent))
 
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(read_views)

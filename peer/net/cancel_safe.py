@@ -44,6 +44,7 @@ from typing import Any
 
 import libp2p.stream_muxer.yamux.yamux as _yamux
 import trio
+from libp2p.exceptions import BaseLibp2pError
 from libp2p.io.exceptions import ConnectionClosedError
 from libp2p.security.noise.io import BaseNoiseMsgReadWriter
 from libp2p.stream_muxer.exceptions import MuxedStreamError
@@ -71,6 +72,8 @@ _ORIGINAL_WRITE = BaseNoiseMsgReadWriter.write_msg
 _ORIGINAL_OPEN = Yamux.open_stream
 
 WriteMsg = Callable[..., Awaitable[None]]
+# what closing a connection or resetting a stream raises when the connection is going down
+_CLOSING_ERRORS = (BaseLibp2pError, OSError, trio.BrokenResourceError, trio.ClosedResourceError)
 
 
 # -- Noise writes ------------------------------------------------------------------------
@@ -93,7 +96,7 @@ def atomic(write_msg: WriteMsg, timeout_s: float = WRITE_TIMEOUT_S) -> WriteMsg:
             with trio.CancelScope(shield=True, deadline=trio.current_time() + CLEANUP_TIMEOUT_S):
                 try:
                     await self.close()
-                except Exception as exc:  # closing a broken socket: its error says nothing
+                except _CLOSING_ERRORS as exc:  # a broken socket's close: says nothing new
                     logger.debug("closing a connection after a stalled write: %r", exc)
             raise NoiseWriteTimeout(f"a Noise write took over {timeout_s:g} s")
 
@@ -164,7 +167,7 @@ async def _give_back(conn: Yamux, stream: YamuxStream | None) -> None:
     with trio.CancelScope(shield=True, deadline=trio.current_time() + CLEANUP_TIMEOUT_S):
         try:
             await stream.reset()  # its SYN may have gone out: the RST closes it there too
-        except Exception as exc:  # a connection going down: the slot is released below
+        except _CLOSING_ERRORS as exc:  # a connection going down: the slot is given back below
             logger.debug("resetting a stream whose open failed: %r", exc)
     if not stream._backlog_slot_released:  # the reset did not get that far
         stream._backlog_slot_released = True

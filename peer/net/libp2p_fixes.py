@@ -14,19 +14,15 @@ import importlib.metadata
 import inspect
 import logging
 import os
-import time
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import libp2p.network.connection.swarm_connection as _libp2p_swarm_connection
 import libp2p.network.swarm as _libp2p_swarm
-import libp2p.pubsub.gossipsub as _libp2p_gossipsub
-import libp2p.pubsub.pubsub as _libp2p_pubsub
 import trio
 from google.protobuf.message import DecodeError
-from libp2p.abc import IHost, INetStream
+from libp2p.abc import INetStream
 from libp2p.exceptions import BaseLibp2pError
 from libp2p.peer.id import ID
 from libp2p.protocol_muxer.multiselect_client import MultiselectClient
@@ -39,13 +35,12 @@ from peer.net import (
     gossipsub_fixes,
     pipelined_select,
     pubsub_hello,
+    received_record,
     sent_record,
 )
 
 __all__ = [
-    "MAX_REMEMBERED_RECORDS",
     "PINNED_LIBP2P_VERSION",
-    "SIGNED_RECORD_RECHECK_S",
     "WINDOW_GIVE_BACK_FRACTION",
     "Fix",
     "apply",
@@ -56,12 +51,9 @@ logger = logging.getLogger(__name__)
 
 PINNED_LIBP2P_VERSION = "0.8.1"  # pyproject.toml pins it; every fix was written against it
 RESET_TIMEOUT_S = 5.0  # resetting a stream is local work plus a best-effort frame
-SIGNED_RECORD_RECHECK_S = 60.0  # an unchanged peer record is verified and stored again
-#   this often (its addresses' TTL is 2 h): a peer's record changes only with its addresses
 WINDOW_GIVE_BACK_FRACTION = 0.25  # of a yamux stream's window, consumed before it is given
 #   back in one update: at least 192 kB stay open to the sender, 4x our largest message
 #   (a writer that ran out of window mid-message could interleave with another's frames)
-MAX_REMEMBERED_RECORDS = 1024  # (host, peer) pairs remembered: far more than a swarm's peers
 
 
 @dataclass(frozen=True)
@@ -187,16 +179,13 @@ def fixes() -> list[Fix]:
         # RPC holds control messages (Pubsub's reader, then GossipSub.handle_rpc): an
         # ed25519 verification, three protobuf parses and a rewrite of the peer's
         # addresses each time, most of gossip's CPU. A record byte-identical to the one
-        # last accepted from the same peer within SIGNED_RECORD_RECHECK_S is accepted as
-        # before.
+        # last accepted from the same peer within a minute is accepted as before
+        # (peer/net/received_record.py).
         Fix(
             "signed-record",
-            _signed_record_problem,
-            lambda: all(
-                _marked(getattr(m, "maybe_consume_signed_record", None), "_prefixswarm_memo")
-                for m in (_libp2p_pubsub, _libp2p_gossipsub)
-            ),
-            _remember_signed_records_in_pubsub,
+            received_record.problem,
+            received_record.installed,
+            received_record.install,
         ),
         # WORKAROUND(hello-race): a topic joined or left while a pubsub stream is being
         # opened is missing from that peer's hello and from the announcement, which goes
@@ -333,16 +322,6 @@ def _yamux_window_problem() -> str | None:
     return problem
 
 
-def _signed_record_problem() -> str | None:
-    for module in (_libp2p_pubsub, _libp2p_gossipsub):
-        problem = _expect_parameters(
-            module, "maybe_consume_signed_record", ("msg", "host", "peer_id")
-        )
-        if problem is not None:
-            return problem
-    return None
-
-
 def _prune_backoff_problem() -> str | None:
     return (
         _expect_parameters(GossipSub, "mesh_heartbeat", ("self",))
@@ -413,15 +392,6 @@ def _give_back_window_in_batches() -> None:
     )
 
 
-def _remember_signed_records_in_pubsub() -> None:
-    consume = getattr(_libp2p_pubsub, "maybe_consume_signed_record")  # noqa: B009
-    memo = _remember_signed_records(consume)
-    for module in (_libp2p_pubsub, _libp2p_gossipsub):  # each imported the name
-        setattr(module, "maybe_consume_signed_record", memo)  # noqa: B010
-
-
-
-
 async def _window_update_at_half(self: YamuxStream, *, bytes_read: int = 0) -> None:
     async with self.window_lock:
         self._pending_recv_release += bytes_read
@@ -434,31 +404,6 @@ async def _window_update_at_half(self: YamuxStream, *, bytes_read: int = 0) -> N
 
 
 _window_update_at_half._prefixswarm = True  # type: ignore[attr-defined]
-
-
-def _remember_signed_records(consume: Any, clock: Any = time.monotonic) -> Any:
-    # (our host's id, the sender's id) -> (record bytes, when accepted); LRU-bounded
-    accepted: OrderedDict[tuple[ID, ID], tuple[bytes, float]] = OrderedDict()
-
-    def remembered(msg: Any, host: IHost, peer_id: ID) -> bool:
-        if not msg.HasField("senderRecord"):
-            return True
-        record: bytes = msg.senderRecord
-        key = (host.get_id(), peer_id)
-        now = clock()
-        last = accepted.get(key)
-        if last is not None and last[0] == record and now - last[1] < SIGNED_RECORD_RECHECK_S:
-            return True
-        ok: bool = consume(msg, host, peer_id)
-        if ok:
-            accepted[key] = (record, now)
-            accepted.move_to_end(key)
-            while len(accepted) > MAX_REMEMBERED_RECORDS:
-                accepted.popitem(last=False)
-        return ok
-
-    remembered._prefixswarm_memo = True  # type: ignore[attr-defined]
-    return remembered
 
 
 def _guard_pubsub_reader(read_stream: Any) -> Any:
