@@ -23,7 +23,8 @@ import trio
 from bench.random_model import from_spec
 from bench.report import emit_json
 from bench.stats import mean_ci95
-from bench.testbed.beds import Bed, PeerSettings, log, open_bed
+from bench.testbed.beds import Bed, PeerSettings, open_bed
+from bench.testbed.beds import log as _log
 from bench.testbed.calibrate import (
     QUICK_EFFORT,
     Effort,
@@ -76,8 +77,14 @@ FULL = {"delays_ms": (0.0, 20.0, 50.0), "loads": ("half", "high"), "runs": 5, "r
 WARMUP_PAUSE_S = 0.5
 QUICK = {"delays_ms": (20.0,), "loads": ("high",), "runs": 1, "requests": 60, "warmup": 60,
          "effort": QUICK_EFFORT, "pilot_max_s": QUICK_PILOT_MAX_S}
+_STARTED = time.monotonic()
 ROW_KEYS = ("ttft_mean_s", "ttft_p99_s", "e2e_mean_s", "hit_ratio", "busiest_peer_utilization",
             "predicted_ttft_mean_s", "forwarded_fraction")
+
+
+def log(message: str) -> None:
+    """A progress line on stderr, with the seconds since the bench started."""
+    _log(f"{message} [{time.monotonic() - _STARTED:.0f} s]")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -162,9 +169,8 @@ async def calibrate(bed: Bed, args: argparse.Namespace) -> tuple[
         names = [f"testbed-p{i}-{s:g}core" for i, s in enumerate(args.shares)]
         cpus = ([functools.partial(swarm.cpu_seconds, i) for i in range(len(urls))]
                 if bed.isolated else None)
-        speeds = await measure_peers(urls, args.model_path, names, args.seed, parallel=False,
-                                     cpus=cpus, shares=args.shares,
-                                     repeats=args.effort.repeats)
+        speeds = await measure_peers(urls, args.model_path, names, args.seed, cpus=cpus,
+                                     shares=args.shares, effort=args.effort)
         gossip = None
         if cpus is not None:
             log("calibrating: a cache summary's CPU at its publisher and its receivers")
@@ -394,8 +400,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                                 f"hit {row['hit_ratio']:.2f} busiest "
                                 f"{row['busiest_peer_utilization']:.2f} fwd "
                                 f"{row['forwarded_fraction']:.2f} failed {row['failed']} "
-                                f"peers {row['peer_utilization']} {events_line(row)} "
-                                f"[{time.monotonic() - started:.0f} s]")
+                                f"peers {row['peer_utilization']} {events_line(row)}")
             result["link_stats"] = bed.link_stats()
     result["complete"] = True
     result["params"]["machine"] = (f"{os.cpu_count()} CPUs, load average "

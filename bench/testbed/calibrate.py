@@ -21,10 +21,15 @@ it finds a full quota period) is the calibration's `client_path_s`, which the
 simulator adds to every request that enters at that peer (0 without CPU groups: the
 wall clock is the measure there).
 
-A peer also spends CPU with no request at all (gossip, pings, the DHT): `IDLE_S` of
-idleness first measure that rate, and requests get the share less it (their CPU less
-that rate over their wall time, over share - rate), since the simulator gives a peer's
-whole share to requests.
+A peer also spends CPU with no request at all (gossip, pings, the DHT): one window of
+idleness for all peers at once (`Effort.idle_s`, after each has served a first request)
+first measures that rate, and requests get the share less it (their CPU less that rate
+over their wall time, over share - rate), since the simulator gives a peer's whole share
+to requests. An idle peer's CPU comes in bursts (on the AVX2 EPYC, 3-s windows of an idle
+four-peer swarm: 0.035-0.05 of a core, 0.06-0.08 in the first seconds after start-up,
+0.08-0.19 in one window about every 30 s), so one window of 3 s per peer, each at
+another moment of the swarm's life, put the first peer measured, right after start-up,
+at about twice the others in every committed run.
 
 What a request costs besides the engine's forward steps (HTTP, routing, the stream) is
 the fit's fixed term less a lone step's fixed cost in the simulator, split at the first
@@ -69,7 +74,7 @@ REPEATS = 5  # draws per point: at 3 the fit moved by more than the predictions'
 TOKEN_RANGE = (1000, 40000)  # ids well inside the SmolLM2 vocabulary, no special tokens
 TIMEOUT_S = 60.0
 MIN_S_PER_TOKEN = 1e-6  # a floor where noise hides the per-token cost
-IDLE_S = 3.0  # how long a peer is watched doing nothing: its background CPU rate
+IDLE_S = 8.0  # how long the peers are watched doing nothing: their background CPU rates
 MAX_BACKGROUND = 0.5  # of the share: more says the measurement broke, not the peer
 FORWARD_REQUESTS = 40  # one after another at one entry of a `random` swarm
 FORWARD_PROMPT_TOKENS = 32
@@ -85,16 +90,20 @@ GOSSIP_PROMPT_TOKENS = 512  # 32 blocks of 16: > CHANGE_FRACTION of the testbed'
 @dataclass(frozen=True)
 class Effort:
     """How much a calibration measures: draws per point, forwarded requests, the gossip
-    windows' length. The full run's are the constants above; `--quick`, a smoke test of
-    the whole path, measures less (QUICK_EFFORT: on a slow 2-core machine its calibration
-    took 4 of its 8 minutes)."""
+    windows' length and the idle window's. The full run's are the constants above;
+    `--quick`, a smoke test of the whole path, measures less (QUICK_EFFORT: on a slow
+    2-core machine its calibration took 4 of its 8 minutes). Peers are measured one after
+    another: measured all at once (their CPU groups keep them apart), the 0.2-core peer's
+    prefill came out 7x slower a token in one try, and every prediction slower than
+    measured."""
 
     repeats: int = REPEATS
     forward_requests: int = FORWARD_REQUESTS
     gossip_window_s: float = GOSSIP_WINDOW_S
+    idle_s: float = IDLE_S
 
 
-QUICK_EFFORT = Effort(repeats=2, forward_requests=12, gossip_window_s=4.0)
+QUICK_EFFORT = Effort(repeats=2, forward_requests=12, gossip_window_s=4.0, idle_s=4.0)
 
 
 @dataclass(frozen=True)
@@ -131,20 +140,38 @@ async def _ttft(client: httpx.AsyncClient, url: str, model: str, prompt: Sequenc
 Clock = Callable[[], float]  # seconds of some kind, read before and after a request
 
 
+async def measure_idle(urls: Sequence[str], model: str, cpus: Sequence[Clock],
+                       shares: Sequence[float], window_s: float = IDLE_S) -> list[float]:
+    """Each peer's background CPU (cores) over one idle window for all, after a first
+    request to each (lazy set-up); at most MAX_BACKGROUND of its share (more says the
+    measurement broke, not the peer)."""
+    async with httpx.AsyncClient(timeout=TIMEOUT_S) as client, trio.open_nursery() as nursery:
+        for url in urls:
+            nursery.start_soon(_ttft, client, url, model, [TOKEN_RANGE[0]] * 16)
+    before = [cpu() for cpu in cpus]
+    start = trio.current_time()
+    await trio.sleep(window_s)
+    wall = trio.current_time() - start
+    return [min(max((cpu() - b) / wall, 0.0), MAX_BACKGROUND * share)
+            for cpu, b, share in zip(cpus, before, shares, strict=True)]
+
+
 async def measure_peer(url: str, model: str, name: str, seed: int, cpu: Clock | None = None,
                        share: float = 1.0, block_size: int = 16,
-                       repeats: int = REPEATS) -> PeerSpeed:
+                       repeats: int = REPEATS, background: float = 0.0) -> PeerSpeed:
     """Measure the peer at `url` (nothing else should be sent to it meanwhile).
 
     With `cpu` (the peer's CPU seconds so far, from its CPU group) a request's time is
-    the CPU it used over `share`: what it takes at the peer's full quota, whatever else
-    runs on the machine. Without, the client's wall-clock TTFT."""
+    the CPU it used over `share` less `background` (the idle peer's cores,
+    `measure_idle`): what it takes at the peer's full quota, whatever else runs on the
+    machine. Without, the client's wall-clock TTFT."""
     rng = random.Random(f"{seed}/calibrate/{url}")
 
     def tokens(n: int) -> list[int]:
         return [rng.randrange(*TOKEN_RANGE) for _ in range(n)]
 
-    background = 0.0  # cores the idle peer uses (measured below, with `cpu`)
+    if not cpu:
+        background = 0.0
 
     fractions: list[float] = []  # wall TTFT over end to end, short cold prompts
     paths: list[float] = []  # their wall TTFT less the CPU before it, at a core's speed
@@ -171,11 +198,6 @@ async def measure_peer(url: str, model: str, name: str, seed: int, cpu: Clock | 
     decodes: list[float] = []
     async with httpx.AsyncClient(timeout=TIMEOUT_S) as client:
         await _ttft(client, url, model, tokens(16))  # first request: lazy set-up
-        if cpu:
-            idle_from, idle_start = cpu(), trio.current_time()
-            await trio.sleep(IDLE_S)
-            rate = (cpu() - idle_from) / (trio.current_time() - idle_start)
-            background = min(max(rate, 0.0), MAX_BACKGROUND * share)
         for _ in range(repeats):
             for length in COLD_LENGTHS:
                 prompt = tokens(length)
@@ -419,24 +441,14 @@ def fit(points: Sequence[tuple[int, int, float]], decode_s_per_token: float, nam
 
 
 async def measure_peers(urls: Sequence[str], model: str, names: Sequence[str], seed: int,
-                        parallel: bool, cpus: Sequence[Clock] | None = None,
+                        cpus: Sequence[Clock] | None = None,
                         shares: Sequence[float] | None = None,
-                        repeats: int = REPEATS) -> list[PeerSpeed]:
-    """Every peer's speed (by CPU seconds over share where `cpus` and `shares` are
-    given); all at once when `parallel`, else one after another."""
-    out: list[PeerSpeed | None] = [None] * len(urls)
-
-    async def one(i: int) -> None:
-        cpu = cpus[i] if cpus is not None else None
-        share = shares[i] if shares is not None else 1.0
-        out[i] = await measure_peer(urls[i], model, names[i], seed, cpu, share,
-                                    repeats=repeats)
-
-    if parallel:
-        async with trio.open_nursery() as nursery:
-            for i in range(len(urls)):
-                nursery.start_soon(one, i)
-    else:
-        for i in range(len(urls)):
-            await one(i)
-    return [s for s in out if s is not None]
+                        effort: Effort = Effort()) -> list[PeerSpeed]:
+    """Every peer's speed, one after another (by CPU seconds over share less its
+    background where `cpus` are given, the idle window first)."""
+    shares = shares or [1.0] * len(urls)
+    backgrounds = (await measure_idle(urls, model, cpus, shares, effort.idle_s) if cpus
+                   else [0.0] * len(urls))
+    return [await measure_peer(url, model, names[i], seed, cpus[i] if cpus else None,
+                               shares[i], repeats=effort.repeats, background=backgrounds[i])
+            for i, url in enumerate(urls)]
