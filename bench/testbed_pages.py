@@ -186,6 +186,24 @@ TESTBED_PAGES = (
         "docs/results/testbed_epyc_avx2_d0_cancel_safe.json --delays-ms 0 --loads high "
         "--runs 5 --rates high=6.75 --traces DIR",
     ),
+    # the calibration's idle rates over the gossip measurement's windows, all peers at
+    # once, instead of 3 s per peer (the first one right after start-up)
+    CommittedRun(
+        RESULTS / "testbed_epyc_avx2_d0_idle_windows_given_rate.json",
+        "The AVX2-only EPYC at d = 0, high load, five runs, each peer's idle rate over the "
+        "gossip measurement's windows, at the earlier runs' rate (6.75/s, which put the "
+        "busiest peer at >= 0.99 in 15 of 25 runs that day)",
+        "sudo .venv/bin/python -m bench.testbed --json "
+        "docs/results/testbed_epyc_avx2_d0_idle_windows_given_rate.json --delays-ms 0 "
+        "--loads high --runs 5 --rates high=6.75 --traces DIR",
+    ),
+    CommittedRun(
+        RESULTS / "testbed_epyc_avx2_d0_idle_windows.json",
+        "The same with the high rate measured by the pilots, right after",
+        "sudo .venv/bin/python -m bench.testbed --json "
+        "docs/results/testbed_epyc_avx2_d0_idle_windows.json --delays-ms 0 --loads high "
+        "--runs 5 --traces DIR",
+    ),
     # the same model as the full run's, before its warm-up was paced (80 unmeasured
     # requests at each load's own rate): ~56 minutes here
     CommittedRun(

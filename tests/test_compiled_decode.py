@@ -216,27 +216,30 @@ def test_a_thread_with_another_torch_thread_count_still_takes_the_compiled_step(
 @pytest.fixture(scope="module")
 def compiled_int4():
     """tiny-random in int4, its decode step compiled; and how many of the step's products
-    inductor wrote as its own C++ kernels while compiling it (with its caches off: a
-    graph read back from an earlier run's cache on disk counts none)."""
+    inductor timed a C++ kernel of its own for against torch's while compiling it (with
+    its caches off: a graph read back from an earlier run's cache on disk counts none).
+    Without frozen weights it has no C++ candidate and times nothing; which candidate
+    wins is a timing, and on a loaded machine (`make test`) it was torch's once, so the
+    count of C++ kernels written is no test of freezing."""
     from torch._dynamo.utils import counters
     from torch._inductor import config as inductor_config
 
-    before = counters["inductor"]["cpp_templated_kernel_counter"]
+    before = counters["inductor"]["select_algorithm_autotune"]
     with inductor_config.patch(force_disable_caches=True):
         loaded = load_model("tiny-random", dtype="int4", compile_decode=True)
-    return loaded, counters["inductor"]["cpp_templated_kernel_counter"] - before
+    return loaded, counters["inductor"]["select_algorithm_autotune"] - before
 
 
 def test_a_quantized_step_is_compiled_on_frozen_weights_and_keeps_the_eager_logits(
         compiled_int4):
     """The weights are frozen into the graph (Dynamo reads `freezing` from the global
     config: passed only as a compile option it froze nothing), which is what lets the
-    int4 and int8 products become inductor's C++ kernels. They sum in another order and
-    round to bfloat16 elsewhere, so each step's logits, fed the same tokens, are the
-    eager step's to a few bfloat16 steps (logits here reach ~8, where one step is 1/32);
-    a wrong weight or layout would be off by whole units."""
-    loaded, templated = compiled_int4
-    assert templated > 0
+    int4 and int8 products become inductor's C++ kernels where it times them faster. They
+    sum in another order and round to bfloat16 elsewhere, so each step's logits, fed the
+    same tokens, are the eager step's to a few bfloat16 steps (logits here reach ~8,
+    where one step is 1/32); a wrong weight or layout would be off by whole units."""
+    loaded, timed = compiled_int4
+    assert timed > 0
     eager = runner_of(loaded)
     compiled = runner_of(loaded, loaded.decode_step)
     kv_e, tok = prefilled(eager, len(PROMPT) + 12)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
+import pytest
 import trio
 from libp2p.peer.id import ID
 from libp2p.pubsub.gossipsub import PROTOCOL_ID_V12
@@ -11,6 +13,7 @@ from libp2p.utils.varint import encode_uvarint
 
 from peer.config import PeerConfig, Policy
 from peer.engine.engine import SamplingParams
+from peer.net.libp2p_fixes import NURSERY_CLOSED, _guard_pubsub_reader
 from peer.net.wire import FrameStream
 from peer.routing.router import Router
 from protocols.framing import encode_frame
@@ -43,6 +46,22 @@ async def test_an_undecodable_pubsub_rpc_does_not_kill_the_receiver(nursery):
     before = seq_seen()
     await wait_until(lambda: seq_seen() > before, timeout_s=10, what="a newer summary")
     assert not victim.done.is_set()
+
+
+async def test_a_pubsub_reader_that_pubsub_stops_under_ends_quietly() -> None:
+    # A message read while pubsub stops: scheduling its handling raises trio's "closed
+    # nursery" RuntimeError, which used to escape through the connection and the host
+    async def stopped(pubsub: object, stream: object) -> None:
+        raise RuntimeError(NURSERY_CLOSED)
+
+    async def broken(pubsub: object, stream: object) -> None:
+        raise RuntimeError("a bug")
+
+    pubsub = SimpleNamespace(is_peer_blacklisted=lambda peer: False)
+    stream = SimpleNamespace(muxed_conn=SimpleNamespace(peer_id="peer"))
+    await _guard_pubsub_reader(stopped)(pubsub, stream)
+    with pytest.raises(RuntimeError, match="a bug"):
+        await _guard_pubsub_reader(broken)(pubsub, stream)
 
 
 async def _infer_exchange(entry, server, payload: bytes) -> object:

@@ -399,6 +399,15 @@ def test_the_summary_cadence_moves_from_the_background_to_per_summary_charges() 
     assert without.params("local", 0.0, seed=1).cpu_quotas == pytest.approx((0.2,))
 
 
+def test_idle_rates_become_backgrounds_within_half_a_share() -> None:
+    from bench.testbed.calibrate import GossipCost, background_cores
+
+    gossip = GossipCost(0.002, 0.003, 20, 1, idle_rates=(0.05, -0.01, 0.3))
+    assert gossip.as_dict()["idle_rates"] == [0.05, -0.01, 0.3]
+    assert background_cores(gossip.idle_rates, [0.2, 0.3, 0.4]) == pytest.approx(
+        [0.05, 0.0, 0.2])  # a negative rate is noise; more than half a share, broken
+
+
 def test_a_committed_run_is_predicted_again_by_todays_simulator(tmp_path: Path) -> None:
     """repredict: the measurements stand, each row's predictions are made again from the
     run's calibration and the row's workload, the run's own kept beside them."""
@@ -428,6 +437,10 @@ def test_a_committed_run_is_predicted_again_by_todays_simulator(tmp_path: Path) 
     assert max(row["predicted_peer_utilization"]) == pytest.approx(
         row["predicted_busiest_peer_utilization"], abs=1e-4)
     assert row["predicted_at_run"]["predicted_served_per_peer"] is None  # not predicted then
+    # per entry: `local` serves each request where it entered
+    matrix = row["predicted_served_matrix"]
+    assert [matrix[i][i] for i in range(2)] == row["predicted_served_per_peer"]
+    assert row["predicted_forwarded_fraction_per_entry"] == [0.0, 0.0]
     again = json.loads(path.read_text())
     assert again["params"]["repredicted"]["cpu_quotas"] == [0.45, 0.45]
     repredict_main(["--json", str(path)])  # twice: the run's own predictions stay

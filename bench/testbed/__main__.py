@@ -30,6 +30,8 @@ from bench.testbed.calibrate import (
     Effort,
     ForwardCost,
     GossipCost,
+    background_cores,
+    first_requests,
     measure_forward,
     measure_gossip,
     measure_peers,
@@ -161,7 +163,7 @@ def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 async def calibrate(bed: Bed, args: argparse.Namespace) -> tuple[
         SimSetup, list[Any], ForwardCost, GossipCost | None]:
-    log("calibrating: a swarm of `local` peers, each measured alone")
+    log("calibrating: a swarm of `local` peers")
     import httpx
 
     async with bed.swarm("local") as swarm:
@@ -169,17 +171,22 @@ async def calibrate(bed: Bed, args: argparse.Namespace) -> tuple[
         names = [f"testbed-p{i}-{s:g}core" for i, s in enumerate(args.shares)]
         cpus = ([functools.partial(swarm.cpu_seconds, i) for i in range(len(urls))]
                 if bed.isolated else None)
-        speeds = await measure_peers(urls, args.model_path, names, args.seed, cpus=cpus,
-                                     shares=args.shares, effort=args.effort)
-        gossip = None
+        gossip, backgrounds = None, None
         if cpus is not None:
-            log("calibrating: a cache summary's CPU at its publisher and its receivers")
+            log("calibrating: each peer's idle CPU, and a cache summary's at its publisher "
+                "and its receivers")
+            await first_requests(urls, args.model_path)
             gossip = await measure_gossip(urls, args.model_path, entry_of(args.shares), args.seed,
                                           cpus, args.summary_interval,
                                           window_s=args.effort.gossip_window_s)
-            log(f"a summary costs its publisher {gossip.publish_cpu_s * 1e3:.1f} ms CPU and "
-                f"each receiver {gossip.receive_cpu_s * 1e3:.1f} ms ({gossip.publishes} "
-                f"summaries)")
+            backgrounds = background_cores(gossip.idle_rates, args.shares)
+            log(f"idle: {', '.join(f'{b:.3f}' for b in backgrounds)} cores; a summary costs "
+                f"its publisher {gossip.publish_cpu_s * 1e3:.1f} ms CPU and each receiver "
+                f"{gossip.receive_cpu_s * 1e3:.1f} ms ({gossip.publishes} summaries)")
+        log("calibrating: each peer measured alone")
+        speeds = await measure_peers(urls, args.model_path, names, args.seed, cpus=cpus,
+                                     shares=args.shares, effort=args.effort,
+                                     backgrounds=backgrounds)
         async with httpx.AsyncClient() as client:
             view = (await client.get(f"{urls[0]}/v1/swarm", timeout=10.0)).json()
     capacity = int(view["self"]["capacity_blocks"])

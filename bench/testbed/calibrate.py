@@ -21,15 +21,16 @@ it finds a full quota period) is the calibration's `client_path_s`, which the
 simulator adds to every request that enters at that peer (0 without CPU groups: the
 wall clock is the measure there).
 
-A peer also spends CPU with no request at all (gossip, pings, the DHT): one window of
-idleness for all peers at once (`Effort.idle_s`, after each has served a first request)
-first measures that rate, and requests get the share less it (their CPU less that rate
-over their wall time, over share - rate), since the simulator gives a peer's whole share
-to requests. An idle peer's CPU comes in bursts (on the AVX2 EPYC, 3-s windows of an idle
-four-peer swarm: 0.035-0.05 of a core, 0.06-0.08 in the first seconds after start-up,
-0.08-0.19 in one window about every 30 s), so one window of 3 s per peer, each at
-another moment of the swarm's life, put the first peer measured, right after start-up,
-at about twice the others in every committed run.
+A peer also spends CPU with no request at all (gossip, pings, the DHT): its rate over the
+gossip measurement's idle windows (`measure_gossip`, run first: GOSSIP_CYCLES + 1
+windows of `Effort.gossip_window_s` for all peers at once, spread over the swarm's first
+minute) is taken off its share, and requests get the share less it (their CPU less that
+rate over their wall time, over share - rate), since the simulator gives a peer's whole
+share to requests. An idle peer's CPU comes in bursts (on the AVX2 EPYC, 3-s windows of
+an idle four-peer swarm: 0.035-0.05 of a core, 0.06-0.08 in the first seconds after
+start-up, 0.08-0.19 in one window about every 30 s), so the 3 s of its own that each
+peer had before, each at another moment of the swarm's life, put the first peer
+measured, right after start-up, at about twice the others in every committed run.
 
 What a request costs besides the engine's forward steps (HTTP, routing, the stream) is
 the fit's fixed term less a lone step's fixed cost in the simulator, split at the first
@@ -74,10 +75,10 @@ REPEATS = 5  # draws per point: at 3 the fit moved by more than the predictions'
 TOKEN_RANGE = (1000, 40000)  # ids well inside the SmolLM2 vocabulary, no special tokens
 TIMEOUT_S = 60.0
 MIN_S_PER_TOKEN = 1e-6  # a floor where noise hides the per-token cost
-IDLE_S = 8.0  # how long the peers are watched doing nothing: their background CPU rates
 MAX_BACKGROUND = 0.5  # of the share: more says the measurement broke, not the peer
 FORWARD_REQUESTS = 40  # one after another at one entry of a `random` swarm
 FORWARD_PROMPT_TOKENS = 32
+FORWARD_IDLE_S = 3.0  # the fresh `random` swarm watched idle first: its background rate
 SETTLE_S = 0.3  # after each: the entry's work after the stream (verdicts, shadows) ends
 QUOTA_REST_S = 0.25  # before a lone request: > two 100 ms quota periods, a full budget
 #   (right after the decode pair, the 0.2-core peer's quota was spent: +42 ms of wait)
@@ -90,7 +91,7 @@ GOSSIP_PROMPT_TOKENS = 512  # 32 blocks of 16: > CHANGE_FRACTION of the testbed'
 @dataclass(frozen=True)
 class Effort:
     """How much a calibration measures: draws per point, forwarded requests, the gossip
-    windows' length and the idle window's. The full run's are the constants above;
+    windows' length (the idle rates too). The full run's are the constants above;
     `--quick`, a smoke test of the whole path, measures less (QUICK_EFFORT: on a slow
     2-core machine its calibration took 4 of its 8 minutes). Peers are measured one after
     another: measured all at once (their CPU groups keep them apart), the 0.2-core peer's
@@ -100,10 +101,9 @@ class Effort:
     repeats: int = REPEATS
     forward_requests: int = FORWARD_REQUESTS
     gossip_window_s: float = GOSSIP_WINDOW_S
-    idle_s: float = IDLE_S
 
 
-QUICK_EFFORT = Effort(repeats=2, forward_requests=12, gossip_window_s=4.0, idle_s=4.0)
+QUICK_EFFORT = Effort(repeats=2, forward_requests=12, gossip_window_s=4.0)
 
 
 @dataclass(frozen=True)
@@ -140,20 +140,18 @@ async def _ttft(client: httpx.AsyncClient, url: str, model: str, prompt: Sequenc
 Clock = Callable[[], float]  # seconds of some kind, read before and after a request
 
 
-async def measure_idle(urls: Sequence[str], model: str, cpus: Sequence[Clock],
-                       shares: Sequence[float], window_s: float = IDLE_S) -> list[float]:
-    """Each peer's background CPU (cores) over one idle window for all, after a first
-    request to each (lazy set-up); at most MAX_BACKGROUND of its share (more says the
-    measurement broke, not the peer)."""
+async def first_requests(urls: Sequence[str], model: str) -> None:
+    """One short request to each peer at once: its lazy set-up, before anything measured."""
     async with httpx.AsyncClient(timeout=TIMEOUT_S) as client, trio.open_nursery() as nursery:
         for url in urls:
             nursery.start_soon(_ttft, client, url, model, [TOKEN_RANGE[0]] * 16)
-    before = [cpu() for cpu in cpus]
-    start = trio.current_time()
-    await trio.sleep(window_s)
-    wall = trio.current_time() - start
-    return [min(max((cpu() - b) / wall, 0.0), MAX_BACKGROUND * share)
-            for cpu, b, share in zip(cpus, before, shares, strict=True)]
+
+
+def background_cores(idle_rates: Sequence[float], shares: Sequence[float]) -> list[float]:
+    """Each peer's idle CPU rate (cores), at most MAX_BACKGROUND of its share: more says
+    the measurement broke, not the peer."""
+    return [min(max(rate, 0.0), MAX_BACKGROUND * share)
+            for rate, share in zip(idle_rates, shares, strict=True)]
 
 
 async def measure_peer(url: str, model: str, name: str, seed: int, cpu: Clock | None = None,
@@ -163,7 +161,7 @@ async def measure_peer(url: str, model: str, name: str, seed: int, cpu: Clock | 
 
     With `cpu` (the peer's CPU seconds so far, from its CPU group) a request's time is
     the CPU it used over `share` less `background` (the idle peer's cores,
-    `measure_idle`): what it takes at the peer's full quota, whatever else runs on the
+    `background_cores`): what it takes at the peer's full quota, whatever else runs on the
     machine. Without, the client's wall-clock TTFT."""
     rng = random.Random(f"{seed}/calibrate/{url}")
 
@@ -262,7 +260,7 @@ async def measure_forward(url: str, model: str, entry_id: str, seed: int, cpu: C
     async with httpx.AsyncClient(timeout=TIMEOUT_S) as client:
         idle_from = {p: c() for p, c in clocks.items()}
         idle_start = trio.current_time()
-        await trio.sleep(IDLE_S)
+        await trio.sleep(FORWARD_IDLE_S)
         idle_s = trio.current_time() - idle_start
         background = {p: max(0.0, (c() - idle_from[p]) / idle_s) for p, c in clocks.items()}
         for _ in range(requests):
@@ -298,10 +296,12 @@ class GossipCost:
     receive_cpu_s: float
     publishes: int  # summaries sent while churning, beyond the idle ones of that window
     publisher: int  # the peer that published (bed order)
+    idle_rates: tuple[float, ...] = ()  # every peer's CPU (cores) over the idle windows
 
     def as_dict(self) -> dict[str, Any]:
         return {"publish_cpu_s": self.publish_cpu_s, "receive_cpu_s": self.receive_cpu_s,
-                "publishes": self.publishes, "publisher": self.publisher}
+                "publishes": self.publishes, "publisher": self.publisher,
+                "idle_rates": list(self.idle_rates)}
 
     def idle_cores(self, peers: int, interval_s: float) -> float:
         """What one peer of `peers` spends on the idle cadence (a summary of its own and
@@ -373,7 +373,7 @@ async def measure_gossip(urls: Sequence[str], model: str, publisher: int, seed: 
     return GossipCost(
         publish_cpu_s=max(0.0, used[publisher] - requests_cpu) / extra,
         receive_cpu_s=max(0.0, statistics.fmean(receivers)) / extra if receivers else 0.0,
-        publishes=round(extra), publisher=publisher,
+        publishes=round(extra), publisher=publisher, idle_rates=tuple(idle),
     )
 
 
@@ -443,12 +443,12 @@ def fit(points: Sequence[tuple[int, int, float]], decode_s_per_token: float, nam
 async def measure_peers(urls: Sequence[str], model: str, names: Sequence[str], seed: int,
                         cpus: Sequence[Clock] | None = None,
                         shares: Sequence[float] | None = None,
-                        effort: Effort = Effort()) -> list[PeerSpeed]:
+                        effort: Effort = Effort(),
+                        backgrounds: Sequence[float] | None = None) -> list[PeerSpeed]:
     """Every peer's speed, one after another (by CPU seconds over share less its
-    background where `cpus` are given, the idle window first)."""
+    background, `backgrounds`, where `cpus` are given)."""
     shares = shares or [1.0] * len(urls)
-    backgrounds = (await measure_idle(urls, model, cpus, shares, effort.idle_s) if cpus
-                   else [0.0] * len(urls))
+    backgrounds = backgrounds or [0.0] * len(urls)
     return [await measure_peer(url, model, names[i], seed, cpus[i] if cpus else None,
                                shares[i], repeats=effort.repeats, background=backgrounds[i])
             for i, url in enumerate(urls)]

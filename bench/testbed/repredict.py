@@ -24,7 +24,9 @@ from bench.workloads import TokenizedMMLU, load_tokenized_mmlu
 
 PREDICTED = ("predicted_ttft_mean_s", "predicted_busiest_peer_utilization", "predicted_hit_ratio",
              "predicted_served_per_peer", "predicted_peer_utilization",
-             "predicted_advertised_tokens_per_s")
+             "predicted_advertised_tokens_per_s", "predicted_served_matrix",
+             "predicted_hit_ratio_per_entry", "predicted_forwarded_fraction_per_entry",
+             "predicted_ttft_mean_per_entry_s")
 
 
 def repredict(result: dict[str, Any], data: TokenizedMMLU | None = None) -> dict[str, Any]:
@@ -51,6 +53,8 @@ def repredict(result: dict[str, Any], data: TokenizedMMLU | None = None) -> dict
         row["predicted_served_per_peer"] = list(pred.served_per_peer)
         row["predicted_peer_utilization"] = [round(u, 4) for u in pred.peer_utilization]
         row["predicted_advertised_tokens_per_s"] = [list(a) for a in pred.advertised]
+        for key, value in pred.per_entry.items():
+            row[f"predicted_{key}"] = value
     params["repredicted"] = {
         "at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "by": "python -m bench.testbed.repredict",
