@@ -168,9 +168,6 @@ async def measure_peer(url: str, model: str, name: str, seed: int, cpu: Clock | 
     def tokens(n: int) -> list[int]:
         return [rng.randrange(*TOKEN_RANGE) for _ in range(n)]
 
-    if not cpu:
-        background = 0.0
-
     fractions: list[float] = []  # wall TTFT over end to end, short cold prompts
     paths: list[float] = []  # their wall TTFT less the CPU before it, at a core's speed
 
