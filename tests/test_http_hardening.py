@@ -136,6 +136,40 @@ async def test_listen_backlog_fits_a_burst_of_300_connections(nursery, tiny_engi
     assert all(a.startswith(b"HTTP/1.1 200") for a in answers)
 
 
+async def test_an_idle_connection_outlives_a_clients_keepalive(nursery, tiny_engine_factory):
+    """A client reuses an idle connection for up to 5 s (httpx's default): the server must
+    not close it at that same moment, or the client's next request meets a closed
+    connection ("Server disconnected without sending a response")."""
+    expiry = httpx.Limits().keepalive_expiry
+    assert expiry is not None
+    _, url = await start_api(nursery, tiny_engine_factory())
+    host, port = url.removeprefix("http://").split(":")
+    request = f"GET /health HTTP/1.1\r\nHost: {host}\r\n\r\n".encode()
+
+    async def answer(stream: trio.SocketStream) -> bytes:
+        """One whole response (head and Content-Length body); b"" if the server closed."""
+        data = b""
+        while b"\r\n\r\n" not in data:
+            if not (chunk := await stream.receive_some()):
+                return data
+            data += chunk
+        head, body = data.split(b"\r\n\r\n", 1)
+        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length:"))
+        while len(body) < length:
+            body += await stream.receive_some()
+        return head
+
+    with trio.fail_after(30):
+        stream = await trio.open_tcp_stream(host, int(port))
+        await stream.send_all(request)
+        assert (await answer(stream)).startswith(b"HTTP/1.1 200")
+        await trio.sleep(expiry + 0.5)  # hypercorn's default (5 s) closes it meanwhile
+        await stream.send_all(request)  # the same connection, idle past a client's expiry
+        assert (await answer(stream)).startswith(b"HTTP/1.1 200")
+        await stream.aclose()
+
+
 async def test_api_key(nursery, tiny_engine_factory):
     peer, _ = await start_api(nursery, tiny_engine_factory())
     url = await peer.start_service(functools.partial(serve_http, api_key=KEY), peer, "127.0.0.1", 0)
