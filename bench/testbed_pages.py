@@ -21,11 +21,27 @@ class CommittedRun(NamedTuple):
 # the full run (its title and command are report.py's own), then the what-ifs
 FULL_RUN = RESULTS / "testbed.json"
 TESTBED_PAGES = (
+    # the first full run on random-256x2 (the full run until 8ae0639's), another day
+    CommittedRun(
+        RESULTS / "testbed_665aab6.json",
+        "The first full run on random-256x2, at 665aab6 (the same machine kind, "
+        "another day)",
+        "sudo .venv/bin/python -m bench.testbed --json docs/results/testbed.json",
+    ),
+    # the CPU groups' CFS period at 10 ms instead of the kernel's 100 ms, d = 0
+    CommittedRun(
+        RESULTS / "testbed_period10ms_d0.json",
+        "The CPU groups' period at 10 ms instead of 100: d = 0 ms only, two runs per "
+        "point, at a 10 ms run's own pilots' rates",
+        "sudo .venv/bin/python -m bench.testbed --json "
+        "docs/results/testbed_period10ms_d0.json --delays-ms 0 --cfs-period-ms 10 "
+        "--runs 2 --rates half=5.74,high=13.97",
+    ),
     # the full run again, on the code after its review mends, at the first run's rates
     # (the same workloads): how far one full run's verdicts carry
     CommittedRun(
         RESULTS / "testbed_repeat.json",
-        "The testbed's full run again (the same rates and seeds, the code after its "
+        "The full run at 665aab6 again (the same rates and seeds, the code after its "
         "review mends)",
         "sudo .venv/bin/python -m bench.testbed --json "
         "docs/results/testbed_repeat.json --rates "

@@ -165,6 +165,20 @@ def test_cpu_groups_cap_a_busy_process_and_count_its_time():
 
 
 @live
+def test_cpu_groups_write_the_period_asked_for_and_refuse_a_quota_below_the_kernels():
+    t = tag("cp")
+    with testbed.cpu_groups([0.2, 0.5], t, period_us=10_000) as groups:
+        for group, quota in zip(groups.cpu_dirs, (2_000, 5_000), strict=True):
+            if (group / "cpu.cfs_quota_us").exists():  # v1
+                assert int((group / "cpu.cfs_period_us").read_text()) == 10_000
+                assert int((group / "cpu.cfs_quota_us").read_text()) == quota
+            else:
+                assert (group / "cpu.max").read_text().split() == [str(quota), "10000"]
+    with pytest.raises(ValueError, match="least quota"), testbed.cpu_groups([0.05], t, 10_000):
+        pass
+
+
+@live
 @pytest.mark.slow  # the zygote's imports and a model load: tens of seconds
 def test_zygote_child_serves_in_its_namespace_and_drains_on_sigterm(tmp_path):
     with testbed.testbed_network(peers=1, tag=tag("zy")) as net:

@@ -399,6 +399,25 @@ def test_the_summary_cadence_moves_from_the_background_to_per_summary_charges() 
     assert without.params("local", 0.0, seed=1).cpu_quotas == pytest.approx((0.2,))
 
 
+def test_the_cfs_period_reaches_the_simulated_quotas() -> None:
+    """The CPU groups' period (`--cfs-period-ms`, params `cfs_period_ms`) is the simulated
+    quotas' period; a result from before it was a setting ran at the kernel's 100 ms."""
+    from bench.testbed.predict import setup_from_result
+
+    cal = {"name": "p", "prefill_fixed_s": 0.02, "prefill_s_per_token": 1e-5,
+           "prefill_s_per_token_ctx": 0.0, "decode_s_per_token": 0.005, "source": "test"}
+    result = {"params": {"shares": [0.5], "isolated": True, "capacity_blocks": 64,
+                         "summary_interval_s": 1.0, "warmup_requests": 0},
+              "calibration": [{"calibration": cal, "background_cores": 0.0}]}
+    assert setup_from_result(result).params("local", 0.0, 0).quota_period_s == 0.1
+    result["params"]["cfs_period_ms"] = 10.0
+    assert setup_from_result(result).params("local", 0.0, 0).quota_period_s == 0.01
+    args = cli.parse_args(["--json", "x.json", "--cfs-period-ms", "10"])
+    assert args.cfs_period_us == 10_000
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--json", "x.json", "--cfs-period-ms", "0.5"])  # below the kernel's
+
+
 def test_idle_rates_become_backgrounds_within_half_a_share() -> None:
     from bench.testbed.calibrate import GossipCost, background_cores
 

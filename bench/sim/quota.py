@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-DEFAULT_PERIOD_S = 0.1  # the kernel's default cfs period, and the testbed's (100 ms)
+DEFAULT_PERIOD_S = 0.1  # the kernel's default cfs period (the testbed's: --cfs-period-ms)
 KEPT_PERIODS = 64  # periods whose exhaustion is remembered (work is never planned further)
 _EPS = 1e-12
 

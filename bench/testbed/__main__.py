@@ -46,6 +46,12 @@ from bench.testbed.loads import (
     first_pilot_rate,
     measured_rates,
 )
+from bench.testbed.net import (
+    CFS_PERIOD_US,
+    MAX_CFS_PERIOD_US,
+    MIN_CFS_PERIOD_US,
+    MIN_CFS_QUOTA_US,
+)
 from bench.testbed.predict import SimSetup, predict, rate_for_utilization, testbed_setup
 from bench.testbed.runner import RunMeasurement, run_policy, summarise, trace
 from bench.testbed.workload import WorkloadSpec, describe, run_workload
@@ -121,6 +127,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--peer-args", default="",
                    help="more `serve` flags for every peer, for what-ifs (rows record them; "
                    "the testbed's results are at the defaults)")
+    p.add_argument("--cfs-period-ms", type=float, default=CFS_PERIOD_US / 1000,
+                   help="the CPU groups' CFS period: a share q runs at a core's speed for q x "
+                   "period, then waits for the next (default %(default)g, the kernel's)")
     p.add_argument("--no-isolation", action="store_true",
                    help="developers: plain peers on loopback, no namespaces, quotas or delay")
     args = p.parse_args(argv)
@@ -136,6 +145,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.effort, args.pilot_max_s = plan["effort"], plan["pilot_max_s"]
     if args.warmup < 0:
         p.error("--warmup must be >= 0")
+    args.cfs_period_us = round(args.cfs_period_ms * 1000)
+    if not MIN_CFS_PERIOD_US <= args.cfs_period_us <= MAX_CFS_PERIOD_US:
+        p.error(f"--cfs-period-ms must be in [{MIN_CFS_PERIOD_US / 1000:g}, "
+                f"{MAX_CFS_PERIOD_US / 1000:g}]")
+    if min(args.shares) * args.cfs_period_us < MIN_CFS_QUOTA_US:
+        p.error(f"a share of {min(args.shares):g} core in a {args.cfs_period_ms:g} ms period "
+                f"is below the kernel's least quota ({MIN_CFS_QUOTA_US / 1000:g} ms)")
     if set(args.loads) - set(LOADS) or set(args.policies) - set(POLICIES):
         p.error(f"loads must be of {sorted(LOADS)}, policies of {POLICIES}")
     args.rates = ({k: float(v) for k, v in (x.split("=") for x in args.rates.split(","))}
@@ -186,7 +202,8 @@ async def calibrate(bed: Bed, args: argparse.Namespace) -> tuple[
         log("calibrating: each peer measured alone")
         speeds = await measure_peers(urls, args.model_path, names, args.seed, cpus=cpus,
                                      shares=args.shares, effort=args.effort,
-                                     backgrounds=backgrounds)
+                                     backgrounds=backgrounds,
+                                     period_s=args.cfs_period_us / 1e6)
         async with httpx.AsyncClient() as client:
             view = (await client.get(f"{urls[0]}/v1/swarm", timeout=10.0)).json()
     capacity = int(view["self"]["capacity_blocks"])
@@ -225,7 +242,8 @@ async def calibrate(bed: Bed, args: argparse.Namespace) -> tuple[
             f"{c.decode_s_per_token * 1e3:.1f} ms/token; cold 512: "
             f"{c.prefill_s(512, 0) * 1e3:.0f} ms; client path {c.client_path_s * 1e3:.1f} ms")
     setup = testbed_setup(calibrations, [s.background_cores for s in speeds], args.shares,
-                          bed.isolated, capacity, args.summary_interval, args.warmup, gossip)
+                          bed.isolated, capacity, args.summary_interval, args.warmup, gossip,
+                          quota_period_s=args.cfs_period_us / 1e6)
     return setup, speeds, forward, gossip
 
 
@@ -328,7 +346,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         settings = PeerSettings(args.model_path, args.cache_bytes, args.summary_interval,
                                 Path(args.peer_log), tuple(shlex.split(args.peer_args)))
         async with open_bed(not args.no_isolation, args.shares, settings,
-                            args.bandwidth_mbit * 1e6, Path(workdir)) as bed:
+                            args.bandwidth_mbit * 1e6, Path(workdir),
+                            args.cfs_period_us) as bed:
             setup, speeds, forward, gossip = await calibrate(bed, args)
             result["calibration"] = [
                 {**s.as_dict(), "calibration": c.as_dict()}
@@ -363,6 +382,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 "summary_interval_s": args.summary_interval,
                 "max_new_tokens": args.max_new_tokens,
                 "bandwidth_mbit": args.bandwidth_mbit, "quick": args.quick,
+                "cfs_period_ms": args.cfs_period_us / 1000,
                 "isolated": bed.isolated, "seed": args.seed, "peer_args": args.peer_args,
                 "workload": describe(workload_at(rates[args.loads[0]])),
                 "code": code_version(),

@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 import trio
 
+from bench.testbed.net import CFS_PERIOD_US, cpu_groups, testbed_network
 from peer.processes import PeerProcess, PeerProcessError, open_peer_processes
 
 PEER_PORT, HTTP_PORT = 4001, 8000
@@ -275,10 +276,10 @@ class IsolatedBed:
     @classmethod
     @asynccontextmanager
     async def open(cls, shares: Sequence[float], settings: PeerSettings, tag: str,
-                   bandwidth_bps: float, workdir: Path) -> AsyncIterator[IsolatedBed]:
-        from bench.testbed.net import cpu_groups, testbed_network
-
-        with testbed_network(len(shares), tag) as net, cpu_groups(shares, tag) as groups:
+                   bandwidth_bps: float, workdir: Path, period_us: int,
+                   ) -> AsyncIterator[IsolatedBed]:
+        with (testbed_network(len(shares), tag) as net,
+              cpu_groups(shares, tag, period_us) as groups):
             net.set_link(0.0, bandwidth_bps)
             async with open_peer_processes(grace_s=STOP_GRACE_S) as procs:
                 send, receive = trio.open_memory_channel[dict[str, Any]](16)
@@ -411,13 +412,14 @@ class _suppress_lookup:
 
 @asynccontextmanager
 async def open_bed(isolated: bool, shares: Sequence[float], settings: PeerSettings,
-                   bandwidth_bps: float, workdir: Path) -> AsyncIterator[Bed]:
-    """The bed the CLI asked for."""
+                   bandwidth_bps: float, workdir: Path,
+                   period_us: int = CFS_PERIOD_US) -> AsyncIterator[Bed]:
+    """The bed the CLI asked for (`period_us`: the CPU groups' CFS period)."""
     async with AsyncExitStack() as stack:
         if isolated:
             tag = f"{os.getpid() % 10000}"
             bed: Bed = await stack.enter_async_context(
-                IsolatedBed.open(shares, settings, tag, bandwidth_bps, workdir))
+                IsolatedBed.open(shares, settings, tag, bandwidth_bps, workdir, period_us))
         else:
             bed = LoopbackBed(shares, settings)
         yield bed

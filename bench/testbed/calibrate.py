@@ -16,8 +16,10 @@ DECODE_TOKENS - 1 (CPU), or (end - first token) / (DECODE_TOKENS - 1) (wall cloc
 A lone request's wall clock holds more than its peer's CPU: the client's HTTP stack, the
 hops through the link emulator, thread hand-offs. With CPU groups, a short cold
 request's TTFT less the CPU its peer spent before the first token (at a core's speed, as
-a quota lets a lone request run; each such request after a rest of QUOTA_REST_S, so that
-it finds a full quota period) is the calibration's `client_path_s`, which the
+a quota lets a lone request run from a fresh period's budget, walked through the periods
+by bench/sim/quota.py as the simulator will; each such request after a rest of
+QUOTA_REST_S or QUOTA_REST_PERIODS periods, so that it finds a full budget) is the
+calibration's `client_path_s`, which the
 simulator adds to every request that enters at that peer (0 without CPU groups: the
 wall clock is the measure there).
 
@@ -66,6 +68,7 @@ import httpx
 import trio
 
 from bench.sim.calibration import Calibration
+from bench.sim.quota import DEFAULT_PERIOD_S, CpuQuota
 from bench.swarm import stream_completion
 
 COLD_LENGTHS = (32, 512, 1024)  # prompt tokens of the cold points
@@ -80,8 +83,9 @@ FORWARD_REQUESTS = 40  # one after another at one entry of a `random` swarm
 FORWARD_PROMPT_TOKENS = 32
 FORWARD_IDLE_S = 3.0  # the fresh `random` swarm watched idle first: its background rate
 SETTLE_S = 0.3  # after each: the entry's work after the stream (verdicts, shadows) ends
-QUOTA_REST_S = 0.25  # before a lone request: > two 100 ms quota periods, a full budget
-#   (right after the decode pair, the 0.2-core peer's quota was spent: +42 ms of wait)
+QUOTA_REST_S = 0.25  # before a lone request, at least: a full budget (2.5 periods of the
+#   kernel's 100 ms; right after the decode pair the 0.2-core peer's quota was spent: +42 ms)
+QUOTA_REST_PERIODS = 2.5  # ... and at least this many of a longer period
 GOSSIP_WINDOW_S = 10.0  # idle, then churning: the periodic work (pings, dial-backs) evens out
 GOSSIP_CYCLES = 2  # churning windows, each between idle ones
 GOSSIP_REQUEST_GAP_S = 0.3  # > the early-publish gap (a quarter interval): a summary each
@@ -156,13 +160,14 @@ def background_cores(idle_rates: Sequence[float], shares: Sequence[float]) -> li
 
 async def measure_peer(url: str, model: str, name: str, seed: int, cpu: Clock | None = None,
                        share: float = 1.0, block_size: int = 16,
-                       repeats: int = REPEATS, background: float = 0.0) -> PeerSpeed:
+                       repeats: int = REPEATS, background: float = 0.0,
+                       period_s: float = DEFAULT_PERIOD_S) -> PeerSpeed:
     """Measure the peer at `url` (nothing else should be sent to it meanwhile).
 
-    With `cpu` (the peer's CPU seconds so far, from its CPU group) a request's time is
-    the CPU it used over `share` less `background` (the idle peer's cores,
-    `background_cores`): what it takes at the peer's full quota, whatever else runs on the
-    machine. Without, the client's wall-clock TTFT."""
+    With `cpu` (the peer's CPU seconds so far, from its CPU group, whose CFS period is
+    `period_s`) a request's time is the CPU it used over `share` less `background` (the
+    idle peer's cores, `background_cores`): what it takes at the peer's full quota,
+    whatever else runs on the machine. Without, the client's wall-clock TTFT."""
     rng = random.Random(f"{seed}/calibrate/{url}")
 
     def tokens(n: int) -> list[int]:
@@ -176,7 +181,7 @@ async def measure_peer(url: str, model: str, name: str, seed: int, cpu: Clock | 
         """The request's time (above); `lone`: after a rest that gives it a full quota
         period, as a request finds an idle peer, its client path is read too."""
         if lone and cpu:
-            await trio.sleep(QUOTA_REST_S)
+            await trio.sleep(max(QUOTA_REST_S, QUOTA_REST_PERIODS * period_s))
         before = cpu() if cpu else 0.0
         start = trio.current_time()
         ttft, e2e = await _ttft(client, url, model, prompt, max_tokens)
@@ -186,7 +191,8 @@ async def measure_peer(url: str, model: str, name: str, seed: int, cpu: Clock | 
             return ttft
         used = max(cpu() - before - background * (trio.current_time() - start), 0.0)
         if lone and e2e > 0:
-            paths.append(ttft - used * ttft / e2e)
+            quota = CpuQuota(min(share, 1.0), period_s)  # a fresh period's budget
+            paths.append(ttft - quota.run(0.0, used * ttft / e2e))
         return used / (share - background)
 
     samples: dict[tuple[int, int], list[float]] = {}
@@ -441,11 +447,13 @@ async def measure_peers(urls: Sequence[str], model: str, names: Sequence[str], s
                         cpus: Sequence[Clock] | None = None,
                         shares: Sequence[float] | None = None,
                         effort: Effort = Effort(),
-                        backgrounds: Sequence[float] | None = None) -> list[PeerSpeed]:
+                        backgrounds: Sequence[float] | None = None,
+                        period_s: float = DEFAULT_PERIOD_S) -> list[PeerSpeed]:
     """Every peer's speed, one after another (by CPU seconds over share less its
-    background, `backgrounds`, where `cpus` are given)."""
+    background, `backgrounds`, where `cpus` are given; `period_s`: their CFS period)."""
     shares = shares or [1.0] * len(urls)
     backgrounds = backgrounds or [0.0] * len(urls)
     return [await measure_peer(url, model, names[i], seed, cpus[i] if cpus else None,
-                               shares[i], repeats=effort.repeats, background=backgrounds[i])
+                               shares[i], repeats=effort.repeats, background=backgrounds[i],
+                               period_s=period_s)
             for i, url in enumerate(urls)]

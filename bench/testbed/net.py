@@ -43,7 +43,9 @@ LOCK_PATH = Path("/run/prefixswarm-testbed.lock")  # serialises the choice of a 
 CGROUP_V1_CPU = Path("/sys/fs/cgroup/cpu")
 CGROUP_V1_CPUACCT = Path("/sys/fs/cgroup/cpuacct")
 CGROUP_V2 = Path("/sys/fs/cgroup")
-CFS_PERIOD_US = 100_000
+CFS_PERIOD_US = 100_000  # the kernel's default period
+MIN_CFS_PERIOD_US, MAX_CFS_PERIOD_US = 1_000, 1_000_000  # what the kernel accepts
+MIN_CFS_QUOTA_US = 1_000
 
 
 class TestbedUnavailable(Exception):
@@ -281,12 +283,19 @@ def _evacuate_and_remove(group: Path, parent: Path, tries: int = 20) -> None:
 
 
 @contextmanager
-def cpu_groups(shares: Sequence[float], tag: str) -> Iterator[CpuGroups]:
-    """Groups pst<tag>-g<i> capped at shares[i] of one core (quota / period 100 ms);
+def cpu_groups(shares: Sequence[float], tag: str,
+               period_us: int = CFS_PERIOD_US) -> Iterator[CpuGroups]:
+    """Groups pst<tag>-g<i> capped at shares[i] of one core (quota / `period_us`);
     removed on exit (processes still in them move back to the top group)."""
+    if not MIN_CFS_PERIOD_US <= period_us <= MAX_CFS_PERIOD_US:
+        raise ValueError(f"a CFS period must be in [{MIN_CFS_PERIOD_US}, "
+                         f"{MAX_CFS_PERIOD_US}] us, got {period_us}")
     for share in shares:
         if not 0 < share <= 64:
             raise ValueError(f"a CPU share must be in (0, 64] cores, got {share}")
+        if share * period_us < MIN_CFS_QUOTA_US:
+            raise ValueError(f"a share of {share} core is below the kernel's least quota "
+                             f"({MIN_CFS_QUOTA_US} us) in a {period_us} us period")
     names = [f"pst{tag}-g{i}" for i in range(len(shares))]
     v1 = (CGROUP_V1_CPU / "cpu.cfs_quota_us").exists()
     if v1:
@@ -303,14 +312,14 @@ def cpu_groups(shares: Sequence[float], tag: str) -> Iterator[CpuGroups]:
     made: list[tuple[Path, Path]] = []
     try:
         for i, share in enumerate(shares):
-            quota = max(1000, round(share * CFS_PERIOD_US))
+            quota = round(share * period_us)
             cpu_dirs[i].mkdir()
             made.append((cpu_dirs[i], cpu_parent))
             if v1:
-                (cpu_dirs[i] / "cpu.cfs_period_us").write_text(f"{CFS_PERIOD_US}\n")
+                (cpu_dirs[i] / "cpu.cfs_period_us").write_text(f"{period_us}\n")
                 (cpu_dirs[i] / "cpu.cfs_quota_us").write_text(f"{quota}\n")
             else:
-                (cpu_dirs[i] / "cpu.max").write_text(f"{quota} {CFS_PERIOD_US}\n")
+                (cpu_dirs[i] / "cpu.max").write_text(f"{quota} {period_us}\n")
             if acct_dirs:
                 acct_dirs[i].mkdir()
                 made.append((acct_dirs[i], acct_parent))

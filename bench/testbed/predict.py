@@ -24,6 +24,7 @@ from typing import Any
 from bench.sim.calibration import Calibration
 from bench.sim.model import Simulator
 from bench.sim.params import COLD, SimParams
+from bench.sim.quota import DEFAULT_PERIOD_S
 from bench.testbed.calibrate import GossipCost, usable_cores
 from bench.testbed.routes import Routed, by_entry
 from bench.testbed.workload import entry_peers
@@ -51,6 +52,7 @@ class SimSetup:
     # background): the simulator charges every summary instead (Calibration's
     # summary_publish_s and summary_receive_s), so its quota gets them back
     gossip_cores: tuple[float, ...] = ()
+    quota_period_s: float = DEFAULT_PERIOD_S  # the CPU groups' CFS period
 
     def params(self, policy: str, delay_ms: float, seed: int) -> SimParams:
         calibrations = self.calibrations
@@ -66,14 +68,16 @@ class SimSetup:
             summary_interval_s=self.summary_interval_s, capacity_blocks=self.capacity_blocks,
             block_size=self.block_size, warmup_fraction=0.0, seed=seed,
             calibration=calibrations[0], peer_calibrations=calibrations,
-            swarm_trust=self.swarm_trust, cpu_quotas=cpu_quotas, trust_checks=True,
+            swarm_trust=self.swarm_trust, cpu_quotas=cpu_quotas,
+            quota_period_s=self.quota_period_s, trust_checks=True,
         )
 
 
 def testbed_setup(calibrations: Sequence[Calibration], background_cores: Sequence[float],
                   shares: Sequence[float], isolated: bool, capacity_blocks: int,
                   summary_interval_s: float, warmup_requests: int,
-                  gossip: GossipCost | None = None) -> SimSetup:
+                  gossip: GossipCost | None = None,
+                  quota_period_s: float = DEFAULT_PERIOD_S) -> SimSetup:
     """The simulated swarm of a testbed: its measured calibrations (times at each peer's
     share less its idle self), idle selves as shares of the quota, and, where the peers
     were isolated, those quotas (the loopback bed has none). With `gossip`, the part of
@@ -88,7 +92,8 @@ def testbed_setup(calibrations: Sequence[Calibration], background_cores: Sequenc
               if isolated else ())
     return SimSetup(tuple(calibrations), capacity_blocks, summary_interval_s,
                     warmup_requests=warmup_requests, backgrounds=backgrounds, quotas=quotas,
-                    gossip_cores=tuple(idle_gossip) if isolated and gossip else ())
+                    gossip_cores=tuple(idle_gossip) if isolated and gossip else (),
+                    quota_period_s=quota_period_s)
 
 
 def setup_from_result(result: dict[str, Any]) -> SimSetup:
@@ -103,7 +108,9 @@ def setup_from_result(result: dict[str, Any]) -> SimSetup:
                          params["shares"], bool(params.get("isolated", True)),
                          int(params["capacity_blocks"]), float(params["summary_interval_s"]),
                          int(params.get("warmup_requests", 0)),
-                         GossipCost(**gossip) if gossip else None)
+                         GossipCost(**gossip) if gossip else None,
+                         # runs before the period was a setting ran at the kernel's
+                         float(params.get("cfs_period_ms", DEFAULT_PERIOD_S * 1e3)) / 1e3)
 
 
 @dataclass(frozen=True)
