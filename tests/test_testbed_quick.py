@@ -416,6 +416,18 @@ def test_the_cfs_period_reaches_the_simulated_quotas() -> None:
     assert args.cfs_period_us == 10_000
     with pytest.raises(SystemExit):
         cli.parse_args(["--json", "x.json", "--cfs-period-ms", "0.5"])  # below the kernel's
+    with pytest.raises(SystemExit):  # 0.5 ms of quota in a 10 ms period
+        cli.parse_args(["--json", "x.json", "--cfs-period-ms", "10", "--shares", "0.05,0.5"])
+
+
+def test_quota_problems_are_named_before_any_group_is_made() -> None:
+    from bench.testbed.net import quota_problem
+
+    assert quota_problem([0.2, 0.5], 10_000) is None
+    assert quota_problem([0.2], 100_000) is None
+    assert "least quota" in (quota_problem([0.2, 0.05], 10_000) or "")
+    assert "period" in (quota_problem([0.2], 500) or "")
+    assert "share" in (quota_problem([0.0], 100_000) or "")
 
 
 def test_idle_rates_become_backgrounds_within_half_a_share() -> None:

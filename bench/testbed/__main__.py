@@ -46,12 +46,7 @@ from bench.testbed.loads import (
     first_pilot_rate,
     measured_rates,
 )
-from bench.testbed.net import (
-    CFS_PERIOD_US,
-    MAX_CFS_PERIOD_US,
-    MIN_CFS_PERIOD_US,
-    MIN_CFS_QUOTA_US,
-)
+from bench.testbed.net import CFS_PERIOD_US, quota_problem
 from bench.testbed.predict import SimSetup, predict, rate_for_utilization, testbed_setup
 from bench.testbed.runner import RunMeasurement, run_policy, summarise, trace
 from bench.testbed.workload import WorkloadSpec, describe, run_workload
@@ -146,12 +141,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.warmup < 0:
         p.error("--warmup must be >= 0")
     args.cfs_period_us = round(args.cfs_period_ms * 1000)
-    if not MIN_CFS_PERIOD_US <= args.cfs_period_us <= MAX_CFS_PERIOD_US:
-        p.error(f"--cfs-period-ms must be in [{MIN_CFS_PERIOD_US / 1000:g}, "
-                f"{MAX_CFS_PERIOD_US / 1000:g}]")
-    if min(args.shares) * args.cfs_period_us < MIN_CFS_QUOTA_US:
-        p.error(f"a share of {min(args.shares):g} core in a {args.cfs_period_ms:g} ms period "
-                f"is below the kernel's least quota ({MIN_CFS_QUOTA_US / 1000:g} ms)")
+    if (problem := quota_problem(args.shares, args.cfs_period_us)) is not None:
+        p.error(problem)
     if set(args.loads) - set(LOADS) or set(args.policies) - set(POLICIES):
         p.error(f"loads must be of {sorted(LOADS)}, policies of {POLICIES}")
     args.rates = ({k: float(v) for k, v in (x.split("=") for x in args.rates.split(","))}

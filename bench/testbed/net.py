@@ -282,20 +282,28 @@ def _evacuate_and_remove(group: Path, parent: Path, tries: int = 20) -> None:
             time.sleep(0.05)
 
 
+def quota_problem(shares: Sequence[float], period_us: int) -> str | None:
+    """Why these shares cannot be CFS quotas in a period of `period_us` (None: they can):
+    the kernel takes periods of 1 ms to 1 s and quotas of at least 1 ms."""
+    if not MIN_CFS_PERIOD_US <= period_us <= MAX_CFS_PERIOD_US:
+        return (f"a CFS period must be {MIN_CFS_PERIOD_US / 1000:g} to "
+                f"{MAX_CFS_PERIOD_US / 1000:g} ms, got {period_us / 1000:g}")
+    for share in shares:
+        if not 0 < share <= 64:
+            return f"a CPU share must be in (0, 64] cores, got {share:g}"
+        if share * period_us < MIN_CFS_QUOTA_US:
+            return (f"a share of {share:g} core in a {period_us / 1000:g} ms period is below "
+                    f"the kernel's least quota ({MIN_CFS_QUOTA_US / 1000:g} ms)")
+    return None
+
+
 @contextmanager
 def cpu_groups(shares: Sequence[float], tag: str,
                period_us: int = CFS_PERIOD_US) -> Iterator[CpuGroups]:
     """Groups pst<tag>-g<i> capped at shares[i] of one core (quota / `period_us`);
     removed on exit (processes still in them move back to the top group)."""
-    if not MIN_CFS_PERIOD_US <= period_us <= MAX_CFS_PERIOD_US:
-        raise ValueError(f"a CFS period must be in [{MIN_CFS_PERIOD_US}, "
-                         f"{MAX_CFS_PERIOD_US}] us, got {period_us}")
-    for share in shares:
-        if not 0 < share <= 64:
-            raise ValueError(f"a CPU share must be in (0, 64] cores, got {share}")
-        if share * period_us < MIN_CFS_QUOTA_US:
-            raise ValueError(f"a share of {share} core is below the kernel's least quota "
-                             f"({MIN_CFS_QUOTA_US} us) in a {period_us} us period")
+    if (problem := quota_problem(shares, period_us)) is not None:
+        raise ValueError(problem)
     names = [f"pst{tag}-g{i}" for i in range(len(shares))]
     v1 = (CGROUP_V1_CPU / "cpu.cfs_quota_us").exists()
     if v1:
