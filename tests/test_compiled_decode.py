@@ -252,3 +252,27 @@ def test_a_quantized_step_is_compiled_on_frozen_weights_and_keeps_the_eager_logi
         assert float(gap.max()) < 0.4 and float(gap.mean()) < 0.08
         tok = int(logits_e[0].argmax())
     assert loaded.decode_step.steps == before + 12
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_written_out_attention_is_grouped_query_attention(dtype):
+    """grouped_attention (the compiled step's, not SDPA: see its docstring) reads each query
+    head's own K/V head and only the masked-in positions, as SDPA with enable_gqa does."""
+    from peer.engine.compiled_decode import grouped_attention
+
+    gen = torch.Generator().manual_seed(3)
+    heads, kv_heads, window, dim, filled = 6, 2, 40, 8, 29
+    q = torch.randn(1, heads, 1, dim, generator=gen).to(dtype)
+    keys = torch.randn(kv_heads, window, dim, generator=gen).to(dtype)
+    values = torch.randn(kv_heads, window, dim, generator=gen).to(dtype)
+    mask = (torch.arange(window) < filled).view(1, 1, 1, window)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q.float(), keys.float().unsqueeze(0), values.float().unsqueeze(0), attn_mask=mask,
+        scale=0.3, enable_gqa=True).transpose(1, 2)
+    got = grouped_attention(q, keys, values, mask, 0.3)
+    assert got.dtype == dtype and got.shape == (1, 1, heads, dim)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.float(), expected, atol=tol, rtol=tol)
+    keys[:, filled:] = 1e3  # positions masked out never reach the output (finite ones:
+    values[:, filled:] = -1e3  # the step zeroes the window, as a NaN times 0 is NaN)
+    assert torch.equal(grouped_attention(q, keys, values, mask, 0.3), got)

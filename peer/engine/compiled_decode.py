@@ -63,15 +63,18 @@ def _projections(owner: Any, fused: str, names: tuple[str, ...], x: torch.Tensor
 
 
 def written_out_step(model: Any, ids: torch.Tensor, positions: torch.Tensor,
-                     attend: Attend) -> torch.Tensor:
+                     attend: Attend,
+                     rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """One decode step of a Llama model over its own modules, `ids` and `positions` [1, n]
     (one new token for each of n sequences): what transformers' LlamaForCausalLM computes,
     without its module plumbing (kwargs, masks, output dataclasses). Attention, the one
-    part that depends on where K and V live, is `attend`'s. Logits [n, vocab] (float32)."""
+    part that depends on where K and V live, is `attend`'s. `rotary` is the model's
+    (cos, sin) at `positions` where the caller computed them (None: computed here).
+    Logits [n, vocab] (float32)."""
     inner = model.model
     n = ids.shape[1]
     h = inner.embed_tokens(ids)
-    cos, sin = inner.rotary_emb(h, position_ids=positions)
+    cos, sin = inner.rotary_emb(h, position_ids=positions) if rotary is None else rotary
     for index, layer in enumerate(inner.layers):
         attn = layer.self_attn
         x = layer.input_layernorm(h)
@@ -86,6 +89,27 @@ def written_out_step(model: Any, ids: torch.Tensor, positions: torch.Tensor,
         h = h + mlp.down_proj(mlp.act_fn(gate) * up)
     logits: torch.Tensor = model.lm_head(inner.norm(h))[0].float()
     return logits
+
+
+def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                      mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """One new token's attention, written out as products and sums that inductor fuses into
+    its own vectorised loops, in float32: q [1, heads, 1, head_dim], keys and values
+    [kv_heads, window, head_dim] (query head h reads K/V head h // (heads / kv_heads), as
+    grouped-query attention does), `mask` True where a position is read. Returns
+    [1, 1, heads, head_dim] in q's dtype.
+
+    Not scaled_dot_product_attention: compiled, it becomes matrix-vector products that
+    torch hands to MKL, whose bfloat16 gemv takes its generic code path on AMD CPUs, half
+    of the compiled int4 step there (docs/engine.md, "The compiled step's attention")."""
+    kv_heads, window, head_dim = keys.shape
+    heads = q.shape[1]
+    grouped = q.reshape(kv_heads, heads // kv_heads, 1, head_dim).float()
+    scores = (grouped * keys.unsqueeze(1).float()).sum(-1) * scale  # [kv_heads, group, window]
+    scores = scores.masked_fill(~mask.reshape(1, 1, window), float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = (probs.unsqueeze(-1) * values.unsqueeze(1).float()).sum(-2)  # [kv_heads, group, dim]
+    return out.to(q.dtype).reshape(1, 1, heads, head_dim)
 
 
 class CompileDecodeError(RuntimeError):
@@ -134,13 +158,21 @@ class CompiledDecode:
         self._layers = int(model.config.num_hidden_layers)
         self._compiled = torch.compile(self._step, fullgraph=True, dynamic=False,
                                        options=INDUCTOR_OPTIONS)
+        first = next(model.parameters())
+        # rotary_emb reads only its input's dtype and device: an empty tensor of the
+        # activations' dtype (the embedding's) stands in for the hidden state
+        self._rotary_like = torch.empty(0, dtype=model.model.embed_tokens.weight.dtype,
+                                         device=first.device)
         self._ready = False
         self.steps = 0  # compiled steps run, the compile's own included
 
     def _step(self, token: torch.Tensor, position: torch.Tensor,
-              kv: list[torch.Tensor]) -> torch.Tensor:
+              kv: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """The step that is compiled: `written_out_step` with each layer's K and V written
-        in place at `position` and attended over the window under a mask."""
+        in place at `position` and attended over the window under a mask. The rotary
+        `cos` and `sin` come in computed: inside the graph inductor fused them into every
+        layer's attention loop and took their sines and cosines again at every position of
+        the window (a tenth of the int4 step on an AMD EPYC)."""
         window = kv[0].shape[1]
         mask = (torch.arange(window) <= position).view(1, 1, 1, window)
 
@@ -149,13 +181,9 @@ class CompiledDecode:
             keys, values = kv[2 * index], kv[2 * index + 1]
             keys.index_copy_(1, position, k[0])
             values.index_copy_(1, position, v[0])
-            out = torch.nn.functional.scaled_dot_product_attention(
-                q, keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask,
-                scale=attn.scaling, enable_gqa=True,
-            )
-            return out.transpose(1, 2)
+            return grouped_attention(q, keys, values, mask, attn.scaling)
 
-        return written_out_step(self._model, token, position.view(1, 1), attend)
+        return written_out_step(self._model, token, position.view(1, 1), attend, (cos, sin))
 
     def _views(self, kv: SeqKV, window: int) -> list[torch.Tensor]:
         """Each layer's K and V, [kv_heads, window, head_dim], the unfilled part zeroed."""
@@ -179,10 +207,14 @@ class CompiledDecode:
             window = min(kv.capacity - 1, blocks * ATTEND_BLOCK)
         device = kv.data.device
         with torch.inference_mode():
+            position = torch.tensor([kv.length], dtype=torch.long, device=device)
+            cos, sin = self._model.model.rotary_emb(self._rotary_like, position.view(1, 1))
             logits = self._compiled(
                 torch.tensor([[token]], dtype=torch.long, device=device),
-                torch.tensor([kv.length], dtype=torch.long, device=device),
+                position,
                 self._views(kv, window),
+                cos,
+                sin,
             )
         kv.length += 1
         self.steps += 1
