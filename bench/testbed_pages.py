@@ -21,6 +21,14 @@ class CommittedRun(NamedTuple):
 # the full run (its title and command are report.py's own), then the what-ifs
 FULL_RUN = RESULTS / "testbed.json"
 TESTBED_PAGES = (
+    # the full run again at the same testbed code, a day later (its own pilots' rates)
+    CommittedRun(
+        RESULTS / "testbed_b4e083e.json",
+        "The full run again at b4e083e, the next day on the same machine kind, at its "
+        "own pilots' rates (since 8ae0639: the API's 15 s keep-alive, the "
+        "calibration's client path walked through the quota)",
+        "sudo .venv/bin/python -m bench.testbed --json docs/results/testbed_b4e083e.json",
+    ),
     # the first full run on random-256x2 (the full run until 8ae0639's), another day
     CommittedRun(
         RESULTS / "testbed_665aab6.json",
