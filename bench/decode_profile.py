@@ -13,7 +13,7 @@ a shared machine inflate far less than the wall time), and
 `profile_ms_per_step` by category, from the profiler's top-level ops of the calling
 thread (an op's children, and the intra-op threads it waits for, count within it):
   linear     nn.Linear and the quantized layers' kernels (aten::linear, mm, addmm, the
-             int8/int4 weight-only matmuls)
+             int8/int4 weight-only matmuls, oneDNN's laid-out bfloat16 product)
   attention  aten::scaled_dot_product_attention, or the fixed-order attention's labelled
              span (peer/engine/runner.py; its KV writes and Python inside it)
   other_ops  every other top-level op (norms, rotary, activations, copies, cat, argmax)
@@ -48,6 +48,7 @@ from peer.engine.scheduler import DEFAULT_STEP_TOKENS
 LINEAR_OPS = frozenset({
     "aten::linear", "aten::mm", "aten::addmm", "aten::matmul",
     "aten::_weight_int8pack_mm", "aten::_weight_int4pack_mm_for_cpu",
+    "mkldnn::_linear_pointwise",  # a bfloat16 layer laid out for oneDNN (peer/engine/packed.py)
 })
 # the fixed-order attention's label spans its whole registered function, KV writes and
 # its Python included (SDPA's op is the kernel alone)
