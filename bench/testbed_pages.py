@@ -21,6 +21,16 @@ class CommittedRun(NamedTuple):
 # the full run (its title and command are report.py's own), then the what-ifs
 FULL_RUN = RESULTS / "testbed.json"
 TESTBED_PAGES = (
+    # the full run at dbc02d6 (bfloat16 layers laid out once), predictions made again with
+    # the load pilots' CPU factors (the run's own kept under predicted_at_run)
+    CommittedRun(
+        RESULTS / "testbed_dbc02d6.json",
+        "The full run at dbc02d6, a third day on the same machine kind, predictions made "
+        "again with the load pilots' CPU factors (bench.testbed.repredict)",
+        "sudo .venv/bin/python -m bench.testbed --json docs/results/testbed_dbc02d6.json "
+        "&& .venv/bin/python -m bench.testbed.repredict --json "
+        "docs/results/testbed_dbc02d6.json",
+    ),
     # the full run again at the same testbed code, a day later (its own pilots' rates)
     CommittedRun(
         RESULTS / "testbed_b4e083e.json",

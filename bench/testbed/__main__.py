@@ -47,7 +47,13 @@ from bench.testbed.loads import (
     measured_rates,
 )
 from bench.testbed.net import CFS_PERIOD_US, quota_problem
-from bench.testbed.predict import SimSetup, predict, rate_for_utilization, testbed_setup
+from bench.testbed.predict import (
+    SimSetup,
+    predict,
+    rate_for_utilization,
+    testbed_setup,
+    with_pilot_factors,
+)
 from bench.testbed.runner import RunMeasurement, run_policy, summarise, trace
 from bench.testbed.workload import WorkloadSpec, describe, run_workload
 from bench.workloads import load_tokenized_mmlu
@@ -358,6 +364,18 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             bed.set_delay(args.delays_ms[0] / 1000)
             rates, pilots = await load_rates(bed, args, setup, speeds, workload_at)
             result["pilots"] = [p.as_dict() for p in pilots]
+            if pilots:  # the simulator charges each peer's requests what they took in them
+                pilot_seed = args.seed + PILOT_SEED_OFFSET
+                idle = [s.background_cores / (share if bed.isolated else 1.0)
+                        for s, share in zip(speeds, args.shares, strict=True)]
+                setup = with_pilot_factors(
+                    setup, [(p.rate_per_s, p.peer_utilization) for p in pilots], idle,
+                    lambda rate: workload_at(rate, pilot_seed), LOAD_POLICY,
+                    args.delays_ms[0], pilot_seed)
+                result["cpu_factors"] = [round(f, 4) for f in setup.cpu_factors]
+                log("under load each peer's requests took "
+                    f"{', '.join(f'{f:.2f}' for f in setup.cpu_factors)}x the CPU measured "
+                    "alone; the simulator charges that")
             result["params"] = {
                 "shares": list(args.shares), "model": args.model, "policies": args.policies,
                 "delays_ms": list(args.delays_ms), "loads": {k: LOADS[k] for k in args.loads},

@@ -53,16 +53,23 @@ class SimSetup:
     # summary_publish_s and summary_receive_s), so its quota gets them back
     gossip_cores: tuple[float, ...] = ()
     quota_period_s: float = DEFAULT_PERIOD_S  # the CPU groups' CFS period
+    # per peer, how much more CPU a request took in the running swarm than measured alone
+    # (`cpu_factors`, from the load pilots); empty: as measured alone
+    cpu_factors: tuple[float, ...] = ()
 
     def params(self, policy: str, delay_ms: float, seed: int) -> SimParams:
         calibrations = self.calibrations
         cpu_quotas = self.quotas
+        factors = self.cpu_factors or (1.0,) * len(calibrations)
         if self.quotas:
-            calibrations = tuple(replace(c.scaled(q), name=f"{c.name}-cpu")
-                                 for c, q in zip(calibrations, self.quotas, strict=True))
+            calibrations = tuple(replace(c.scaled(q * f), name=f"{c.name}-cpu")
+                                 for c, q, f in zip(calibrations, self.quotas, factors,
+                                                    strict=True))
             if self.gossip_cores:
                 cpu_quotas = tuple(q + g for q, g in zip(self.quotas, self.gossip_cores,
                                                          strict=True))
+        elif self.cpu_factors:
+            calibrations = tuple(c.scaled(f) for c, f in zip(calibrations, factors, strict=True))
         return SimParams(
             policy=policy, peers=len(self.calibrations), delay_ms=delay_ms, jitter=SIM_JITTER,
             summary_interval_s=self.summary_interval_s, capacity_blocks=self.capacity_blocks,
@@ -94,6 +101,42 @@ def testbed_setup(calibrations: Sequence[Calibration], background_cores: Sequenc
                     warmup_requests=warmup_requests, backgrounds=backgrounds, quotas=quotas,
                     gossip_cores=tuple(idle_gossip) if isolated and gossip else (),
                     quota_period_s=quota_period_s)
+
+
+# A factor outside these bounds is a failed pilot, not a slower swarm: it is clamped.
+CPU_FACTOR_BOUNDS = (0.5, 3.0)
+
+
+def cpu_factors(measured: Sequence[Sequence[float]], simulated: Sequence[Sequence[float]],
+                idle: Sequence[float]) -> tuple[float, ...]:
+    """Per peer, the CPU its requests took in the pilots (measured utilisation less its
+    idle self's, summed over the pilots) over what the simulator charged for the same
+    arrivals on the calibration measured alone (likewise): a peer among busy neighbours
+    runs slower than alone (their caches, their memory traffic), by a factor that moved
+    from 1.1 to 1.6 between days on one machine kind. 1.0 where the simulator charged
+    nothing; clamped to CPU_FACTOR_BOUNDS."""
+    if len(measured) != len(simulated):
+        raise ValueError("one simulated run per measured pilot")
+    low, high = CPU_FACTOR_BOUNDS
+    factors = []
+    for peer, base in enumerate(idle):
+        got = sum(max(0.0, m[peer] - base) for m in measured)
+        charged = sum(max(0.0, s[peer] - base) for s in simulated)
+        factors.append(1.0 if charged <= 0 else min(high, max(low, got / charged)))
+    return tuple(factors)
+
+
+def with_pilot_factors(setup: SimSetup, pilots: Sequence[tuple[float, Sequence[float]]],
+                       idle: Sequence[float],
+                       workload_at: Callable[[float], Sequence[TokenRequest]],
+                       policy: str, delay_ms: float, seed: int) -> SimSetup:
+    """`setup` with `cpu_factors` from the load pilots ((rate, per-peer utilisation),
+    run under `policy` at `delay_ms` on `workload_at(rate)` with `seed`), each simulated
+    on `setup` as measured alone."""
+    alone = replace(setup, cpu_factors=())
+    simulated = [predict(alone, policy, delay_ms, workload_at(rate), seed).peer_utilization
+                 for rate, _ in pilots]
+    return replace(setup, cpu_factors=cpu_factors([u for _, u in pilots], simulated, idle))
 
 
 def setup_from_result(result: dict[str, Any]) -> SimSetup:

@@ -217,8 +217,13 @@ def section(path: Path, title: str = TITLE, command: str = COMMAND) -> str:
     if again:
         lines += [
             f"The predictions were made again by today's simulator ({again.get('by')}, "
-            f"{again.get('at')}) from the run's calibration; `sim at run` is what the "
-            "simulator of the run predicted.",
+            f"{again.get('at')}) from the run's calibration"
+            + (", each peer's CPU per request times its factor from the load pilots ("
+               + ", ".join(f"{f:.2f}" for f in again["cpu_factors"])
+               + ": what its requests took in the running swarm over what the simulator "
+               "charged for them on the calibration measured alone)"
+               if again.get("cpu_factors") else "")
+            + "; `sim at run` is what the simulator of the run predicted.",
             "",
         ]
     for (delay, load), by_policy in sorted(_points(rows).items()):

@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.report import emit_json
-from bench.testbed.predict import predict, setup_from_result
+from bench.testbed.loads import PILOT_SEED_OFFSET
+from bench.testbed.predict import SimSetup, predict, setup_from_result, with_pilot_factors
 from bench.testbed.workload import WorkloadSpec, run_workload
 from bench.workloads import TokenizedMMLU, load_tokenized_mmlu
 
@@ -36,8 +37,8 @@ def repredict(result: dict[str, Any], data: TokenizedMMLU | None = None) -> dict
     from bench.testbed.__main__ import summary
 
     params = result["params"]
-    setup = setup_from_result(result)
     data = data if data is not None else load_tokenized_mmlu()
+    setup = under_load(result, setup_from_result(result), data)
     warmup = int(params.get("warmup_requests", 0))
     paces = params.get("warmup_pace") or {}  # runs before the paced warm-up have none
     for row in result["rows"]:
@@ -59,9 +60,36 @@ def repredict(result: dict[str, Any], data: TokenizedMMLU | None = None) -> dict
         "at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "by": "python -m bench.testbed.repredict",
         "cpu_quotas": list(setup.quotas),
+        "cpu_factors": list(setup.cpu_factors),
     }
     result["summary"] = summary(result["rows"])
     return result
+
+
+def under_load(result: dict[str, Any], setup: SimSetup, data: TokenizedMMLU) -> SimSetup:
+    """`setup` with the CPU factors of the run's load pilots (predict.cpu_factors), each
+    pilot simulated on the very arrivals it sent; `setup` as it is for a run without
+    pilots (given rates)."""
+    pilots = result.get("pilots") or []
+    if not pilots:
+        return setup
+    params = result["params"]
+    warmup = int(params.get("warmup_requests", 0))
+    seed = int(params.get("seed", 0)) + PILOT_SEED_OFFSET
+
+    def workload_at(rate: float) -> list[Any]:
+        spec = WorkloadSpec(warmup + int(params["requests"]), rate,
+                            int(params["max_new_tokens"]), seed)
+        return run_workload(data, spec, warmup, 1.0, float(params.get("warmup_pause_s", 0.0)))
+
+    isolated = bool(params.get("isolated", True))
+    idle = [float(c.get("background_cores", 0.0)) / (share if isolated else 1.0)
+            for c, share in zip(result["calibration"], params["shares"], strict=True)]
+    measured = [(float(p["rate_per_s"]), [float(u) for u in p["peer_utilization"]])
+                for p in pilots]
+    return with_pilot_factors(setup, measured, idle, workload_at,
+                              str(params.get("load_policy", "local")),
+                              float(params["delays_ms"][0]), seed)
 
 
 def main(argv: list[str] | None = None) -> None:
