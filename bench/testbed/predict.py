@@ -111,10 +111,11 @@ def cpu_factors(measured: Sequence[Sequence[float]], simulated: Sequence[Sequenc
                 idle: Sequence[float]) -> tuple[float, ...]:
     """Per peer, the CPU its requests took in the pilots (measured utilisation less its
     idle self's, summed over the pilots) over what the simulator charged for the same
-    arrivals on the calibration measured alone (likewise): a peer among busy neighbours
-    runs slower than alone (their caches, their memory traffic), by a factor that moved
-    from 1.1 to 1.6 between days on one machine kind. 1.0 where the simulator charged
-    nothing; clamped to CPU_FACTOR_BOUNDS."""
+    arrivals on the calibration measured alone (likewise): in the running swarm a peer's
+    requests took up to 1.6 times the CPU they took alone, by day on one machine kind
+    (where it goes is not measured apart: busy neighbours' caches and memory traffic,
+    work after the first token). 1.0 where the simulator charged nothing; clamped to
+    CPU_FACTOR_BOUNDS."""
     if len(measured) != len(simulated):
         raise ValueError("one simulated run per measured pilot")
     low, high = CPU_FACTOR_BOUNDS
