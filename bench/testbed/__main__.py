@@ -22,7 +22,6 @@ import trio
 
 from bench.random_model import from_spec
 from bench.report import emit_json
-from bench.stats import mean_ci95
 from bench.testbed.beds import Bed, PeerSettings, open_bed
 from bench.testbed.beds import log as _log
 from bench.testbed.calibrate import (
@@ -49,11 +48,13 @@ from bench.testbed.loads import (
 from bench.testbed.net import CFS_PERIOD_US, quota_problem
 from bench.testbed.predict import (
     SimSetup,
+    idle_utilization,
     predict,
     rate_for_utilization,
     testbed_setup,
     with_pilot_factors,
 )
+from bench.testbed.report import summary
 from bench.testbed.runner import RunMeasurement, run_policy, summarise, trace
 from bench.testbed.workload import WorkloadSpec, describe, run_workload
 from bench.workloads import load_tokenized_mmlu
@@ -87,8 +88,6 @@ WARMUP_PAUSE_S = 0.5
 QUICK = {"delays_ms": (20.0,), "loads": ("high",), "runs": 1, "requests": 60, "warmup": 60,
          "effort": QUICK_EFFORT, "pilot_max_s": QUICK_PILOT_MAX_S}
 _STARTED = time.monotonic()
-ROW_KEYS = ("ttft_mean_s", "ttft_p99_s", "e2e_mean_s", "hit_ratio", "busiest_peer_utilization",
-            "predicted_ttft_mean_s", "forwarded_fraction")
 
 
 def log(message: str) -> None:
@@ -154,24 +153,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.rates = ({k: float(v) for k, v in (x.split("=") for x in args.rates.split(","))}
                   if args.rates else {})
     return args
-
-
-def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per (delay, load, policy): mean and 95% half-width over runs of each row metric."""
-    groups: dict[tuple[float, str, str], list[dict[str, Any]]] = {}
-    for r in rows:
-        groups.setdefault((r["delay_ms"], r["load"], r["policy"]), []).append(r)
-    out = []
-    for (delay, load, policy), rs in groups.items():
-        entry: dict[str, Any] = {"delay_ms": delay, "load": load, "policy": policy,
-                                 "runs": len(rs)}
-        for key in ROW_KEYS:
-            vals = [float(r[key]) for r in rs if r.get(key) is not None]
-            m, half = mean_ci95(vals)
-            entry[key] = m
-            entry[f"{key}_ci95"] = half
-        out.append(entry)
-    return out
 
 
 async def calibrate(bed: Bed, args: argparse.Namespace) -> tuple[
@@ -246,24 +227,26 @@ async def calibrate(bed: Bed, args: argparse.Namespace) -> tuple[
 
 async def load_rates(bed: Bed, args: argparse.Namespace, setup: SimSetup, speeds: list[Any],
                      workload_at: Callable[..., list[Any]],
-                     ) -> tuple[dict[str, float], list[Pilot]]:
+                     ) -> tuple[dict[str, float], list[Pilot], SimSetup]:
     """Each load's arrival rate: given (`--rates`), or measured by two `local` pilots
-    started at the simulator's rate for the lowest of LOADS (bench/testbed/loads.py)."""
+    started at the simulator's rate for the lowest of LOADS (bench/testbed/loads.py);
+    and `setup` with the pilots' CPU factors (predict.py `cpu_factors`), as it is without
+    pilots."""
     rates = {load: args.rates[load] for load in args.loads if load in args.rates}
     targets = {load: LOADS[load] for load in args.loads if load not in args.rates}
     if not targets:
-        return rates, []
+        return rates, [], setup
     low = min(LOADS.values())  # the first pilot below saturation, whichever loads are run
     simulated, util = rate_for_utilization(setup, low, workload_at, policy=LOAD_POLICY)
     first = first_pilot_rate(simulated, args.warmup + args.requests, args.pilot_max_s)
     log(f"loads: the simulator puts {LOAD_POLICY}'s busiest peer at {util:.2f} busy at "
         f"{simulated:.2f} requests/s; two {LOAD_POLICY} pilots measure it, the first at "
         f"{first:.2f}/s")
-    shares = [s if bed.isolated else 1.0 for s in args.shares]
-    backgrounds = [s.background_cores / share for s, share in zip(speeds, shares, strict=True)]
+    backgrounds = idle_utilization([s.background_cores for s in speeds], args.shares,
+                                   bed.isolated)
+    seed = args.seed + PILOT_SEED_OFFSET
 
     async def pilot(rate: float) -> Pilot:
-        seed = args.seed + PILOT_SEED_OFFSET
         measured = await run_policy(bed, LOAD_POLICY, workload_at(rate, seed), args.model_path,
                                     seed, warmup=args.warmup)
         row = summarise(measured)
@@ -276,7 +259,13 @@ async def load_rates(bed: Bed, args: argparse.Namespace, setup: SimSetup, speeds
     for load, rate in measured_rates_.items():
         log(f"load {load}: {rate:.2f} requests/s ({LOAD_POLICY}'s busiest peer "
             f"{targets[load]:.2f} busy on the pilots' curve)")
-    return {**rates, **measured_rates_}, pilots
+    setup = with_pilot_factors(setup, [(p.rate_per_s, p.peer_utilization) for p in pilots],
+                               backgrounds, lambda rate: workload_at(rate, seed), LOAD_POLICY,
+                               args.delays_ms[0], seed)
+    log("in the pilots each peer's requests took "
+        f"{', '.join(f'{f:.2f}' for f in setup.cpu_factors)}x the CPU measured alone; the "
+        "simulator charges that")
+    return {**rates, **measured_rates_}, pilots, setup
 
 
 def events_line(row: dict[str, Any]) -> str:
@@ -362,20 +351,10 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 return run_workload(data, spec, args.warmup, pace, WARMUP_PAUSE_S)
 
             bed.set_delay(args.delays_ms[0] / 1000)
-            rates, pilots = await load_rates(bed, args, setup, speeds, workload_at)
+            rates, pilots, setup = await load_rates(bed, args, setup, speeds, workload_at)
             result["pilots"] = [p.as_dict() for p in pilots]
-            if pilots:  # the simulator charges each peer's requests what they took in them
-                pilot_seed = args.seed + PILOT_SEED_OFFSET
-                idle = [s.background_cores / (share if bed.isolated else 1.0)
-                        for s, share in zip(speeds, args.shares, strict=True)]
-                setup = with_pilot_factors(
-                    setup, [(p.rate_per_s, p.peer_utilization) for p in pilots], idle,
-                    lambda rate: workload_at(rate, pilot_seed), LOAD_POLICY,
-                    args.delays_ms[0], pilot_seed)
+            if setup.cpu_factors:
                 result["cpu_factors"] = [round(f, 4) for f in setup.cpu_factors]
-                log("under load each peer's requests took "
-                    f"{', '.join(f'{f:.2f}' for f in setup.cpu_factors)}x the CPU measured "
-                    "alone; the simulator charges that")
             result["params"] = {
                 "shares": list(args.shares), "model": args.model, "policies": args.policies,
                 "delays_ms": list(args.delays_ms), "loads": {k: LOADS[k] for k in args.loads},

@@ -103,6 +103,14 @@ def testbed_setup(calibrations: Sequence[Calibration], background_cores: Sequenc
                     quota_period_s=quota_period_s)
 
 
+def idle_utilization(background_cores: Sequence[float], shares: Sequence[float],
+                     isolated: bool) -> list[float]:
+    """Each peer's idle self as the testbed measures utilisation: its CPU over its share
+    (over a whole core on the loopback bed, which has no quotas)."""
+    return [b / (s if isolated else 1.0)
+            for b, s in zip(background_cores, shares, strict=True)]
+
+
 # A factor outside these bounds is a failed pilot, not a slower swarm: it is clamped.
 CPU_FACTOR_BOUNDS = (0.5, 3.0)
 

@@ -7,7 +7,8 @@ interval (bench.stats.mean_ci95), the simulator's prediction on the same workloa
 calibrations, their ratio, hit ratio, forwarded fraction and the busiest peer's measured
 utilisation; then the issue's checks, each computed from the rows: `cost` lowest of the
 deployable policies, its interval clear of random's and local's, within 5% of
-longest_prefix, and every prediction within 25% of the measurement.
+longest_prefix, and every prediction within 25% of the measurement. `summary` gives a
+result file its per-point means and intervals (the bench and `repredict` write it).
 """
 
 from __future__ import annotations
@@ -26,6 +27,29 @@ POLICIES = ("cost", "longest_prefix", "local", "random", "least_loaded")
 PREDICTION_TOLERANCE = 0.25  # |predicted / measured - 1|
 LONGEST_PREFIX_MARGIN = 1.05
 COMMAND = "sudo .venv/bin/python -m bench.testbed --json docs/results/testbed.json"
+
+
+# the row metrics a result's `summary` gives per point
+ROW_KEYS = ("ttft_mean_s", "ttft_p99_s", "e2e_mean_s", "hit_ratio", "busiest_peer_utilization",
+            "predicted_ttft_mean_s", "forwarded_fraction")
+
+
+def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (delay, load, policy): mean and 95% half-width over runs of each row metric."""
+    groups: dict[tuple[float, str, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["delay_ms"], r["load"], r["policy"]), []).append(r)
+    out = []
+    for (delay, load, policy), rs in groups.items():
+        entry: dict[str, Any] = {"delay_ms": delay, "load": load, "policy": policy,
+                                 "runs": len(rs)}
+        for key in ROW_KEYS:
+            vals = [float(r[key]) for r in rs if r.get(key) is not None]
+            m, half = mean_ci95(vals)
+            entry[key] = m
+            entry[f"{key}_ci95"] = half
+        out.append(entry)
+    return out
 
 
 def _points(rows: Sequence[Row]) -> dict[tuple[float, str], dict[str, list[Row]]]:

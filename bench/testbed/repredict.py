@@ -19,7 +19,14 @@ from typing import Any
 
 from bench.report import emit_json
 from bench.testbed.loads import PILOT_SEED_OFFSET
-from bench.testbed.predict import SimSetup, predict, setup_from_result, with_pilot_factors
+from bench.testbed.predict import (
+    SimSetup,
+    idle_utilization,
+    predict,
+    setup_from_result,
+    with_pilot_factors,
+)
+from bench.testbed.report import summary
 from bench.testbed.workload import WorkloadSpec, run_workload
 from bench.workloads import TokenizedMMLU, load_tokenized_mmlu
 
@@ -34,19 +41,14 @@ def repredict(result: dict[str, Any], data: TokenizedMMLU | None = None) -> dict
     """`result` with every row's predictions made again (in place; returned), each on
     the very arrivals its run sent (`run_workload`: the paced warm-up included) drawn
     from `data` (default: the tokenized MMLU the testbed uses)."""
-    from bench.testbed.__main__ import summary
-
     params = result["params"]
     data = data if data is not None else load_tokenized_mmlu()
     setup = under_load(result, setup_from_result(result), data)
-    warmup = int(params.get("warmup_requests", 0))
     paces = params.get("warmup_pace") or {}  # runs before the paced warm-up have none
     for row in result["rows"]:
         row.setdefault("predicted_at_run", {k: row.get(k) for k in PREDICTED})
-        spec = WorkloadSpec(warmup + int(params["requests"]), float(row["rate_per_s"]),
-                            int(params["max_new_tokens"]), int(row["seed"]))
-        workload = run_workload(data, spec, warmup, float(paces.get(row["load"], 1.0)),
-                                float(params.get("warmup_pause_s", 0.0)))
+        workload = _sent(data, params, float(row["rate_per_s"]), int(row["seed"]),
+                         float(paces.get(row["load"], 1.0)))
         pred = predict(setup, row["policy"], float(row["delay_ms"]), workload, int(row["seed"]))
         row["predicted_ttft_mean_s"] = pred.ttft_mean_s
         row["predicted_busiest_peer_utilization"] = pred.busiest_peer_utilization
@@ -66,28 +68,31 @@ def repredict(result: dict[str, Any], data: TokenizedMMLU | None = None) -> dict
     return result
 
 
+def _sent(data: TokenizedMMLU, params: dict[str, Any], rate: float, seed: int,
+          pace: float) -> list[Any]:
+    """The arrivals a run of the result sent at `rate` with `seed`, its warm-up paced."""
+    warmup = int(params.get("warmup_requests", 0))
+    spec = WorkloadSpec(warmup + int(params["requests"]), rate, int(params["max_new_tokens"]),
+                        seed)
+    return run_workload(data, spec, warmup, pace, float(params.get("warmup_pause_s", 0.0)))
+
+
 def under_load(result: dict[str, Any], setup: SimSetup, data: TokenizedMMLU) -> SimSetup:
     """`setup` with the CPU factors of the run's load pilots (predict.cpu_factors), each
-    pilot simulated on the very arrivals it sent; `setup` as it is for a run without
-    pilots (given rates)."""
+    pilot simulated on the very arrivals it sent (pilots are not paced); `setup` as it is
+    for a run without pilots (given rates)."""
     pilots = result.get("pilots") or []
     if not pilots:
         return setup
     params = result["params"]
-    warmup = int(params.get("warmup_requests", 0))
     seed = int(params.get("seed", 0)) + PILOT_SEED_OFFSET
-
-    def workload_at(rate: float) -> list[Any]:
-        spec = WorkloadSpec(warmup + int(params["requests"]), rate,
-                            int(params["max_new_tokens"]), seed)
-        return run_workload(data, spec, warmup, 1.0, float(params.get("warmup_pause_s", 0.0)))
-
-    isolated = bool(params.get("isolated", True))
-    idle = [float(c.get("background_cores", 0.0)) / (share if isolated else 1.0)
-            for c, share in zip(result["calibration"], params["shares"], strict=True)]
+    idle = idle_utilization([float(c.get("background_cores", 0.0))
+                             for c in result["calibration"]], params["shares"],
+                            bool(params.get("isolated", True)))
     measured = [(float(p["rate_per_s"]), [float(u) for u in p["peer_utilization"]])
                 for p in pilots]
-    return with_pilot_factors(setup, measured, idle, workload_at,
+    return with_pilot_factors(setup, measured, idle,
+                              lambda rate: _sent(data, params, rate, seed, 1.0),
                               str(params.get("load_policy", "local")),
                               float(params["delays_ms"][0]), seed)
 

@@ -318,9 +318,9 @@ def load_model(
             quantize_model(model, dtype)
     with stage("fingerprinting the weights"):
         model_id = model_id_for(model_id, dtype, weights_fingerprint(model))
-    if dtype == "bfloat16" and target == "cpu" and not compile_decode:
-        # the same bits as F.linear, without its relayout of every weight at every call
-        # (the compiled step lays its weights out itself)
+    if not compile_decode:  # the compiled step lays its weights out itself
+        # bfloat16 CPU layers (packed.py decides which): the same bits as F.linear,
+        # without its relayout of every weight at every call
         from .packed import pack_linears
 
         pack_linears(model)
