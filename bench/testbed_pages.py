@@ -22,11 +22,13 @@ class CommittedRun(NamedTuple):
 FULL_RUN = RESULTS / "testbed.json"
 TESTBED_PAGES = (
     # the full run at dbc02d6 (bfloat16 layers laid out once), predictions made again with
-    # the load pilots' CPU factors (the run's own kept under predicted_at_run)
+    # the load pilots' CPU factors and the forward residual of its random rows (the run's
+    # own kept under predicted_at_run)
     CommittedRun(
         RESULTS / "testbed_dbc02d6.json",
         "The full run at dbc02d6, a third day on the same machine kind, predictions made "
-        "again with the load pilots' CPU factors (bench.testbed.repredict)",
+        "again with the load pilots' CPU factors and the forwards' residual CPU "
+        "(bench.testbed.repredict)",
         "sudo .venv/bin/python -m bench.testbed --json docs/results/testbed_dbc02d6.json "
         "&& .venv/bin/python -m bench.testbed.repredict --json "
         "docs/results/testbed_dbc02d6.json",
@@ -36,8 +38,10 @@ TESTBED_PAGES = (
         RESULTS / "testbed_b4e083e.json",
         "The full run again at b4e083e, the next day on the same machine kind, at its "
         "own pilots' rates (since 8ae0639: the API's 15 s keep-alive, the "
-        "calibration's client path walked through the quota)",
-        "sudo .venv/bin/python -m bench.testbed --json docs/results/testbed_b4e083e.json",
+        "calibration's client path walked through the quota), predictions made again",
+        "sudo .venv/bin/python -m bench.testbed --json docs/results/testbed_b4e083e.json "
+        "&& .venv/bin/python -m bench.testbed.repredict --json "
+        "docs/results/testbed_b4e083e.json",
     ),
     # the first full run on random-256x2 (the full run until 8ae0639's), another day
     CommittedRun(

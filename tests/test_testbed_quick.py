@@ -178,6 +178,13 @@ def test_quick_run_on_isolated_peers(tmp_path: Path) -> None:
     first, second = result["pilots"]
     assert second["rate_per_s"] > first["rate_per_s"] > 0
     assert max(second["peer_utilization"]) > max(first["peer_utilization"])
+    # the forward pilot ran, below the high load, and its forwards were counted; one
+    # quick run's are too few to charge (FORWARD_MIN_FORWARDS)
+    pilot = result["forward_pilot"]
+    assert pilot["policy"] == "random" and len(pilot["runs"]) == cli.QUICK["forward_pilots"]
+    assert pilot["rate_per_s"] < result["params"]["rates_per_s"]["high"]
+    assert sum(pilot["runs"][0]["forwards_per_entry"]) > cli.QUICK["requests"] // 2
+    assert pilot["forward_cpu_s"] == 0.0
     rows = result["rows"]
     assert sorted(r["policy"] for r in rows) == sorted(cli.POLICIES)
     for row in rows:
@@ -496,3 +503,45 @@ def test_the_fork_server_preloads_every_project_module() -> None:
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=300, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_predictions_made_again_charge_the_forwards_residual() -> None:
+    """repredict on a run from before the forward pilot takes the residual from its own
+    `random` rows at the first delay and the half load; on a run with a pilot, from the
+    pilot's record."""
+    from bench.sim.calibration import Calibration
+    from bench.testbed.predict import forwards_per_entry, predict, setup_from_result
+    from bench.testbed.repredict import with_forwards
+    from bench.testbed.workload import run_workload
+
+    cal = Calibration("p", 0.004, 2e-5, 0.0, 0.002, "test", forward_overhead_s=0.002)
+    params = {"shares": [0.5, 0.5], "isolated": False, "capacity_blocks": 64,
+              "summary_interval_s": 1.0, "warmup_requests": 20, "requests": 200,
+              "max_new_tokens": 2, "delays_ms": [0.0, 20.0], "loads": {"half": 0.5},
+              "warmup_pace": {"half": 1.0}, "warmup_pause_s": 0.0}
+    result: dict = {"params": params, "rows": [],
+                    "calibration": [{"calibration": cal.as_dict(), "background_cores": 0.0}] * 2}
+    data = _data()
+    truth = dataclasses.replace(setup_from_result(result), forward_cpu_s=0.01)
+    runs = []
+    for seed in range(3):
+        workload = run_workload(data, WorkloadSpec(220, 8.0, 2, seed), 20, 1.0, 0.0)
+        pred = predict(truth, "random", 0.0, workload, seed)
+        matrix = pred.per_entry["served_matrix"]
+        runs.append({"seed": seed, "peer_utilization": list(pred.peer_utilization),
+                     "forwards_per_entry": forwards_per_entry(matrix)})
+        result["rows"].append({"policy": "random", "delay_ms": 0.0, "load": "half",
+                               "rate_per_s": 8.0, "seed": seed, "served_matrix": matrix,
+                               "peer_utilization": list(pred.peer_utilization)})
+    setup, source = with_forwards(result, setup_from_result(result), data)
+    assert source == "rows: random, d = 0 ms, half, 3 runs"
+    assert setup.forward_cpu_s == pytest.approx(0.01, rel=0.35)  # shadows are charged too
+    result["forward_pilot"] = {"policy": "random", "delay_ms": 0.0, "rate_per_s": 8.0,
+                               "runs": runs}
+    again, source = with_forwards(result, setup_from_result(result), data)
+    assert source == "the forward pilot, 3 runs"
+    assert again.forward_cpu_s == pytest.approx(setup.forward_cpu_s)
+    for row in result["rows"]:
+        row["delay_ms"] = 20.0  # none at the first delay: nothing to take it from
+    del result["forward_pilot"]
+    assert with_forwards(result, setup_from_result(result), data)[1] == ""

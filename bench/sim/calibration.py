@@ -66,9 +66,14 @@ class Calibration:
     request_overhead_s: float = 0.0  # serving peer's CPU per request before its first token
     request_tail_s: float = 0.0  # ... and after it, outside engine steps
     forward_overhead_s: float = 0.0  # entry's CPU per request it forwards
+    forward_tail_s: float = 0.0  # ... and per client request, once its answer is back
     served_overhead_s: float = 0.0  # serving peer's CPU per forwarded request, beyond a local one
     summary_publish_s: float = 0.0  # publisher's CPU per cache summary it sends
     summary_receive_s: float = 0.0  # a receiver's CPU per cache summary it gets
+    # CPU after each engine step, as a fraction of the step's work (its overheads
+    # included): what a request costs its peer in a running swarm beyond what it costs
+    # alone, paid off the path of the step's own requests (before the next step)
+    after_step_fraction: float = 0.0
     client_path_s: float = 0.0  # wall time between a client and this entry that uses no
     #   peer's CPU (the client's HTTP stack, a testbed's link emulator): in each request's
     #   reported TTFT and end to end, never in a peer's work; not scaled with its speed
@@ -78,10 +83,12 @@ class Calibration:
             "request_overhead_s",
             "request_tail_s",
             "forward_overhead_s",
+            "forward_tail_s",
             "served_overhead_s",
             "summary_publish_s",
             "summary_receive_s",
             "client_path_s",
+            "after_step_fraction",
             "prefill_fixed_s",
             "prefill_s_per_token",
             "prefill_s_per_token_ctx",
@@ -143,6 +150,7 @@ class Calibration:
             request_overhead_s=self.request_overhead_s * factor,
             request_tail_s=self.request_tail_s * factor,
             forward_overhead_s=self.forward_overhead_s * factor,
+            forward_tail_s=self.forward_tail_s * factor,
             served_overhead_s=self.served_overhead_s * factor,
             summary_publish_s=self.summary_publish_s * factor,
             summary_receive_s=self.summary_receive_s * factor,
@@ -161,10 +169,12 @@ class Calibration:
             "request_overhead_s": self.request_overhead_s,
             "request_tail_s": self.request_tail_s,
             "forward_overhead_s": self.forward_overhead_s,
+            "forward_tail_s": self.forward_tail_s,
             "served_overhead_s": self.served_overhead_s,
             "summary_publish_s": self.summary_publish_s,
             "summary_receive_s": self.summary_receive_s,
             "client_path_s": self.client_path_s,
+            "after_step_fraction": self.after_step_fraction,
             "source": self.source,
         }
 

@@ -261,6 +261,7 @@ class RoutingModel:
         entry.table.forward_ended(job.charge, prefilled=True)
         if job.shadow is not None:
             return 0
+        self._owe_cpu(entry, entry.cal.forward_tail_s, now)
         peer_id = self.peers[job.target].peer_id
         trust = entry.trust
         trust.record_served(peer_id, verified=job.verify or trust.on_probation(peer_id))

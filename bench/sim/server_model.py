@@ -113,6 +113,9 @@ class ServerModel:
         chunks = [(n, peer.queue.batch[rid].pos) for rid, n in plan.prefill]
         seconds = peer.cal.step_s(len(plan.decode), chunks) if plan else 0.0
         peer.step_overhead_s, peer.overhead_s = peer.overhead_s, 0.0
+        # what this step owes after it, on its work less what an earlier step owed
+        peer.after_step_s = peer.cal.after_step_fraction * (seconds + peer.step_overhead_s
+                                                            - peer.after_step_s)
         peer.step_verifying, peer.verifying = peer.verifying, []
         peer.step_work_s = seconds + peer.step_overhead_s
         peer.step_started = now
@@ -159,6 +162,7 @@ class ServerModel:
             self._learn_overhead(peer, job, now - job.first_back)
             done += 1
         peer.step_verifying = []
+        peer.overhead_s += peer.after_step_s  # paid after the step's requests moved on
         self._step(peer, now)
         return done
 

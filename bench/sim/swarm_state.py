@@ -171,6 +171,7 @@ class SimPeer:
         self.audits: list[float] = []  # evidence.py's bounded channel, first in first out
         self.verify_rng = random.Random(f"{params.seed}/verify/{idx}")
         self.step_overhead_s = 0.0  # of the step in flight, the part that was overhead
+        self.after_step_s = 0.0  # owed after the step in flight (after_step_fraction)
         self.step_work_s = 0.0  # the step in flight's work (calibration seconds)
         quotas = params.cpu_quotas
         self.quota = (CpuQuota(quotas[idx % len(quotas)], params.quota_period_s) if quotas

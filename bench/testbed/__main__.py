@@ -37,6 +37,7 @@ from bench.testbed.calibrate import (
     served_extra_cpu,
     with_overheads,
 )
+from bench.testbed.forward_pilot import forward_pilot
 from bench.testbed.loads import (
     PILOT_MAX_S,
     PILOT_SEED_OFFSET,
@@ -47,6 +48,7 @@ from bench.testbed.loads import (
 )
 from bench.testbed.net import CFS_PERIOD_US, quota_problem
 from bench.testbed.predict import (
+    FORWARD_PILOT_POLICY,
     SimSetup,
     idle_utilization,
     predict,
@@ -81,12 +83,14 @@ LOADS = {"half": 0.5, "high": 0.95}
 # 0.95 / 0.5), then pauses WARMUP_PAUSE_S (bench/testbed/workload.py `paced_warmup`);
 # pilots are not paced.
 # `effort` and `pilot_max_s`: how much the calibration and the first pilot measure
-# (bench/testbed/calibrate.py `Effort`, bench/testbed/loads.py).
+# (bench/testbed/calibrate.py `Effort`, bench/testbed/loads.py); `forward_pilots`: the
+# forward pilot's runs (bench/testbed/forward_pilot.py; one quick run's forwards are too
+# few to charge, predict.py FORWARD_MIN_FORWARDS, but it is run and recorded).
 FULL = {"delays_ms": (0.0, 20.0, 50.0), "loads": ("half", "high"), "runs": 5, "requests": 200,
-        "warmup": 60, "effort": Effort(), "pilot_max_s": PILOT_MAX_S}
+        "warmup": 60, "effort": Effort(), "pilot_max_s": PILOT_MAX_S, "forward_pilots": 3}
 WARMUP_PAUSE_S = 0.5
 QUICK = {"delays_ms": (20.0,), "loads": ("high",), "runs": 1, "requests": 60, "warmup": 60,
-         "effort": QUICK_EFFORT, "pilot_max_s": QUICK_PILOT_MAX_S}
+         "effort": QUICK_EFFORT, "pilot_max_s": QUICK_PILOT_MAX_S, "forward_pilots": 1}
 _STARTED = time.monotonic()
 
 
@@ -143,6 +147,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.requests = args.requests or plan["requests"]
     args.warmup = plan["warmup"] if args.warmup is None else args.warmup
     args.effort, args.pilot_max_s = plan["effort"], plan["pilot_max_s"]
+    args.forward_pilots = plan["forward_pilots"]
     if args.warmup < 0:
         p.error("--warmup must be >= 0")
     args.cfs_period_us = round(args.cfs_period_ms * 1000)
@@ -353,6 +358,15 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             bed.set_delay(args.delays_ms[0] / 1000)
             rates, pilots, setup = await load_rates(bed, args, setup, speeds, workload_at)
             result["pilots"] = [p.as_dict() for p in pilots]
+            # below saturation whichever loads run: a saturated swarm's CPU says nothing
+            pilot_rate = min([*rates.values(), *(p.rate_per_s for p in pilots[:1])])
+            seeds = [args.seed + PILOT_SEED_OFFSET + i for i in range(args.forward_pilots)]
+            setup, result["forward_pilot"] = await forward_pilot(
+                bed, setup, lambda seed: workload_at(pilot_rate, seed), seeds, pilot_rate,
+                args.model_path, args.delays_ms[0], args.warmup)
+            log(f"forward pilot ({FORWARD_PILOT_POLICY}, {pilot_rate:.2f} requests/s): a "
+                f"forward took its entry {setup.forward_cpu_s * 1e3:.1f} ms of CPU beyond "
+                "the simulation; the simulator charges that")
             if setup.cpu_factors:
                 result["cpu_factors"] = [round(f, 4) for f in setup.cpu_factors]
             result["params"] = {

@@ -56,11 +56,26 @@ class SimSetup:
     # per peer, how much more CPU a request took in the running swarm than measured alone
     # (`cpu_factors`, from the load pilots); empty: as measured alone
     cpu_factors: tuple[float, ...] = ()
+    # where a factor above 1 is charged: False, on its requests' path (every cost scaled
+    # by the factor); True, after each step, off their path (Calibration's
+    # after_step_fraction: predicted worse on the committed runs, docs/testbed.md)
+    factors_off_path: bool = False
+    # the CPU seconds a forward costs its entry beyond what the calibration and the
+    # simulator charge, at every peer (`forward_cpu`, from the forward pilot)
+    forward_cpu_s: float = 0.0
+    # where it is charged: False, with the calibration's own cost of a forward, on the
+    # request's path (shadows too); True, once a client request's answer is back, off
+    # its path (Calibration.forward_tail_s: predicted worse on the committed runs)
+    forward_after_answer: bool = False
 
     def params(self, policy: str, delay_ms: float, seed: int) -> SimParams:
         calibrations = self.calibrations
         cpu_quotas = self.quotas
         factors = self.cpu_factors or (1.0,) * len(calibrations)
+        if self.factors_off_path:
+            calibrations = tuple(replace(c, after_step_fraction=max(0.0, f - 1.0))
+                                 for c, f in zip(calibrations, factors, strict=True))
+            factors = tuple(min(1.0, f) for f in factors)
         if self.quotas:
             calibrations = tuple(replace(c.scaled(q * f), name=f"{c.name}-cpu")
                                  for c, q, f in zip(calibrations, self.quotas, factors,
@@ -68,8 +83,11 @@ class SimSetup:
             if self.gossip_cores:
                 cpu_quotas = tuple(q + g for q, g in zip(self.quotas, self.gossip_cores,
                                                          strict=True))
-        elif self.cpu_factors:
+        elif any(f != 1.0 for f in factors):
             calibrations = tuple(c.scaled(f) for c, f in zip(calibrations, factors, strict=True))
+        if self.forward_cpu_s:  # the calibrations are in CPU seconds of one core by now
+            calibrations = tuple(self._with_forward_residual(c, self.forward_cpu_s)
+                                 for c in calibrations)
         return SimParams(
             policy=policy, peers=len(self.calibrations), delay_ms=delay_ms, jitter=SIM_JITTER,
             summary_interval_s=self.summary_interval_s, capacity_blocks=self.capacity_blocks,
@@ -78,6 +96,13 @@ class SimSetup:
             swarm_trust=self.swarm_trust, cpu_quotas=cpu_quotas,
             quota_period_s=self.quota_period_s, trust_checks=True,
         )
+
+    def _with_forward_residual(self, cal: Calibration, residual_s: float) -> Calibration:
+        """`cal` charging `residual_s` more CPU per forward (less, where negative: the
+        calibration's own cost of a forward, down to none)."""
+        if residual_s > 0 and self.forward_after_answer:
+            return replace(cal, forward_tail_s=cal.forward_tail_s + residual_s)
+        return replace(cal, forward_overhead_s=max(0.0, cal.forward_overhead_s + residual_s))
 
 
 def testbed_setup(calibrations: Sequence[Calibration], background_cores: Sequence[float],
@@ -90,7 +115,7 @@ def testbed_setup(calibrations: Sequence[Calibration], background_cores: Sequenc
     were isolated, those quotas (the loopback bed has none). With `gossip`, the part of
     each idle self that is the summary cadence (GossipCost.idle_cores), which the
     simulator charges per summary, leaves the background and returns to the quota."""
-    usable = [s if isolated else 1.0 for s in shares]
+    usable = utilization_cores(shares, isolated)
     cadence = gossip.idle_cores(len(shares), summary_interval_s) if gossip else 0.0
     idle_gossip = [min(cadence, b) for b in background_cores]
     rest = [b - g for b, g in zip(background_cores, idle_gossip, strict=True)]
@@ -103,12 +128,18 @@ def testbed_setup(calibrations: Sequence[Calibration], background_cores: Sequenc
                     quota_period_s=quota_period_s)
 
 
+def utilization_cores(shares: Sequence[float], isolated: bool) -> list[float]:
+    """The cores each peer's utilisation is measured over: its share (a whole core on the
+    loopback bed, which has no quotas)."""
+    return [s if isolated else 1.0 for s in shares]
+
+
 def idle_utilization(background_cores: Sequence[float], shares: Sequence[float],
                      isolated: bool) -> list[float]:
-    """Each peer's idle self as the testbed measures utilisation: its CPU over its share
-    (over a whole core on the loopback bed, which has no quotas)."""
-    return [b / (s if isolated else 1.0)
-            for b, s in zip(background_cores, shares, strict=True)]
+    """Each peer's idle self as the testbed measures utilisation: its CPU over its
+    `utilization_cores`."""
+    return [b / c for b, c in zip(background_cores, utilization_cores(shares, isolated),
+                                  strict=True)]
 
 
 # A factor outside these bounds is a failed pilot, not a slower swarm: it is clamped.
@@ -146,6 +177,77 @@ def with_pilot_factors(setup: SimSetup, pilots: Sequence[tuple[float, Sequence[f
     simulated = [predict(alone, policy, delay_ms, workload_at(rate), seed).peer_utilization
                  for rate, _ in pilots]
     return replace(setup, cpu_factors=cpu_factors([u for _, u in pilots], simulated, idle))
+
+
+# A residual beyond this per forward (CPU seconds) is a failed pilot: it is clamped.
+FORWARD_CPU_MAX_S = 0.2
+# The forward pilot's policy (bench/testbed/forward_pilot.py): three requests in four
+# forwarded, from every entry alike.
+FORWARD_PILOT_POLICY = "random"
+# Fewer forwards than this give no residual (0): one run's 150 put it anywhere from -10 to
+# +25 ms of CPU on a day whose five runs together said 8; a quick run's 45, at -21.
+FORWARD_MIN_FORWARDS = 300
+
+
+@dataclass(frozen=True)
+class ForwardSample:
+    """One measured run for `forward_cpu`: each peer's utilisation, measured and simulated
+    on the same arrivals, the requests each entry forwarded (measured), and the window
+    the utilisations are over."""
+
+    measured: Sequence[float]
+    simulated: Sequence[float]
+    forwards: Sequence[int]
+    window_s: float
+
+
+def forward_cpu(samples: Sequence[ForwardSample], usable: Sequence[float],
+                min_forwards: int = FORWARD_MIN_FORWARDS) -> float:
+    """The CPU seconds a forward took its entry beyond what the simulator charged: what
+    the peers' measured utilisation exceeded the simulated one by (in CPU seconds:
+    utilisation is CPU over `usable` cores), summed over the peers and the samples, over
+    the requests they forwarded (negative where they ran below the simulation). On the
+    committed runs the peers' CPU per request served matched the simulator's while a
+    forward took its entry 12-28 ms of CPU against 0-15 charged (docs/testbed.md), so
+    the residual is put on the forwards; one figure for the swarm, as a pilot's per-peer
+    figures swung by tens of ms from run to run. 0 where fewer than `min_forwards` were
+    forwarded; clamped to +-FORWARD_CPU_MAX_S."""
+    extra = sum((m - s) * cores * sample.window_s
+                for sample in samples
+                for m, s, cores in zip(sample.measured, sample.simulated, usable, strict=True))
+    sent = sum(sum(sample.forwards) for sample in samples)
+    if sent < max(1, min_forwards):
+        return 0.0
+    return min(FORWARD_CPU_MAX_S, max(-FORWARD_CPU_MAX_S, extra / sent))
+
+
+def forwards_per_entry(served_matrix: Sequence[Sequence[int]]) -> list[int]:
+    """Requests each entry forwarded: its row of `served_matrix` (entry i, server j) off
+    the diagonal."""
+    return [sum(n for j, n in enumerate(row) if j != i) for i, row in enumerate(served_matrix)]
+
+
+def measured_window(workload: Sequence[TokenRequest], warmup: int) -> float:
+    """The span of the measured arrivals, which a run's utilisations are over."""
+    arrivals = [r.arrival_s for r in workload[warmup:]]
+    return max(arrivals) - min(arrivals) if arrivals else 0.0
+
+
+def with_forward_pilot(setup: SimSetup, runs: Sequence[tuple[Sequence[float], Sequence[int],
+                                                               Sequence[TokenRequest], int]],
+                       usable: Sequence[float], policy: str, delay_ms: float,
+                       min_forwards: int = FORWARD_MIN_FORWARDS) -> SimSetup:
+    """`setup` with `forward_cpu_s` from measured runs under `policy` at `delay_ms`, each
+    (per-peer utilisation, forwards per entry, the arrivals it sent, its seed), simulated
+    on `setup` without any forward residual."""
+    plain = replace(setup, forward_cpu_s=0.0)
+    samples = [ForwardSample(measured=util,
+                             simulated=predict(plain, policy, delay_ms, workload,
+                                               seed).peer_utilization,
+                             forwards=forwards,
+                             window_s=measured_window(workload, setup.warmup_requests))
+               for util, forwards, workload, seed in runs]
+    return replace(setup, forward_cpu_s=forward_cpu(samples, usable, min_forwards))
 
 
 def setup_from_result(result: dict[str, Any]) -> SimSetup:

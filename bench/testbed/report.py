@@ -26,7 +26,8 @@ Row = dict[str, Any]
 POLICIES = ("cost", "longest_prefix", "local", "random", "least_loaded")
 PREDICTION_TOLERANCE = 0.25  # |predicted / measured - 1|
 LONGEST_PREFIX_MARGIN = 1.05
-COMMAND = "sudo .venv/bin/python -m bench.testbed --json docs/results/testbed.json"
+COMMAND = ("sudo .venv/bin/python -m bench.testbed --json docs/results/testbed.json && "
+           ".venv/bin/python -m bench.testbed.repredict --json docs/results/testbed.json")
 
 
 # the row metrics a result's `summary` gives per point
@@ -237,7 +238,17 @@ def section(path: Path, title: str = TITLE, command: str = COMMAND) -> str:
             + ".",
             "",
         ]
+    pilot = data.get("forward_pilot")
     again = params.get("repredicted")
+    if pilot and not again:
+        lines += [
+            f"The forward pilot ({len(pilot.get('runs', []))} {pilot['policy']} runs at "
+            f"{pilot['rate_per_s']:.2f} requests/s, d = {pilot['delay_ms']:g} ms) put a "
+            f"forward at {pilot['forward_cpu_s'] * 1e3:.1f} ms of CPU at its entry beyond "
+            "what the simulator charged (0: too few forwards to tell); the predictions "
+            "charge it.",
+            "",
+        ]
     if again:
         lines += [
             f"The predictions were made again by today's simulator ({again.get('by')}, "
@@ -247,6 +258,9 @@ def section(path: Path, title: str = TITLE, command: str = COMMAND) -> str:
                + ": what its requests took in the running swarm over what the simulator "
                "charged for them on the calibration measured alone)"
                if again.get("cpu_factors") else "")
+            + (f", and each forward {again['forward_cpu_s'] * 1e3:.1f} ms of CPU at its "
+               f"entry beyond what the simulator charged (from {again['forward_cpu_from']})"
+               if again.get("forward_cpu_from") else "")
             + "; `sim at run` is what the simulator of the run predicted.",
             "",
         ]

@@ -14,16 +14,21 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from bench.report import emit_json
 from bench.testbed.loads import PILOT_SEED_OFFSET
 from bench.testbed.predict import (
+    FORWARD_PILOT_POLICY,
     SimSetup,
+    forwards_per_entry,
     idle_utilization,
     predict,
     setup_from_result,
+    utilization_cores,
+    with_forward_pilot,
     with_pilot_factors,
 )
 from bench.testbed.report import summary
@@ -37,13 +42,19 @@ PREDICTED = ("predicted_ttft_mean_s", "predicted_busiest_peer_utilization", "pre
              "predicted_ttft_mean_per_entry_s")
 
 
-def repredict(result: dict[str, Any], data: TokenizedMMLU | None = None) -> dict[str, Any]:
+def repredict(result: dict[str, Any], data: TokenizedMMLU | None = None,
+              variant: Variant | None = None) -> dict[str, Any]:
     """`result` with every row's predictions made again (in place; returned), each on
     the very arrivals its run sent (`run_workload`: the paced warm-up included) drawn
-    from `data` (default: the tokenized MMLU the testbed uses)."""
+    from `data` (default: the tokenized MMLU the testbed uses), by the simulator's
+    default model or `variant` of it."""
     params = result["params"]
     data = data if data is not None else load_tokenized_mmlu()
     setup = under_load(result, setup_from_result(result), data)
+    if variant is not None:
+        setup = replace(setup, factors_off_path=variant.factors_off_path,
+                        forward_after_answer=variant.forward_after_answer)
+    setup, forwards_from = with_forwards(result, setup, data)
     paces = params.get("warmup_pace") or {}  # runs before the paced warm-up have none
     for row in result["rows"]:
         row.setdefault("predicted_at_run", {k: row.get(k) for k in PREDICTED})
@@ -63,6 +74,9 @@ def repredict(result: dict[str, Any], data: TokenizedMMLU | None = None) -> dict
         "by": "python -m bench.testbed.repredict",
         "cpu_quotas": list(setup.quotas),
         "cpu_factors": list(setup.cpu_factors),
+        "forward_cpu_s": setup.forward_cpu_s,
+        "forward_cpu_from": forwards_from,
+        **({"variant": asdict(variant)} if variant is not None else {}),
     }
     result["summary"] = summary(result["rows"])
     return result
@@ -97,13 +111,67 @@ def under_load(result: dict[str, Any], setup: SimSetup, data: TokenizedMMLU) -> 
                               float(params["delays_ms"][0]), seed)
 
 
+@dataclass(frozen=True)
+class Variant:
+    """Where the simulator charges the extra CPU measured in the running swarm (the
+    SimSetup flags of the same names); the default model is neither."""
+
+    factors_off_path: bool = False
+    forward_after_answer: bool = False
+
+
+def with_forwards(result: dict[str, Any], setup: SimSetup, data: TokenizedMMLU
+                  ) -> tuple[SimSetup, str]:
+    """`setup` with the forward residual (predict.forward_cpu) of the run's forward pilot,
+    simulated again on the very arrivals it sent; for a run from before the testbed ran
+    one, of its own `random` rows at the first delay and the lowest load, which stand in
+    for it (their own predictions are then not out of sample); and where says whence
+    ("" for none: a run without per-entry rows)."""
+    params = result["params"]
+    usable = utilization_cores(params["shares"], bool(params.get("isolated", True)))
+    pilot = result.get("forward_pilot")
+    if pilot:
+        runs = [(run["peer_utilization"], run["forwards_per_entry"],
+                 _sent(data, params, float(pilot["rate_per_s"]), int(run["seed"]), 1.0),
+                 int(run["seed"])) for run in pilot["runs"]]
+        return (with_forward_pilot(setup, runs, usable, str(pilot["policy"]),
+                                   float(pilot["delay_ms"])),
+                f"the forward pilot, {len(runs)} runs")
+    rows = [r for r in result["rows"]
+            if r["policy"] == FORWARD_PILOT_POLICY and r.get("served_matrix")]
+    if not rows:
+        return setup, ""
+    delay = float((params.get("delays_ms") or [min(float(r["delay_ms"]) for r in rows)])[0])
+    loads = params.get("loads") or {}
+    rows = [r for r in rows if float(r["delay_ms"]) == delay]
+    if not rows:
+        return setup, ""
+    low = min({r["load"] for r in rows}, key=lambda load: loads.get(load, 0.0))
+    paces = params.get("warmup_pace") or {}
+    runs = [(r["peer_utilization"], forwards_per_entry(r["served_matrix"]),
+             _sent(data, params, float(r["rate_per_s"]), int(r["seed"]),
+                   float(paces.get(low, 1.0))), int(r["seed"]))
+            for r in rows if r["load"] == low]
+    return (with_forward_pilot(setup, runs, usable, FORWARD_PILOT_POLICY, delay),
+            f"rows: {FORWARD_PILOT_POLICY}, d = {delay:g} ms, {low}, {len(runs)} runs")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.testbed.repredict", description=__doc__)
     p.add_argument("--json", required=True, help="a bench.testbed result, rewritten in place")
+    p.add_argument("--out", help="write the result here instead (the input is left as it is)")
+    p.add_argument("--factors-off-path", action="store_true",
+                   help="charge the pilots' CPU factors after each step, off its requests' "
+                        "path, instead of scaling every cost")
+    p.add_argument("--forward-after-answer", action="store_true",
+                   help="charge the forward pilot's residual once each answer is back, off "
+                        "the request's path, instead of with the forward")
     args = p.parse_args(argv)
     path = Path(args.json)
-    result = repredict(json.loads(path.read_text()))
-    path.write_text(json.dumps(result, indent=2) + "\n")
+    variant = (Variant(args.factors_off_path, args.forward_after_answer)
+               if args.factors_off_path or args.forward_after_answer else None)
+    result = repredict(json.loads(path.read_text()), variant=variant)
+    Path(args.out or path).write_text(json.dumps(result, indent=2) + "\n")
     emit_json({"summary": result["summary"], "repredicted": result["params"]["repredicted"]},
               None)
 
