@@ -21,6 +21,13 @@ class CommittedRun(NamedTuple):
 # the full run (its title and command are report.py's own), then the what-ifs
 FULL_RUN = RESULTS / "testbed.json"
 TESTBED_PAGES = (
+    # the first full run with the forward pilot live (its predictions are the run's own)
+    CommittedRun(
+        RESULTS / "testbed_45d9c55.json",
+        "The full run at 45d9c55, the first with the forward pilot live: predictions "
+        "made at the run with the load pilots' CPU factors and the forwards' residual CPU",
+        "sudo .venv/bin/python -m bench.testbed --json docs/results/testbed_45d9c55.json",
+    ),
     # the full run at dbc02d6 (bfloat16 layers laid out once), predictions made again with
     # the load pilots' CPU factors and the forward residual of its random rows (the run's
     # own kept under predicted_at_run)
