@@ -81,7 +81,7 @@ def test_charged_off_the_path_the_extra_cpu_leaves_a_lone_request_as_fast() -> N
     lone = [TokenRequest(0.0, 0, tuple(range(200)), (), 2)]
     plain = SimSetup((CAL,), capacity_blocks=256, summary_interval_s=0.5)
     on_path = SimSetup((CAL,), capacity_blocks=256, summary_interval_s=0.5,
-                       cpu_factors=(2.0,))
+                       cpu_factors=(2.0,), factors_off_path=False)
     off_path = SimSetup((CAL,), capacity_blocks=256, summary_interval_s=0.5,
                         cpu_factors=(2.0,), factors_off_path=True)
     assert off_path.params("local", 0.0, 1).peer_calibrations[0].after_step_fraction == 1.0

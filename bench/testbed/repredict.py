@@ -114,9 +114,10 @@ def under_load(result: dict[str, Any], setup: SimSetup, data: TokenizedMMLU) -> 
 @dataclass(frozen=True)
 class Variant:
     """Where the simulator charges the extra CPU measured in the running swarm (the
-    SimSetup flags of the same names); the default model is neither."""
+    SimSetup flags of the same names); the default model charges the factors off the
+    requests' path and the forward residual with the forward."""
 
-    factors_off_path: bool = False
+    factors_off_path: bool = True
     forward_after_answer: bool = False
 
 
@@ -160,16 +161,16 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.testbed.repredict", description=__doc__)
     p.add_argument("--json", required=True, help="a bench.testbed result, rewritten in place")
     p.add_argument("--out", help="write the result here instead (the input is left as it is)")
-    p.add_argument("--factors-off-path", action="store_true",
-                   help="charge the pilots' CPU factors after each step, off its requests' "
-                        "path, instead of scaling every cost")
+    p.add_argument("--factors-on-path", action="store_true",
+                   help="charge the pilots' CPU factors on its requests' path (every cost "
+                        "scaled) instead of after each step")
     p.add_argument("--forward-after-answer", action="store_true",
                    help="charge the forward pilot's residual once each answer is back, off "
                         "the request's path, instead of with the forward")
     args = p.parse_args(argv)
     path = Path(args.json)
-    variant = (Variant(args.factors_off_path, args.forward_after_answer)
-               if args.factors_off_path or args.forward_after_answer else None)
+    variant = (Variant(not args.factors_on_path, args.forward_after_answer)
+               if args.factors_on_path or args.forward_after_answer else None)
     result = repredict(json.loads(path.read_text()), variant=variant)
     Path(args.out or path).write_text(json.dumps(result, indent=2) + "\n")
     emit_json({"summary": result["summary"], "repredicted": result["params"]["repredicted"]},
