@@ -5,6 +5,8 @@ holds the stall, hedging and trust paths)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import trio
 
@@ -216,3 +218,31 @@ async def test_an_unverified_forward_teaches_no_extra_on_an_idle_entry(autojump_
     result = (await run(swarm, SamplingParams(max_new_tokens=4)))[-1][1]
     assert result.served_by == A
     assert swarm.pipeline.router.forward_overhead.extra_s == pytest.approx(0.0, abs=1e-6)
+
+
+def _reporting(ttft_s: float, reported_ttft_s: float):
+    """A peer whose first token comes `ttft_s` after the request and whose signed result
+    says its engine took `reported_ttft_s` to it."""
+
+    def script(req):
+        steps = answer(req, reference(req.prompt_token_ids, req.max_new_tokens), ttft_s)
+        result = steps[-1].frame
+        steps[-1] = Step(0.0, replace(result, ttft_s=reported_ttft_s))
+        return steps
+
+    return script
+
+
+async def test_the_wait_for_a_first_token_beyond_the_serving_engine_is_learned(autojump_clock):
+    # The first token comes 0.2 s after the request; the serving engine says it took
+    # 0.05 s of that: the other 0.15 s (the stream's handling at both ends) is a cost of
+    # forwarding to A that the model does not count. A peer that says its engine took longer than
+    # the whole wait teaches nothing of it, and nothing below the entry's own waits.
+    learned = {}
+    for name, reported in (("honest", 0.2), ("handled", 0.05), ("overstated", 10.0)):
+        swarm = fake_swarm({A: (7, _reporting(0.2, reported))}, PROMPT, verify_fraction=0.0)
+        result = (await run(swarm, SamplingParams(max_new_tokens=4)))[-1][1]
+        assert result.served_by == A
+        learned[name] = swarm.pipeline.router.forward_overhead.extra_for(A)
+    assert learned["handled"] - learned["honest"] == pytest.approx(0.15, abs=0.005)
+    assert learned["overstated"] == pytest.approx(learned["honest"], abs=1e-6)

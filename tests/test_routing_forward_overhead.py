@@ -10,7 +10,12 @@ from hypothesis import strategies as st
 
 from peer.config import Policy
 from peer.routing.cost import ROUND_TRIPS_PER_FORWARD, PeerEstimate, rank_estimates
-from peer.routing.forward_overhead import OVERHEAD_BOUND_S, ForwardOverhead
+from peer.routing.forward_overhead import (
+    MAX_PEERS,
+    OVERHEAD_BOUND_S,
+    ForwardOverhead,
+    unexplained_wait,
+)
 
 
 def test_nothing_is_added_before_a_forward() -> None:
@@ -35,6 +40,65 @@ def test_a_request_sent_at_once_adds_nothing() -> None:
     o = ForwardOverhead()
     o.forwarded(0.5 * _setup(0.05), 0.05, 0.0)
     assert o.extra_s == 0.0
+
+
+def test_the_wait_beyond_the_round_trip_and_the_serving_engine_is_learned_per_peer() -> None:
+    # 0.12 s from the request to its first token: 0.02 the round trip, 0.05 the serving
+    # engine's own time, so 0.05 was the stream's handling at both ends
+    assert unexplained_wait(0.12, 0.02, 0.05) == pytest.approx(0.05)
+    o = ForwardOverhead()
+    o.forwarded(0.01 + _setup(0.02), 0.02, 0.0, peer_id="slow", first_wait_s=0.12,
+                server_ttft_s=0.05)
+    o.forwarded(0.01 + _setup(0.02), 0.02, 0.0, peer_id="quick", first_wait_s=0.07,
+                server_ttft_s=0.05)
+    assert o.extra_s == pytest.approx(0.01)  # the entry's own waits: every peer
+    assert o.extra_for("slow") == pytest.approx(0.06)
+    assert o.extra_for("quick") == pytest.approx(0.01)
+    assert o.extra_for("never") == pytest.approx(0.01)
+    for _ in range(70):  # serving here fades the peers' means too
+        o.served_here()
+    assert o.extra_for("slow") - o.extra_s == pytest.approx(0.05 * 0.99**70)
+
+
+def test_an_unknown_or_overstated_engine_time_adds_nothing() -> None:
+    assert unexplained_wait(None, 0.02, 0.05) is None
+    assert unexplained_wait(0.12, 0.02, None) is None
+    assert unexplained_wait(float("nan"), 0.02, 0.0) is None
+    assert unexplained_wait(0.1, 0.02, float("inf")) is None
+    assert unexplained_wait(0.12, 0.02, 5.0) == pytest.approx(-0.02)  # at most the wait
+    o = ForwardOverhead()
+    o.forwarded(0.0, 0.02, 0.0, peer_id="liar", first_wait_s=0.12, server_ttft_s=5.0)
+    assert o.extra_for("liar") == o.extra_s == 0.0
+
+
+def test_jitter_either_way_averages_out_instead_of_adding_up() -> None:
+    # first tokens 5 ms sooner and 5 ms later than the round trip priced, in turn: the
+    # mean stays near zero (a mean of only the late ones would price 2.5 ms a forward)
+    o = ForwardOverhead()
+    for i in range(200):
+        late = 0.005 if i % 2 else -0.005
+        o.forwarded(0.0, 0.02, 0.0, peer_id="p", first_wait_s=0.07 + late, server_ttft_s=0.05)
+    assert o.extra_for("p") < 0.001
+
+
+@given(st.floats(0, 5), st.floats(0, 1), st.floats(0, 5), st.floats(0, 5),
+       st.floats(0, 100) | st.just(float("inf")) | st.none())
+def test_a_serving_peer_cannot_push_its_cost_below_the_entrys_own_waits(
+    before: float, rtt: float, after: float, wait: float, reported: float | None,
+) -> None:
+    own, told = ForwardOverhead(), ForwardOverhead()
+    own.forwarded(before, rtt, after)
+    told.forwarded(before, rtt, after, peer_id="p", first_wait_s=wait, server_ttft_s=reported)
+    assert told.extra_for("p") >= own.extra_s == told.extra_s
+    assert told.extra_for("p") <= 2 * OVERHEAD_BOUND_S
+
+
+def test_the_peers_remembered_are_bounded() -> None:
+    o = ForwardOverhead()
+    for i in range(MAX_PEERS + 10):
+        o.forwarded(0.0, 0.0, 0.0, peer_id=f"p{i}", first_wait_s=0.1, server_ttft_s=0.0)
+    assert o.extra_for("p0") == 0.0  # the least recently forwarded to: forgotten
+    assert o.extra_for(f"p{MAX_PEERS + 9}") == pytest.approx(0.1)
 
 
 def test_serving_here_fades_it_so_forwarding_is_tried_again() -> None:

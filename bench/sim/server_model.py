@@ -40,6 +40,7 @@ class ServerModel:
     def _start(self, job: Job, now: float) -> None:
         """The request reaches its serving peer: it waits for a batch slot."""
         peer = self.peers[job.target]
+        job.server_start = now
         job.queued = len(job.tokens) - self._reusable(peer, job.tokens)
         peer.queued_tokens += job.queued
         peer.running += 1
@@ -167,6 +168,7 @@ class ServerModel:
         return done
 
     def _prefill_done(self, peer: SimPeer, job: Job, now: float) -> None:
+        job.server_ttft = now - job.server_start  # what its answer reports
         peer.queued_tokens -= job.queued
         peer.overhead_s += peer.cal.request_tail_s  # paid before the next step (_phase)
         self._insert(peer, job.tokens, now)
@@ -194,12 +196,16 @@ class ServerModel:
 
     def _learn_overhead(self, entry: SimPeer, job: Job, after_first_s: float) -> None:
         """The entry's router learns its own wait on a forward when the first token is
-        delivered, as peer/request/run.py `learn_overhead` does: before the request went
-        out, and from the first token's arrival to its delivery (a verified answer's
+        delivered, as peer/request/run.py `_learn_forward` does: before the request went
+        out, for the first token beyond the round trip and the serving engine's time to
+        it, and from the first token's arrival to its delivery (a verified answer's
         re-score included)."""
         if job.chosen is not None and not math.isnan(job.lead_s):
-            entry.router.forward_overhead.forwarded(job.lead_s, job.chosen.estimate.rtt_s,
-                                                    max(0.0, after_first_s))
+            entry.router.forward_overhead.forwarded(
+                job.lead_s, job.chosen.estimate.rtt_s, max(0.0, after_first_s),
+                peer_id=self.peers[job.target].peer_id,
+                first_wait_s=max(0.0, job.first_back - job.sent),
+                server_ttft_s=None if math.isnan(job.server_ttft) else job.server_ttft)
 
     def _complete(self, peer: SimPeer, job: Job, now: float) -> int:
         """The last token of ``job`` at its server: 1 for a client request served at its

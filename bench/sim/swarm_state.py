@@ -71,6 +71,8 @@ class Job:
         "ret",
         "rid",
         "sent",
+        "server_start",
+        "server_ttft",
         "shadow",
         "target",
         "tokens",
@@ -107,6 +109,8 @@ class Job:
         self.verify = False  # re-scored at its entry before any of it reaches the client
         self.lead_s = math.nan  # forwarded: the entry's time from routing to sending it
         self.first_back = math.nan  # forwarded: when its first token reached the entry
+        self.server_start = math.nan  # when it reached its serving engine
+        self.server_ttft = math.nan  # its serving engine's time to its first token
 
 
 class SimPeer:

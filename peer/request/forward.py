@@ -211,6 +211,8 @@ class RemoteAttempt:
         self.sent_at: float | None = None
         self.first_at: float | None = None
         self.last_at: float | None = None
+        self.delivered_at: float | None = None  # its first token reached the client
+        self.server_ttft_s: float | None = None  # the serving engine's, as its result says
 
     async def open(self, first_token_s: float = math.inf) -> None:
         """Open the stream (within STREAM_OPEN_TIMEOUT_S), send the request, and wait for
@@ -271,6 +273,7 @@ class RemoteAttempt:
                     if not answer_signed(self.peer_id, self._request, self.answer, message):
                         raise Faulty("its answer is not signed with its own key")
                     self.cached_tokens = message.cached_tokens
+                    self.server_ttft_s = message.ttft_s
                     self.signature = message.signature
                     self.finish_reason = message.finish_reason
                     self._finished = True

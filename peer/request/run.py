@@ -157,20 +157,31 @@ class RunContext:
             self.stats["audits_dropped"] += 1
 
     def learn_overhead(self, racer: Racer) -> None:
-        """ForwardOverhead learns a direct forward's wait here before its request went out
-        and after its first token came (not a dial's or relay's setup); a request served
-        here only ages it."""
+        """At a request's first token delivered: a request served here ages ForwardOverhead;
+        a direct forward's delivery time is kept for `served`, which teaches it once the
+        serving peer's result has said its engine's time (not a dial's or relay's setup)."""
         attempt = racer.attempt
-        overhead = self.router.forward_overhead
         if isinstance(attempt, RemoteAttempt):
-            if attempt.direct and attempt.sent_at is not None and attempt.first_at is not None:
-                overhead.forwarded(
-                    max(0.0, attempt.sent_at - racer.started_at),
-                    racer.candidate.estimate.rtt_s,
-                    max(0.0, trio.current_time() - attempt.first_at),
-                )
+            attempt.delivered_at = trio.current_time()
         else:
-            overhead.served_here()
+            self.router.forward_overhead.served_here()
+
+    def _learn_forward(self, racer: Racer) -> None:
+        """ForwardOverhead learns a direct forward's wait here before its request went out,
+        for its first token beyond the round trip and the serving engine's own time, and
+        after that token came until it was delivered (forward_overhead.py)."""
+        attempt = racer.attempt
+        if not isinstance(attempt, RemoteAttempt) or not attempt.direct:
+            return
+        sent, first, delivered = attempt.sent_at, attempt.first_at, attempt.delivered_at
+        if sent is None or first is None or delivered is None:
+            return
+        self.router.forward_overhead.forwarded(
+            max(0.0, sent - racer.started_at), racer.candidate.estimate.rtt_s,
+            max(0.0, delivered - first), peer_id=attempt.peer_id,
+            first_wait_s=max(0.0, first - sent),
+            server_ttft_s=attempt.server_ttft_s,
+        )
 
     def served(self, racer: Racer, prompt: list[int], produced: int) -> float:
         """The winner delivered ``produced`` tokens and finished; what it was charged for
@@ -181,6 +192,7 @@ class RunContext:
         attempt = racer.attempt
         if not isinstance(attempt, RemoteAttempt):
             return 0.0
+        self._learn_forward(racer)
         action = self.trust.record_served(peer_id, verified=racer.verify, now=now)
         if isinstance(action, Promote):
             logger.info("peer %s passed probation (%d verified)", peer_id, action.verified)

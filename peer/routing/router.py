@@ -269,7 +269,7 @@ class Router:
         the peers on probation apart."""
         policy = self.policy
         rows = table.routing_rows(chain if policy in USES_MATCHES else None, now)
-        extra_s = self.forward_overhead.extra_s
+        overhead = self.forward_overhead
         block_size = self.block_size
         rtt_prior = self._rtt_prior_s
         failed = self._failed_at
@@ -284,10 +284,11 @@ class Router:
         best_match = max(local.match_tokens, remote_best * block_size)
         holder_network_s = 0.0
         if best_match > local.match_tokens:  # the nearest holder of the longest match
-            holder_rtt = min(
-                rtt_prior if row[2] is None else row[2] for row in rows if row[5] == remote_best
+            holder_network_s = min(
+                forward_network_s(rtt_prior if row[2] is None else row[2],
+                                  overhead.extra_for(row[0]))
+                for row in rows if row[5] == remote_best
             )
-            holder_network_s = forward_network_s(holder_rtt, extra_s)
         healthy = candidates_of(
             policy, (local_e,), prompt_tokens, max_new_tokens, busy, best_match,
             holder_network_s,
@@ -345,6 +346,7 @@ class Router:
             if failed_s_ago is None and demoted:
                 failed_s_ago = max(0.0, now - lapsed_at)
             match_tokens = match_blocks * block_size
+            extra_s = overhead.extra_for(peer_id)
             e = _new(
                 PeerEstimate,
                 (peer_id, False, match_blocks, match_tokens, queued, running, prefill, decode,
