@@ -21,12 +21,24 @@ class CommittedRun(NamedTuple):
 # the full run (its title and command are report.py's own), then the what-ifs
 FULL_RUN = RESULTS / "testbed.json"
 TESTBED_PAGES = (
-    # the first full run with the forward pilot live (its predictions are the run's own)
+    # the first run with each serving peer's wait priced: cost and local at the half load
+    CommittedRun(
+        RESULTS / "testbed_half_d14a0e9.json",
+        "A partial run at d14a0e9, the first with each serving peer's wait priced: cost "
+        "and local only, the half load only (its rate fixed at 6 requests/s), five runs",
+        "sudo .venv/bin/python -m bench.testbed --json docs/results/testbed_half_d14a0e9.json "
+        "--policies cost,local --delays-ms 0,20,50 --loads half --runs 5 --rates half=6",
+    ),
+    # the first full run with the forward pilot live, predictions made again with the
+    # pilots' factors off the path (the run's own kept under predicted_at_run)
     CommittedRun(
         RESULTS / "testbed_45d9c55.json",
         "The full run at 45d9c55, the first with the forward pilot live: predictions "
-        "made at the run with the load pilots' CPU factors and the forwards' residual CPU",
-        "sudo .venv/bin/python -m bench.testbed --json docs/results/testbed_45d9c55.json",
+        "made again with the load pilots' CPU factors charged off the path and the "
+        "forwards' residual CPU (bench.testbed.repredict)",
+        "sudo .venv/bin/python -m bench.testbed --json docs/results/testbed_45d9c55.json "
+        "&& .venv/bin/python -m bench.testbed.repredict --json "
+        "docs/results/testbed_45d9c55.json",
     ),
     # the full run at dbc02d6 (bfloat16 layers laid out once), predictions made again with
     # the load pilots' CPU factors and the forward residual of its random rows (the run's
