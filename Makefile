@@ -62,7 +62,7 @@ lint: $(STAMP)
 	# shells typed as strictly (pyproject's second strict override): the request path and
 	# the library entry
 	$(BIN)/mypy peer/api/http.py peer/api/responses.py peer/api/auth.py peer/request/serving.py \
-		peer/request/pipeline.py peer/request/run.py peer/request/shadow.py peer/request/served_service.py peer/request/race.py peer/request/forward.py peer/request/inference.py peer/request/evidence.py peer/request/signed.py peer/routing/probe_service.py \
+		peer/request/pipeline.py peer/request/run.py peer/request/run_context.py peer/request/shadow.py peer/request/served_service.py peer/request/race.py peer/request/forward.py peer/request/inference.py peer/request/evidence.py peer/request/signed.py peer/routing/probe_service.py \
 		peer/net/wire.py peer/net/lazy_select.py peer/swarm/lookup.py peer/engine/compute_thread.py prefixswarm
 
 clean-venv:

@@ -277,7 +277,7 @@ class Simulator(ServerModel, RoutingModel, GossipModel):
         # after routing, as peer/request/pipeline.py asks: a shadow to a probation peer?
         shadow = entry.shadows.choose(job.probation, temperature=GREEDY, private=False)
         if target == job.entry:
-            if job.chosen is not None:  # as peer/request/run.py `learn_overhead`
+            if job.chosen is not None:  # as peer/request/run_context.py `learn_overhead`
                 entry.router.forward_overhead.served_here()
             if wait > 0:
                 self._push(now + wait, DELIVER, target, job)

@@ -252,7 +252,7 @@ class RoutingModel:
 
     def _forward_done(self, entry: SimPeer, job: Job, now: float) -> int:
         """A forward's last token is back at its entry: the entry's bookkeeping, as
-        peer/request/run.py `RunContext.served` does it: the table's count of the forward,
+        peer/request/run_context.py `RunContext.served` does it: the table's count of the forward,
         and what the trust ledger learns (served, the claimed match, observed speeds). A
         shadow's answer waits for the client's to be judged (`_verdict`). With
         `trust_checks`, a verified answer is re-scored before its client sees it and an

@@ -61,7 +61,7 @@ class ServerModel:
     def _check_answer(self, entry: SimPeer, job: Job, peer_id: str, now: float) -> None:
         """A forwarded answer is back at `entry`: re-scored before delivery if it was
         chosen for verification (its client's first token waits for the step that pays
-        it), else perhaps audited (peer/request/run.py `RunContext.audit`): queued until
+        it), else perhaps audited (peer/request/run_context.py `RunContext.audit`): queued until
         the engine is idle, dropped beyond AUDITS_WAITING, as peer/request/evidence.py
         does (whose 30 s wait-for-idle limit is not simulated)."""
         if job.verify:
@@ -196,7 +196,7 @@ class ServerModel:
 
     def _learn_overhead(self, entry: SimPeer, job: Job, after_first_s: float) -> None:
         """The entry's router learns its own wait on a forward when the first token is
-        delivered, as peer/request/run.py `_learn_forward` does: before the request went
+        delivered, as peer/request/run_context.py `_learn_forward` does: before the request went
         out, for the first token beyond the round trip and the serving engine's time to
         it, and from the first token's arrival to its delivery (a verified answer's
         re-score included)."""

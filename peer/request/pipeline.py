@@ -44,7 +44,8 @@ from peer.request.generation import (
     RequestFailed,
 )
 from peer.request.race import AnyAttempt, token_gap_s
-from peer.request.run import RequestRun, RunContext
+from peer.request.run import RequestRun
+from peer.request.run_context import RunContext
 from peer.request.shadow import Shadows
 from peer.routing.decide import ProbeFirst, next_step
 from peer.routing.probe_service import probe_loads

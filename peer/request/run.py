@@ -5,7 +5,8 @@ progress. It races the ranked candidates (peer/request/race.py) with the pipelin
 attempt factory bound to itself, streams the winner's tokens (held back for verification
 when the trust ledger chose it), and on a failure hands over to the next candidate with
 the prompt plus the tokens so far (greedy output stays identical). Attempts end in a
-typed `Outcome`; `RunContext`, shared by a pipeline's runs, records each one where the
+typed `Outcome`; `RunContext` (peer/request/run_context.py), shared by a pipeline's
+runs, records each one where the
 swarm learns from it (router back-off, trust, statistics, waiters on the same peer). An
 attempt that cost the client time (failed, stalled, lost a hedge race, decoded far slower
 than its peer claimed) is charged to that peer's reliability debt in the trust ledger,
@@ -19,25 +20,19 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import random
-from collections import Counter, deque
-from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from collections import deque
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 import trio
 
-from peer.config import PeerConfig
 from peer.engine.api import EngineError, GeneratingEngine, SamplingParams
-from peer.engine.speeds import forward_speeds
 from peer.engine.text import StopTracker
 from peer.request.admission import Overloaded
 from peer.request.forward import (
     AttemptFailed,
     Delivery,
-    Faulty,
     Finished,
-    HedgeLost,
-    MovedOn,
     RemoteAttempt,
 )
 from peer.request.generation import (
@@ -49,14 +44,9 @@ from peer.request.generation import (
     Outcome,
     RequestFailed,
 )
-from peer.request.race import AnyAttempt, Race, Racer, Waiters
-from peer.routing.claims import claimed_decode, priced_stream_decode
-from peer.routing.cost import PeerEstimate
-from peer.routing.reliability import Lapse
-from peer.routing.router import Candidate, Router
-from peer.routing.trust import Promote, Quarantine, TrustLedger
-from peer.swarm.peer_table import PeerTable
-from protocols.answers import Evidence
+from peer.request.race import AnyAttempt, Race, Racer
+from peer.request.run_context import RunContext, WrongOutput
+from peer.routing.router import Candidate
 
 logger = logging.getLogger(__name__)
 
@@ -64,11 +54,6 @@ logger = logging.getLogger(__name__)
 AttemptFactory = Callable[
     [Candidate, list[int], SamplingParams, str, float, bytes | None], AnyAttempt
 ]
-
-
-class _WrongOutput(AttemptFailed):
-    def __init__(self, detail: str) -> None:
-        super().__init__(Outcome.WRONG_OUTPUT, detail)
 
 
 class _Detokenizer:
@@ -91,205 +76,6 @@ class Progress:
     cached_tokens: int | None = None
     served_by: str = ""
     handovers: int = 0  # attempts that streamed tokens and then failed
-
-
-class RunContext:
-    """What every run of one pipeline shares, and where each attempt's outcome is
-    recorded: the router backs off a failed peer, the trust ledger learns, requests
-    waiting on the same peer's first token move on."""
-
-    def __init__(
-        self,
-        *,
-        config: PeerConfig,
-        engine: GeneratingEngine,
-        router: Router,
-        table: PeerTable,
-        trust: TrustLedger,
-        rng: random.Random,
-        stats: Counter[str],
-        self_id: str,
-        on_quarantine: Callable[[Quarantine], None] | None = None,
-        on_evidence: Callable[[Evidence], None] | None = None,
-        on_audit: Callable[[Evidence], bool] | None = None,
-        served_elsewhere: Callable[[str, Sequence[int]], Awaitable[str | None]] | None = None,
-    ) -> None:
-        self.config = config
-        # who, if anyone, says a peer asked it for a prompt (peer/request/served_service.py)
-        self.served_elsewhere = served_elsewhere
-        self.engine = engine
-        self.router = router
-        self.table = table
-        self.trust = trust
-        self.rng = rng
-        self.stats = stats
-        self.self_id = self_id
-        self.verify = engine.verify
-        self.waiters = Waiters()
-        self._on_quarantine = on_quarantine
-        self._on_evidence = on_evidence
-        self._on_audit = on_audit
-
-    def accuse(self, attempt: object) -> None:
-        """Tell other peers of a verified lie: the attempt's signed answer (none: a local
-        attempt, or an answer without its signed result)."""
-        if isinstance(attempt, RemoteAttempt) and self._on_evidence is not None:
-            evidence = attempt.evidence()
-            if evidence is not None:
-                self.stats["evidence_found"] += 1
-                self._on_evidence(evidence)
-
-    def audit(self, attempt: object) -> None:
-        """Hand a remote answer delivered unverified to an audit, if the ledger wants one
-        (peer/routing/trust.py `should_audit`): it is re-scored off the client's path and
-        a wrong one quarantines its server here and is told to others as evidence."""
-        if not isinstance(attempt, RemoteAttempt) or self._on_audit is None:
-            return
-        if not self.trust.should_audit(attempt.peer_id):
-            return
-        evidence = attempt.evidence()
-        if evidence is None:
-            return
-        if self._on_audit(evidence):
-            self.trust.record_audit(attempt.peer_id)
-            self.stats["responses_audited"] += 1
-        else:
-            self.stats["audits_dropped"] += 1
-
-    def learn_overhead(self, racer: Racer) -> None:
-        """At a request's first token delivered: a request served here ages ForwardOverhead;
-        a direct forward's delivery time is kept for `served`, which teaches it once the
-        serving peer's result has said its engine's time (not a dial's or relay's setup)."""
-        attempt = racer.attempt
-        if isinstance(attempt, RemoteAttempt):
-            attempt.delivered_at = trio.current_time()
-        else:
-            self.router.forward_overhead.served_here()
-
-    def _learn_forward(self, racer: Racer) -> None:
-        """ForwardOverhead learns a direct forward's wait here before its request went out,
-        for its first token beyond the round trip and the serving engine's own time, and
-        after that token came until it was delivered (forward_overhead.py)."""
-        attempt = racer.attempt
-        if not isinstance(attempt, RemoteAttempt) or not attempt.direct:
-            return
-        sent, first, delivered = attempt.sent_at, attempt.first_at, attempt.delivered_at
-        if sent is None or first is None or delivered is None:
-            return
-        self.router.forward_overhead.forwarded(
-            max(0.0, sent - racer.started_at), racer.candidate.estimate.rtt_s,
-            max(0.0, delivered - first), peer_id=attempt.peer_id,
-            first_wait_s=max(0.0, first - sent),
-            server_ttft_s=attempt.server_ttft_s,
-        )
-
-    def served(self, racer: Racer, prompt: list[int], produced: int) -> float:
-        """The winner delivered ``produced`` tokens and finished; what it was charged for
-        underdelivering (0 mostly)."""
-        peer_id = racer.candidate.peer_id
-        now = trio.current_time()
-        self.router.record_outcome(peer_id, True, now)
-        attempt = racer.attempt
-        if not isinstance(attempt, RemoteAttempt):
-            return 0.0
-        self._learn_forward(racer)
-        action = self.trust.record_served(peer_id, verified=racer.verify, now=now)
-        if isinstance(action, Promote):
-            logger.info("peer %s passed probation (%d verified)", peer_id, action.verified)
-        return self.observe(peer_id, attempt, prompt, produced, racer.candidate.estimate)
-
-    def observe(
-        self, peer_id: str, attempt: RemoteAttempt, prompt: list[int], produced: int,
-        estimate: PeerEstimate,
-    ) -> float:
-        """What a finished forward showed of ``peer_id``: its claim, its speeds, and the
-        charge (0 mostly) if it decoded far slower than ``estimate`` priced it at."""
-        cached = attempt.cached_tokens
-        block = self.engine.block_size
-        if cached is not None:
-            chain = self.engine.hasher.chain(prompt)
-            claimed = self.table.estimate_match(peer_id, chain) * block
-            self.trust.record_claim(peer_id, min(claimed, (len(prompt) - 1) // block * block),
-                                    cached)
-        sent, first, last = attempt.sent_at, attempt.first_at, attempt.last_at
-        ttft = span = None
-        if sent is not None and first is not None and cached is not None:
-            ttft = first - sent
-        if first is not None and last is not None:
-            span = last - first
-        computed = len(prompt) - (cached or 0)
-        prefill, decode = forward_speeds(
-            computed, ttft, produced, span, queued_tokens=estimate.queued_prompt_tokens,
-            rtt_s=estimate.rtt_s, own_prefill_tokens_per_s=self.engine.load().prefill_tokens_per_s)
-        self.trust.record_speeds(peer_id, prefill, decode)
-        view = self.table.get(peer_id, trio.current_time())
-        if view is None or decode is None:
-            return 0.0
-        claimed_speed = priced_stream_decode(
-            claimed_decode(view.summary.decode_tokens_per_s,
-                           view.summary.batch_decode_tokens_per_s),
-            estimate.running_requests, estimate.batch_slots, self.router.policy)
-        charged = self.trust.record_delivery(peer_id, claimed_speed, decode, trio.current_time())
-        if charged:
-            self.stats["charged_underdelivered"] += 1
-        return charged
-
-    def failed(
-        self, candidate: Candidate, outcome: Outcome, exc: AttemptFailed, route: list[Attempt],
-        produced: int, waited_s: float = 0.0,
-    ) -> None:
-        """Record a failed attempt at once (in the request's ``route`` too), ``waited_s``
-        the time the client waited on it in vain."""
-        peer_id = candidate.peer_id
-        now = trio.current_time()
-        charged = 0.0
-        lapse = None if candidate.is_local else _lapse_of(exc)
-        if lapse is not None:
-            charged = self.trust.record_lapse(peer_id, lapse, now)
-            if charged:
-                self.stats[f"charged_{lapse.value}"] += 1
-        route.append(
-            Attempt(peer_id, candidate.is_local, outcome, str(exc), produced, candidate.reason,
-                    waited_s, charged)
-        )
-        self.stats[f"attempt_{outcome.value}"] += 1
-        blamed = not isinstance(exc, (MovedOn, HedgeLost))  # MovedOn: recorded already
-        if blamed:
-            self.router.record_outcome(peer_id, False, now)
-        if isinstance(exc, Faulty):
-            self.quarantine(peer_id, str(exc))
-        if blamed and outcome is not Outcome.REFUSED and not candidate.is_local:
-            self.waiters.cancel(peer_id)
-        logger.info("%s: %s (%s); trying the next candidate", peer_id, outcome.value, exc)
-
-    def quarantine(self, peer_id: str, reason: str) -> None:
-        action = self.trust.quarantine(peer_id, reason, trio.current_time())
-        if action is not None:
-            self.quarantined(action)
-
-    def quarantined(self, action: Quarantine) -> None:
-        """Carry out the ledger's quarantine: log, persist, move waiters on."""
-        peer_id, reason = action.peer_id, action.reason
-        self.stats["quarantined"] += 1
-        logger.warning("peer %s quarantined: %s", peer_id, reason)
-        self.waiters.cancel(peer_id)
-        if self._on_quarantine is not None:
-            self._on_quarantine(action)
-
-
-def _lapse_of(exc: AttemptFailed) -> Lapse | None:
-    """What a remote attempt's failure charges its peer: nothing when the failure is not
-    its own doing now (a refusal when overloaded is honest, MovedOn was charged for the
-    request it failed, a wrong answer or a faulty one quarantines it)."""
-    if isinstance(exc, HedgeLost):
-        return Lapse.HEDGE_LOST
-    if isinstance(exc, (MovedOn, Faulty, _WrongOutput)):
-        return None
-    if exc.outcome is Outcome.STALLED:
-        return Lapse.STALLED
-    if exc.outcome is Outcome.FAILED:
-        return Lapse.FAILED
-    return None
 
 
 class RequestRun:
@@ -445,7 +231,7 @@ class RequestRun:
                 self._context.accuse(attempt)
                 if good:
                     yield self._emit(good, served_by)
-                raise _WrongOutput(f"verification failed after {len(good)} good tokens")
+                raise WrongOutput(f"verification failed after {len(good)} good tokens")
             yield self._emit(output, served_by)
         if progress.cached_tokens is None:
             progress.cached_tokens = attempt.cached_tokens

@@ -28,7 +28,7 @@ import trio
 from peer.engine.api import EngineError, SamplingParams
 from peer.request.forward import AttemptFailed, Faulty, Finished, RemoteAttempt
 from peer.request.generation import Outcome
-from peer.request.run import RunContext
+from peer.request.run_context import RunContext
 from peer.routing.router import Candidate
 from peer.routing.shadow import Shadow, ShadowPlanner, first_difference
 
