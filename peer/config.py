@@ -129,8 +129,9 @@ class PeerConfig:
     use_relays: bool = True
     mdns: bool = False  # find peers on the local network by multicast DNS (no bootstrap)
     upnp: bool = False  # ask the home router (UPnP IGD) to forward the listen port
-    # auto: bfloat16 where the hardware computes it natively, else float32 (engine/model.py
-    # choose_dtype); bfloat16 halves KV bytes; a non-float32 dtype is in the model id
+    # auto (engine/model.py choose_dtype): int4 for the embedded SmolLM2, which ships as
+    # 4-bit weights, on AVX-512 CPUs with native bfloat16; else bfloat16 where the hardware
+    # computes it natively, else float32; a non-float32 dtype is in the model id
     dtype: str = "auto"
     device: str = "auto"  # cuda, then mps, then cpu
     threads: int | None = None  # torch CPU threads; None: torch's default

@@ -225,7 +225,8 @@ async def run_local(args: argparse.Namespace) -> int:
             try:
                 async with open_local_swarm(options, say=say) as peers:
                     first = peers[0]
-                    say(f"swarm ready: {len(peers)} peers, HTTP on {first.http}")
+                    serving = f" serving {first.model}" if first.model else ""
+                    say(f"swarm ready: {len(peers)} peers{serving}, HTTP on {first.http}")
                     if args.json:
                         print(json.dumps({
                             "event": "ready", "pid": os.getpid(), "http": first.http,

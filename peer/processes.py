@@ -56,6 +56,7 @@ class PeerProcess:
     peer_id: str = ""
     multiaddrs: tuple[str, ...] = ()
     http: str | None = None
+    model: str = ""  # the model id it serves, format included ("up" line)
     known: frozenset[str] = frozenset()  # the peers it knows ("peers" or "table" lines)
     # of those, the ones with a measured round trip: its router's candidates ("peers")
     routable: frozenset[str] = frozenset()
@@ -111,6 +112,7 @@ class PeerProcess:
             self.peer_id = str(report.get("peer_id", ""))
             self.multiaddrs = tuple(report.get("multiaddrs", ()))
             self.http = report.get("http")
+            self.model = str(report.get("model", ""))
             self.up.set()
         elif kind == "peers":  # peer.cli serve
             self.known = frozenset(report.get("peer_ids", ()))

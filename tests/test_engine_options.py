@@ -67,10 +67,20 @@ def test_bad_precision_and_device_are_clear_errors(tmp_path):
         load_model("tiny-random", threads=0)
 
 
-def test_auto_dtype_is_bfloat16_only_where_the_hardware_computes_it(tmp_path):
+def test_auto_dtype_follows_the_hardware_and_the_shipped_format(tmp_path):
     avx2 = frozenset({"avx2", "fma"})
     assert choose_dtype("smollm2-135m", "cpu", avx2)[0] == "float32"
     assert choose_dtype("smollm2-135m", "cpu", avx2 | {"avx512_bf16"})[0] == "bfloat16"
+    # the embedded model runs the 4-bit format it ships in where torch's int4 kernel is fast
+    assert choose_dtype("smollm2-135m", "cpu", avx2 | {"avx512_bf16"},
+                        cpu_capability="AVX512")[0] == "int4"
+    assert choose_dtype("smollm2-135m", "cpu", avx2 | {"avx512_bf16"},
+                        cpu_capability="AVX2")[0] == "bfloat16"
+    assert choose_dtype("smollm2-135m", "cpu", avx2, cpu_capability="AVX512")[0] == "float32"
+    assert choose_dtype("org/model", "cpu", avx2 | {"amx_bf16"},
+                        cpu_capability="AVX512")[0] == "bfloat16"
+    assert choose_dtype("tiny-random", "cpu", avx2 | {"amx_bf16"},
+                        cpu_capability="AVX512")[0] == "float32"
     assert choose_dtype("org/model", "cpu", avx2 | {"amx_bf16"}) == (
         "bfloat16", "this CPU has amx_bf16")
     assert choose_dtype("tiny-random", "cpu", avx2 | {"avx512_bf16"})[0] == "float32"
@@ -114,3 +124,13 @@ def test_cli_flags_reach_the_config():
         PeerConfig(dtype="float8")
     with pytest.raises(ValueError, match="threads"):
         PeerConfig(threads=0)
+
+
+def test_int4_without_avx512_kernels_warns_at_load(monkeypatch, capsys):
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    loaded = load_model("tiny-random", dtype="int4", device="cpu")
+    assert loaded.model_id.startswith("tiny-random@int4")
+    assert "int4 on this CPU (torch's AVX2 kernels, not AVX512)" in capsys.readouterr().err
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    load_model("tiny-random", dtype="int4", device="cpu")
+    assert "warning" not in capsys.readouterr().err

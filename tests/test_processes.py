@@ -12,7 +12,7 @@ import trio
 from peer.processes import PeerProcessError, open_peer_processes
 
 UP = {"event": "up", "peer_id": "12D3KooWchild", "multiaddrs": ["/ip4/127.0.0.1/tcp/1"],
-      "http": "http://127.0.0.1:2"}
+      "http": "http://127.0.0.1:2", "model": "smollm2-135m@int4+w0123456789ab"}
 
 
 def child(*, ignore_term: bool = False, exit_code: int | None = None) -> list[str]:
@@ -42,8 +42,8 @@ async def test_reports_are_followed_and_every_child_stops_at_exit(tmp_path: Path
             await procs.wait_for(lambda: one.known == {"a", "b"}, "peers line", 20)
             assert one.routable == {"b"}  # known with a measured round trip
             assert (one.index, two.index) == (1, 2)
-            assert (one.peer_id, one.multiaddrs, one.http) == (
-                UP["peer_id"], tuple(UP["multiaddrs"]), UP["http"])
+            assert (one.peer_id, one.multiaddrs, one.http, one.model) == (
+                UP["peer_id"], tuple(UP["multiaddrs"]), UP["http"], UP["model"])
             assert one.events == [{"event": "published", "seq": 1}]
             assert list(procs) == [one, two]
         # stopped gracefully (stdin closed, SIGTERM), not SIGKILLed

@@ -63,7 +63,8 @@ MAX_PROMPT_CHARS_PER_TOKEN = 32  # longer text than this x max_context can't fit
 MAX_CHAT_MESSAGES = 1024  # bounds the chat-template work for one request
 # Weight-only quantized formats (quant.py): CPU only, bfloat16 activations.
 QUANT_FORMATS = ("int8", "int4")
-AUTO_DTYPE = "auto"  # model.py's choose_dtype: bfloat16 where the hardware has it, else float32
+AUTO_DTYPE = "auto"  # model.py's choose_dtype: int4 for the embedded 4-bit SmolLM2 on
+#   AVX-512 CPUs with native bfloat16, bfloat16 where the hardware has it, else float32
 DTYPES = (AUTO_DTYPE, "float32", "bfloat16", "float16", *QUANT_FORMATS)  # float16: not CPU
 DEVICES = ("auto", "cpu", "cuda", "mps")  # auto: cuda, then mps, then cpu
 # Attention kernels (runner.py): transformers' SDPA, or fixed_attention.py's, whose rows

@@ -4,8 +4,9 @@ Aliases: smollm2-135m and tiny-random, the models that need no download (embedde
 Anything else is a local checkpoint folder or a hub id ("org/name").
 
 Precision and device: `dtype` float32 (default), bfloat16 or float16 (not on a CPU:
-torch's CPU float16 kernels are slow or missing), `auto` (choose_dtype: bfloat16 where
-the hardware computes it natively, else float32), or the weight-only quantized formats
+torch's CPU float16 kernels are slow or missing), `auto` (choose_dtype: int4 for the
+embedded SmolLM2, which ships as 4-bit weights, on CPUs that run it fast; else bfloat16
+where the hardware computes it natively, else float32), or the weight-only quantized formats
 int8 and int4 (CPU only, bfloat16 activations: quant.py), quantized from the float32
 weights at load; `device` auto (cuda, then mps, then cpu), cpu, cuda or mps; `threads`
 sets torch's CPU threads.
@@ -190,6 +191,8 @@ def resolve_device(device: str) -> str:
 
 
 BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")  # CPUs with native bfloat16 dot products
+# torch.backends.cpu.get_cpu_capability() where torch's int4 CPU kernel has its fast path
+INT4_CPU_CAPABILITY = "AVX512"
 
 
 def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
@@ -205,18 +208,27 @@ def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
     return frozenset()
 
 
-def choose_dtype(name: str, device: str, flags: frozenset[str], cuda_bf16: bool = False
-                 ) -> tuple[str, str]:
-    """(dtype, why) for --dtype auto on a resolved device. bfloat16 where the hardware
-    computes it natively: a CPU with avx512_bf16 or amx_bf16 (there SmolLM2's decode
-    measured 1.7x float32's and prefill 2.6x; on an AVX2-only CPU bfloat16 matmuls were
-    slower than float32), or a CUDA device with bfloat16. float32 elsewhere, and always
-    for tiny-random: a test model whose tests compare float32 references, the same on
-    every machine."""
+def choose_dtype(name: str, device: str, flags: frozenset[str], cuda_bf16: bool = False,
+                 cpu_capability: str = "") -> tuple[str, str]:
+    """(dtype, why) for --dtype auto on a resolved device.
+
+    The embedded SmolLM2 ships as 4-bit weights (its GGUF's Q4_1 projections): on a CPU
+    with native bfloat16 and torch's AVX-512 kernels (`cpu_capability`, torch's own word
+    for them) it runs int4, the format it ships in, where it decoded 2x faster than in
+    bfloat16 and its batched answers are exact (docs/engine.md, "The default format"); on
+    an AVX2-only CPU torch's int4 kernel is 20x slower than float32's products. Else
+    bfloat16 where the hardware computes it natively: a CPU with avx512_bf16 or amx_bf16
+    (there SmolLM2's decode measured 1.7x float32's and prefill 2.6x; on an AVX2-only CPU
+    bfloat16 matmuls were slower than float32), or a CUDA device with bfloat16. float32
+    elsewhere, and always for tiny-random: a test model whose tests compare float32
+    references, the same on every machine."""
     if name == TINY_RANDOM:
         return "float32", f"{TINY_RANDOM} is a test model"
     if device == "cpu":
         have = [flag for flag in BF16_CPU_FLAGS if flag in flags]
+        if have and name == DEFAULT_MODEL and cpu_capability == INT4_CPU_CAPABILITY:
+            return "int4", (f"{DEFAULT_MODEL} ships as 4-bit weights and this CPU has "
+                            f"{' and '.join(have)} and torch's {INT4_CPU_CAPABILITY} kernels")
         if have:
             return "bfloat16", f"this CPU has {' and '.join(have)}"
         return "float32", f"this CPU lacks {' and '.join(BF16_CPU_FLAGS)}"
@@ -273,7 +285,8 @@ def load_model(
     target = resolve_device(device)
     if dtype == AUTO_DTYPE:
         cuda_bf16 = target == "cuda" and torch.cuda.is_bf16_supported()
-        dtype, why = choose_dtype(name, target, cpu_flags(), cuda_bf16)
+        dtype, why = choose_dtype(name, target, cpu_flags(), cuda_bf16,
+                                  torch.backends.cpu.get_cpu_capability())
         print(f"prefixswarm: --dtype auto: {dtype} ({why})", file=sys.stderr, flush=True)
     if dtype == "float16" and target == "cpu":
         raise ModelLoadError("float16 is not supported on the CPU: use bfloat16 or float32")
@@ -282,6 +295,12 @@ def load_model(
         raise ModelLoadError(f"{dtype} runs on the CPU only (its kernels are torch's CPU "
                              f"ones): use --device cpu, or bfloat16 on {target}")
     load_dtype = "float32" if quantized else dtype  # quantized from the float32 weights
+    if dtype == "int4" and torch.backends.cpu.get_cpu_capability() != INT4_CPU_CAPABILITY:
+        # a --join invite carries its swarm's format, which may be another CPU's choice
+        print(f"prefixswarm: warning: int4 on this CPU (torch's "
+              f"{torch.backends.cpu.get_cpu_capability()} kernels, not "
+              f"{INT4_CPU_CAPABILITY}) takes torch's slow int4 path: about 20x slower "
+              f"than float32 (docs/engine.md)", file=sys.stderr, flush=True)
     if threads is not None:
         if threads < 1:
             raise ModelLoadError(f"threads must be >= 1, got {threads}")
