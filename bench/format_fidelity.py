@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from bench.workloads import load_tokenized_mmlu
+from peer.engine.api import AUTO_DTYPE, DTYPES
 from peer.engine.model import DEFAULT_MODEL, load_model
 
 
@@ -51,7 +52,8 @@ def compare(reference: torch.Tensor, other: torch.Tensor) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.format_fidelity",
+                                     description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--json", type=Path, required=True)
     parser.add_argument("--dtypes", default="int4,bfloat16")
     parser.add_argument("--subjects", type=int, default=57)
@@ -59,6 +61,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
     dtypes = [d for d in args.dtypes.split(",") if d]
+    wrong = [d for d in dtypes if d not in DTYPES or d in (AUTO_DTYPE, "float32")]
+    if not dtypes or wrong:  # before the reference's minutes, not after
+        parser.error(f"--dtypes: formats to compare with float32, from "
+                     f"{[d for d in DTYPES if d not in (AUTO_DTYPE, 'float32')]}; got {wrong}")
+    if min(args.subjects, args.questions, args.threads) < 1:
+        parser.error("--subjects, --questions and --threads must be >= 1")
     mmlu = load_tokenized_mmlu()
     prompts = [list(mmlu.prefixes[s]) + list(q)
                for s in range(min(args.subjects, len(mmlu.subjects)))

@@ -230,6 +230,7 @@ async def run_local(args: argparse.Namespace) -> int:
                     if args.json:
                         print(json.dumps({
                             "event": "ready", "pid": os.getpid(), "http": first.http,
+                            "model": first.model,
                             "peers": [{"index": p.index, "pid": p.pid, "peer_id": p.peer_id,
                                        "multiaddrs": list(p.multiaddrs), "http": p.http}
                                       for p in peers],

@@ -96,8 +96,9 @@ FIELD_HELP = {
     "hedge_floor_s": "the earliest a hedge starts",
     "load_probes": "candidates asked for their load before forwarding (0: gossiped load only)",
     "load_probe_wait_s": "the longest a request waits for load probes",
-    "dtype": "weights and KV precision: auto (bfloat16 where the CPU or GPU computes it "
-             "natively, else float32), float32, bfloat16, int8 or int4 (weight-only, CPU; "
+    "dtype": "weights and KV precision: auto (int4 for the embedded smollm2-135m on a CPU "
+             "with native bfloat16 and AVX-512; else bfloat16 where the CPU or GPU computes "
+             "it natively, else float32), float32, bfloat16, int8 or int4 (weight-only, CPU; "
              "bfloat16 activations); float16 needs a GPU",
     "device": "auto, cpu, cuda or mps",
     "threads": "torch CPU threads (none: torch's default)",

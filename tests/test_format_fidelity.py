@@ -20,3 +20,16 @@ def test_a_changed_argmax_and_a_flatter_distribution_are_counted() -> None:
     got = compare(ref, other)
     assert got["top1_agreement"] == 0.5
     assert got["kl_max"] > 1.0 and got["kl_mean"] == got["kl_max"] / 2
+
+
+def test_bad_arguments_are_refused_before_any_model_loads(tmp_path, capsys) -> None:
+    import pytest
+
+    from bench.format_fidelity import main
+
+    for argv in (["--dtypes", "int3"], ["--dtypes", "auto"], ["--questions", "0"]):
+        with pytest.raises(SystemExit) as exc:
+            main(["--json", str(tmp_path / "out.json"), *argv])
+        assert exc.value.code == 2
+    assert "--dtypes" in capsys.readouterr().err
+    assert not (tmp_path / "out.json").exists()

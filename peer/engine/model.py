@@ -300,7 +300,8 @@ def load_model(
         print(f"prefixswarm: warning: int4 on this CPU (torch's "
               f"{torch.backends.cpu.get_cpu_capability()} kernels, not "
               f"{INT4_CPU_CAPABILITY}) takes torch's slow int4 path: about 20x slower "
-              f"than float32 (docs/engine.md)", file=sys.stderr, flush=True)
+              f"than float32 on an AVX2 CPU measured (docs/engine.md); --dtype float32 "
+              f"or bfloat16 joins another swarm", file=sys.stderr, flush=True)
     if threads is not None:
         if threads < 1:
             raise ModelLoadError(f"threads must be >= 1, got {threads}")
