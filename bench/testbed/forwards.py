@@ -20,7 +20,7 @@ from typing import Any
 
 from bench.report import emit_json
 
-_TRACE = re.compile(r"(?P<point>.+)_run(?P<run>\d+)_(?P<policy>[a-z_]+)\.json")
+TRACE_NAME = re.compile(r"(?P<point>.+)_run(?P<run>\d+)_(?P<policy>[a-z_]+)\.json")
 
 
 def _mean(values: Sequence[float]) -> float | None:
@@ -63,7 +63,7 @@ def compare_dir(traces: Path, policy: str, baseline: str) -> list[dict[str, Any]
     point and seed."""
     out = []
     for path in sorted(traces.glob(f"*_{policy}.json")):
-        match = _TRACE.fullmatch(path.name)
+        match = TRACE_NAME.fullmatch(path.name)
         if match is None or match["policy"] != policy:
             continue
         other = path.with_name(f"{match['point']}_run{match['run']}_{baseline}.json")
