@@ -283,10 +283,10 @@ def load_model(
     if attention not in ATTENTIONS:
         raise ModelLoadError(f"unknown attention {attention!r}: expected one of {ATTENTIONS}")
     target = resolve_device(device)
+    capability = torch.backends.cpu.get_cpu_capability()  # AVX512, AVX2, ...
     if dtype == AUTO_DTYPE:
         cuda_bf16 = target == "cuda" and torch.cuda.is_bf16_supported()
-        dtype, why = choose_dtype(name, target, cpu_flags(), cuda_bf16,
-                                  torch.backends.cpu.get_cpu_capability())
+        dtype, why = choose_dtype(name, target, cpu_flags(), cuda_bf16, capability)
         print(f"prefixswarm: --dtype auto: {dtype} ({why})", file=sys.stderr, flush=True)
     if dtype == "float16" and target == "cpu":
         raise ModelLoadError("float16 is not supported on the CPU: use bfloat16 or float32")
@@ -295,10 +295,10 @@ def load_model(
         raise ModelLoadError(f"{dtype} runs on the CPU only (its kernels are torch's CPU "
                              f"ones): use --device cpu, or bfloat16 on {target}")
     load_dtype = "float32" if quantized else dtype  # quantized from the float32 weights
-    if dtype == "int4" and torch.backends.cpu.get_cpu_capability() != INT4_CPU_CAPABILITY:
+    if dtype == "int4" and capability != INT4_CPU_CAPABILITY:
         # a --join invite carries its swarm's format, which may be another CPU's choice
         print(f"prefixswarm: warning: int4 on this CPU (torch's "
-              f"{torch.backends.cpu.get_cpu_capability()} kernels, not "
+              f"{capability} kernels, not "
               f"{INT4_CPU_CAPABILITY}) takes torch's slow int4 path: about 20x slower "
               f"than float32 on an AVX2 CPU measured (docs/engine.md); --dtype float32 "
               f"or bfloat16 joins another swarm", file=sys.stderr, flush=True)
