@@ -9,7 +9,9 @@ against the request's time to its first token. Per point and entry, three kinds:
 kept that computed at least MISS_TOKENS prompt tokens (misses), requests kept that
 computed fewer (hits), and requests forwarded. A kind priced well above what it took is a
 price the router compares against others too high: for its own misses, it forwards where
-it should not. Prints JSON.
+it should not. Each ratio is given twice: with the whole price, and without the copy and
+busy charges a reason states (what a miss costs other requests by design, not its own
+time; docs/cost-model.md). Prints JSON.
 """
 
 from __future__ import annotations
@@ -28,15 +30,21 @@ from bench.testbed.forwards import TRACE_NAME  # a trace file's name: point, run
 
 MISS_TOKENS = 128  # prompt tokens computed from which a kept request counts as a miss
 _COST = re.compile(r"cost [\d.]+ s = net (?P<net>[\d.]+) \+ queue (?P<queue>[\d.]+) "
-                   r"\+ prefill (?P<prefill>[\d.]+) \+ decode [\d.]+")
+                   r"\+ prefill (?P<prefill>[\d.]+) \+ decode [\d.]+"
+                   r"(?:; (?P<charges>[\d.]+) of the prefill the copy and busy charges)?")
 
 
-def priced_to_first_token(reason: str) -> float | None:
-    """network + queue + prefill of a route reason, None where it states no cost."""
+def priced_to_first_token(reason: str, *, charges: bool = True) -> float | None:
+    """network + queue + prefill of a route reason, None where it states no cost; without
+    `charges`, less the prefill's copy and busy charges it states (what the miss costs
+    other requests, not its own time)."""
     match = _COST.search(reason)
     if match is None:
         return None
-    return float(match["net"]) + float(match["queue"]) + float(match["prefill"])
+    price = float(match["net"]) + float(match["queue"]) + float(match["prefill"])
+    if not charges and match["charges"] is not None:
+        price -= float(match["charges"])
+    return price
 
 
 def kind_of(log: dict[str, Any]) -> str | None:
@@ -55,22 +63,32 @@ def prices(logs_by_entry: Iterable[list[dict[str, Any]] | None]) -> list[dict[st
     """Per entry and kind: requests, mean price to the first token, mean TTFT, their ratio."""
     out = []
     for entry, logs in enumerate(logs_by_entry):
-        seen: dict[str, list[tuple[float, float]]] = defaultdict(list)
+        seen: dict[str, list[tuple[float, float, float]]] = defaultdict(list)
         for log in logs or []:
             kind = kind_of(log)
-            price = priced_to_first_token(log["route"][0].get("reason", "")) if kind else None
-            if kind is not None and price is not None and log.get("ttft_s"):
-                seen[kind].append((price, float(log["ttft_s"])))
+            reason = log["route"][0].get("reason", "") if kind else ""
+            price = priced_to_first_token(reason) if kind else None
+            bare = priced_to_first_token(reason, charges=False) if kind else None
+            if kind is not None and price is not None and bare is not None and log.get("ttft_s"):
+                seen[kind].append((price, bare, float(log["ttft_s"])))
         for kind in ("kept_miss", "kept_hit", "forwarded"):
-            pairs = seen.get(kind, [])
-            priced = statistics.fmean(p for p, _ in pairs) if pairs else None
-            took = statistics.fmean(t for _, t in pairs) if pairs else None
-            out.append({"entry": entry, "kind": kind, "requests": len(pairs),
-                        "priced_s": None if priced is None else round(priced, 4),
-                        "ttft_s": None if took is None else round(took, 4),
-                        "priced_over_ttft": (round(priced / took, 3)
-                                             if priced is not None and took else None)})
+            triples = seen.get(kind, [])
+            priced = statistics.fmean(p for p, _, _ in triples) if triples else None
+            bare = statistics.fmean(b for _, b, _ in triples) if triples else None
+            took = statistics.fmean(t for _, _, t in triples) if triples else None
+            out.append({"entry": entry, "kind": kind, "requests": len(triples),
+                        "priced_s": _rounded(priced), "ttft_s": _rounded(took),
+                        "priced_over_ttft": _ratio(priced, took),
+                        "priced_without_charges_over_ttft": _ratio(bare, took)})
     return out
+
+
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 4)
+
+
+def _ratio(value: float | None, over: float | None) -> float | None:
+    return round(value / over, 3) if value is not None and over else None
 
 
 def prices_dir(traces: Path, policy: str) -> dict[str, list[dict[str, Any]]]:

@@ -455,8 +455,11 @@ def _reason(c: Candidate) -> str:
         f"{who} {e.peer_id} [{c.policy.value}]: {match}",
         f"cost {c.cost_s:.3f} s = net {cost.network_s:.3f} + queue {cost.queue_s:.3f}"
         f" + prefill {cost.prefill_s:.3f} + decode {cost.decode_s:.3f}",
-        f"load {e.running_requests} running, {e.queued_prompt_tokens} queued tokens",
     ]
+    charges_s = cost.prefill_s - _cost_of(e, c.prompt_tokens, c.max_new_tokens).prefill_s
+    if charges_s >= 0.0005:  # what the miss costs others, not the time it takes here
+        parts.append(f"{charges_s:.3f} of the prefill the copy and busy charges")
+    parts.append(f"load {e.running_requests} running, {e.queued_prompt_tokens} queued tokens")
     if e.batch_slots:
         parts.append(f"batches up to {e.batch_slots} ({e.step_tokens} tokens a step)")
     if e.forwards_since_summary:
