@@ -457,7 +457,7 @@ def _reason(c: Candidate) -> str:
         f" + prefill {cost.prefill_s:.3f} + decode {cost.decode_s:.3f}",
     ]
     charges_s = cost.prefill_s - _cost_of(e, c.prompt_tokens, c.max_new_tokens).prefill_s
-    if charges_s >= 0.0005:  # what the miss costs others, not the time it takes here
+    if charges_s >= 0.0005:  # what the prefill costs other requests, not its own time
         parts.append(f"{charges_s:.3f} of the prefill the copy and busy charges")
     parts.append(f"load {e.running_requests} running, {e.queued_prompt_tokens} queued tokens")
     if e.batch_slots:
