@@ -29,6 +29,15 @@ TESTBED_PAGES = (
         "sudo .venv/bin/python -m bench.testbed --json docs/results/testbed_half_d14a0e9.json "
         "--policies cost,local --delays-ms 0,20,50 --loads half --runs 5 --rates half=6",
     ),
+    # the same partial run on another machine kind (an Intel Xeon without bfloat16)
+    CommittedRun(
+        RESULTS / "testbed_half_intel_df69797.json",
+        "The same partial run at df69797 on an Intel Xeon kind (AVX-512, no bfloat16): "
+        "cost and local only, the half load only (6 requests/s), five runs",
+        "sudo .venv/bin/python -m bench.testbed --json "
+        "docs/results/testbed_half_intel_df69797.json --policies cost,local "
+        "--delays-ms 0,20,50 --loads half --runs 5 --rates half=6",
+    ),
     # the first full run with the forward pilot live, predictions made again with the
     # pilots' factors off the path (the run's own kept under predicted_at_run)
     CommittedRun(
