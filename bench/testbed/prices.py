@@ -10,7 +10,7 @@ kept that computed at least MISS_TOKENS prompt tokens (misses), requests kept th
 computed fewer (hits), and requests forwarded. A kind priced well above what it took is a
 price the router compares against others too high: for its own misses, it forwards where
 it should not. Each ratio is given twice: with the whole price, and without the copy and
-busy charges a reason states (what a miss costs other requests by design, not its own
+busy charges a reason states (what a prefill costs other requests by design, not its own
 time; docs/cost-model.md). Prints JSON.
 """
 
@@ -36,15 +36,22 @@ _COST = re.compile(r"cost [\d.]+ s = net (?P<net>[\d.]+) \+ queue (?P<queue>[\d.
 
 def priced_to_first_token(reason: str, *, charges: bool = True) -> float | None:
     """network + queue + prefill of a route reason, None where it states no cost; without
-    `charges`, less the prefill's copy and busy charges it states (what the miss costs
+    `charges`, less the prefill's copy and busy charges it states (what the prefill costs
     other requests, not its own time)."""
+    parts = _priced_parts(reason)
+    if parts is None:
+        return None
+    price, charged = parts
+    return price if charges else price - charged
+
+
+def _priced_parts(reason: str) -> tuple[float, float] | None:
+    """(network + queue + prefill, the charges stated within it; 0 where none)."""
     match = _COST.search(reason)
     if match is None:
         return None
     price = float(match["net"]) + float(match["queue"]) + float(match["prefill"])
-    if not charges and match["charges"] is not None:
-        price -= float(match["charges"])
-    return price
+    return price, float(match["charges"] or 0.0)
 
 
 def kind_of(log: dict[str, Any]) -> str | None:
@@ -66,11 +73,12 @@ def prices(logs_by_entry: Iterable[list[dict[str, Any]] | None]) -> list[dict[st
         seen: dict[str, list[tuple[float, float, float]]] = defaultdict(list)
         for log in logs or []:
             kind = kind_of(log)
-            reason = log["route"][0].get("reason", "") if kind else ""
-            price = priced_to_first_token(reason) if kind else None
-            bare = priced_to_first_token(reason, charges=False) if kind else None
-            if kind is not None and price is not None and bare is not None and log.get("ttft_s"):
-                seen[kind].append((price, bare, float(log["ttft_s"])))
+            if kind is None or not log.get("ttft_s"):
+                continue
+            parts = _priced_parts(log["route"][0].get("reason", ""))
+            if parts is not None:
+                price, charged = parts
+                seen[kind].append((price, price - charged, float(log["ttft_s"])))
         for kind in ("kept_miss", "kept_hit", "forwarded"):
             triples = seen.get(kind, [])
             priced = statistics.fmean(p for p, _, _ in triples) if triples else None

@@ -102,9 +102,15 @@ class Candidate(NamedTuple):
     def cost(self) -> Cost:
         """The cost by part; the prefill part includes the miss charge of a busy swarm and
         the copy charge."""
+        return self.cost_and_charges()[0]
+
+    def cost_and_charges(self) -> tuple[Cost, float]:
+        """The cost by part, and how much of its prefill part is the copy and busy charges
+        (what the prefill costs other requests, not its own time): both are the priced
+        cost against the same estimate priced with neither."""
         idle = _cost_of(self.estimate, self.prompt_tokens, self.max_new_tokens)
         prefill = self.cost_s - idle.network_s - idle.queue_s - idle.decode_s
-        return Cost(idle.network_s, idle.queue_s, prefill, idle.decode_s)
+        return Cost(idle.network_s, idle.queue_s, prefill, idle.decode_s), prefill - idle.prefill_s
 
     @property
     def matches_estimated(self) -> bool:
@@ -443,7 +449,8 @@ def _pick_first(
 
 
 def _reason(c: Candidate) -> str:
-    e, cost = c.estimate, c.cost
+    e = c.estimate
+    cost, charges_s = c.cost_and_charges()
     who = "self" if e.is_local else "peer"
     if not c.matches_estimated:
         match = "match not estimated"
@@ -456,8 +463,7 @@ def _reason(c: Candidate) -> str:
         f"cost {c.cost_s:.3f} s = net {cost.network_s:.3f} + queue {cost.queue_s:.3f}"
         f" + prefill {cost.prefill_s:.3f} + decode {cost.decode_s:.3f}",
     ]
-    charges_s = cost.prefill_s - _cost_of(e, c.prompt_tokens, c.max_new_tokens).prefill_s
-    if charges_s >= 0.0005:  # what the prefill costs other requests, not its own time
+    if charges_s >= 0.0005:  # stated where it shows at the reason's precision
         parts.append(f"{charges_s:.3f} of the prefill the copy and busy charges")
     parts.append(f"load {e.running_requests} running, {e.queued_prompt_tokens} queued tokens")
     if e.batch_slots:
